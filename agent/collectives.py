@@ -1,0 +1,176 @@
+"""The one place syncscope patches torch: timing of direct torch.distributed collectives.
+
+Only Python callers go through these functions (user code, comm hooks, DDP's constructor);
+DDP's own gradient all-reduce does not, which is why phases.py measures it separately. Both
+`torch.distributed.X` and `torch.distributed.distributed_c10d.X` are replaced, because some
+helpers (all_gather_object) resolve the name in the latter module only.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+_now = time.perf_counter_ns
+MAX_GROUP_LABELS = 32
+
+
+def _tensor_bytes(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+def _list_bytes(ts: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+# function name -> (op label, index of the argument whose size is the collective's size,
+# how to size it). Sizes follow nccl-tests: the full buffer a rank ends up with or contributes.
+_SPECS: dict[str, tuple[str, int, Callable[[Any], int] | None]] = {
+    "all_reduce": ("all_reduce", 0, _tensor_bytes),
+    "all_gather": ("all_gather", 0, _list_bytes),
+    "all_gather_into_tensor": ("all_gather", 0, _tensor_bytes),
+    "reduce_scatter": ("reduce_scatter", 1, _list_bytes),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, _tensor_bytes),
+    "broadcast": ("broadcast", 0, _tensor_bytes),
+    "barrier": ("barrier", 0, None),
+    "all_to_all": ("all_to_all", 1, _list_bytes),
+    "all_to_all_single": ("all_to_all", 1, _tensor_bytes),
+}
+
+
+class GroupLabels:
+    """Bounded mapping from process groups to label values (cardinality stays capped)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, str] = {}
+
+    def __call__(self, group: Any) -> str:
+        key = id(group)
+        label = self._by_id.get(key)
+        if label is None:
+            if len(self._by_id) >= MAX_GROUP_LABELS:
+                return "other"
+            label = self._by_id[key] = self._resolve(group)
+        return label
+
+    @staticmethod
+    def _resolve(group: Any) -> str:
+        try:
+            from torch.distributed import distributed_c10d as c10d
+
+            if group is None:
+                group = c10d._get_default_group()
+            desc = getattr(group, "group_desc", "") or ""
+            if desc and desc != "undefined":
+                return desc[:64]
+            return "pg" + str(c10d._get_process_group_name(group))[:32]
+        except Exception:  # noqa: BLE001 - a label is never worth an exception
+            return "unknown"
+
+
+class CollectivePatch:
+    """Wraps torch.distributed collectives to record (op, group, bytes, duration_ns, step)."""
+
+    def __init__(self, sink: deque, step_of: Callable[[], int], labels: GroupLabels) -> None:
+        self.sink = sink
+        self.step_of = step_of
+        self.labels = labels
+        self.originals: dict[tuple[Any, str], Any] = {}
+        self.dropped = 0
+        self._local = threading.local()
+
+    def install(self) -> None:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        for name, spec in _SPECS.items():
+            original = getattr(c10d, name, None)
+            if original is None or getattr(original, "__syncscope_wrapped__", False):
+                continue
+            wrapper = self._wrap(name, original, spec)
+            for module in (dist, c10d):
+                if getattr(module, name, None) is original:
+                    self.originals[(module, name)] = original
+                    setattr(module, name, wrapper)
+
+    def uninstall(self) -> None:
+        for (module, name), original in self.originals.items():
+            current = getattr(module, name, None)
+            if getattr(current, "__syncscope_wrapped__", False):
+                setattr(module, name, original)
+        self.originals.clear()
+
+    def _record(self, op: str, group: Any, nbytes: int, duration_ns: int) -> None:
+        sink = self.sink
+        if len(sink) >= (sink.maxlen or 0):
+            self.dropped += 1
+        sink.append((op, self.labels(group), nbytes, duration_ns, self.step_of()))
+
+    def _wrap(self, name: str, original: Any, spec: tuple[str, int, Any]) -> Any:
+        op, size_arg, sizer = spec
+        params = list(inspect.signature(original).parameters)
+        group_pos = params.index("group")
+        async_pos = params.index("async_op")
+        size_name = params[size_arg]
+        local = self._local
+        patch = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if getattr(local, "busy", False):  # a collective built from another one
+                return original(*args, **kwargs)
+            local.busy = True
+            try:
+                t0 = _now()
+                result = original(*args, **kwargs)
+                t1 = _now()
+            finally:
+                local.busy = False
+            try:
+                group = (
+                    kwargs["group"]
+                    if "group" in kwargs
+                    else (args[group_pos] if len(args) > group_pos else None)
+                )
+                async_op = kwargs.get(
+                    "async_op", args[async_pos] if len(args) > async_pos else False
+                )
+                nbytes = 0
+                if sizer is not None:
+                    target = kwargs[size_name] if size_name in kwargs else args[size_arg]
+                    nbytes = sizer(target)
+                if async_op and result is not None:
+                    fut = result.get_future()
+                    fut.then(lambda _f: patch._record(op, group, nbytes, _now() - t0))
+                else:
+                    patch._record(op, group, nbytes, t1 - t0)
+            except BaseException:  # noqa: BLE001 - timing must never break the collective
+                patch.dropped += 1
+            return result
+
+        timed.__syncscope_wrapped__ = True  # type: ignore[attr-defined]
+        timed.__wrapped__ = original  # type: ignore[attr-defined]
+        timed.__name__ = name
+        timed.__doc__ = original.__doc__
+        return timed
+
+
+def bucket_timing_hook(world_size: int) -> Callable[[Any, Any], Any]:
+    """A DDP comm hook that all-reduces each bucket through the (patched, hence timed) API.
+
+    Opt-in detail level: any Python comm hook costs 80–200 µs per bucket (FIELD-NOTES), which
+    is why the default path does without. The second parameter must be named `bucket`, and the
+    returned future must come from a Python `.then` (returning the work's future asserts).
+    """
+    import torch.distributed as dist
+
+    def syncscope_bucket_hook(process_group: Any, bucket: Any) -> Any:
+        buffer = bucket.buffer()
+        buffer.div_(world_size)
+        work = dist.all_reduce(buffer, group=process_group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    return syncscope_bucket_hook

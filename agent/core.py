@@ -1,0 +1,233 @@
+"""attach(): wires the phase clock, collective timing, pacing and the reporter into a job."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+from syncscope.agent.collectives import CollectivePatch, GroupLabels, bucket_timing_hook
+from syncscope.agent.config import AgentConfig, process_identity
+from syncscope.agent.phases import PhaseClock
+from syncscope.agent.transport import Reporter
+
+log = logging.getLogger("syncscope.agent")
+
+
+class _StepContext:
+    __slots__ = ("clock",)
+
+    def __init__(self, clock: PhaseClock) -> None:
+        self.clock = clock
+
+    def __enter__(self) -> None:
+        try:
+            self.clock.begin_manual_step()
+        except BaseException as exc:  # noqa: BLE001
+            self.clock.on_error(exc)
+
+    def __exit__(self, *_exc: object) -> None:
+        try:
+            self.clock.end_step(time.perf_counter_ns())
+        except BaseException as exc:  # noqa: BLE001
+            self.clock.on_error(exc)
+
+
+class Agent:
+    """One rank's agent. Use `attach()` to make one; `close()` (or process exit) ends it."""
+
+    def __init__(self, model: Any, optimizer: Any, config: AgentConfig) -> None:
+        self.config = config
+        self.errors = 0
+        self.last_error: BaseException | None = None
+        self._handles: list[Any] = []
+        self._closed = False
+        steps: deque = deque(maxlen=config.queue_size)
+        collectives: deque = deque(maxlen=config.queue_size * 4)
+        torch = sys.modules.get("torch") if model is None and optimizer is None else _import_torch()
+        labels = GroupLabels()
+        ddp_group, ddp_bytes, queue_callback = None, 0.0, None
+        if model is not None and torch is not None:
+            queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+            ddp = torch.nn.parallel.DistributedDataParallel
+            if isinstance(model, ddp):
+                ddp_group = labels(model.process_group)
+                ddp_bytes = float(
+                    sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+                )
+        self.clock = PhaseClock(
+            steps, collectives, queue_callback, ddp_group, ddp_bytes, self._on_error
+        )
+        identity = process_identity()
+        identity.update(
+            job=config.job[:64], incarnation=uuid.uuid4().hex[:16], started_unix_s=time.time()
+        )
+        self.identity = identity
+
+        self.patch: CollectivePatch | None = None
+        if config.patch_collectives and torch is not None and _dist_available(torch):
+            self.patch = CollectivePatch(collectives, lambda: self.clock.step, labels)
+            self.patch.install()
+        self.pacer = None
+        if config.pacing:
+            self._enable_pacing()
+        self.reporter = Reporter(
+            identity=identity,
+            url=config.exporter,
+            token=config.token,
+            steps=steps,
+            collectives=collectives,
+            flush_interval_s=config.flush_interval_s,
+            send_timeout_s=config.send_timeout_s,
+            record_path=config.record,
+            dropped_elsewhere=self._dropped_on_training_thread,
+            pacing_state=self._pacing_state,
+            topology=lambda: None,
+        )
+        if model is not None:
+            self._handles.append(model.register_forward_pre_hook(self.clock.forward_pre))
+            self._handles.append(model.register_forward_hook(self.clock.forward_post))
+            if config.detail == "buckets" and ddp_group is not None:
+                try:
+                    model.register_comm_hook(
+                        model.process_group, bucket_timing_hook(identity["world_size"])
+                    )
+                except Exception as exc:  # noqa: BLE001 - e.g. the user registered their own hook
+                    log.warning(
+                        "syncscope: per-bucket timing unavailable (%s); default path only", exc
+                    )
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self.clock.optimizer_pre))
+            self._handles.append(optimizer.register_step_post_hook(self.clock.optimizer_post))
+        self.reporter.start()
+        atexit.register(self.close)
+
+    # -- public -------------------------------------------------------------------------------
+    def step(self) -> _StepContext:
+        """`with agent.step():` marks one training step when no optimizer hook does."""
+        return _StepContext(self.clock)
+
+    def close(self) -> None:
+        """Remove hooks and patches, send what is left. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._handles:
+            try:
+                handle.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        if self.patch is not None:
+            self.patch.uninstall()
+        self.reporter.stop()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters for the curious (and the tests): steps seen, records sent and dropped."""
+        return {
+            "steps": self.clock.step,
+            "sent_records": self.reporter.sent_records,
+            "dropped_records": self.reporter.dropped_total,
+            "errors": self.errors + self.reporter.errors,
+        }
+
+    # -- internals ----------------------------------------------------------------------------
+    def _on_error(self, exc: BaseException) -> None:
+        self.errors += 1
+        self.last_error = exc
+        if self.errors == 1:
+            log.warning("syncscope: a hook failed and was ignored: %r", exc)
+
+    def _dropped_on_training_thread(self) -> int:
+        return self.clock.dropped + (self.patch.dropped if self.patch is not None else 0)
+
+    def _enable_pacing(self) -> None:
+        from syncscope.agent.pacing import PacingConfig, PacingController
+
+        self.pacer = PacingController(PacingConfig.from_env())
+        kill_file = self.config.pacing_kill_file
+        pacer = self.pacer
+        exists = os.path.exists
+
+        def pace(comm_ns: int, _step_ns: int) -> int:
+            if kill_file is not None and exists(kill_file):
+                if pacer.active or not getattr(pacer, "_killed", False):
+                    pacer.disable()
+                    pacer._killed = True  # type: ignore[attr-defined]
+                return 0
+            wait_s = comm_ns / 1e9 - self.reporter.ddp_baseline_s
+            return int(pacer.update(max(0.0, wait_s), _step_ns / 1e9) * 1e9)
+
+        self.clock.pacer = pace
+
+    def _pacing_state(self) -> dict[str, Any] | None:
+        p = self.pacer
+        if p is None:
+            return None
+        return {
+            "enabled": True,
+            "active": bool(p.active),
+            "current_delay_s": float(p.current_delay_s),
+            "threshold_s": float(p.threshold_s),
+            "engagements": int(p.engagements),
+            "total_delay_s": float(p.total_delay_s),
+        }
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+
+        return torch
+    except ImportError:
+        return None
+
+
+def _dist_available(torch: Any) -> bool:
+    try:
+        import torch.distributed as dist
+
+        return bool(dist.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class _DisabledAgent:
+    """What attach() returns under SYNCSCOPE_DISABLE=1: the same surface, doing nothing."""
+
+    stats: dict[str, int] = {"steps": 0, "sent_records": 0, "dropped_records": 0, "errors": 0}
+
+    def step(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        pass
+
+
+def attach(
+    model: Any = None, optimizer: Any = None, exporter: str | None = None, **config: Any
+) -> Any:
+    """Attach syncscope to this rank's training.
+
+    model      the (DDP-wrapped) module: phases from its forward and backward
+    optimizer  step boundaries from its post-step hook, and the optimizer phase
+    exporter   http://host:port or unix:///path (default: $SYNCSCOPE_EXPORTER)
+    **config   any AgentConfig field (job, detail, pacing, flush_interval_s, ...)
+    Never raises because of syncscope itself: on an internal failure it logs and returns an
+    agent that does nothing.
+    """
+    settings = AgentConfig.resolve({"exporter": exporter, **config})
+    if settings.disable:
+        return _DisabledAgent()
+    try:
+        return Agent(model, optimizer, settings)
+    except Exception as exc:  # noqa: BLE001 - observability must not stop training
+        log.warning("syncscope: attach failed, continuing without it: %r", exc)
+        return _DisabledAgent()

@@ -1,0 +1,1 @@
+"""Node sidecar: aggregates the local ranks' reports and serves them as Prometheus metrics."""

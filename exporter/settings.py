@@ -1,0 +1,23 @@
+"""Exporter settings: one typed object, built from the command line or by tests directly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Settings:
+    host: str = "127.0.0.1"  # ingest and metrics; never wider unless asked
+    port: int = 9464
+    ingest_socket: str | None = None  # also accept ingest on this unix socket (mode 0660)
+    token: str | None = None  # bearer token required for ingest over TCP
+    step_window: int = 100  # steps in the CV / rolling windows
+    recent_steps: int = 300  # per-rank steps kept for /v1/state and the status page
+    stale_after_s: float = 30.0  # a rank silent this long is marked stale
+    expire_after_s: float = 600.0  # ... and forgotten after this long
+    max_ranks: int = 4096
+    max_jobs: int = 16
+    max_series_per_rank: int = 64  # distinct (op, group) pairs per rank
+    max_body_bytes: int = 8 * 1024 * 1024
+    skew_threshold_s: float = 0.005  # arrival skew below this never names a straggler
+    log_level: str = "warning"

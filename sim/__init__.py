@@ -1,0 +1,1 @@
+"""Simulator of synchronous data-parallel training and projection of measured runs."""

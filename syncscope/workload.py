@@ -1,0 +1,129 @@
+"""A small real DDP training job (gloo, CPU) with stragglers and jitter injected on purpose.
+
+It is the demo's trainer and the integration tests' subject: one rank per process, started by
+`syncscope.launch` (or torchrun), with the agent attached through the public API only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m syncscope.workload", description=__doc__)
+    p.add_argument("--steps", type=int, default=0, help="steps to run (0: until --duration)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds to run when --steps is 0")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps in every forward")
+    p.add_argument("--slow-ms", type=float, default=30.0)
+    p.add_argument("--jitter-prob", type=float, default=0.0, help="chance a rank stalls in a step")
+    p.add_argument("--jitter-ms", type=float, default=150.0)
+    p.add_argument("--data-ms", type=float, default=0.0, help="simulated data loading per step")
+    p.add_argument(
+        "--big-grad-mb", type=float, default=0.0, help="extra gradient bytes to all-reduce"
+    )
+    p.add_argument("--extra-allreduce", action="store_true", help="a direct all_reduce every step")
+    p.add_argument("--no-agent", action="store_true", help="run without syncscope (baseline)")
+    p.add_argument("--pacing", action="store_true")
+    p.add_argument("--detail", default=None, choices=["default", "buckets"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result", default=None, help="write this rank's step times as JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    init = os.environ.get("SYNCSCOPE_INIT_FILE")
+    init_method = f"file://{init}" if init else "env://"
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed * 1000 + rank)
+    slow_s = args.slow_ms / 1000 if rank == args.slow_rank else 0.0
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            dims = [args.hidden] * (args.layers + 1)
+            self.body = nn.Sequential(
+                *[
+                    m
+                    for d0, d1 in zip(dims, dims[1:], strict=False)
+                    for m in (nn.Linear(d0, d1), nn.ReLU())
+                ]
+            )
+            self.head = nn.Linear(args.hidden, 1)
+            n_extra = int(args.big_grad_mb * 1024 * 1024 / 4)
+            self.extra = nn.Parameter(torch.zeros(n_extra)) if n_extra else None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if slow_s:
+                time.sleep(slow_s)
+            if args.jitter_prob and rng.random() < args.jitter_prob:
+                time.sleep(args.jitter_ms / 1000)
+            out = self.head(self.body(x))
+            if self.extra is not None:
+                out = out + self.extra[:1].sum() * 0.0
+            return out
+
+    model = nn.parallel.DistributedDataParallel(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    agent = None
+    if not args.no_agent:
+        from syncscope.agent import attach
+
+        agent = attach(model=model, optimizer=opt, pacing=args.pacing or None, detail=args.detail)
+    x = torch.randn(args.batch, args.hidden)
+    y = torch.randn(args.batch, 1)
+    probe = torch.ones(256)
+    times: list[float] = []
+    deadline = time.monotonic() + args.duration
+    step = 0
+    last = time.perf_counter()
+    while (step < args.steps) if args.steps else (time.monotonic() < deadline):
+        if args.data_ms:
+            time.sleep(args.data_ms / 1000)
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        if args.extra_allreduce:
+            dist.all_reduce(probe)
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+        step += 1
+        if not args.steps and step % 10 == 0:
+            # every rank must agree when to stop: rank 0's clock decides
+            flag = torch.tensor([1.0 if time.monotonic() < deadline else 0.0])
+            dist.broadcast(flag, src=0)
+            if flag.item() == 0.0:
+                break
+    if agent is not None:
+        agent.close()
+    if args.result:
+        import json
+
+        with open(args.result, "w") as f:
+            json.dump(
+                {"rank": rank, "step_times": times, "stats": agent.stats if agent else None}, f
+            )
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
