@@ -150,7 +150,10 @@ class Reporter:
         ]
         waits = self.estimator.observe(
             "self",
-            [(collective_key(c["op"], c["group"], c["bytes"]), c["duration_s"]) for c in colls],
+            [
+                (collective_key(c["op"], c["group"], c["bytes"]), c["duration_s"], c["step"])
+                for c in colls
+            ],
         )
         wait_by_step: dict[int, float] = {}
         for c, wait in zip(colls, waits, strict=True):

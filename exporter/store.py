@@ -175,7 +175,7 @@ class Store:
             calls.append(
                 (totals, c.step, collective_key(op, group, c.bytes), c.duration_s, c.bytes)
             )
-        waits = estimator.observe(state.rank, [(k, d) for _, _, k, d, _ in calls])
+        waits = estimator.observe(state.rank, [(k, d, step) for _, step, k, d, _ in calls])
         by_step: dict[int, float] = {}
         for (totals, step, _key, duration, nbytes), wait in zip(calls, waits, strict=True):
             totals.calls += 1

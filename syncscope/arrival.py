@@ -39,39 +39,37 @@ def parse_key_text(text: str) -> Key | None:
 
 
 class _Series:
-    """The last `window` durations of one rank for one key, with their running sum."""
+    """The last `window` calls of one rank for one key: durations and the steps they were in."""
 
-    __slots__ = ("durations", "total")
+    __slots__ = ("durations", "steps")
 
     def __init__(self, window: int) -> None:
         self.durations: deque[float] = deque(maxlen=window)
-        self.total = 0.0
+        self.steps: deque[int] = deque(maxlen=window)
 
-    def add(self, value: float) -> None:
-        d = self.durations
-        if len(d) == d.maxlen:
-            self.total -= d[0]
-        d.append(value)
-        self.total += value
+    def add(self, duration: float, step: int) -> None:
+        self.durations.append(duration)
+        self.steps.append(step)
 
 
 class ArrivalEstimator:
     """Rolling-minimum transfer baselines and per-rank arrival lead over a window of calls."""
 
-    def __init__(self, window: int = 64) -> None:
-        self.window = window
+    def __init__(self, window: int = 256, lead_steps: int = 64) -> None:
+        self.window = window  # calls kept per (rank, key)
+        self.lead_steps = lead_steps  # steps the arrival lead is averaged over
         self._series: dict[Hashable, dict[Key, _Series]] = {}
         self._external: dict[Key, float] = {}
 
-    def observe(self, rank: Hashable, records: Iterable[tuple[Key, float]]) -> list[float]:
-        """Add (key, duration_s) calls of one rank; return each call's wait (s, >= 0)."""
+    def observe(self, rank: Hashable, records: Iterable[tuple[Key, float, int]]) -> list[float]:
+        """Add (key, duration_s, step) calls of one rank; return each call's wait (s, >= 0)."""
         per_key = self._series.setdefault(rank, {})
         touched: list[tuple[Key, float]] = []
-        for key, duration in records:
+        for key, duration, step in records:
             series = per_key.get(key)
             if series is None:
                 series = per_key[key] = _Series(self.window)
-            series.add(duration)
+            series.add(duration, step)
             touched.append((key, duration))
         baselines: dict[Key, float] = {}
         waits = []
@@ -102,18 +100,28 @@ class ArrivalEstimator:
         return {key: self.baseline(key) for key in keys}
 
     def lead(self, rank: Hashable) -> float | None:
-        """Mean wait over this rank's recent calls (all keys), or None before any call."""
+        """Waiting per step over this rank's last `lead_steps` steps, or None before any call.
+
+        Per step rather than per call: after the first collective of a step the ranks are in
+        step, so later calls of the same step wait little; what a rank loses per step is the
+        sum, and averaging per call would dilute it by however many small calls follow.
+        """
         per_key = self._series.get(rank)
         if not per_key:
             return None
+        last = max((s.steps[-1] for s in per_key.values() if s.steps), default=None)
+        if last is None:
+            return None
+        since = last - self.lead_steps
+        first = last
         total = 0.0
-        count = 0
         for key, series in per_key.items():
-            n = len(series.durations)
-            if n:
-                total += series.total - n * self.baseline(key)
-                count += n
-        return max(0.0, total / count) if count else None
+            base = self.baseline(key)
+            for duration, step in zip(series.durations, series.steps, strict=True):
+                if step > since:
+                    total += max(0.0, duration - base)
+                    first = min(first, step)
+        return total / (last - first + 1)
 
     def forget(self, rank: Hashable) -> None:
         self._series.pop(rank, None)
