@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pacing", action="store_true")
     p.add_argument("--detail", default=None, choices=["default", "buckets"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--result", default=None, help="write this rank's step times as JSON here")
+    p.add_argument("--result", default=None, help="write this rank's step times as JSON here ({rank} is replaced)")
     return p.parse_args(argv)
 
 
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.duration
     step = 0
     last = time.perf_counter()
-    while (step < args.steps) if args.steps else (time.monotonic() < deadline):
+    # With --duration, only rank 0's clock decides (by broadcast) so that all ranks stop together.
+    while step < args.steps if args.steps else True:
         if args.data_ms:
             time.sleep(args.data_ms / 1000)
         opt.zero_grad(set_to_none=True)
@@ -106,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
         last = now
         step += 1
         if not args.steps and step % 10 == 0:
-            # every rank must agree when to stop: rank 0's clock decides
             flag = torch.tensor([1.0 if time.monotonic() < deadline else 0.0])
             dist.broadcast(flag, src=0)
             if flag.item() == 0.0:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.result:
         import json
 
-        with open(args.result, "w") as f:
+        with open(args.result.format(rank=rank), "w") as f:
             json.dump(
                 {"rank": rank, "step_times": times, "stats": agent.stats if agent else None}, f
             )

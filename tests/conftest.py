@@ -1,0 +1,162 @@
+"""Shared fixtures: a real exporter on 127.0.0.1, real multi-rank jobs, scrape parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from syncscope.demo import free_port, start_exporter
+from syncscope.launch import launch, wait_all
+
+
+def torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine (run on the device machine)")
+    if not cuda_available():
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+
+
+class Exporter:
+    """A real `python -m syncscope.exporter` process and helpers to read it."""
+
+    def __init__(self, extra: list[str] | None = None, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = start_exporter(self.port, extra, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def get(self, path: str) -> bytes:
+        with urllib.request.urlopen(self.url + path, timeout=5) as r:
+            return r.read()
+
+    def state(self, recent: int = 0) -> dict[str, Any]:
+        return json.loads(self.get(f"/v1/state?recent={recent}"))
+
+    def metrics_text(self) -> str:
+        return self.get("/metrics").decode()
+
+    def samples(self, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+        """{sorted label items: value} for one sample name in a real scrape."""
+        return parse_samples(self.metrics_text(), name)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def parse_samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name:
+                out[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def by_rank(samples: dict[tuple[tuple[str, str], ...], float]) -> dict[int, float]:
+    return {int(dict(k)["rank"]): v for k, v in samples.items()}
+
+
+@pytest.fixture
+def exporter() -> Iterator[Exporter]:
+    e = Exporter()
+    yield e
+    e.stop()
+
+
+class Job:
+    """A real N-rank gloo DDP job of syncscope.workload, one process per rank."""
+
+    def __init__(self, world: int, args: list[str], exporter_url: str | None, tmp: str, job: str = "test", **env: str) -> None:
+        self.tmp = tmp
+        full_env = dict(os.environ, SYNCSCOPE_JOB=job, **env)
+        full_env.pop("SYNCSCOPE_EXPORTER", None)
+        if exporter_url:
+            full_env["SYNCSCOPE_EXPORTER"] = exporter_url
+        self.result_prefix = os.path.join(tmp, "result")
+        self.procs = launch(
+            world, [*args, "--result", self.result_prefix + "-{rank}.json"], env=full_env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def wait(self, timeout: float = 180) -> list[dict[str, Any]]:
+        codes = wait_all(self.procs, timeout)
+        errors = [p.stderr.read().decode(errors="replace")[-3000:] if p.stderr else "" for p in self.procs]
+        assert codes == [0] * len(codes), f"ranks failed: {codes}\n" + "\n".join(errors)
+        results = []
+        for rank in range(len(self.procs)):
+            with open(f"{self.result_prefix}-{rank}.json") as f:
+                results.append(json.load(f))
+        return results
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def job_factory(tmp_path: Any) -> Iterator[Any]:
+    jobs: list[Job] = []
+
+    def make(world: int, args: list[str], exporter_url: str | None, **kw: Any) -> Job:
+        job = Job(world, args, exporter_url, str(tmp_path), **kw)
+        jobs.append(job)
+        return job
+
+    yield make
+    for j in jobs:
+        j.kill()
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    return last
+
+
+def promtool() -> str | None:
+    return shutil.which("promtool")
+
+
+PYTHON = sys.executable
