@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -118,10 +119,8 @@ class Agent:
             return
         self._closed = True
         for handle in self._handles:
-            try:
+            with contextlib.suppress(Exception):
                 handle.remove()
-            except Exception:  # noqa: BLE001
-                pass
         if self.patch is not None:
             self.patch.uninstall()
         self.reporter.stop()

@@ -17,7 +17,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from syncscope.agent import attach
 
 
@@ -25,12 +24,18 @@ def make(hidden: int, layers: int):
     mods = []
     for _ in range(layers):
         mods += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*mods, torch.nn.Linear(hidden, 1)))
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(*mods, torch.nn.Linear(hidden, 1))
+    )
     return model, torch.optim.SGD(model.parameters(), lr=1e-4)
 
 
 def run(model, opt, x, y, steps: int, with_agent: bool) -> tuple[float, list[float]]:
-    agent = attach(model=model, optimizer=opt, exporter=None, patch_collectives=True) if with_agent else None
+    agent = (
+        attach(model=model, optimizer=opt, exporter=None, patch_collectives=True)
+        if with_agent
+        else None
+    )
     times = []
     cpu0 = time.thread_time_ns()
     for _ in range(steps):
@@ -52,14 +57,16 @@ def scenario(name: str, hidden: int, layers: int, batch: int, rounds: int, steps
     cpu = {False: [], True: []}
     step = {False: [], True: []}
     for i in range(rounds):
-        for with_agent in ((False, True) if i % 2 == 0 else (True, False)):
+        for with_agent in (False, True) if i % 2 == 0 else (True, False):
             c, t = run(model, opt, x, y, steps, with_agent)
             cpu[with_agent].append(c)
             step[with_agent].append(statistics.median(t))
     c0, c1 = statistics.median(cpu[False]), statistics.median(cpu[True])
     s0, s1 = statistics.median(step[False]), statistics.median(step[True])
     print(f"{name}: step {s0 / 1e3:.2f} ms")
-    print(f"  training-thread CPU per step: without {c0:.1f} µs, with {c1:.1f} µs -> +{c1 - c0:.1f} µs")
+    print(
+        f"  training-thread CPU per step: without {c0:.1f} µs, with {c1:.1f} µs -> +{c1 - c0:.1f} µs"
+    )
     print(f"  median step time ratio with/without: {s1 / s0:.4f} ({(s1 / s0 - 1) * 100:+.2f} %)")
 
 
@@ -72,8 +79,17 @@ def main() -> None:
     store = tempfile.mktemp(prefix="syncscope-bench-")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    scenario("tiny model (hooks dominate)", hidden=16, layers=1, batch=4, rounds=a.rounds, steps=a.steps)
-    scenario("~10 ms CPU step", hidden=512, layers=4, batch=256, rounds=a.rounds, steps=max(50, a.steps // 5))
+    scenario(
+        "tiny model (hooks dominate)", hidden=16, layers=1, batch=4, rounds=a.rounds, steps=a.steps
+    )
+    scenario(
+        "~10 ms CPU step",
+        hidden=512,
+        layers=4,
+        batch=256,
+        rounds=a.rounds,
+        steps=max(50, a.steps // 5),
+    )
     dist.destroy_process_group()
 
 

@@ -33,7 +33,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pacing", action="store_true")
     p.add_argument("--detail", default=None, choices=["default", "buckets"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--result", default=None, help="write this rank's step times as JSON here ({rank} is replaced)")
+    p.add_argument(
+        "--result",
+        default=None,
+        help="write this rank's step times as JSON here ({rank} is replaced)",
+    )
     return p.parse_args(argv)
 
 

@@ -37,7 +37,9 @@ def cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine (run on the device machine)")
+    skip_gpu = pytest.mark.skip(
+        reason="needs a CUDA GPU; none on this machine (run on the device machine)"
+    )
     if not cuda_available():
         for item in items:
             if "gpu" in item.keywords:
@@ -50,7 +52,9 @@ class Exporter:
     def __init__(self, extra: list[str] | None = None, port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = start_exporter(self.port, extra, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = start_exporter(
+            self.port, extra, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
 
     def get(self, path: str) -> bytes:
         with urllib.request.urlopen(self.url + path, timeout=5) as r:
@@ -98,7 +102,15 @@ def exporter() -> Iterator[Exporter]:
 class Job:
     """A real N-rank gloo DDP job of syncscope.workload, one process per rank."""
 
-    def __init__(self, world: int, args: list[str], exporter_url: str | None, tmp: str, job: str = "test", **env: str) -> None:
+    def __init__(
+        self,
+        world: int,
+        args: list[str],
+        exporter_url: str | None,
+        tmp: str,
+        job: str = "test",
+        **env: str,
+    ) -> None:
         self.tmp = tmp
         full_env = dict(os.environ, SYNCSCOPE_JOB=job, **env)
         full_env.pop("SYNCSCOPE_EXPORTER", None)
@@ -106,8 +118,11 @@ class Job:
             full_env["SYNCSCOPE_EXPORTER"] = exporter_url
         self.result_prefix = os.path.join(tmp, "result")
         self.procs = launch(
-            world, [*args, "--result", self.result_prefix + "-{rank}.json"], env=full_env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            world,
+            [*args, "--result", self.result_prefix + "-{rank}.json"],
+            env=full_env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
 
     def running(self) -> bool:
@@ -115,7 +130,9 @@ class Job:
 
     def wait(self, timeout: float = 180) -> list[dict[str, Any]]:
         codes = wait_all(self.procs, timeout)
-        errors = [p.stderr.read().decode(errors="replace")[-3000:] if p.stderr else "" for p in self.procs]
+        errors = [
+            p.stderr.read().decode(errors="replace")[-3000:] if p.stderr else "" for p in self.procs
+        ]
         assert codes == [0] * len(codes), f"ranks failed: {codes}\n" + "\n".join(errors)
         results = []
         for rank in range(len(self.procs)):

@@ -27,9 +27,20 @@ def test_install_layout(tmp_path, editable):
     py = env_dir / "bin" / "python"
     target = ["-e", str(ROOT)] if editable else [str(ROOT)]
     # --no-deps: the agent side is stdlib-only, which is exactly what this proves.
-    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", *target], check=True, cwd=tmp_path, timeout=300)
-    out = subprocess.run([py, "-c", PROBE], check=True, cwd=tmp_path, capture_output=True, text=True,
-                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}).stdout
+    subprocess.run(
+        [py, "-m", "pip", "install", "-q", "--no-deps", *target],
+        check=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    out = subprocess.run(
+        [py, "-c", PROBE],
+        check=True,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    ).stdout
     import json
 
     info = json.loads(out.strip().splitlines()[-1])

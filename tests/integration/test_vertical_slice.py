@@ -24,7 +24,9 @@ def _leads(exporter, min_steps: int) -> dict[int, float] | None:
 
 
 def test_slowed_rank_has_smallest_lead_and_peers_wait(exporter, job_factory):
-    job = job_factory(4, ["--duration", "40", "--slow-rank", str(SLOW_RANK), "--slow-ms", "30"], exporter.url)
+    job = job_factory(
+        4, ["--duration", "40", "--slow-rank", str(SLOW_RANK), "--slow-ms", "30"], exporter.url
+    )
     t0 = time.monotonic()
     # Within 30 s of start the metrics name the slowed rank (the lead averages 64 steps).
     leads = wait_until(lambda: _leads(exporter, 80), timeout=30)
@@ -34,7 +36,9 @@ def test_slowed_rank_has_smallest_lead_and_peers_wait(exporter, job_factory):
     assert leads[SLOW_RANK] < 0.010, f"slowed rank's lead should be near 0: {leads}"
     for rank, lead in leads.items():
         if rank != SLOW_RANK:
-            assert 0.020 <= lead <= 0.040, f"rank {rank} lead {lead * 1e3:.1f} ms, expected 30 ± 10 ms"
+            assert 0.020 <= lead <= 0.040, (
+                f"rank {rank} lead {lead * 1e3:.1f} ms, expected 30 ± 10 ms"
+            )
 
     def waits() -> dict[int, float]:
         samples = parse_samples(exporter.metrics_text(), "syncscope_collective_wait_seconds_total")
@@ -49,8 +53,12 @@ def test_slowed_rank_has_smallest_lead_and_peers_wait(exporter, job_factory):
     after = waits()
     for rank in range(4):
         if rank != SLOW_RANK:
-            assert after[rank] - before[rank] > 0.5 * 3 * 0.02, f"rank {rank} wait did not grow: {before} -> {after}"
-    assert after[SLOW_RANK] - before[SLOW_RANK] < min(after[r] - before[r] for r in range(4) if r != SLOW_RANK)
+            assert after[rank] - before[rank] > 0.5 * 3 * 0.02, (
+                f"rank {rank} wait did not grow: {before} -> {after}"
+            )
+    assert after[SLOW_RANK] - before[SLOW_RANK] < min(
+        after[r] - before[r] for r in range(4) if r != SLOW_RANK
+    )
     state = exporter.state()
     assert state["jobs"]["test"]["diagnosis"]["straggler"]["rank"] == SLOW_RANK
     assert state["jobs"]["test"]["diagnosis"]["straggler"]["cause"] == "forward"
@@ -98,7 +106,9 @@ def test_job_runs_unharmed_without_exporter(job_factory):
         # every step and every collective record was lost, and counted
         assert stats["dropped_records"] >= 150, stats
     med = lambda rs: statistics.median(t for r in rs for t in r["step_times"][20:])  # noqa: E731
-    assert med(results) <= 1.25 * med(base), f"{med(results) * 1e3:.1f} ms vs {med(base) * 1e3:.1f} ms without agent"
+    assert med(results) <= 1.25 * med(base), (
+        f"{med(results) * 1e3:.1f} ms vs {med(base) * 1e3:.1f} ms without agent"
+    )
 
 
 @pytest.mark.skipif(promtool() is None, reason="promtool not installed (scripts/setup installs it)")
@@ -107,5 +117,9 @@ def test_promtool_accepts_a_real_scrape(exporter, job_factory):
     time.sleep(1.0)
     text = exporter.metrics_text()
     assert "syncscope_collective_calls_total" in text
-    check = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, text=True)
-    assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), check.stdout + check.stderr
+    check = subprocess.run(
+        [promtool(), "check", "metrics"], input=text, capture_output=True, text=True
+    )
+    assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), (
+        check.stdout + check.stderr
+    )

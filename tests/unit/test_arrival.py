@@ -11,7 +11,9 @@ from syncscope.arrival import ArrivalEstimator, collective_key
 KEY = collective_key("ddp_grad_sync", "default_pg", 4 * 2**20)
 
 
-def feed(est: ArrivalEstimator, late_rank: int | None, late_s: float, steps: int, noise_s: float = 0.001) -> None:
+def feed(
+    est: ArrivalEstimator, late_rank: int | None, late_s: float, steps: int, noise_s: float = 0.001
+) -> None:
     rng = random.Random(7)
     transfer = 0.004
     for step in range(steps):

@@ -6,9 +6,9 @@ import copy
 
 import pytest
 from fastapi.testclient import TestClient
-
 from syncscope.exporter.app import create_app
 from syncscope.exporter.settings import Settings
+
 from tests.conftest import parse_samples
 
 BATCH = {
@@ -16,11 +16,25 @@ BATCH = {
     "agent": {"job": "j", "rank": 0, "local_rank": 0, "world_size": 2, "incarnation": "a1"},
     "dropped_total": 3,
     "steps": [
-        {"step": i, "duration_s": 0.1, "end_unix_s": 1.7e9 + i,
-         "phases": {"data": 0.01, "forward": 0.02, "backward": 0.03, "optimizer": 0.01, "comm_exposed": 0.02, "other": 0.01}}
+        {
+            "step": i,
+            "duration_s": 0.1,
+            "end_unix_s": 1.7e9 + i,
+            "phases": {
+                "data": 0.01,
+                "forward": 0.02,
+                "backward": 0.03,
+                "optimizer": 0.01,
+                "comm_exposed": 0.02,
+                "other": 0.01,
+            },
+        }
         for i in range(10)
     ],
-    "collectives": [{"op": "all_reduce", "group": "default_pg", "bytes": 1024.0, "duration_s": 0.01, "step": i} for i in range(10)],
+    "collectives": [
+        {"op": "all_reduce", "group": "default_pg", "bytes": 1024.0, "duration_s": 0.01, "step": i}
+        for i in range(10)
+    ],
 }
 
 
@@ -35,12 +49,20 @@ def test_ingest_then_scrape(client):
     assert r.status_code == 200, r.text
     assert "all_reduce|default_pg|10" in r.json()["baselines"]
     text = client.get("/metrics").text
-    assert parse_samples(text, "syncscope_steps_total") == {(("job", "j"), ("local_rank", "0"), ("rank", "0")): 10.0}
+    assert parse_samples(text, "syncscope_steps_total") == {
+        (("job", "j"), ("local_rank", "0"), ("rank", "0")): 10.0
+    }
     phases = parse_samples(text, "syncscope_phase_seconds_total")
     assert sum(phases.values()) == pytest.approx(1.0)
     assert parse_samples(text, "syncscope_agent_records_dropped_total")
     assert parse_samples(text, "syncscope_collective_bytes_total") == {
-        (("group", "default_pg"), ("job", "j"), ("local_rank", "0"), ("op", "all_reduce"), ("rank", "0")): 10240.0
+        (
+            ("group", "default_pg"),
+            ("job", "j"),
+            ("local_rank", "0"),
+            ("op", "all_reduce"),
+            ("rank", "0"),
+        ): 10240.0
     }
     ok = parse_samples(text, "syncscope_exporter_collector_success")
     assert ok and all(v == 1.0 for v in ok.values())
@@ -64,14 +86,21 @@ def test_bad_bodies_are_refused_and_lose_nothing(client, body, status, reason):
     r = client.post("/v1/ingest", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status and r.json()["error"] == reason
     after = client.get("/metrics").text
-    assert parse_samples(after, "syncscope_steps_total") == parse_samples(before, "syncscope_steps_total")
+    assert parse_samples(after, "syncscope_steps_total") == parse_samples(
+        before, "syncscope_steps_total"
+    )
     assert parse_samples(after, "syncscope_exporter_ingest_rejected_total")
 
 
 @pytest.mark.parametrize(
     ("path", "value"),
-    [(("steps", 0, "duration_s"), -1.0), (("steps", 0, "duration_s"), 1e12), (("collectives", 0, "bytes"), -5.0),
-     (("agent", "rank"), "zero"), (("agent", "world_size"), 0)],
+    [
+        (("steps", 0, "duration_s"), -1.0),
+        (("steps", 0, "duration_s"), 1e12),
+        (("collectives", 0, "bytes"), -5.0),
+        (("agent", "rank"), "zero"),
+        (("agent", "world_size"), 0),
+    ],
 )
 def test_out_of_range_values_get_422(client, path, value):
     bad = copy.deepcopy(BATCH)
@@ -87,8 +116,14 @@ def test_out_of_range_values_get_422(client, path, value):
 def test_token_required_over_tcp():
     with TestClient(create_app(Settings(token="s3cret"))) as c:
         assert c.post("/v1/ingest", json=BATCH).status_code == 401
-        assert c.post("/v1/ingest", json=BATCH, headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert c.post("/v1/ingest", json=BATCH, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert (
+            c.post("/v1/ingest", json=BATCH, headers={"Authorization": "Bearer wrong"}).status_code
+            == 401
+        )
+        assert (
+            c.post("/v1/ingest", json=BATCH, headers={"Authorization": "Bearer s3cret"}).status_code
+            == 200
+        )
 
 
 def test_restarted_rank_keeps_counters_and_sums_drops(client):
@@ -105,6 +140,8 @@ def test_restarted_rank_keeps_counters_and_sums_drops(client):
 
 def test_openapi_publishes_the_ingest_schema(client):
     spec = client.get("/openapi.json").json()
-    body = spec["paths"]["/v1/ingest"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    body = spec["paths"]["/v1/ingest"]["post"]["requestBody"]["content"]["application/json"][
+        "schema"
+    ]
     assert body["properties"]["agent"]["$ref"].endswith("/AgentInfo")
     assert "AgentInfo" in spec["components"]["schemas"]
