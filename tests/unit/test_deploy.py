@@ -1,0 +1,285 @@
+"""Deployment files: compose, Dockerfiles, Alertmanager, Grafana provisioning and Kubernetes manifests.
+
+No Docker engine or cluster runs here, so these are offline checks: schemas (compose spec,
+Kubernetes API schemas), amtool, and structural asserts that the pieces point at each other.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/install-observability-tools")
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "kubernetes"
+K8S_VERSION = "1.30.0"  # native sidecars (restartPolicy on an init container) need 1.29+
+
+
+def load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+rules = load(DEPLOY / "prometheus" / "generate.py", "syncscope_rules_generate")
+
+
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def tool(name: str) -> str:
+    """On PATH, or beside this interpreter (a virtualenv's bin/ need not be on PATH)."""
+    beside = Path(sys.executable).parent / name
+    path = shutil.which(name) or (str(beside) if beside.exists() else None)
+    if path is None:
+        pytest.skip(f"{name} not installed: run scripts/install-observability-tools")
+    return path
+
+
+# ------------------------------------------------------------------------------- compose
+
+
+def test_compose_validates_against_the_compose_spec():
+    result = subprocess.run(
+        [
+            tool("check-jsonschema"),
+            "--builtin-schema",
+            "vendor.compose-spec",
+            str(ROOT / "docker-compose.yml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_wires_the_stack_together():
+    services = compose()["services"]
+    assert set(services) == {"exporter", "trainer", "prometheus", "alertmanager", "grafana"}
+    assert services["exporter"]["command"][:2] == ["--host", "0.0.0.0"]
+    assert services["trainer"]["environment"]["SYNCSCOPE_EXPORTER"] == "http://exporter:9464"
+    assert services["exporter"]["build"]["dockerfile"] == "deploy/docker/Dockerfile.exporter"
+    assert services["trainer"]["build"]["dockerfile"] == "deploy/docker/Dockerfile.trainer"
+    prom_cfg = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    assert prom_cfg["scrape_configs"][0]["static_configs"][0]["targets"] == ["exporter:9464"]
+    assert prom_cfg["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == [
+        "alertmanager:9093"
+    ]
+    grafana_ds = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/datasources/syncscope.yml").read_text()
+    )
+    assert grafana_ds["datasources"][0]["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/dashboards/syncscope.yml").read_text()
+    )
+    dash_path = provider["providers"][0]["options"]["path"]
+    mounted = [
+        v.split(":")[1] for v in services["grafana"]["volumes"] if v.startswith("./dashboards/")
+    ]
+    assert sorted(mounted) == sorted(
+        f"{dash_path}/{p.name}" for p in (ROOT / "dashboards").glob("syncscope-*.json")
+    )
+
+
+def test_every_compose_bind_mount_exists():
+    for name, service in compose()["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), f"{name}: {source}"
+
+
+# --------------------------------------------------------------------------- Dockerfiles
+
+
+def _instructions(path: Path) -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n\s*", " ", path.read_text())
+    return [
+        (line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "")
+        for line in text.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.exporter", "Dockerfile.trainer"])
+def test_dockerfile_copies_what_exists(name):
+    ins = _instructions(DEPLOY / "docker" / name)
+    assert ins[0][0] == "FROM"
+    assert ("USER", "10001") in ins
+    for op, arg in ins:
+        if op == "COPY" and not arg.startswith("--from"):
+            *sources, _dest = arg.split()
+            for source in sources:
+                if source == "README.md" and not (ROOT / source).exists():
+                    continue  # the project README is written by the lead; pyproject needs it
+                assert (ROOT / source).exists(), f"{name}: COPY {source}"
+
+
+def test_exporter_image_has_no_torch_and_listens_beyond_loopback():
+    ins = _instructions(DEPLOY / "docker" / "Dockerfile.exporter")
+    runs = " ".join(arg for op, arg in ins if op == "RUN")
+    assert "pip install ." in runs and "torch" not in runs
+    assert ("ENTRYPOINT", '["syncscope-exporter"]') in ins
+    assert ("CMD", '["--host", "0.0.0.0", "--port", "9464"]') in ins
+
+
+def test_trainer_image_runs_the_workload_under_torchrun():
+    ins = _instructions(DEPLOY / "docker" / "Dockerfile.trainer")
+    runs = " ".join(arg for op, arg in ins if op == "RUN")
+    assert '".[torch]"' in runs
+    (cmd,) = [arg for op, arg in ins if op == "CMD"]
+    assert "torchrun" in cmd and "-m syncscope.workload" in cmd
+    assert any(op == "ENV" and "SYNCSCOPE_EXPORTER=http://exporter:9464" in arg for op, arg in ins)
+
+
+# -------------------------------------------------------------------------- Alertmanager
+
+
+def test_alertmanager_config_passes_amtool():
+    result = subprocess.run(
+        [tool("amtool"), "check-config", str(DEPLOY / "alertmanager" / "alertmanager.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_alertmanager_inhibitions_name_real_alerts():
+    am = yaml.safe_load((DEPLOY / "alertmanager" / "alertmanager.yml").read_text())
+    alerts = {r["alert"] for r in rules.alerting_rules(rules.load_config())}
+    for rule in am["inhibit_rules"]:
+        for matcher in rule["source_matchers"] + rule["target_matchers"]:
+            m = re.fullmatch(r'alertname=~?"([^"]+)"', matcher)
+            if m:
+                named = set(m.group(1).split("|"))
+                assert named <= alerts, named - alerts
+
+
+# ---------------------------------------------------------------------------- Kubernetes
+
+
+def manifests() -> dict[Path, dict]:
+    return {p: yaml.safe_load(p.read_text()) for p in sorted(K8S.rglob("*.yaml"))}
+
+
+def by_kind(kind: str, variant: str) -> dict:
+    (doc,) = [d for p, d in manifests().items() if d["kind"] == kind and p.parent.name == variant]
+    return doc
+
+
+def test_builtin_kinds_validate_strictly_against_the_kubernetes_schema():
+    kv = pytest.importorskip(
+        "kubernetes_validate",
+        reason="kubernetes-validate missing: run scripts/install-observability-tools",
+    )
+    checked = 0
+    for doc in manifests().values():
+        if doc["apiVersion"].startswith(("monitoring.coreos.com", "kustomize.config.k8s.io")):
+            continue  # CRDs: no bundled schema; structural checks below
+        kv.validate(doc, K8S_VERSION, strict=True)
+        checked += 1
+    assert checked == 5  # Namespace, two Jobs, DaemonSet, Service
+    # The check would catch a typo.
+    job = by_kind("Job", "sidecar")
+    job["spec"]["template"]["spec"]["containers"][0]["enviroment"] = []
+    with pytest.raises(kv.ValidationError):
+        kv.validate(job, K8S_VERSION, strict=True)
+
+
+def test_kustomizations_list_existing_files():
+    for path, doc in manifests().items():
+        if doc["kind"] == "Kustomization":
+            for resource in doc["resources"]:
+                assert (path.parent / resource).exists(), f"{path}: {resource}"
+
+
+def _exporter_selector_regex() -> str:
+    selector = rules.load_config()["selectors"]["exporter"]
+    match = re.fullmatch(r'job=~"(.+)"', selector)
+    assert match, selector
+    return match.group(1)
+
+
+def test_sidecar_variant_is_scraped_by_its_podmonitor():
+    job, pm = by_kind("Job", "sidecar"), by_kind("PodMonitor", "sidecar")
+    pod = job["spec"]["template"]
+    (sidecar,) = pod["spec"]["initContainers"]
+    assert sidecar["restartPolicy"] == "Always"  # native sidecar: the Job can still complete
+    assert sidecar["args"][:2] == ["--host", "0.0.0.0"]
+    trainer = pod["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    assert env["SYNCSCOPE_EXPORTER"] == "http://127.0.0.1:9464"
+    assert pm["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert endpoint["honorLabels"] is True
+    assert endpoint["port"] in {p["name"] for p in sidecar["ports"]}
+    # The Operator names the job <namespace>/<name>; the alerts' selector must match it.
+    job_label = f"{pm['metadata']['namespace']}/{pm['metadata']['name']}"
+    assert re.fullmatch(_exporter_selector_regex(), job_label)
+
+
+def test_daemonset_variant_is_scraped_through_its_service():
+    ds, svc = by_kind("DaemonSet", "daemonset"), by_kind("Service", "daemonset")
+    sm, job = by_kind("ServiceMonitor", "daemonset"), by_kind("Job", "daemonset")
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert svc["spec"]["clusterIP"] == "None"
+    container = ds["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:2] == ["--host", "0.0.0.0"]
+    port_names = {p["name"] for p in container["ports"]}
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= port_names
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["honorLabels"] is True
+    assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    assert re.fullmatch(_exporter_selector_regex(), svc["metadata"]["name"])
+    hostport = container["ports"][0]["hostPort"]
+    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    assert env["SYNCSCOPE_EXPORTER"]["value"] == f"http://$(HOST_IP):{hostport}"
+
+
+def test_operator_objects_share_one_namespace_and_the_release_label():
+    for _path, doc in manifests().items():
+        if doc["apiVersion"].startswith("monitoring.coreos.com"):
+            assert doc["metadata"]["namespace"] == "syncscope"
+            assert doc["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+# -------------------------------------------------------------------- script and docs
+
+
+def test_install_script_is_valid_bash_with_pinned_packages():
+    script = ROOT / "scripts" / "install-observability-tools"
+    assert script.stat().st_mode & 0o111, "must be executable"
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    text = script.read_text()
+    for pin in (
+        "grafana-foundation-sdk==1769699379!11.6.0",
+        "check-jsonschema==0.39.0",
+        "kubernetes-validate==1.37.0",
+        "pyyaml==6.0.3",
+    ):
+        assert f'"{pin}"' in text
+    assert "APT_PACKAGES=(prometheus prometheus-alertmanager)" in text
+
+
+def test_observability_doc_covers_what_was_and_was_not_run():
+    doc = (ROOT / "docs" / "observability.md").read_text()
+    for heading in ("## What was run", "## What was not run", "## For the end-to-end test"):
+        assert heading in doc

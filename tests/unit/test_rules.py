@@ -1,0 +1,291 @@
+"""Prometheus rules: generated from one config, checked and unit-tested by promtool, and broken on purpose."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/install-observability-tools")
+
+ROOT = Path(__file__).resolve().parents[2]
+PROM = ROOT / "deploy" / "prometheus"
+TESTS_DIR = PROM / "tests"
+RUNBOOK = ROOT / "docs" / "runbook.md"
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None,
+    reason="promtool not installed: run scripts/install-observability-tools (apt prometheus)",
+)
+
+
+def load(path: Path, name: str) -> ModuleType:
+    """deploy/ is not a package: load its scripts by path, as the e2e test does."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = load(PROM / "generate.py", "syncscope_rules_generate")
+render = load(PROM / "render.py", "syncscope_prometheus_render")
+
+
+def promtool(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    assert PROMTOOL is not None
+    return subprocess.run(
+        [PROMTOOL, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=60
+    )
+
+
+def rules_doc() -> dict:
+    return yaml.safe_load(gen.RULES_PATH.read_text())
+
+
+def test_generated_files_match_the_thresholds_file():
+    assert gen.main(["--check"]) == 0, "run: python deploy/prometheus/generate.py"
+
+
+def test_prometheus_rule_carries_the_same_groups():
+    cr = yaml.safe_load(gen.PROMETHEUS_RULE_PATH.read_text())
+    assert cr["apiVersion"] == "monitoring.coreos.com/v1" and cr["kind"] == "PrometheusRule"
+    assert cr["spec"] == rules_doc()
+
+
+@needs_promtool
+def test_promtool_check_rules_including_lint():
+    result = promtool("check", "rules", gen.RULES_PATH)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+def test_promtool_unit_tests_pass():
+    files = sorted(TESTS_DIR.glob("*.test.yml"))
+    assert len(files) >= 6
+    result = promtool("test", "rules", *files)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _test_files() -> list[dict]:
+    return [yaml.safe_load(p.read_text()) for p in sorted(TESTS_DIR.glob("*.test.yml"))]
+
+
+def test_every_recording_rule_has_a_promtool_case():
+    used: set[str] = set()
+    for doc in _test_files():
+        for group in doc["tests"]:
+            for case in group.get("promql_expr_test", []):
+                used |= gen.metric_names(case["expr"])
+    recorded = {r["record"] for r in rules_doc()["groups"][0]["rules"]}
+    assert recorded - used == set()
+
+
+def test_every_alert_severity_is_tested_on_both_sides_of_its_for_boundary():
+    """Silent one evaluation before the alert fires, firing at the next evaluation."""
+    seen: dict[tuple[str, str], list[int]] = {}
+    for doc in _test_files():
+        # Without a fixed order promtool runs the groups in random order (flaky for-timing).
+        assert doc["group_eval_order"] == ["syncscope.rules", "syncscope.alerts"]
+        step = render.duration_seconds(doc["evaluation_interval"])
+        for group in doc["tests"]:
+            cases = group.get("alert_rule_test", [])
+            by_time = {(c["alertname"], render.duration_seconds(c["eval_time"])): c for c in cases}
+            for (alert, t), case in by_time.items():
+                before = by_time.get((alert, t - step))
+                for exp in case["exp_alerts"]:
+                    severity = exp["exp_labels"]["severity"]
+                    silent = before is not None and not any(
+                        e["exp_labels"]["severity"] == severity
+                        and e["exp_labels"] == exp["exp_labels"]
+                        for e in before["exp_alerts"]
+                    )
+                    if silent:
+                        seen.setdefault((alert, severity), []).append(int(t))
+                        # Exact annotations, not just labels.
+                        assert set(exp["exp_annotations"]) == {
+                            "summary",
+                            "description",
+                            "runbook_url",
+                        }
+    expected = {(r["alert"], r["labels"]["severity"]) for r in rules_doc()["groups"][1]["rules"]}
+    assert expected - set(seen) == set()
+
+
+def test_alerts_have_severity_for_annotations_and_a_runbook_anchor():
+    runbook = RUNBOOK.read_text()
+    alerts = rules_doc()["groups"][1]["rules"]
+    assert {a["alert"] for a in alerts} == {
+        "SyncscopeStepTimeCVHigh",
+        "SyncscopeStraggler",
+        "SyncscopeSyncAmplification",
+        "SyncscopeFabricContention",
+        "SyncscopeLocalityFault",
+        "SyncscopePacingEngagedLong",
+        "SyncscopeAgentDroppingRecords",
+        "SyncscopeExporterDown",
+        "SyncscopeRankSilent",
+    }
+    for a in alerts:
+        assert a["labels"]["severity"] in {"info", "warning", "critical"}
+        assert render.duration_seconds(a["for"]) > 0
+        assert a["annotations"]["summary"] and a["annotations"]["description"]
+        anchor = f"alert-name-{a['alert'].lower()}"
+        assert a["annotations"]["runbook_url"] == f"docs/runbook.md#{anchor}"
+        # GitHub derives the anchor from the heading; the explicit id serves other renderers.
+        assert f"## Alert Name: {a['alert']}\n" in runbook
+        assert f'<a id="{anchor}"></a>' in runbook
+
+
+def test_recording_rule_names_follow_level_metric_operations():
+    for rule in rules_doc()["groups"][0]["rules"]:
+        level, metric, ops = rule["record"].split(":")
+        assert re.fullmatch(r"[a-z]+(_[a-z]+)*", level), rule["record"]
+        assert metric.startswith("syncscope_") and re.fullmatch(r"[a-z0-9_]+", ops), rule["record"]
+        # The level names the labels the result keeps.
+        for label in level.split("_"):
+            assert label in {"job", "rank", "op", "group", "phase", "fault"}, rule["record"]
+
+
+def test_rules_only_use_contract_metrics_and_their_own_records():
+    contract = gen.load_contract()
+    recorded = {r["record"] for r in rules_doc()["groups"][0]["rules"]}
+    for group in rules_doc()["groups"]:
+        for rule in group["rules"]:
+            unknown = gen.metric_names(rule["expr"]) - contract.keys() - recorded
+            assert not unknown, (rule.get("record") or rule.get("alert"), unknown)
+
+
+def test_shipped_thresholds_are_production_values():
+    """This machine's scheduler noise alone gives CV 0.2-0.3: tests override, never the config."""
+    cv = gen.load_config()["alerts"]["SyncscopeStepTimeCVHigh"]["levels"]
+    assert [(lv["severity"], lv["threshold"]) for lv in cv] == [("warning", 0.1), ("critical", 0.2)]
+
+
+def test_thresholds_live_in_one_place():
+    """An alert expression holds its own level's threshold from the config and no other number."""
+    cfg = gen.load_config()
+    for alert in gen.alerting_rules(cfg):
+        levels = cfg["alerts"][alert["alert"]]["levels"]
+        level = next(lv for lv in levels if lv["severity"] == alert["labels"]["severity"])
+        # Numbers standing alone: not part of a name, a duration ([1m]) or a decimal.
+        numbers = {float(n) for n in re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])", alert["expr"])}
+        allowed = {0.0} | ({float(level["threshold"])} if "threshold" in level else set())
+        assert numbers <= allowed, (alert["alert"], numbers)
+        if "threshold" in level:
+            assert float(level["threshold"]) in numbers, alert["alert"]
+
+
+def test_overrides_apply_and_typos_fail(tmp_path):
+    cfg = gen.load_config({"alerts.SyncscopeStepTimeCVHigh.levels.0.threshold": 0.5})
+    assert cfg["alerts"]["SyncscopeStepTimeCVHigh"]["levels"][0]["threshold"] == 0.5
+    with pytest.raises(KeyError):
+        gen.load_config({"alerts.SyncscopeStepTimeCVHigh.levels.0.treshold": 0.5})
+    out = tmp_path / "rules"
+    assert gen.main(["--out", str(out), "--fast-for", "2s", "--set", "windows.rate=10s"]) == 0
+    doc = yaml.safe_load((out / "syncscope.rules.yml").read_text())
+    assert {a["for"] for a in doc["groups"][1]["rules"]} == {"2s"}
+    assert "[10s]" in doc["groups"][0]["rules"][2]["expr"]
+
+
+# Each mutation must make the named promtool test file fail, naming the alert or rule.
+MUTATIONS = [
+    ("alerts.SyncscopeStepTimeCVHigh.levels.0.threshold", 0.3, "step", "SyncscopeStepTimeCVHigh"),
+    ("alerts.SyncscopeStepTimeCVHigh.for", "11m", "step", "SyncscopeStepTimeCVHigh"),
+    ("alerts.SyncscopeStraggler.levels.0.threshold", 0.25, "sync", "SyncscopeStraggler"),
+    (
+        "alerts.SyncscopeSyncAmplification.levels.0.threshold",
+        0.5,
+        "sync",
+        "SyncscopeSyncAmplification",
+    ),
+    (
+        "alerts.SyncscopeFabricContention.levels.0.threshold",
+        2.5,
+        "fabric",
+        "SyncscopeFabricContention",
+    ),
+    ("contention_max_skew_ratio", 0.5, "fabric", "SyncscopeFabricContention"),
+    (
+        "alerts.SyncscopeAgentDroppingRecords.levels.0.threshold",
+        0.1,
+        "health",
+        "SyncscopeAgentDroppingRecords",
+    ),
+    ("alerts.SyncscopeRankSilent.levels.0.threshold", 600, "health", "SyncscopeRankSilent"),
+    ("alerts.SyncscopePacingEngagedLong.for", "20m", "pacing", "SyncscopePacingEngagedLong"),
+    ("windows.straggler", "1m", "sync", "straggler"),
+]
+
+
+def _layout(tmp_path: Path, overrides: dict) -> Path:
+    """tests/ beside a freshly generated rules/, as in the tree (the tests use ../rules)."""
+    gen.write_rules(tmp_path / "rules", overrides)
+    shutil.copytree(TESTS_DIR, tmp_path / "tests")
+    return tmp_path / "tests"
+
+
+@needs_promtool
+def test_unmutated_copy_passes(tmp_path):
+    tests = _layout(tmp_path, {})
+    result = promtool("test", "rules", *sorted(tests.glob("*.test.yml")))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+@pytest.mark.parametrize(
+    ("key", "value", "test_file", "culprit"), MUTATIONS, ids=[m[0] for m in MUTATIONS]
+)
+def test_a_broken_threshold_fails_the_promtool_tests(tmp_path, key, value, test_file, culprit):
+    tests = _layout(tmp_path, {key: value})
+    result = promtool("test", "rules", tests / f"{test_file}.test.yml")
+    assert result.returncode != 0, f"promtool tests still pass with {key}={value}"
+    assert culprit in result.stdout + result.stderr
+
+
+def test_render_config_for_the_e2e_harness():
+    text = render.render_config("127.0.0.1:9464", "1s", ["rules/*.yml"])
+    cfg = yaml.safe_load(text)
+    assert cfg["global"] == {
+        "scrape_interval": "1s",
+        "scrape_timeout": "1s",
+        "evaluation_interval": "1s",
+    }
+    (scrape,) = cfg["scrape_configs"]
+    assert scrape["honor_labels"] is True
+    assert scrape["static_configs"] == [{"targets": ["127.0.0.1:9464"]}]
+    assert "alerting" not in cfg
+    slow = yaml.safe_load(render.render_config(["a:1", "b:2"], "30s", [], alertmanager="am:9093"))
+    assert slow["global"]["scrape_timeout"] == "10s"
+    assert slow["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["am:9093"]
+    with pytest.raises(ValueError):
+        render.duration_seconds("1 minute")
+
+
+def test_compose_prometheus_config_is_rendered():
+    assert render.main(["--check"]) == 0, "run: python deploy/prometheus/render.py"
+
+
+@needs_promtool
+def test_promtool_check_config_with_the_rules(tmp_path):
+    shutil.copytree(PROM / "rules", tmp_path / "rules")
+    for name, text in {
+        "e2e.yml": render.render_config("127.0.0.1:9464", "1s", ["rules/*.yml"]),
+        # The compose file's config, with the rules where compose mounts them.
+        "compose.yml": render.compose_config().replace("/etc/prometheus/rules", "rules"),
+    }.items():
+        (tmp_path / name).write_text(text)
+        result = promtool("check", "config", tmp_path / name)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "32 rules found" in result.stdout or "rules found" in result.stdout
+
+
+def test_thresholds_file_is_plain_json():
+    data = json.loads(gen.CONFIG_PATH.read_text())
+    assert set(data["alerts"]) == {a["alert"] for a in rules_doc()["groups"][1]["rules"]}
