@@ -31,7 +31,7 @@ class AgentConfig:
     queue_size: int = 8192  # records held between flushes; beyond it they are dropped and counted
     send_timeout_s: float = 1.0
     token: str | None = None  # bearer token for TCP ingest
-    record: str | None = None  # also append step records as JSON lines to this file
+    record: str | None = None  # also append step records as JSON lines here ({rank} is replaced)
     patch_collectives: bool = True
     disable: bool = False  # hard off switch: attach() returns an agent that does nothing
 

@@ -74,9 +74,7 @@ class Agent:
         if config.patch_collectives and torch is not None and _dist_available(torch):
             self.patch = CollectivePatch(collectives, lambda: self.clock.step, labels)
             self.patch.install()
-        self.pacer = None
-        if config.pacing:
-            self._enable_pacing()
+        self.pacer: Any = None
         self.reporter = Reporter(
             identity=identity,
             url=config.exporter,
@@ -85,11 +83,13 @@ class Agent:
             collectives=collectives,
             flush_interval_s=config.flush_interval_s,
             send_timeout_s=config.send_timeout_s,
-            record_path=config.record,
+            record_path=config.record.replace("{rank}", str(identity["rank"])) if config.record else None,
             dropped_elsewhere=self._dropped_on_training_thread,
             pacing_state=self._pacing_state,
             topology=lambda: None,
         )
+        if config.pacing:
+            self._enable_pacing()
         if model is not None:
             self._handles.append(model.register_forward_pre_hook(self.clock.forward_pre))
             self._handles.append(model.register_forward_hook(self.clock.forward_post))
@@ -146,21 +146,34 @@ class Agent:
         return self.clock.dropped + (self.patch.dropped if self.patch is not None else 0)
 
     def _enable_pacing(self) -> None:
+        """Pacing (paper §5.3, controller in agent/pacing.py) at the step boundary.
+
+        The wait fed to the controller is this step's exposed DDP sync minus the node-wide
+        transfer baseline; until a baseline is known (first flush) nothing is fed, so start-up
+        transients cannot engage it. The kill file, checked every step (one stat, ~1 µs, only
+        with pacing on), switches pacing off for the rest of the process's life.
+        """
+        from dataclasses import replace
+
         from syncscope.agent.pacing import PacingConfig, PacingController
 
-        self.pacer = PacingController(PacingConfig.from_env())
+        config = replace(PacingConfig.from_env(), world_size=int(self.identity["world_size"]))
+        pacer = self.pacer = PacingController(config)
         kill_file = self.config.pacing_kill_file
-        pacer = self.pacer
         exists = os.path.exists
+        reporter = self.reporter
 
-        def pace(comm_ns: int, _step_ns: int) -> int:
+        def pace(comm_ns: int, step_ns: int) -> int:
             if kill_file is not None and exists(kill_file):
-                if pacer.active or not getattr(pacer, "_killed", False):
+                if pacer.enabled:
                     pacer.disable()
-                    pacer._killed = True  # type: ignore[attr-defined]
+                    log.warning("syncscope: pacing switched off by %s", kill_file)
                 return 0
-            wait_s = comm_ns / 1e9 - self.reporter.ddp_baseline_s
-            return int(pacer.update(max(0.0, wait_s), _step_ns / 1e9) * 1e9)
+            baseline = reporter.ddp_baseline_s
+            if baseline <= 0.0 or not pacer.enabled:
+                return 0
+            delay = pacer.update(max(0.0, comm_ns / 1e9 - baseline), step_ns / 1e9)
+            return int(delay * 1e9)
 
         self.clock.pacer = pace
 
@@ -169,7 +182,7 @@ class Agent:
         if p is None:
             return None
         return {
-            "enabled": True,
+            "enabled": bool(p.enabled),
             "active": bool(p.active),
             "current_delay_s": float(p.current_delay_s),
             "threshold_s": float(p.threshold_s),

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.process_collector import ProcessCollector
 from pydantic import TypeAdapter, ValidationError
 from syncscope.exporter.collectors import StoreCollector
+from syncscope.exporter.page import install_page
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import Store
 
@@ -137,6 +138,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         view["version"] = __version__
         return JSONResponse(view)
 
+    install_page(app, store, settings)
     plain_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
