@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -96,52 +97,102 @@ def start_exporter(port: int, extra: list[str] | None = None, **popen: Any) -> s
     raise RuntimeError("exporter did not come up within 20 s")
 
 
-def start_prometheus(exporter_port: int, workdir: str) -> tuple[subprocess.Popen, int] | None:
-    """Prometheus scraping the exporter every second with syncscope's rules, if installed."""
-    binary = shutil.which("prometheus")
-    if binary is None:
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_repo_module(relpath: str, name: str) -> Any:
+    """A module from the source checkout (deploy/, dashboards/ are not installed packages)."""
+    import importlib.util
+
+    path = os.path.join(REPO_ROOT, relpath)
+    if not os.path.exists(path):
         return None
-    try:
-        from syncscope_deploy import render_prometheus  # type: ignore[import-not-found]
-    except ImportError:
-        render_prometheus = None
-    port = free_port()
-    config = os.path.join(workdir, "prometheus.yml")
-    rules = _rule_files()
-    if render_prometheus is not None:
-        text = render_prometheus(f"127.0.0.1:{exporter_port}", "1s", rules)
-    else:
-        text = _basic_prometheus_config(exporter_port, rules)
-    with open(config, "w") as f:
-        f.write(text)
-    proc = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={config}",
-            f"--storage.tsdb.path={os.path.join(workdir, 'tsdb')}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    return proc, port
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 
-def _rule_files() -> list[str]:
-    root = os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy", "prometheus", "rules"
-    )
-    if not os.path.isdir(root):
-        return []
-    return sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith((".yml", ".yaml")))
+class Prometheus:
+    """A real Prometheus process on 127.0.0.1 with a temporary TSDB."""
+
+    def __init__(self, config_text: str, workdir: str, port: int | None = None) -> None:
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise FileNotFoundError("prometheus is not installed (scripts/setup installs it)")
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = os.path.join(workdir, "prometheus.yml")
+        with open(config, "w") as f:
+            f.write(config_text)
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={os.path.join(workdir, 'tsdb')}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {self.proc.returncode}")
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(self.url + "/-/ready", timeout=1) as r,
+            ):  # noqa: S310
+                if r.status == 200:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError("prometheus not ready")
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        url = self.url + "/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        reply = get_json(url)
+        if reply.get("status") != "success":
+            raise RuntimeError(f"query failed: {promql}: {reply}")
+        return reply["data"]["result"]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        return get_json(self.url + "/api/v1/alerts")["data"]["alerts"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+            if self.proc.poll() is None:
+                self.proc.kill()
 
 
-def _basic_prometheus_config(exporter_port: int, rules: list[str]) -> str:
-    lines = ["global:", "  scrape_interval: 1s", "  evaluation_interval: 1s"]
-    if rules:
-        lines.append("rule_files:")
-        lines += [f"  - {r}" for r in rules]
-    lines += [
+def prometheus_config(
+    exporter_port: int, workdir: str, overrides: dict[str, Any] | None = None, fast: bool = False
+) -> str:
+    """syncscope's rules (regenerated into workdir, with overrides) and a 1 s scrape of the exporter."""
+    rules = load_repo_module("deploy/prometheus/generate.py", "syncscope_rules")
+    render = load_repo_module("deploy/prometheus/render.py", "syncscope_render")
+    rule_globs: list[str] = []
+    if rules is not None:
+        settings = dict(overrides or {})
+        if fast:
+            settings = {
+                **rules.fast_for_overrides(rules.load_config(), "2s"),
+                "windows.rate": "10s",
+                "windows.straggler": "10s",
+                **settings,
+            }
+        rules.write_rules(os.path.join(workdir, "rules"), settings)
+        rule_globs = [os.path.join(workdir, "rules", "*.yml")]
+    if render is not None:
+        return render.render_config(f"127.0.0.1:{exporter_port}", "1s", rule_globs)
+    lines = [
+        "global:",
+        "  scrape_interval: 1s",
+        "  evaluation_interval: 1s",
         "scrape_configs:",
         "  - job_name: syncscope",
         "    honor_labels: true",
@@ -149,6 +200,19 @@ def _basic_prometheus_config(exporter_port: int, rules: list[str]) -> str:
         f"      - targets: ['127.0.0.1:{exporter_port}']",
     ]
     return "\n".join(lines) + "\n"
+
+
+def start_prometheus(exporter_port: int, workdir: str) -> Prometheus | None:
+    """Prometheus scraping the exporter every second with syncscope's rules, if installed."""
+    if shutil.which("prometheus") is None:
+        return None
+    prom = Prometheus(prometheus_config(exporter_port, workdir, fast=True), workdir)
+    try:
+        prom.wait_ready()
+    except RuntimeError:
+        prom.stop()
+        return None
+    return prom
 
 
 def render_table(state: dict[str, Any], job: str) -> list[str]:
@@ -210,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  metrics  {base}/metrics\n  state    {base}/v1/state")
     if prom is not None:
         print(
-            f"  prometheus http://127.0.0.1:{prom[1]}  (rules loaded: {len(_rule_files())} files)"
+            f"  prometheus {prom.url}  (syncscope rules and alerts loaded; see {prom.url}/alerts)"
         )
     ranks = launch(
         args.ranks, train_args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
@@ -255,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
                 p.kill()
         exporter.terminate()
         if prom is not None:
-            prom[0].terminate()
+            prom.stop()
         with contextlib.suppress(subprocess.TimeoutExpired):
             exporter.wait(5)
         shutil.rmtree(workdir, ignore_errors=True)
