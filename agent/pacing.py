@@ -64,7 +64,7 @@ class PacingConfig:
     # Hard bound on any delay returned, in seconds.
     max_delay_s: float = 0.050
     # When the step time is known, a delay is also bounded by this fraction of it.
-    max_step_fraction: float = 0.10
+    max_step_fraction: float = 0.25
     # Samples needed before the controller may engage (statistics of fewer are noise).
     min_samples: int = 16
     # Quantile of the window taken as the rank's lead over the last peer. A low quantile is
