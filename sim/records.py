@@ -156,19 +156,26 @@ def load_jsonl(path: str | Path) -> MeasuredRun:
     return run
 
 
-def from_exporter_state(state: dict[str, Any], source: str = "exporter state") -> MeasuredRun:
-    """The exporter's ``GET /v1/state``: ``{"ranks": [{rank, world_size, steps: [...]}]}``.
+def from_exporter_state(state: dict[str, Any], source: str = "exporter state", job: str | None = None) -> MeasuredRun:
+    """The exporter's ``GET /v1/state?recent=N``: ``{"jobs": {name: {"ranks": [...]}}}``.
 
-    Each step is ``{step_s (or duration_s), phases: {...}, wait_s}``; adapt here if it changes.
+    Each rank has ``rank``, ``world_size`` and ``recent_steps`` (``{step, step_s, phases,
+    wait_s}``). With several jobs, ``job`` picks one (default: the only one, else an error).
     """
+    jobs = state.get("jobs", {})
+    if job is None:
+        if len(jobs) > 1:
+            raise ValueError(f"{source}: several jobs ({', '.join(sorted(jobs))}); pick one")
+        job = next(iter(jobs), None)
+    ranks = jobs.get(job, {}).get("ranks", []) if job is not None else []
     rows = []
     sizes = []
-    for entry in state.get("ranks", []):
-        rank = entry.get("rank")
-        if "world_size" in entry:
-            sizes.append(int(entry["world_size"]))
-        for i, step in enumerate(entry.get("steps", [])):
-            rows.append({"rank": rank, "step": step.get("step", i), **step})
+    for entry in ranks:
+        sizes.append(int(entry["world_size"]))
+        for step in entry.get("recent_steps", []):
+            rows.append({"rank": entry["rank"], **step})
+    if not rows and ranks:
+        raise ValueError(f"{source}: no steps in the state; fetch it with ?recent=300")
     return _build_run(rows, max(sizes) if sizes else None, source)
 
 
