@@ -108,7 +108,11 @@ def test_exporter_state_and_prometheus_loaders() -> None:
         {"step_s": 0.1 + 0.001 * k, "phases": {"forward": 0.03, "backward": 0.06}, "wait_s": 0.002}
         for k in range(5)
     ]
-    state = {"jobs": {"j": {"ranks": [{"rank": r, "world_size": 2, "recent_steps": steps} for r in (0, 1)]}}}
+    state = {
+        "jobs": {
+            "j": {"ranks": [{"rank": r, "world_size": 2, "recent_steps": steps} for r in (0, 1)]}
+        }
+    }
     run = from_exporter_state(state)
     assert run.world_size == 2 and len(run.ranks[1].steps) == 5
     assert run.ranks[0].phase("forward")[0] == 0.03
