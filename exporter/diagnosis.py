@@ -1,155 +1,337 @@
 """Node-local diagnosis in the paper's §3.3 terms, shared by /metrics, /v1/state and the page.
 
-Each mode gives a score in 0..1 and a one-line reason; `verdict` is the score crossing 0.5.
-  straggler           arrival skew (max − min lead) above max(skew threshold, 5 % of the
-                      median step); the rank with the smallest lead is named. Score: skew ÷ step.
-  sync_amplification  the share of step time ranks spend waiting for peers (mean wait ÷ mean
-                      step), scaled so that 25 % waiting scores 1.
-  fabric_contention   exposed communication that is *not* waiting (transfer beyond what the
-                      overlap hides) while skew is low, as a share of step; 25 % scores 1.
-  runtime_jitter      median step-time CV over the window; CV 0.2 scores 1.
-  locality            1 when any rank reports a degraded PCIe link or a NUMA mismatch.
-The straggler's cause is the phase (data, forward, backward, optimizer) that makes up at least
-80 % of its extra time over the peers' median, a throttling GPU, a locality fault, or unknown.
+Every mode gives a score in 0..1 and a one-line reason; its `verdict` is the score reaching 0.5.
+The rules (docs/diagnosis.md gives the reasoning and the recorded scenarios they are tested on):
+
+  straggler           one rank arrives last at the gradient sync persistently: the arrival skew
+                      (max − min arrival lead) is above max(skew threshold, 5 % of the median
+                      step) *and* the rank with the smallest lead was the last to arrive in at
+                      least max(50 %, 1.5 / ranks) of the steps all ranks report. Random stalls
+                      rotate the last arrival and so are runtime jitter, not a straggler.
+  sync_amplification  the share of each step that ranks sit idle at the sync waiting for a
+                      later peer; 50 % scores 1 (verdict from 25 %).
+  fabric_contention   the exposed transfer — the exposed communication of the rank that arrived
+                      last, who waited for nobody — as a share of each step; 50 % scores 1.
+  runtime_jitter      the share of step time lost to irregular spikes in the ranks' own work
+                      (step minus exposed communication and pacing, above that rank's median),
+                      median over ranks; 30 % scores 1.
+  locality            1 when a rank reports a PCIe link narrower than its maximum or a process
+                      on another NUMA node than its GPU.
+
+A named straggler gets a cause: gpu_throttle (clock-event reasons that slow the GPU are set, its
+SM clock is below 90 % of its peers' median, and compute phases make up ≥ 80 % of its lateness),
+locality (a fault its peers do not share, and compute or data make up ≥ 80 % of its lateness),
+the phase (data, forward, backward, optimizer) that makes up ≥ 80 % of its lateness, or unknown.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 CAUSE_PHASES = ("data", "forward", "backward", "optimizer")
-CAUSE_SHARE = 0.8
+COMPUTE_PHASES = ("forward", "backward", "optimizer")
+MODES = ("straggler", "sync_amplification", "fabric_contention", "runtime_jitter", "locality")
+CAUSES = (*CAUSE_PHASES, "gpu_throttle", "locality", "unknown")
+
+# NVML clock-event ("throttle") reason bits that mean the GPU is being slowed down, as opposed
+# to idle (0x1), application clocks (0x2), sync boost (0x10) or display clocks (0x100).
+THROTTLE_BITS = {
+    0x4: "software power cap",
+    0x8: "hardware slowdown",
+    0x20: "software thermal slowdown",
+    0x40: "hardware thermal slowdown",
+    0x80: "power brake",
+}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Every constant of the rules in one place (the skew floor comes from Settings)."""
+
+    skew_step_fraction: float = 0.05  # skew must also exceed this fraction of the median step
+    last_arrival_share: float = 0.5  # ... and the rank must be last in this share of steps
+    cause_share: float = 0.8  # one signal must explain this share of the straggler's lateness
+    idle_share_full: float = 0.5  # sync_amplification scores 1 at this idle share of a step
+    transfer_share_full: float = 0.5  # fabric_contention scores 1 at this transfer share
+    spike_share_full: float = 0.3  # runtime_jitter scores 1 at this share lost to spikes
+    clock_ratio: float = 0.9  # a throttling GPU's SM clock is below this × its peers' median
+    window: int = 100  # most recent steps compared
+    min_aligned_steps: int = 20  # fewer steps reported by every rank: per-step rules abstain
+
+
+DEFAULT_THRESHOLDS = Thresholds()
 
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _phase_means(rank: dict[str, Any]) -> dict[str, float]:
-    steps = rank["recent_steps"][-100:]
+def _number(value: Any) -> float | None:
+    """A finite number from a topology field (agents send numbers, or numbers as text)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _phase_means(rank: dict[str, Any], window: int) -> dict[str, float]:
+    steps = rank["recent_steps"][-window:]
     if not steps:
         return {}
     return {p: sum(s["phases"][p] for s in steps) / len(steps) for p in CAUSE_PHASES}
 
 
-def _locality_fault(topology: dict[str, Any] | None) -> str | None:
+def locality_fault(topology: dict[str, Any] | None) -> str | None:
+    """A degraded PCIe link (narrower than its maximum) or a NUMA mismatch, in words; else None.
+
+    A lower PCIe *generation* is not a fault on its own: GPUs train the link down while idle,
+    and topology is sampled at start-up, so only the width is trusted.
+    """
     if not topology:
         return None
-    width, max_width = topology.get("pcie_link_width"), topology.get("pcie_link_max_width")
-    gen, max_gen = topology.get("pcie_link_generation"), topology.get("pcie_link_max_generation")
-    if (
-        isinstance(width, (int, float))
-        and isinstance(max_width, (int, float))
-        and 0 < width < max_width
-    ):
+    width, max_width = (
+        _number(topology.get("pcie_link_width")),
+        _number(topology.get("pcie_link_max_width")),
+    )
+    if width is not None and max_width is not None and 0 < width < max_width:
         return f"PCIe link x{int(width)} of x{int(max_width)}"
-    if isinstance(gen, (int, float)) and isinstance(max_gen, (int, float)) and 0 < gen < max_gen:
-        return f"PCIe gen {int(gen)} of {int(max_gen)}"
-    if topology.get("numa_mismatch") in (1, True, "1"):
-        return "process runs on another NUMA node than its GPU"
+    mismatch = topology.get("numa_mismatch")
+    if mismatch is True or _number(mismatch) == 1:
+        return "process on another NUMA node than its GPU"
     return None
 
 
-def straggler_cause(straggler: dict[str, Any], peers: list[dict[str, Any]]) -> tuple[str, str]:
-    """(cause, reason) for a named straggler; cause is a phase, gpu_throttle, locality or unknown."""
-    fault = _locality_fault(straggler.get("topology"))
-    if fault:
-        return "locality", fault
+def throttle_reasons(topology: dict[str, Any] | None) -> list[str]:
+    """The slowing-down clock-event reasons a rank's GPU reports, in words."""
+    mask = _number((topology or {}).get("throttle_reasons"))
+    if not mask:
+        return []
+    return [name for bit, name in THROTTLE_BITS.items() if int(mask) & bit]
+
+
+def _throttled(straggler: dict[str, Any], peers: list[dict[str, Any]], t: Thresholds) -> str | None:
     topo = straggler.get("topology") or {}
-    clocks = [p["topology"].get("sm_clock_hertz") for p in peers if p.get("topology")]
-    clocks = [c for c in clocks if isinstance(c, (int, float))]
-    own = topo.get("sm_clock_hertz")
-    if (
-        topo.get("throttle_reasons")
-        and isinstance(own, (int, float))
-        and clocks
-        and own < 0.95 * statistics.median(clocks)
-    ):
-        return (
-            "gpu_throttle",
-            f"SM clock {own / 1e6:.0f} MHz vs peers' {statistics.median(clocks) / 1e6:.0f} MHz, throttling",
-        )
-    mine = _phase_means(straggler)
-    others = [_phase_means(p) for p in peers]
-    others = [o for o in others if o]
+    reasons = throttle_reasons(topo)
+    own = _number(topo.get("sm_clock_hertz"))
+    clocks = [_number((p.get("topology") or {}).get("sm_clock_hertz")) for p in peers]
+    peer_clock = _median([c for c in clocks if c])
+    if not reasons or not own or not peer_clock or own >= t.clock_ratio * peer_clock:
+        return None
+    return (
+        f"SM clock {own / 1e6:.0f} MHz vs peers' {peer_clock / 1e6:.0f} MHz ({', '.join(reasons)})"
+    )
+
+
+def straggler_cause(
+    straggler: dict[str, Any], peers: list[dict[str, Any]], t: Thresholds = DEFAULT_THRESHOLDS
+) -> tuple[str, str]:
+    """(cause, reason) for a named straggler: a phase, gpu_throttle, locality or unknown."""
+    mine = _phase_means(straggler, t.window)
+    others = [o for o in (_phase_means(p, t.window) for p in peers) if o]
     if not mine or not others:
-        return "unknown", "not enough steps to compare phases"
+        return "unknown", "not enough steps to compare its phases with its peers'"
     gaps = {p: mine[p] - statistics.median(o[p] for o in others) for p in CAUSE_PHASES}
     positive = {p: g for p, g in gaps.items() if g > 0}
     total = sum(positive.values())
     if total <= 0:
-        return "unknown", "no phase is slower than on its peers"
+        return "unknown", "none of its phases is slower than on its peers"
+    compute = sum(positive.get(p, 0.0) for p in COMPUTE_PHASES)
+    throttle = _throttled(straggler, peers, t)
+    if throttle and compute >= t.cause_share * total:
+        return "gpu_throttle", f"{throttle}; compute is {compute * 1e3:.1f} ms slower"
+    fault = locality_fault(straggler.get("topology"))
+    shared = fault is not None and all(locality_fault(p.get("topology")) for p in peers)
+    if fault and not shared and compute + positive.get("data", 0.0) >= t.cause_share * total:
+        return "locality", f"{fault}, unlike its peers"
     phase, gap = max(positive.items(), key=lambda kv: kv[1])
-    if gap >= CAUSE_SHARE * total:
+    if gap >= t.cause_share * total:
         return (
             phase,
-            f"{phase} takes {gap * 1e3:.1f} ms longer than on its peers ({gap / total:.0%} of its extra time)",
+            f"{phase} takes {gap * 1e3:.1f} ms longer than on its peers "
+            f"({gap / total:.0%} of its lateness)",
         )
-    return "unknown", "no single phase explains 80 % of its extra time"
+    ranked = sorted(positive.items(), key=lambda kv: -kv[1])[:2]
+    split = ", ".join(f"{p} {g / total:.0%}" for p, g in ranked)
+    return "unknown", f"no single signal explains 80 % of its lateness ({split})"
 
 
-def diagnose_job(ranks: list[dict[str, Any]], settings: Any) -> dict[str, Any]:
-    """Scores, verdicts and reasons for one job's ranks on this node."""
+def _aligned(ranks: list[dict[str, Any]], window: int) -> list[dict[int, dict[str, Any]]]:
+    """Per step number that every rank reports (the latest `window`), each rank's record."""
+    by_rank = [{s["step"]: s for s in r["recent_steps"]} for r in ranks]
+    common = set(by_rank[0]).intersection(*by_rank[1:]) if by_rank else set()
+    return [{r["rank"]: b[k] for r, b in zip(ranks, by_rank, strict=True)} for k in sorted(common)][
+        -window:
+    ]
+
+
+def _sync_signal(steps: list[dict[int, dict[str, Any]]]) -> str:
+    # DDP's exposed communication is measured directly each step; without DDP (direct
+    # collectives only) the arrival estimator's per-step wait is the only sync signal.
+    exposed = any(s["phases"]["comm_exposed"] > 0 for step in steps for s in step.values())
+    return "comm_exposed" if exposed else "wait_s"
+
+
+def _sync_time(record: dict[str, Any], signal: str) -> float:
+    return record["phases"]["comm_exposed"] if signal == "comm_exposed" else record["wait_s"]
+
+
+def _spike_share(rank: dict[str, Any], window: int) -> float | None:
+    steps = rank["recent_steps"][-window:]
+    total = sum(s["step_s"] for s in steps)
+    if len(steps) < 5 or total <= 0:
+        return None
+    work = [s["step_s"] - s["phases"]["comm_exposed"] - s["phases"]["pacing"] for s in steps]
+    typical = statistics.median(work)
+    return sum(max(0.0, w - typical) for w in work) / total
+
+
+def diagnose_job(
+    ranks: list[dict[str, Any]], settings: Any, thresholds: Thresholds = DEFAULT_THRESHOLDS
+) -> dict[str, Any]:
+    """Scores, verdicts and reasons for one job's ranks on this node.
+
+    Returns {"modes": {mode: {score, verdict, reason}}, "straggler": None | {rank, cause,
+    cause_reason, lateness_s, last_arrival_share}, "skew_s": float | None, "steps_compared": int}.
+    Never raises: the snapshot it is part of also serves /metrics and the page, so on a rule's
+    failure it returns no verdicts and the error in "error".
+    """
+    try:
+        return _diagnose(ranks, settings, thresholds)
+    except Exception as exc:  # noqa: BLE001 - a diagnosis bug must not take /metrics down
+        return {
+            "modes": {},
+            "straggler": None,
+            "skew_s": None,
+            "steps_compared": 0,
+            "error": f"{type(exc).__name__}: {exc}"[:200],
+        }
+
+
+def _diagnose(ranks: list[dict[str, Any]], settings: Any, t: Thresholds) -> dict[str, Any]:
     live = [r for r in ranks if not r["stale"] and r["steps_total"] > 0]
-    out: dict[str, Any] = {"modes": {}, "straggler": None, "skew_s": None}
+    out: dict[str, Any] = {"modes": {}, "straggler": None, "skew_s": None, "steps_compared": 0}
     if not live:
         return out
     step = _median([r["step_time_median_s"] for r in live if r["step_time_median_s"]]) or 0.0
+    aligned = _aligned(live, t.window) if len(live) >= 2 else []
+    enough = len(aligned) >= t.min_aligned_steps
+    out["steps_compared"] = len(aligned)
+    signal = _sync_signal(aligned) if enough else "wait_s"
+    modes: dict[str, tuple[float, str]] = {}
+
+    # Who arrived last, per step: the rank that spent the least time at the sync.
+    last_counts: dict[int, int] = {}
+    transfers: list[float] = []
+    idles: list[float] = []
+    for by_rank in aligned:
+        sync = {rank: _sync_time(rec, signal) for rank, rec in by_rank.items()}
+        last = min(sync, key=lambda rank: sync[rank])
+        if sum(1 for v in sync.values() if v == sync[last]) == 1:  # a tie names nobody
+            last_counts[last] = last_counts.get(last, 0) + 1
+        transfers.append(sync[last])
+        idles.append(statistics.mean(v - sync[last] for v in sync.values()))
+
     leads = [(r["arrival_lead_s"], r) for r in live if r["arrival_lead_s"] is not None]
-    modes = out["modes"]
     if len(leads) >= 2 and step > 0:
         lo, slow = min(leads, key=lambda x: x[0])
-        hi = max(lead for lead, _ in leads)
-        skew = hi - lo
+        skew = max(lead for lead, _ in leads) - lo
         out["skew_s"] = skew
-        threshold = max(settings.skew_threshold_s, 0.05 * step)
+        threshold = max(settings.skew_threshold_s, t.skew_step_fraction * step)
         score = min(1.0, skew / step)
-        if skew > threshold:
-            peers = [r for _, r in leads if r is not slow]
-            cause, why = straggler_cause(slow, peers)
-            out["straggler"] = {"rank": slow["rank"], "cause": cause, "cause_reason": why}
-            modes["straggler"] = (
-                max(score, 0.5),
-                f"rank {slow['rank']} arrives {skew * 1e3:.1f} ms after the earliest peer",
-            )
-        else:
+        need = max(t.last_arrival_share, 1.5 / len(live))
+        share = last_counts.get(slow["rank"], 0) / len(aligned) if enough else None
+        if skew <= threshold:
             modes["straggler"] = (
                 min(score, 0.49),
                 f"arrival skew {skew * 1e3:.1f} ms is below {threshold * 1e3:.1f} ms",
             )
-    waits = [r["wait_mean_s"] for r in live if r["wait_mean_s"] is not None]
-    if waits and step > 0:
-        ratio = statistics.mean(waits) / step
+        elif share is not None and share < need:
+            modes["straggler"] = (
+                min(score, 0.49),
+                f"arrival skew {skew * 1e3:.1f} ms, but no rank is persistently last "
+                f"(rank {slow['rank']} in {share:.0%} of steps): the last arrival rotates",
+            )
+        else:
+            peers = [r for _, r in leads if r is not slow]
+            cause, why = straggler_cause(slow, peers, t)
+            out["straggler"] = {
+                "rank": slow["rank"],
+                "cause": cause,
+                "cause_reason": why,
+                "lateness_s": skew,
+                "last_arrival_share": share,
+            }
+            often = f", last in {share:.0%} of steps" if share is not None else ""
+            modes["straggler"] = (
+                max(score, 0.5),
+                f"rank {slow['rank']} arrives {skew * 1e3:.1f} ms after the earliest peer{often}",
+            )
+
+    mean_step = (
+        statistics.mean(
+            statistics.median(rec["step_s"] for rec in by_rank.values()) for by_rank in aligned
+        )
+        if enough
+        else step
+    )
+    if enough and mean_step > 0:
+        idle = statistics.mean(idles) / mean_step
+        blame = ""
+        if out["straggler"] is not None:
+            blame = f", mostly for rank {out['straggler']['rank']}"
         modes["sync_amplification"] = (
-            min(1.0, ratio / 0.25),
-            f"ranks wait for peers {ratio:.0%} of each step",
+            min(1.0, idle / t.idle_share_full),
+            f"ranks sit idle at the sync {idle:.0%} of each step waiting for a later peer{blame}",
         )
-        exposed = statistics.mean(r["phase_shares"].get("comm_exposed", 0.0) for r in live)
-        transfer = max(0.0, exposed - ratio)
-        skew_low = out["skew_s"] is None or out["skew_s"] <= max(
-            settings.skew_threshold_s, 0.05 * step
+        if signal == "comm_exposed":
+            transfer = statistics.mean(transfers) / mean_step
+            p50 = statistics.median(transfers)
+            p90 = sorted(transfers)[int(0.9 * (len(transfers) - 1))]
+            modes["fabric_contention"] = (
+                min(1.0, transfer / t.transfer_share_full),
+                f"exposed transfer (after the last rank arrives) is {transfer:.0%} of each step "
+                f"(median {p50 * 1e3:.1f} ms, p90 {p90 * 1e3:.1f} ms)",
+            )
+    else:
+        waits = [r["wait_mean_s"] for r in live if r["wait_mean_s"] is not None]
+        if waits and step > 0:
+            idle = statistics.mean(waits) / step
+            modes["sync_amplification"] = (
+                min(1.0, idle / t.idle_share_full),
+                f"ranks wait for peers {idle:.0%} of each step (estimated)",
+            )
+
+    spikes = [(s, r) for r in live if (s := _spike_share(r, t.window)) is not None]
+    if spikes:
+        typical = statistics.median(s for s, _ in spikes)
+        worst, worst_rank = max(spikes, key=lambda x: x[0])
+        cvs = [r["step_time_cv"] for r in live if r["step_time_cv"] is not None]
+        cv = f"; step-time CV {statistics.median(cvs):.2f}" if cvs else ""
+        modes["runtime_jitter"] = (
+            min(1.0, typical / t.spike_share_full),
+            f"ranks lose {typical:.0%} of step time to irregular spikes in their own work "
+            f"(worst: rank {worst_rank['rank']}, {worst:.0%}){cv}",
         )
-        score = min(1.0, transfer / 0.25) if skew_low else 0.0
-        modes["fabric_contention"] = (
-            score,
-            f"exposed transfer (not waiting) is {transfer:.0%} of each step",
-        )
-    cvs = [r["step_time_cv"] for r in live if r["step_time_cv"] is not None]
-    if cvs:
-        cv = statistics.median(cvs)
-        modes["runtime_jitter"] = (min(1.0, cv / 0.2), f"median step-time CV {cv:.2f}")
+
     topologies = [r for r in live if r.get("topology")]
     if topologies:
-        faults = [(r["rank"], _locality_fault(r["topology"])) for r in topologies]
+        faults = [(r["rank"], locality_fault(r["topology"])) for r in topologies]
         faults = [(rank, f) for rank, f in faults if f]
-        reason = (
-            f"rank {faults[0][0]}: {faults[0][1]}"
-            if faults
-            else "PCIe links at full width, NUMA aligned"
-        )
+        if faults:
+            more = f" (+{len(faults) - 1} more ranks)" if len(faults) > 1 else ""
+            reason = f"rank {faults[0][0]}: {faults[0][1]}{more}"
+        else:
+            reason = "PCIe links at full width, processes on their GPU's NUMA node"
         modes["locality"] = (1.0 if faults else 0.0, reason)
+
     out["modes"] = {
-        m: {"score": s, "verdict": s >= 0.5, "reason": why} for m, (s, why) in modes.items()
+        m: {"score": round(s, 4), "verdict": s >= 0.5, "reason": why}
+        for m, (s, why) in modes.items()
     }
     return out

@@ -143,7 +143,11 @@ def test_exporter_state_and_prometheus_loaders() -> None:
 
 def test_load_run_tells_formats_apart(tmp_path: Path) -> None:
     steps = [{"step_s": 0.1, "phases": {"forward": 0.03, "backward": 0.06}} for _ in range(3)]
-    state = {"ranks": [{"rank": r, "world_size": 2, "steps": steps} for r in (0, 1)]}
+    state = {
+        "jobs": {
+            "j": {"ranks": [{"rank": r, "world_size": 2, "recent_steps": steps} for r in (0, 1)]}
+        }
+    }
     (tmp_path / "state.json").write_text(json.dumps(state))
     (tmp_path / "pretty.json").write_text(json.dumps(state, indent=2))
     prom = {

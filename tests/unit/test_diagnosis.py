@@ -1,0 +1,219 @@
+"""Diagnosis rules on recorded real runs (tests/fixtures/scenarios, see record_scenarios.py).
+
+Each fixture is `/v1/state?recent=300` of a real 4-rank gloo DDP job on this kind of machine.
+GPU signals (clocks, throttle reasons, PCIe links, NUMA) cannot be produced without a GPU, so
+those cases lay a topology over a recorded run: the timing data stays real.
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from syncscope.exporter.collectors import collect_diagnosis
+from syncscope.exporter.diagnosis import (
+    CAUSES,
+    MODES,
+    diagnose_job,
+    locality_fault,
+    straggler_cause,
+    throttle_reasons,
+)
+from syncscope.exporter.settings import Settings
+
+from syncscope.demo import render_table
+
+SCENARIOS = Path(__file__).resolve().parents[1] / "fixtures" / "scenarios"
+SETTINGS = Settings()
+
+
+def ranks_of(name: str) -> list[dict[str, Any]]:
+    with gzip.open(SCENARIOS / f"{name}.json.gz", "rt") as f:
+        return json.load(f)["job"]["ranks"]
+
+
+def diagnose(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    out = diagnose_job(ranks, SETTINGS)
+    for mode, m in out["modes"].items():  # the shape every consumer relies on
+        assert mode in MODES
+        assert 0.0 <= m["score"] <= 1.0
+        assert m["verdict"] == (m["score"] >= 0.5)
+        assert m["reason"]
+    if out["straggler"]:
+        assert out["straggler"]["cause"] in CAUSES
+    return out
+
+
+def verdicts(out: dict[str, Any]) -> set[str]:
+    return {m for m, v in out["modes"].items() if v["verdict"]}
+
+
+def gpu(ranks: list[dict[str, Any]], **per_rank: dict[str, Any]) -> list[dict[str, Any]]:
+    """A copy of recorded ranks with a healthy GPU topology, overridden per rank ('r2'=...)."""
+    ranks = copy.deepcopy(ranks)
+    for r in ranks:
+        r["topology"] = {
+            "gpu_name": "NVIDIA H100",
+            "pcie_link_width": 16,
+            "pcie_link_max_width": 16,
+            "pcie_link_generation": 5,
+            "pcie_link_max_generation": 5,
+            "numa_mismatch": 0,
+            "sm_clock_hertz": 1.98e9,
+            "throttle_reasons": 0,
+            **per_rank.get(f"r{r['rank']}", {}),
+        }
+    return ranks
+
+
+def test_forward_straggler_is_named_with_its_phase() -> None:
+    out = diagnose(ranks_of("forward_straggler"))
+    s = out["straggler"]
+    assert s["rank"] == 2 and s["cause"] == "forward", s
+    assert s["last_arrival_share"] >= 0.9
+    assert 0.020 <= s["lateness_s"] <= 0.045  # slowed 30 ms
+    assert {"straggler", "sync_amplification"} <= verdicts(out)
+    assert "rank 2" in out["modes"]["sync_amplification"]["reason"]
+    assert "runtime_jitter" not in verdicts(out)
+
+
+def test_slow_data_loading_on_one_rank_is_named_data() -> None:
+    out = diagnose(ranks_of("data_straggler"))
+    assert out["straggler"]["rank"] == 1 and out["straggler"]["cause"] == "data", out["straggler"]
+    assert "straggler" in verdicts(out)
+
+
+def test_balanced_run_names_no_straggler() -> None:
+    out = diagnose(ranks_of("balanced"))
+    assert out["straggler"] is None
+    assert not out["modes"]["straggler"]["verdict"]
+    assert out["skew_s"] < 0.005
+    assert "runtime_jitter" not in verdicts(out)
+    # 4 ranks on 2 shared cores with gloo over loopback: the exposed transfer after the last
+    # arrival is half of each step. That is what the data says, so the mode says so too.
+    assert "fabric_contention" in verdicts(out)
+
+
+def test_jitter_is_runtime_jitter_not_a_straggler() -> None:
+    jitter = diagnose(ranks_of("jitter"))
+    balanced = diagnose(ranks_of("balanced"))
+    # The arrival skew crosses the threshold, but the last arrival rotates among the ranks.
+    assert jitter["skew_s"] > 0.005
+    assert jitter["straggler"] is None
+    assert "rotates" in jitter["modes"]["straggler"]["reason"]
+    assert {"runtime_jitter", "sync_amplification"} <= verdicts(jitter)
+    assert (
+        jitter["modes"]["runtime_jitter"]["score"]
+        > 2 * balanced["modes"]["runtime_jitter"]["score"]
+    )
+
+
+def test_throttling_gpu_explains_a_compute_straggler() -> None:
+    ranks = gpu(
+        ranks_of("forward_straggler"), r2={"sm_clock_hertz": 1.41e9, "throttle_reasons": 0x40}
+    )
+    s = diagnose(ranks)["straggler"]
+    assert s["cause"] == "gpu_throttle", s
+    assert "1410 MHz" in s["cause_reason"] and "hardware thermal slowdown" in s["cause_reason"]
+
+
+def test_throttle_does_not_explain_slow_data_loading() -> None:
+    ranks = gpu(ranks_of("data_straggler"), r1={"sm_clock_hertz": 1.41e9, "throttle_reasons": 0x40})
+    assert diagnose(ranks)["straggler"]["cause"] == "data"
+
+
+def test_throttle_needs_a_lower_clock_than_the_peers() -> None:
+    # Idle (0x1) is not throttling; a power cap with the same clock as the peers explains nothing.
+    assert throttle_reasons({"throttle_reasons": 0x1}) == []
+    ranks = gpu(ranks_of("forward_straggler"), r2={"throttle_reasons": 0x4})
+    assert diagnose(ranks)["straggler"]["cause"] == "forward"
+
+
+def test_degraded_pcie_link_is_a_locality_cause_and_mode() -> None:
+    ranks = gpu(ranks_of("forward_straggler"), r2={"pcie_link_width": 8})
+    out = diagnose(ranks)
+    assert out["straggler"]["cause"] == "locality"
+    assert "x8 of x16" in out["straggler"]["cause_reason"]
+    assert out["modes"]["locality"]["verdict"] and "rank 2" in out["modes"]["locality"]["reason"]
+
+
+def test_numa_mismatch_shared_by_every_rank_explains_no_single_one() -> None:
+    mismatch = {"numa_mismatch": True}
+    ranks = gpu(ranks_of("forward_straggler"), r0=mismatch, r1=mismatch, r2=mismatch, r3=mismatch)
+    out = diagnose(ranks)
+    assert out["straggler"]["cause"] == "forward"
+    assert out["modes"]["locality"]["verdict"]
+
+
+def test_link_generation_alone_is_not_a_fault() -> None:
+    # GPUs train PCIe down while idle; a start-up sample of the generation proves nothing.
+    assert locality_fault({"pcie_link_generation": 1, "pcie_link_max_generation": 5}) is None
+    assert locality_fault({"pcie_link_width": 16, "pcie_link_max_width": 16}) is None
+    assert locality_fault(None) is None
+
+
+def test_lateness_split_between_phases_is_unknown() -> None:
+    ranks = copy.deepcopy(ranks_of("forward_straggler"))
+    for s in ranks[2]["recent_steps"]:
+        moved = s["phases"]["forward"] / 2
+        s["phases"]["forward"] -= moved
+        s["phases"]["data"] += moved
+    peers = [r for r in ranks if r["rank"] != 2]
+    cause, reason = straggler_cause(ranks[2], peers)
+    assert cause == "unknown"
+    assert "forward" in reason and "data" in reason
+
+
+def test_no_ranks_or_only_stale_ranks_diagnose_nothing() -> None:
+    assert diagnose([]) == {"modes": {}, "straggler": None, "skew_s": None, "steps_compared": 0}
+    ranks = copy.deepcopy(ranks_of("forward_straggler"))
+    for r in ranks:
+        r["stale"] = True
+    assert diagnose(ranks)["modes"] == {}
+
+
+def test_a_single_rank_gets_no_straggler_verdict() -> None:
+    out = diagnose(ranks_of("forward_straggler")[:1])
+    assert out["straggler"] is None and "straggler" not in out["modes"]
+    assert "runtime_jitter" in out["modes"]
+
+
+@pytest.mark.parametrize("name", ["forward_straggler", "balanced"])
+def test_metrics_and_demo_table_read_the_same_diagnosis(name: str) -> None:
+    ranks = ranks_of(name)
+    diagnosis = diagnose(ranks)
+    view = {"jobs": {"j": {"ranks": ranks, "diagnosis": diagnosis, "name": "j"}}}
+    families = {f.name: f for f in collect_diagnosis(view)}
+    scores = {s.labels["mode"]: s.value for s in families["syncscope_diagnosis"].samples}
+    assert scores == {m: v["score"] for m, v in diagnosis["modes"].items()}
+    causes = [s.labels for s in families["syncscope_straggler_cause"].samples]
+    if diagnosis["straggler"]:
+        assert causes == [{"job": "j", "rank": "2", "cause": "forward"}]
+    else:
+        assert causes == []
+    table = "\n".join(render_table(view, "j"))
+    assert ("STRAGGLER" in table) == bool(diagnosis["straggler"])
+
+
+def test_hostile_topology_values_are_ignored_not_fatal() -> None:
+    odd: dict[str, Any] = {
+        "pcie_link_width": float("inf"),
+        "pcie_link_max_width": "x16",
+        "sm_clock_hertz": float("nan"),
+        "throttle_reasons": 1e300,
+        "numa_mismatch": None,
+    }
+    ranks = gpu(ranks_of("forward_straggler"), r2=odd)
+    out = diagnose(ranks)
+    assert out["straggler"]["cause"] == "forward"
+    assert "error" not in out
+    assert throttle_reasons({"throttle_reasons": float("inf")}) == []
+
+
+def test_a_failing_rule_returns_no_verdicts_instead_of_raising() -> None:
+    out = diagnose_job([{"stale": False, "steps_total": 1}], SETTINGS)  # fields missing
+    assert out["modes"] == {} and out["straggler"] is None and "error" in out
