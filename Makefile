@@ -8,8 +8,10 @@ demo:
 test:
 	scripts/setup test
 	.venv/bin/ruff check .
+	.venv/bin/mypy agent exporter sim syncscope
 	.venv/bin/pytest -q
 
 lint:
 	.venv/bin/ruff check .
+	.venv/bin/mypy agent exporter sim syncscope
 	.venv/bin/ruff format --check .

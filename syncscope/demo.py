@@ -255,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
     exporter = start_exporter(port, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     prom = start_prometheus(port, workdir) if args.prometheus == "auto" else None
     base = f"http://127.0.0.1:{port}"
+    # Ranks' stderr goes to a file: a pipe nobody drains would block a chatty rank.
+    rank_log = open(os.path.join(workdir, "ranks.log"), "w+b")  # noqa: SIM115 - closed in finally
     env = dict(os.environ, SYNCSCOPE_EXPORTER=base, SYNCSCOPE_JOB=job)
     if args.pacing:
         env["SYNCSCOPE_PACING"] = "1"
@@ -277,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
             f"  prometheus {prom.url}  (syncscope rules and alerts loaded; see {prom.url}/alerts)"
         )
     ranks = launch(
-        args.ranks, train_args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        args.ranks, train_args, env=env, stdout=subprocess.DEVNULL, stderr=rank_log
     )
     tty = sys.stdout.isatty()
     last_print = 0.0
@@ -302,12 +304,10 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(render_table(state, job)))
         if failed:
             for i in failed:
-                err = (
-                    ranks[i].stderr.read().decode(errors="replace")[-2000:]
-                    if ranks[i].stderr
-                    else ""
-                )
-                print(f"rank {i} failed (exit {ranks[i].returncode}):\n{err}", file=sys.stderr)
+                print(f"rank {i} failed (exit {ranks[i].returncode})", file=sys.stderr)
+            rank_log.flush()
+            with open(rank_log.name, errors="replace") as f:
+                print(f.read()[-4000:], file=sys.stderr)
             return 1
         named = (state["jobs"].get(job, {}).get("diagnosis", {}).get("straggler") or {}).get("rank")
         expected = args.slow_rank if args.slow_rank >= 0 else None
@@ -322,4 +322,5 @@ def run(args: argparse.Namespace) -> int:
             prom.stop()
         with contextlib.suppress(subprocess.TimeoutExpired):
             exporter.wait(5)
+        rank_log.close()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
+from typing import IO
 
 
 def launch(
@@ -18,8 +19,8 @@ def launch(
     args: Sequence[str],
     env: Mapping[str, str] | None = None,
     module: str = "syncscope.workload",
-    stdout: int | None = None,
-    stderr: int | None = None,
+    stdout: int | IO[bytes] | None = None,
+    stderr: int | IO[bytes] | None = None,
 ) -> list[subprocess.Popen]:
     """Spawn `python -m module *args` once per rank with torchrun's environment variables."""
     init_dir = tempfile.mkdtemp(prefix="syncscope-init-")

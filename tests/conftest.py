@@ -53,7 +53,7 @@ class Exporter:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = start_exporter(
-            self.port, extra, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            self.port, extra, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
 
     def get(self, path: str) -> bytes:
@@ -102,6 +102,8 @@ def exporter() -> Iterator[Exporter]:
 class Job:
     """A real N-rank gloo DDP job of syncscope.workload, one process per rank."""
 
+    count = 0
+
     def __init__(
         self,
         world: int,
@@ -116,13 +118,16 @@ class Job:
         full_env.pop("SYNCSCOPE_EXPORTER", None)
         if exporter_url:
             full_env["SYNCSCOPE_EXPORTER"] = exporter_url
-        self.result_prefix = os.path.join(tmp, "result")
+        Job.count += 1
+        self.result_prefix = os.path.join(tmp, f"job{Job.count}-result")
+        # stderr to a file: an undrained pipe would block a rank that logs a lot
+        self.log = open(os.path.join(tmp, f"job{Job.count}-stderr.log"), "w+b")  # noqa: SIM115
         self.procs = launch(
             world,
             [*args, "--result", self.result_prefix + "-{rank}.json"],
             env=full_env,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=self.log,
         )
 
     def running(self) -> bool:
@@ -130,10 +135,10 @@ class Job:
 
     def wait(self, timeout: float = 180) -> list[dict[str, Any]]:
         codes = wait_all(self.procs, timeout)
-        errors = [
-            p.stderr.read().decode(errors="replace")[-3000:] if p.stderr else "" for p in self.procs
-        ]
-        assert codes == [0] * len(codes), f"ranks failed: {codes}\n" + "\n".join(errors)
+        if codes != [0] * len(codes):
+            self.log.flush()
+            with open(self.log.name, errors="replace") as f:
+                raise AssertionError(f"ranks failed: {codes}\n{f.read()[-6000:]}")
         results = []
         for rank in range(len(self.procs)):
             with open(f"{self.result_prefix}-{rank}.json") as f:
@@ -145,6 +150,7 @@ class Job:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        self.log.close()
 
 
 @pytest.fixture
