@@ -9,6 +9,7 @@ helpers (all_gather_object) resolve the name in the latter module only.
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 import time
 from collections import deque
@@ -106,9 +107,10 @@ class CollectivePatch:
 
     def _record(self, op: str, group: Any, nbytes: int, duration_ns: int) -> None:
         sink = self.sink
-        if len(sink) >= (sink.maxlen or 0):
+        if len(sink) < (sink.maxlen or sys.maxsize):  # tail drop, counted (see phases.py)
+            sink.append((op, self.labels(group), nbytes, duration_ns, self.step_of()))
+        else:
             self.dropped += 1
-        sink.append((op, self.labels(group), nbytes, duration_ns, self.step_of()))
 
     def _wrap(self, name: str, original: Any, spec: tuple[str, int, Any]) -> Any:
         op, size_arg, sizer = spec

@@ -14,6 +14,7 @@ from typing import Any
 
 from syncscope.agent.collectives import CollectivePatch, GroupLabels, bucket_timing_hook
 from syncscope.agent.config import AgentConfig, process_identity
+from syncscope.agent.nccl_trace import nccl_group_exists
 from syncscope.agent.phases import PhaseClock
 from syncscope.agent.transport import Reporter
 
@@ -61,9 +62,37 @@ class Agent:
                 ddp_bytes = float(
                     sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
                 )
-        self.clock = PhaseClock(
-            steps, collectives, queue_callback, ddp_group, ddp_bytes, self._on_error
+        # On CUDA (docs/gpu.md): GPU-side phases from CUDA events, NCCL durations from Flight
+        # Recorder, GPU topology from NVML/sysfs; all resolved or read off the training thread.
+        cuda_index = _cuda_device(torch, model, optimizer)
+        clock_cls, clock_kw, timeline = PhaseClock, {}, None
+        if cuda_index is not None:
+            from syncscope.agent.cuda_timing import CudaPhaseClock
+            from syncscope.agent.nccl_trace import StepTimeline
+
+            timeline = StepTimeline()
+            clock_cls, clock_kw = CudaPhaseClock, {"timeline": timeline}
+        self.clock = clock_cls(
+            steps, collectives, queue_callback, ddp_group, ddp_bytes, self._on_error, **clock_kw
         )
+        self.nccl_reader: Any = None
+        self.topology: Any = None
+        if cuda_index is not None:
+            from syncscope.agent import nccl_trace
+            from syncscope.agent.topology import TopologySampler, locator_from_torch
+
+            if _dist_available(torch) and nccl_trace.flight_recorder_available(torch):
+                after, _timed = nccl_trace.check_timing_at_attach(torch)
+                self.nccl_reader = nccl_trace.FlightRecorderReader(
+                    collectives,
+                    timeline=timeline,
+                    current_step=lambda: self.clock.step,
+                    attached_after_group=after,
+                )
+            try:
+                self.topology = TopologySampler(locator_from_torch(torch, cuda_index))
+            except Exception as exc:  # noqa: BLE001 - topology is never worth failing attach
+                log.info("syncscope: no GPU topology (%r)", exc)
         identity = process_identity()
         identity.update(
             job=config.job[:64], incarnation=uuid.uuid4().hex[:16], started_unix_s=time.time()
@@ -71,7 +100,14 @@ class Agent:
         self.identity = identity
 
         self.patch: CollectivePatch | None = None
-        if config.patch_collectives and torch is not None and _dist_available(torch):
+        # NCCL calls return before the GPU runs them: a CPU timer would time the enqueue only;
+        # Flight Recorder gives their real durations instead.
+        if (
+            config.patch_collectives
+            and torch is not None
+            and _dist_available(torch)
+            and not nccl_group_exists(torch)
+        ):
             self.patch = CollectivePatch(collectives, lambda: self.clock.step, labels)
             self.patch.install()
         self.pacer: Any = None
@@ -83,10 +119,12 @@ class Agent:
             collectives=collectives,
             flush_interval_s=config.flush_interval_s,
             send_timeout_s=config.send_timeout_s,
-            record_path=config.record.replace("{rank}", str(identity["rank"])) if config.record else None,
+            record_path=config.record.replace("{rank}", str(identity["rank"]))
+            if config.record
+            else None,
             dropped_elsewhere=self._dropped_on_training_thread,
             pacing_state=self._pacing_state,
-            topology=lambda: None,
+            topology=self.topology if self.topology is not None else (lambda: None),
         )
         if config.pacing:
             self._enable_pacing()
@@ -106,6 +144,10 @@ class Agent:
             self._handles.append(optimizer.register_step_pre_hook(self.clock.optimizer_pre))
             self._handles.append(optimizer.register_step_post_hook(self.clock.optimizer_post))
         self.reporter.start()
+        if cuda_index is not None:
+            self.clock.start()  # the CUDA-event resolver thread
+        if self.nccl_reader is not None:
+            self.nccl_reader.start()
         atexit.register(self.close)
 
     # -- public -------------------------------------------------------------------------------
@@ -123,7 +165,14 @@ class Agent:
                 handle.remove()
         if self.patch is not None:
             self.patch.uninstall()
+        if self.nccl_reader is not None:
+            self.nccl_reader.stop()
+        stop_clock = getattr(self.clock, "stop", None)
+        if stop_clock is not None:
+            stop_clock()  # resolve what the GPU has finished, so the reporter sends it
         self.reporter.stop()
+        if self.topology is not None:
+            self.topology.close()
 
     @property
     def stats(self) -> dict[str, int]:
@@ -143,7 +192,11 @@ class Agent:
             log.warning("syncscope: a hook failed and was ignored: %r", exc)
 
     def _dropped_on_training_thread(self) -> int:
-        return self.clock.dropped + (self.patch.dropped if self.patch is not None else 0)
+        return (
+            self.clock.dropped
+            + (self.patch.dropped if self.patch is not None else 0)
+            + (self.nccl_reader.stats["dropped"] if self.nccl_reader is not None else 0)
+        )
 
     def _enable_pacing(self) -> None:
         """Pacing (paper §5.3, controller in agent/pacing.py) at the step boundary.
@@ -198,6 +251,22 @@ def _import_torch() -> Any:
         return torch
     except ImportError:
         return None
+
+
+def _cuda_device(torch: Any, model: Any, optimizer: Any) -> int | None:
+    """The CUDA device the model (or optimizer) parameters live on; None on CPU."""
+    if torch is None:
+        return None
+    try:
+        first = next(iter(model.parameters()), None) if model is not None else None
+        if first is None and optimizer is not None:
+            first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        if first is not None and first.is_cuda:
+            index = first.device.index
+            return index if index is not None else torch.cuda.current_device()
+    except Exception:  # noqa: BLE001
+        pass
+    return None
 
 
 def _dist_available(torch: Any) -> bool:

@@ -16,6 +16,7 @@ thread, so it only reads the clock, adds integers and appends a tuple: no locks,
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -74,9 +75,12 @@ class PhaseClock:
         self.opt_start = 0
         self.bwd_pending = False
         self.manual_steps = False
+        # Tail drop: a full queue refuses the new record and counts it. (Appending to a full
+        # deque(maxlen) would evict the oldest instead, and "was it full?" checked before the
+        # append races with the reporter's drain, so the count could be off.)
         self.dropped = 0
-        self.steps_max = steps.maxlen or 0
-        self.coll_max = collectives.maxlen or 0
+        self.steps_max = steps.maxlen or sys.maxsize
+        self.coll_max = collectives.maxlen or sys.maxsize
         # Set by the agent when pacing is on: called at each step end with the step's exposed
         # wait (ns); returns the delay (ns) to insert before the next iteration.
         self.pacer: Callable[[int, int], int] | None = None
@@ -138,9 +142,10 @@ class PhaseClock:
             self.bwd_pending = False
             self.idle_since = t
             coll = self.collectives
-            if len(coll) >= self.coll_max:
+            if len(coll) < self.coll_max:
+                coll.append((DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, exposed, self.step))
+            else:
                 self.dropped += 1
-            coll.append((DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, exposed, self.step))
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
 
@@ -173,10 +178,11 @@ class PhaseClock:
     def end_step(self, t: int) -> None:
         acc = self.acc
         steps = self.steps
-        if len(steps) >= self.steps_max:
-            self.dropped += 1
         total = t - self.step_start
-        steps.append((self.step, t, total, *acc))
+        if len(steps) < self.steps_max:
+            steps.append((self.step, t, total, *acc))
+        else:
+            self.dropped += 1
         self.step += 1
         self.acc = [0, 0, 0, 0, 0, 0]
         self.step_start = t

@@ -49,7 +49,7 @@ def open_connection(url: str, timeout: float) -> http.client.HTTPConnection:
 
 
 def drain(queue: deque, limit: int) -> list:
-    out = []
+    out: list = []
     pop = queue.popleft
     try:
         while len(out) < limit:
@@ -59,10 +59,49 @@ def drain(queue: deque, limit: int) -> list:
     return out
 
 
+def split_batch(steps: list[dict], colls: list[dict], limit: int) -> list[tuple[list, list]]:
+    """Cut a backlog into requests of about `limit` records, a step's collectives with it.
+
+    One json.dumps holds the GIL from start to end (it never yields to other threads), so a
+    backlog sent as one body would stall the training thread for tens of milliseconds.
+    """
+    if len(steps) + len(colls) <= limit:
+        return [(steps, colls)]
+    by_step: dict[int, list[dict]] = {}
+    for c in colls:
+        by_step.setdefault(c["step"], []).append(c)
+    chunks: list[tuple[list, list]] = []
+    chunk_steps: list[dict] = []
+    chunk_colls: list[dict] = []
+    for s in steps:
+        chunk_colls.extend(by_step.pop(s["step"], ()))
+        chunk_steps.append(s)
+        if len(chunk_steps) + len(chunk_colls) >= limit:
+            chunks.append((chunk_steps, chunk_colls))
+            chunk_steps, chunk_colls = [], []
+    for rest in by_step.values():  # collectives of steps whose record comes in a later flush
+        chunk_colls.extend(rest)
+    if chunk_steps or chunk_colls:
+        chunks.append((chunk_steps, chunk_colls))
+    out: list[tuple[list, list]] = []
+    for chunk_steps, chunk_colls in chunks:  # a single step with thousands of collectives
+        out.append((chunk_steps, chunk_colls[:limit]))
+        out.extend(([], chunk_colls[i : i + limit]) for i in range(limit, len(chunk_colls), limit))
+    return out
+
+
 class Reporter:
-    """Owns the daemon thread; `flush()` is also called once more at close."""
+    """Owns the daemon thread; `flush()` is also called once more at close.
+
+    Delivery is at most once: a batch that fails is counted as dropped and never resent, so a
+    request the exporter did process before the connection broke cannot be counted twice.
+    Accounting: every record drained from the queues ends up in `sent_records` or
+    `send_dropped` (`drained_records` = their sum once a flush is over).
+    """
 
     MAX_BACKOFF_S = 2.0
+    MIN_BACKOFF_S = 0.25
+    MAX_RECORDS_PER_REQUEST = 1024
 
     def __init__(
         self,
@@ -95,9 +134,12 @@ class Reporter:
         self.sent_records = 0
         self.sent_batches = 0
         self.errors = 0
+        self.refusals = 0
+        self.drained_records = 0
+        self._in_flight = 0  # drained, neither sent nor counted as dropped yet
         self._conn: http.client.HTTPConnection | None = None
         self._retry_at = 0.0
-        self._backoff = 0.25
+        self._backoff = self.MIN_BACKOFF_S
         self._record = open(record_path, "a", buffering=1) if record_path else None  # noqa: SIM115
         self._stop = threading.Event()
         self._lock = threading.Lock()  # flush() from close() and from the thread
@@ -127,7 +169,12 @@ class Reporter:
     def flush(self) -> None:
         try:
             with self._lock:
-                self._flush()
+                try:
+                    self._flush()
+                finally:
+                    # Whatever an unexpected error left undelivered is lost: count it.
+                    self.send_dropped += self._in_flight
+                    self._in_flight = 0
         except BaseException as exc:  # noqa: BLE001 - the reporter must outlive anything
             self.errors += 1
             if self.errors <= 3:
@@ -136,8 +183,32 @@ class Reporter:
     def _flush(self) -> None:
         raw_steps = drain(self.steps, 4096)
         raw_colls = drain(self.collectives, 16384)
+        self._in_flight = len(raw_steps) + len(raw_colls)
+        self.drained_records += self._in_flight
         if not raw_steps and not raw_colls and self.url is None:
             return
+        # The local estimator runs even while the exporter is away: pacing reads its baseline.
+        waits = self.estimator.observe(
+            "self",
+            [
+                (collective_key(op, group, float(nbytes)), dur / 1e9, step)
+                for op, group, nbytes, dur, step in raw_colls
+            ],
+        )
+        wait_by_step: dict[int, float] = {}
+        for (op, _group, _nbytes, dur, step), wait in zip(raw_colls, waits, strict=True):
+            wait_by_step[step] = wait_by_step.get(step, 0.0) + wait
+            if op == DDP_GRAD_SYNC:
+                self.ddp_baseline_s = dur / 1e9 - wait
+        if self._record is None:
+            if self.url is None:  # no exporter and no file: nothing was meant to go anywhere
+                self._in_flight = 0
+                return
+            if time.monotonic() < self._retry_at:
+                # Backing off: these records are lost anyway; skip building what nobody reads.
+                self.send_dropped += self._in_flight
+                self._in_flight = 0
+                return
         colls = [
             {
                 "op": op,
@@ -148,18 +219,6 @@ class Reporter:
             }
             for op, group, nbytes, dur, step in raw_colls
         ]
-        waits = self.estimator.observe(
-            "self",
-            [
-                (collective_key(c["op"], c["group"], c["bytes"]), c["duration_s"], c["step"])
-                for c in colls
-            ],
-        )
-        wait_by_step: dict[int, float] = {}
-        for c, wait in zip(colls, waits, strict=True):
-            wait_by_step[c["step"]] = wait_by_step.get(c["step"], 0.0) + wait
-            if c["op"] == DDP_GRAD_SYNC:
-                self.ddp_baseline_s = c["duration_s"] - wait
         offset = time.time() - time.perf_counter_ns() / 1e9
         steps = []
         for step, end_ns, total, *acc in raw_steps:
@@ -182,16 +241,21 @@ class Reporter:
                     "step_s": s["duration_s"],
                     "phases": s["phases"],
                     "wait_s": wait_by_step.get(s["step"], 0.0),
+                    "end_unix_s": s["end_unix_s"],
                 }
                 self._record.write(json.dumps(line) + "\n")
         if self.url is not None:
-            self._send(steps, colls)
+            for chunk_steps, chunk_colls in split_batch(steps, colls, self.MAX_RECORDS_PER_REQUEST):
+                self._send(chunk_steps, chunk_colls)
+        else:
+            self._in_flight = 0  # kept locally only: nothing was meant to be sent
 
     def _send(self, steps: list[dict], colls: list[dict]) -> None:
         count = len(steps) + len(colls)
         now = time.monotonic()
         if now < self._retry_at:
             self.send_dropped += count
+            self._in_flight -= count
             return
         batch = {
             "schema_version": SCHEMA_VERSION,
@@ -214,11 +278,11 @@ class Reporter:
             payload = response.read()
         except (OSError, http.client.HTTPException) as exc:
             self.send_dropped += count
+            self._in_flight -= count
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
-            self._retry_at = now + self._backoff
-            self._backoff = min(self.MAX_BACKOFF_S, self._backoff * 2)
+            self._back_off(now)
             if self.errors == 0:
                 log.warning(
                     "syncscope: exporter %s unreachable (%s); records are dropped and counted",
@@ -227,16 +291,26 @@ class Reporter:
                 )
             self.errors += 1
             return
-        self._backoff = 0.25
         if response.status != 200:
             self.send_dropped += count
-            log.warning(
-                "syncscope: exporter refused a batch: %s %s", response.status, payload[:200]
-            )
+            self._in_flight -= count
+            self.refusals += 1
+            # Refused (auth, schema, capacity): asking again at once would be refused again.
+            self._back_off(now)
+            if self.refusals <= 3:
+                log.warning(
+                    "syncscope: exporter refused a batch: %s %s", response.status, payload[:200]
+                )
             return
+        self._backoff = self.MIN_BACKOFF_S
         self.sent_records += count
+        self._in_flight -= count
         self.sent_batches += 1
         self._apply_reply(payload)
+
+    def _back_off(self, now: float) -> None:
+        self._retry_at = now + self._backoff
+        self._backoff = min(self.MAX_BACKOFF_S, self._backoff * 2)
 
     def _apply_reply(self, payload: bytes) -> None:
         reply = json.loads(payload)

@@ -35,6 +35,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.expire_after_s,
         help="seconds before it is forgotten",
     )
+    p.add_argument(
+        "--metrics-host",
+        default=None,
+        help="address of an extra listener that serves GET /metrics and nothing else, for a "
+        "Prometheus on another machine (default: --host)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="port of that metrics-only listener (must differ from --port; default: none)",
+    )
     p.add_argument("--log-level", default=d.log_level)
     return p
 
@@ -56,13 +68,27 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     )
 
 
-def bind_sockets(settings: Settings) -> list[socket.socket]:
-    """The TCP socket, and the unix socket when asked for (created 0660, owner's group)."""
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-    tcp = socket.socket(family, socket.SOCK_STREAM)
+# Connections held open at once; beyond it uvicorn answers 503 instead of growing without bound.
+MAX_CONNECTIONS = 256
+
+
+def _tcp_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
+    # and with proto 0 every response waited ~40 ms (Nagle vs the client's delayed ACK).
+    tcp = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    # A restarted exporter rebinds its port at once despite connections in TIME_WAIT.
     tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    tcp.bind((settings.host, settings.port))
-    sockets = [tcp]
+    tcp.bind((host, port))
+    return tcp
+
+
+def bind_sockets(settings: Settings, metrics: tuple[str, int] | None = None) -> list[socket.socket]:
+    """The TCP socket, the unix socket when asked for (created 0660, owner's group), and the
+    metrics-only TCP socket when asked for."""
+    sockets = [_tcp_socket(settings.host, settings.port)]
+    if metrics is not None:
+        sockets.append(_tcp_socket(*metrics))
     if settings.ingest_socket:
         if os.path.exists(settings.ingest_socket):
             os.unlink(settings.ingest_socket)
@@ -80,13 +106,24 @@ def bind_sockets(settings: Settings) -> list[socket.socket]:
     return sockets
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: Settings, metrics: tuple[str, int] | None = None) -> None:
     import uvicorn
-    from syncscope.exporter.app import create_app
+    from syncscope.exporter.app import MetricsOnlyListener, create_app
 
-    config = uvicorn.Config(create_app(settings), log_level=settings.log_level, access_log=False)
+    app = create_app(settings)
+    if metrics is not None:
+        app = MetricsOnlyListener(app, metrics[1])
+    config = uvicorn.Config(
+        app,
+        log_level=settings.log_level,
+        access_log=False,
+        # No proxy in front of the exporter: never let a header rewrite who the client is.
+        proxy_headers=False,
+        server_header=False,
+        limit_concurrency=MAX_CONNECTIONS,
+    )
     server = uvicorn.Server(config)
-    server.run(sockets=bind_sockets(settings))
+    server.run(sockets=bind_sockets(settings, metrics))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,8 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"syncscope-exporter: cannot read token file: {exc}", file=sys.stderr)
         return 2
+    metrics = None
+    if args.metrics_port is not None:
+        if args.metrics_port == settings.port:
+            print("syncscope-exporter: --metrics-port must differ from --port", file=sys.stderr)
+            return 2
+        metrics = (args.metrics_host or settings.host, args.metrics_port)
     try:
-        serve(settings)
+        serve(settings, metrics)
     except OSError as exc:
         print(
             f"syncscope-exporter: cannot listen on {settings.host}:{settings.port}: {exc}",

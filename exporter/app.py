@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import hmac
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -13,10 +15,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 from pydantic import TypeAdapter, ValidationError
+from starlette.concurrency import run_in_threadpool
 from syncscope.exporter.collectors import StoreCollector
 from syncscope.exporter.page import install_page
 from syncscope.exporter.settings import Settings
-from syncscope.exporter.store import Store
+from syncscope.exporter.store import DIAGNOSIS_STEPS, Store
 
 from syncscope import __version__
 from syncscope.wire import INGEST_PATH, Batch
@@ -24,11 +27,17 @@ from syncscope.wire import INGEST_PATH, Batch
 _batch_adapter = TypeAdapter(Batch)
 _batch_schema = _batch_adapter.json_schema(ref_template="#/components/schemas/{model}")
 _batch_defs = _batch_schema.pop("$defs", {})
+# A client that cannot deliver its body within this long is holding a connection, not sending.
+BODY_READ_TIMEOUT_S = 10.0
+METRICS_PATH = "/metrics"
 
 
 class BadRequest(Exception):
-    def __init__(self, status: int, reason: str, detail: Any) -> None:
+    """A refused request. `counted` is False when the store has already counted the refusal."""
+
+    def __init__(self, status: int, reason: str, detail: Any, counted: bool = False) -> None:
         self.status, self.reason, self.detail = status, reason, detail
+        self.counted = counted
 
 
 def _no_constants(name: str) -> Any:
@@ -41,6 +50,8 @@ def parse_batch(body: bytes) -> Batch:
         raw = json.loads(body, parse_constant=_no_constants)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(400, "malformed_json", f"body is not valid JSON: {exc}") from None
+    except RecursionError:  # '[[[[...' a few thousand deep: refuse, never crash
+        raise BadRequest(400, "malformed_json", "body nests too deeply") from None
     try:
         return _batch_adapter.validate_python(raw)
     except ValidationError as exc:
@@ -56,23 +67,75 @@ async def _read_limited(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BadRequest(413, "too_large", f"body over {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(413, "too_large", f"body over {limit} bytes")
-        chunks.append(chunk)
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(413, "too_large", f"body over {limit} bytes")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), BODY_READ_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise BadRequest(
+            408, "slow_body", f"body not received within {BODY_READ_TIMEOUT_S:g} s"
+        ) from None
     return b"".join(chunks)
+
+
+def _on_unix_socket(scope: Mapping[str, Any]) -> bool:
+    # uvicorn reports a unix listener as (path, None); a TCP one as (address, port).
+    server = scope.get("server")
+    return server is not None and len(server) == 2 and server[1] is None
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).digest()
 
 
 def _authorised(request: Request, token: str | None) -> bool:
     if not token:
         return True
-    client = request.scope.get("client")
-    if not client or not client[0]:  # unix socket: file permissions are the access control
+    if _on_unix_socket(request.scope):  # file permissions (0660) are the access control there
         return True
+    # Fixed-length digests compared in constant time: neither content nor length leaks.
     header = request.headers.get("authorization", "")
-    expected = ("Bearer " + token).encode()
-    return hmac.compare_digest(header.encode(), expected)
+    return hmac.compare_digest(_digest(header), _digest("Bearer " + token))
+
+
+class MetricsOnlyListener:
+    """ASGI guard for the optional wide listener: there, GET /metrics and nothing else.
+
+    Prometheus may need the exporter on a routable address; ingest, state, the status page and
+    the API docs stay on the loopback (or unix) listener. Requests are told apart by the port
+    they arrived on, so the metrics port must differ from the main one.
+    """
+
+    def __init__(self, app: Any, metrics_port: int) -> None:
+        self.app = app
+        self.metrics_port = metrics_port
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            server = scope.get("server")
+            if (
+                server
+                and server[1] == self.metrics_port
+                and not (
+                    scope["type"] == "http"
+                    and scope.get("path") == METRICS_PATH
+                    and scope.get("method") in ("GET", "HEAD")
+                )
+            ):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                response = JSONResponse({"error": "not_found"}, status_code=404)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
@@ -92,7 +155,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
     @app.exception_handler(BadRequest)
     async def _bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
-        store.reject(exc.reason)
+        if not exc.counted:
+            store.reject(exc.reason)
         return JSONResponse({"error": exc.reason, "detail": exc.detail}, status_code=exc.status)
 
     @app.post(
@@ -107,17 +171,27 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         responses={
             400: {"description": "malformed JSON"},
             401: {"description": "missing or wrong token"},
+            408: {"description": "body not received in time"},
             413: {"description": "body too large"},
             422: {"description": "schema violation"},
+            429: {"description": "rank, job or series limits reached (counted by reason)"},
         },
     )
     async def ingest(request: Request) -> JSONResponse:
         if not _authorised(request, settings.token):
             raise BadRequest(401, "unauthorised", "a valid bearer token is required for TCP ingest")
-        batch = parse_batch(await _read_limited(request, settings.max_body_bytes))
-        reply = store.ingest(batch)
+        body = await _read_limited(request, settings.max_body_bytes)
+        # Parsing a large body takes milliseconds: do it off the event loop so that scrapes
+        # and other agents' requests are not queued behind it.
+        batch = await run_in_threadpool(parse_batch, body)
+        if await request.is_disconnected():
+            # The agent gave up waiting (send timeout) and counted these records as dropped;
+            # storing them now would count them twice.
+            raise BadRequest(499, "client_gone", "client disconnected before ingest")
+        reply = await run_in_threadpool(store.ingest, batch)
         if not reply.get("accepted"):
-            raise BadRequest(429, "capacity", reply.get("reason", "refused"))
+            # The store has counted this under its own reason (too_many_ranks, too_many_jobs).
+            raise BadRequest(429, "capacity", reply.get("reason", "refused"), counted=True)
         return JSONResponse(reply)
 
     @app.get("/metrics", summary="Prometheus metrics")
@@ -130,8 +204,9 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
     @app.get("/v1/state", summary="Everything the exporter knows, as JSON")
     def state(recent: int = 0) -> JSONResponse:
-        view = store.view()
         keep = max(0, min(recent, settings.recent_steps))
+        # Diagnosis reads the last DIAGNOSIS_STEPS steps; more only when the caller asks.
+        view = store.view(recent=max(keep, DIAGNOSIS_STEPS))
         for job in view["jobs"].values():
             for r in job["ranks"]:
                 r["recent_steps"] = r["recent_steps"][-keep:] if keep else []

@@ -18,7 +18,8 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-from syncscope.exporter.store import STEP_BUCKETS, Store
+from syncscope.exporter.gpu import collect_gpu
+from syncscope.exporter.store import DIAGNOSIS_STEPS, STEP_BUCKETS, Store
 
 from syncscope.wire import PHASES
 
@@ -200,6 +201,7 @@ COLLECTORS: dict[str, Callable[[View], Iterable[Metric]]] = {
     "pacing": collect_pacing,
     "diagnosis": collect_diagnosis,
     "exporter": collect_exporter,
+    "gpu": collect_gpu,
 }
 
 
@@ -228,7 +230,7 @@ class StoreCollector(Collector):
         )
         t0 = time.perf_counter()
         try:
-            view = self.store.view()
+            view = self.store.view(recent=DIAGNOSIS_STEPS)
             ok = 1.0
         except Exception:  # noqa: BLE001 - a scrape always answers
             view, ok = None, 0.0

@@ -16,6 +16,8 @@ from syncscope.exporter.settings import Settings
 from syncscope.arrival import ArrivalEstimator, collective_key, key_text
 from syncscope.wire import OPS, PHASES, Batch
 
+# Steps the diagnosis and the shares look back over (diagnosis.py reads recent_steps[-100:]).
+DIAGNOSIS_STEPS = 100
 STEP_BUCKETS = (
     0.001,
     0.0025,
@@ -80,10 +82,16 @@ class RankState:
         return self.dropped_before + self.dropped_current
 
     def cv(self) -> float | None:
-        if len(self.window) < 5:
+        n = len(self.window)
+        if n < 5:
             return None
-        mean = sum(self.window) / len(self.window)
-        return statistics.pstdev(self.window) / mean if mean > 0 else None
+        # Plain float arithmetic: statistics.pstdev works in exact fractions, ~20x slower, and
+        # this runs for every rank on every scrape.
+        mean = sum(self.window) / n
+        if mean <= 0:
+            return None
+        var = sum((x - mean) * (x - mean) for x in self.window) / n
+        return math.sqrt(var) / mean
 
 
 class Store:
@@ -120,11 +128,11 @@ class Store:
                     return {"accepted": False, "reason": "too many jobs"}
                 state = self.ranks[key] = RankState(job=job, rank=a.rank)
             estimator = self.estimators.setdefault(job, ArrivalEstimator())
-            if state.incarnation != a.incarnation:
+            if state.incarnation != clean_label(a.incarnation):
                 self._new_incarnation(state, estimator)
-                state.incarnation = a.incarnation
             state.local_rank, state.world_size = a.local_rank, a.world_size
             state.hostname, state.pid = clean_label(a.hostname), a.pid
+            state.incarnation = clean_label(a.incarnation)
             state.started_unix_s = a.started_unix_s
             state.last_report_unix_s = now
             state.dropped_current = max(state.dropped_current, batch.dropped_total)
@@ -138,7 +146,10 @@ class Store:
                     "total_delay_s": batch.pacing.total_delay_s,
                 }
             if batch.topology is not None:
-                state.topology = {clean_label(k): v for k, v in list(batch.topology.items())[:64]}
+                state.topology = {
+                    clean_label(k): clean_label(v, 256) if isinstance(v, str) else v
+                    for k, v in list(batch.topology.items())[:64]
+                }
             waits_by_step = self._collectives(state, estimator, batch)
             self._steps(state, batch, waits_by_step)
             self.ingested_records += len(batch.steps) + len(batch.collectives)
@@ -212,19 +223,31 @@ class Store:
                     del self.estimators[state.job]
 
     # -- read side (callers hold no lock; these take it) -----------------------------------------
-    def view(self) -> dict[str, Any]:
-        """A consistent snapshot of everything the collectors, state endpoint and page show."""
+    def view(self, recent: int | None = None) -> dict[str, Any]:
+        """A consistent snapshot of everything the collectors, state endpoint and page show.
+
+        `recent` bounds the per-rank `recent_steps` materialised (None: all kept). Scrapes ask
+        for DIAGNOSIS_STEPS only: building hundreds of dicts per rank was most of a scrape.
+        """
         from syncscope.exporter.diagnosis import diagnose_job
 
         now = time.time()
         with self.lock:
             self._expire(now)
             jobs: dict[str, dict[str, Any]] = {}
+            baselines: dict[str, dict[Any, float]] = {}
             for state in sorted(self.ranks.values(), key=lambda s: (s.job, s.rank)):
                 est = self.estimators.get(state.job)
-                lead = est.lead(state.rank) if est is not None else None
+                lead = None
+                if est is not None:
+                    cache = baselines.get(state.job)
+                    if cache is None:
+                        cache = baselines[state.job] = est.baselines()
+                    lead = est.lead(state.rank, cache)
                 job = jobs.setdefault(state.job, {"ranks": []})
-                job["ranks"].append(_rank_view(state, lead, now, self.settings.stale_after_s))
+                job["ranks"].append(
+                    _rank_view(state, lead, now, self.settings.stale_after_s, recent)
+                )
             for name, job in jobs.items():
                 job["diagnosis"] = diagnose_job(job["ranks"], self.settings)
                 job["name"] = name
@@ -237,14 +260,22 @@ class Store:
             }
 
 
-def _rank_view(s: RankState, lead: float | None, now: float, stale_after: float) -> dict[str, Any]:
+def _rank_view(
+    s: RankState, lead: float | None, now: float, stale_after: float, keep: int | None = None
+) -> dict[str, Any]:
     recent = list(s.recent)
-    durations = [r[1] for r in recent[-100:]]
+    last = recent[-DIAGNOSIS_STEPS:]
+    durations = [r[1] for r in last]
     total = sum(durations)
     shares = {}
     if total > 0:
-        for i, phase in enumerate(PHASES):
-            shares[phase] = sum(r[2][i] for r in recent[-100:]) / total
+        sums = [0.0] * len(PHASES)
+        for r in last:
+            for i, v in enumerate(r[2]):
+                sums[i] += v
+        shares = {phase: sums[i] / total for i, phase in enumerate(PHASES)}
+    if keep is not None:
+        recent = recent[-keep:] if keep > 0 else []
     pacing = dict(s.pacing) if s.pacing else None
     if pacing is not None:
         pacing["total_delay_s"] += s.pacing_delay_before
@@ -268,7 +299,7 @@ def _rank_view(s: RankState, lead: float | None, now: float, stale_after: float)
         "step_time_cv": s.cv(),
         "phase_shares": shares,
         "arrival_lead_s": lead,
-        "wait_mean_s": (sum(r[3] for r in recent[-100:]) / len(durations)) if durations else None,
+        "wait_mean_s": (sum(r[3] for r in last) / len(durations)) if durations else None,
         "collectives": [
             {
                 "op": op,

@@ -99,12 +99,13 @@ class ArrivalEstimator:
         keys = {key for per_key in self._series.values() for key in per_key}
         return {key: self.baseline(key) for key in keys}
 
-    def lead(self, rank: Hashable) -> float | None:
+    def lead(self, rank: Hashable, baselines: dict[Key, float] | None = None) -> float | None:
         """Waiting per step over this rank's last `lead_steps` steps, or None before any call.
 
         Per step rather than per call: after the first collective of a step the ranks are in
         step, so later calls of the same step wait little; what a rank loses per step is the
         sum, and averaging per call would dilute it by however many small calls follow.
+        `baselines` (from `baselines()`) saves recomputing them for every rank of a scrape.
         """
         per_key = self._series.get(rank)
         if not per_key:
@@ -116,11 +117,15 @@ class ArrivalEstimator:
         first = last
         total = 0.0
         for key, series in per_key.items():
-            base = self.baseline(key)
+            base = baselines[key] if baselines is not None and key in baselines else None
+            if base is None:
+                base = self.baseline(key)
             for duration, step in zip(series.durations, series.steps, strict=True):
                 if step > since:
-                    total += max(0.0, duration - base)
-                    first = min(first, step)
+                    if duration > base:
+                        total += duration - base
+                    if step < first:
+                        first = step
         return total / (last - first + 1)
 
     def forget(self, rank: Hashable) -> None:

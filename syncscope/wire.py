@@ -43,12 +43,22 @@ MAX_STEPS_PER_BATCH = 4096
 MAX_COLLECTIVES_PER_BATCH = 16384
 MAX_LABEL_LEN = 64
 MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_TOPOLOGY_ENTRIES = 64
+MAX_TOPOLOGY_TEXT = 256
 MAX_SECONDS = 86_400.0  # a single step or collective longer than a day is garbage, not data
 MAX_BYTES = float(1 << 50)  # 1 PiB per call
 
 Seconds = Annotated[float, Ge(0.0), Le(MAX_SECONDS)]
 Count = Annotated[int, Ge(0), Le(1 << 62)]
 Label = Annotated[str, MaxLen(MAX_LABEL_LEN)]
+# Topology values are free-form but bounded: short text, finite numbers (JSON's 1e999 parses
+# to inf, which would poison every later JSON answer), and at most MAX_TOPOLOGY_ENTRIES keys.
+TopologyValue = (
+    Annotated[str, MaxLen(MAX_TOPOLOGY_TEXT)]
+    | Annotated[float, Ge(-1e18), Le(1e18)]
+    | Annotated[int, Ge(-(1 << 62)), Le(1 << 62)]
+    | None
+)
 
 
 @dataclass
@@ -125,7 +135,7 @@ class Batch:
     )
     pacing: PacingState | None = None
     # GPU topology and low-rate samples: free-form but bounded, see agent.topology.
-    topology: dict[Label, str | float | int | None] | None = None
+    topology: Annotated[dict[Label, TopologyValue], MaxLen(MAX_TOPOLOGY_ENTRIES)] | None = None
 
 
 def size_bucket(nbytes: float) -> int:

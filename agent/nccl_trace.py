@@ -1,0 +1,440 @@
+"""NCCL collective durations from PyTorch's Flight Recorder, read off the training thread.
+
+ProcessGroupNCCL has no completion hook (deprecated in favour of Flight Recorder, FIELD-NOTES),
+and NCCL calls return to Python before the GPU has run them, so a CPU timer around them
+measures only the enqueue. With TORCH_NCCL_ENABLE_TIMING=1 every Flight Recorder entry gets
+`duration_ms` from CUDA events around the NCCL kernel: this rank's wait for the last peer plus
+the transfer, the very quantity the arrival estimator (syncscope.arrival) splits. This module
+turns entries into the records the gloo path produces, (op, group, bytes, duration_ns, step),
+and appends them to the same queue.
+
+Costs and bounds (the dump is `torch._C._distributed_c10d._dump_nccl_trace`, which returns a
+pickle and holds the GIL while it builds it: 42–51 ms for 2000 entries on the H100):
+  * never with stack traces (6.9 s for the same 2000 entries);
+  * from a daemon thread, at most every `min_interval_s`, and stretched so that dumping takes
+    at most `budget` of wall time (0.1 % by default: a 45 ms dump runs every 45 s);
+  * at most `max_records_per_poll` records per dump; entries de-duplicated by `record_id`
+    (monotonic per process; a Flight Recorder reset starts it again at 0, which is detected).
+Entries that complete between dumps and fall out of the ring buffer before the next one are
+simply not seen: the estimator works on whatever sample of calls it gets.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+log = logging.getLogger("syncscope.agent")
+
+ENABLE_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
+BUFFER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
+MAX_GROUP_LABELS = 32
+
+# profiling_name after "nccl:" -> the op label the gloo path uses (syncscope.wire.OPS).
+_OPS = {
+    "all_reduce": "all_reduce",
+    "allreduce_coalesced": "all_reduce",
+    "all_reduce_barrier": "barrier",
+    "barrier": "barrier",
+    "all_gather": "all_gather",
+    "_allgather_base": "all_gather",
+    "_all_gather_base": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "allgather_coalesced": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather",
+    "ALLGATHER_coalesced": "all_gather",
+    "all_gather_single": "all_gather",
+    "all_gather_v": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "REDUCE_SCATTER_coalesced": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_v": "reduce_scatter",
+    "broadcast": "broadcast",
+    "_broadcast_oop": "broadcast",
+    "all_to_all": "all_to_all",
+    "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "all_to_all_v_single": "all_to_all",
+}
+# Sized by what a rank ends up with (as collectives.py sizes the gloo path): the gathered
+# output for all_gather, the input everywhere else.
+_SIZE_FROM_OUTPUT = {"all_gather"}
+# c10::toString(ScalarType) -> bytes per element
+_DTYPE_BYTES = {
+    "Float": 4,
+    "Double": 8,
+    "Half": 2,
+    "BFloat16": 2,
+    "ComplexHalf": 4,
+    "ComplexFloat": 8,
+    "ComplexDouble": 16,
+    "Long": 8,
+    "Int": 4,
+    "Short": 2,
+    "Char": 1,
+    "Byte": 1,
+    "Bool": 1,
+    "UInt16": 2,
+    "UInt32": 4,
+    "UInt64": 8,
+    "Float8_e4m3fn": 1,
+    "Float8_e5m2": 1,
+    "Float8_e4m3fnuz": 1,
+    "Float8_e5m2fnuz": 1,
+    "Float8_e8m0fnu": 1,
+    "QInt8": 1,
+    "QUInt8": 1,
+    "QInt32": 4,
+}
+
+
+def prepare_environment(env: Any = os.environ) -> bool:
+    """Ask ProcessGroupNCCL to time collectives; only works before the group is created.
+
+    Returns True if this call turned timing on. Costs one more CUDA event per collective on
+    NCCL's own path (FIELD-NOTES: Event.record 2.2 µs).
+    """
+    if env.get(ENABLE_TIMING_ENV, "").strip() == "":
+        env[ENABLE_TIMING_ENV] = "1"
+        return True
+    return False
+
+
+def nccl_group_exists(torch: Any) -> bool:
+    """True once the default process group exists and is NCCL."""
+    try:
+        dist = torch.distributed
+        return bool(
+            dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend())
+        )
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def flight_recorder_available(torch: Any) -> bool:
+    """True on builds with ProcessGroupNCCL's Flight Recorder (not on CPU-only wheels)."""
+    try:
+        return hasattr(torch._C._distributed_c10d, "_dump_nccl_trace")
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def timing_requested(env: Any = os.environ) -> bool:
+    for name in (ENABLE_TIMING_ENV, "TORCH_NCCL_DESYNC_DEBUG"):
+        if env.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            return True
+    return False
+
+
+class StepTimeline:
+    """Wall-clock step ends, so a Flight Recorder entry (stamped CLOCK_REALTIME at creation)
+    can be placed in the step it belongs to. `mark` is one append: cheap enough for the
+    training thread's step end; `step_at` runs on the reader's thread."""
+
+    def __init__(self, maxlen: int = 4096) -> None:
+        self.ends: deque[tuple[int, int]] = deque(maxlen=maxlen)  # (end_wall_ns, step)
+
+    def mark(self, step: int, wall_ns: int | None = None) -> None:
+        self.ends.append((time.time_ns() if wall_ns is None else wall_ns, step))
+
+    def step_at(self, wall_ns: int, current: int) -> int:
+        """The step in progress at wall_ns: the first step that ended after it, else `current`."""
+        ends = list(self.ends)  # one C-level copy under the GIL: the appender cannot interleave
+        i = bisect.bisect_left(ends, (wall_ns, -1))
+        if i < len(ends):
+            return ends[i][1]
+        return max(current, ends[-1][1] + 1) if ends else current
+
+
+class GroupLabels:
+    """(pg_name, pg_desc) -> label, as agent.collectives.GroupLabels labels the gloo path:
+    the description where torch has one, else 'pg' + name; at most 32 distinct."""
+
+    def __init__(self) -> None:
+        self._labels: dict[tuple[str, str], str] = {}
+
+    def __call__(self, pg: Any) -> str:
+        if isinstance(pg, (list, tuple)) and len(pg) == 2:
+            key = (str(pg[0]), str(pg[1]))
+        else:
+            key = (str(pg), "")
+        label = self._labels.get(key)
+        if label is None:
+            if len(self._labels) >= MAX_GROUP_LABELS:
+                return "other"
+            name, desc = key
+            label = desc[:64] if desc and desc != "undefined" else ("pg" + name)[:64]
+            self._labels[key] = label
+        return label
+
+
+def op_label(profiling_name: str) -> str | None:
+    """'nccl:all_reduce' -> 'all_reduce'; point-to-point (send/recv) -> None; unknown -> 'other'."""
+    name = profiling_name.split(":", 1)[-1].strip()
+    base = name.split(" ", 1)[0]  # "send 0->1"
+    if base in ("send", "recv") or base.startswith(("send", "recv")):
+        return None
+    return _OPS.get(base, "other")
+
+
+def entry_bytes(entry: dict[str, Any], op: str) -> float:
+    sizes_key, dtypes_key = (
+        ("output_sizes", "output_dtypes")
+        if op in _SIZE_FROM_OUTPUT
+        else ("input_sizes", "input_dtypes")
+    )
+    sizes = entry.get(sizes_key) or []
+    dtypes = entry.get(dtypes_key) or []
+    total = 0
+    for i, shape in enumerate(sizes):
+        numel = 1
+        for dim in shape or ():
+            numel *= int(dim)
+        dtype = dtypes[i] if i < len(dtypes) else (dtypes[0] if dtypes else "Float")
+        total += numel * _DTYPE_BYTES.get(str(dtype), 4)
+    return float(total)
+
+
+class FlightRecorderReader:
+    """Polls Flight Recorder and appends (op, group, bytes, duration_ns, step) to `sink`.
+
+    `dump` returns the pickle `_dump_nccl_trace(includeCollectives=True,
+    includeStackTraces=False, onlyActive=False)` returns (injected for tests); `step_at` maps
+    an entry's creation time (wall ns) to a step; `current_step` is the training step now.
+    """
+
+    PROBE_DUMPS = 3  # dumps with completed entries but no duration before falling back
+
+    def __init__(
+        self,
+        sink: deque,
+        *,
+        dump: Callable[[], bytes] | None = None,
+        timeline: StepTimeline | None = None,
+        current_step: Callable[[], int] = lambda: 0,
+        min_interval_s: float = 5.0,
+        max_interval_s: float = 120.0,
+        budget: float = 0.001,
+        max_records_per_poll: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+        attached_after_group: bool = False,
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
+        self.sink = sink
+        self.dump = dump or _torch_dump
+        # Before the NCCL group exists there is nothing to read (attach() may run first):
+        # skip quietly rather than count failures towards turning the reader off.
+        self.ready = ready or (_nccl_group_now if dump is None else (lambda: True))
+        self.timeline = timeline or StepTimeline()
+        self.current_step = current_step
+        self.min_interval_s = min_interval_s
+        self.max_interval_s = max_interval_s
+        self.budget = budget
+        self.max_records_per_poll = max_records_per_poll
+        self.clock = clock
+        self.attached_after_group = attached_after_group
+        self.labels = GroupLabels()
+        self.interval_s = min_interval_s
+        self.active = True
+        self.fallback_reason: str | None = None
+        # de-duplication: every id below `floor` is done; `done` holds the ids at or above it
+        self.floor = 0
+        self.newest = -1
+        self.done: set[int] = set()
+        self.stats = {
+            "dumps": 0,
+            "dump_seconds_total": 0.0,
+            "last_dump_seconds": 0.0,
+            "entries_seen": 0,
+            "records": 0,
+            "no_duration": 0,
+            "p2p_skipped": 0,
+            "dropped": 0,
+            "resets": 0,
+            "errors": 0,
+        }
+        self._probes_without_duration = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- the loop -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="syncscope-nccl-trace", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while self.active and not self._stop.wait(self.interval_s):
+            self.poll()
+
+    def poll(self) -> int:
+        """One dump: parse, de-duplicate, append. Returns records appended; never raises."""
+        if not self.active or not self.ready():
+            return 0
+        try:
+            t0 = time.perf_counter()
+            raw = self.dump()
+            trace = pickle.loads(raw) if isinstance(raw, (bytes, bytearray)) else raw
+            entries = (trace.get("entries") or []) if isinstance(trace, dict) else []
+            added = self.ingest(entries)
+            cost = time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must never hurt training
+            self.stats["errors"] += 1
+            if self.stats["errors"] >= 3:
+                self._fall_back(f"Flight Recorder dump failed repeatedly ({exc!r})")
+            return 0
+        s = self.stats
+        s["dumps"] += 1
+        s["last_dump_seconds"] = cost
+        s["dump_seconds_total"] += cost
+        # Stretch the period so that dumping holds the GIL for at most `budget` of wall time.
+        self.interval_s = min(self.max_interval_s, max(self.min_interval_s, cost / self.budget))
+        return added
+
+    # -- parsing ---------------------------------------------------------------------------------
+    def ingest(self, entries: Iterable[dict[str, Any]]) -> int:
+        """Fold one dump's entries in; returns how many records were appended to the sink."""
+        entries = sorted(
+            (e for e in entries if isinstance(e, dict) and isinstance(e.get("record_id"), int)),
+            key=lambda e: e["record_id"],
+        )
+        if not entries:
+            return 0
+        newest = entries[-1]["record_id"]
+        if newest < self.newest:
+            # ids went backwards: Flight Recorder was reset (reset_all) and counts from 0 again
+            self.stats["resets"] += 1
+            self.floor, self.done = 0, set()
+        self.newest = newest
+        self.floor = max(self.floor, entries[0]["record_id"])  # older ids left the ring buffer
+        self.stats["entries_seen"] += len(entries)
+
+        current = self.current_step()
+        fresh: list[tuple[str, str, float, int, int]] = []
+        lowest_pending: int | None = None
+        completed_without_duration = completed_with_duration = 0
+        for e in entries:
+            rid = e["record_id"]
+            if rid < self.floor or rid in self.done:
+                continue
+            if e.get("state") != "completed":
+                if lowest_pending is None:
+                    lowest_pending = rid
+                continue
+            self.done.add(rid)
+            if e.get("is_p2p"):
+                self.stats["p2p_skipped"] += 1
+                continue
+            op = op_label(str(e.get("profiling_name", "")))
+            if op is None:
+                self.stats["p2p_skipped"] += 1
+                continue
+            duration_ms = e.get("duration_ms")
+            if not isinstance(duration_ms, (int, float)) or duration_ms < 0:
+                self.stats["no_duration"] += 1
+                completed_without_duration += 1
+                continue
+            completed_with_duration += 1
+            created = e.get("time_created_ns")
+            step = (
+                self.timeline.step_at(int(created), current)
+                if isinstance(created, int)
+                else current
+            )
+            fresh.append(
+                (
+                    op,
+                    self.labels(e.get("process_group")),
+                    entry_bytes(e, op),
+                    round(duration_ms * 1e6),
+                    step,
+                )
+            )
+        self.floor = lowest_pending if lowest_pending is not None else newest + 1
+        self.done = {rid for rid in self.done if rid >= self.floor}
+
+        if completed_without_duration and not completed_with_duration:
+            self._probes_without_duration += 1
+            if self._probes_without_duration >= self.PROBE_DUMPS:
+                # attach() has already warned where it could tell; say it once, not twice
+                self._fall_back(self._no_timing_message(), warn=not self.attached_after_group)
+        elif completed_with_duration:
+            self._probes_without_duration = 0
+
+        if len(fresh) > self.max_records_per_poll:
+            self.stats["dropped"] += len(fresh) - self.max_records_per_poll
+            fresh = fresh[-self.max_records_per_poll :]
+        sink = self.sink
+        if sink.maxlen is not None:
+            # Tail drop, as the phase clock does: a full queue refuses new records, counted.
+            room = max(0, sink.maxlen - len(sink))
+            self.stats["dropped"] += max(0, len(fresh) - room)
+            fresh = fresh[:room]
+        sink.extend(fresh)
+        self.stats["records"] += len(fresh)
+        return len(fresh)
+
+    def _no_timing_message(self) -> str:
+        when = (
+            "attach() ran after the NCCL process group was created, and "
+            if self.attached_after_group
+            else ""
+        )
+        return (
+            f"{when}Flight Recorder entries carry no duration: NCCL collective timing is off. "
+            f"Set {ENABLE_TIMING_ENV}=1 before init_process_group (or call syncscope's attach() "
+            "before it). Falling back to DDP's exposed communication from CUDA events; "
+            "per-collective NCCL timing is disabled for this run."
+        )
+
+    def _fall_back(self, reason: str, warn: bool = True) -> None:
+        if self.active:
+            self.active = False
+            self.fallback_reason = reason
+            (log.warning if warn else log.info)("syncscope: %s", reason)
+
+
+def _nccl_group_now() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and nccl_group_exists(torch)
+
+
+def _torch_dump() -> bytes:
+    import torch
+
+    dump = torch._C._distributed_c10d._dump_nccl_trace  # type: ignore[attr-defined]
+    return dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+
+
+def check_timing_at_attach(torch: Any, env: Any = os.environ) -> tuple[bool, bool]:
+    """(attached_after_group, timing_on) at attach(): turns timing on if it still can, and
+    warns once, clearly, if the NCCL group already exists without it."""
+    if not nccl_group_exists(torch):
+        prepare_environment(env)
+        return False, True
+    if timing_requested(env):
+        return True, True
+    log.warning(
+        "syncscope: attach() ran after the NCCL process group was created without %s=1, so "
+        "NCCL collectives are not timed. Set %s=1 before init_process_group (or call attach() "
+        "first). Falling back to DDP's exposed communication from CUDA events; the Flight "
+        "Recorder reader checks a few dumps and turns itself off if they carry no durations.",
+        ENABLE_TIMING_ENV,
+        ENABLE_TIMING_ENV,
+    )  # the one warning: the reader stays quiet when its dumps confirm it
+    return True, False

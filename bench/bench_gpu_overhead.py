@@ -1,0 +1,220 @@
+"""GPU agent overhead, measured side by side in one run (interleaved A/B): target ≤ 0.2 %.
+
+An 8-layer d=1024 bf16 transformer step under DDP/NCCL, agent attached (CUDA-event phases,
+Flight Recorder reader, NVML topology sampling) vs detached, in alternating rounds (ABBA), each
+round warmed up first. Every step ends in a host sync (`loss.item()`, as loss logging does), so
+the agent's training-thread cost is on the critical path: the worst case for it. Prints median
+and p99 step time per arm, their ratios, what the agent's GPU parts did, and PASS/FAIL.
+
+Both arms run with TORCH_NCCL_ENABLE_TIMING=1 (a process-group setting that cannot differ
+between rounds of one process); `--nccl-timing-ab` measures that setting's own cost in two
+fresh processes instead.
+
+Run (GPU machine; one GPU is enough, torchrun for more):
+  .venv/bin/python bench/bench_gpu_overhead.py [--rounds 8] [--steps 150]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+TARGET_RATIO = 1.002
+
+
+def need_cuda():
+    try:
+        import torch
+    except ImportError:
+        sys.exit("bench_gpu_overhead.py needs torch with CUDA; torch is not installed here.")
+    if not torch.cuda.is_available():
+        sys.exit(
+            "bench_gpu_overhead.py needs a CUDA GPU and a CUDA build of torch "
+            f"(found torch {torch.__version__}, CUDA available: False). "
+            "Run it on the device machine; bench/bench_agent_overhead.py is the CPU bench."
+        )
+    return torch
+
+
+def build(torch, layers: int, d: int, batch: int, seq: int, local_rank: int):
+    layer = torch.nn.TransformerEncoderLayer(
+        d_model=d, nhead=16, dim_feedforward=4 * d, batch_first=True, dtype=torch.bfloat16
+    )
+    model = torch.nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
+    model = torch.nn.parallel.DistributedDataParallel(
+        model.cuda(local_rank), device_ids=[local_rank]
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    x = torch.randn(batch, seq, d, device=f"cuda:{local_rank}", dtype=torch.bfloat16)
+    return model, opt, x
+
+
+def run_steps(model, opt, x, steps: int) -> list[float]:
+    times = []
+    last = time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        loss.item()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    return times
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def agent_parts(agent) -> dict:
+    clock = getattr(agent, "clock", None)
+    reader = getattr(agent, "nccl_reader", None)
+    return {
+        "clock": type(clock).__name__,
+        "gpu_steps": getattr(clock, "gpu_steps", None),
+        "cpu_steps": getattr(clock, "cpu_steps", None),
+        "nccl_reader": None
+        if reader is None
+        else {k: reader.stats[k] for k in ("dumps", "last_dump_seconds", "records", "dropped")}
+        | {"interval_s": reader.interval_s, "fallback": reader.fallback_reason},
+        "topology": getattr(agent, "topology", None) is not None,
+        "errors": agent.stats.get("errors"),
+    }
+
+
+def ab(args) -> int:
+    torch = need_cuda()
+    import torch.distributed as dist
+    from syncscope.agent import attach
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group("nccl")
+    else:
+        store = tempfile.mktemp(prefix="syncscope-gpu-bench-")
+        dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
+    exporter_proc, url = None, None if args.exporter == "none" else args.exporter
+    if args.exporter == "auto":
+        # a real exporter, so the reporter sends and the topology sampler runs, as in production
+        from syncscope.demo import free_port, start_exporter
+
+        port = free_port()
+        exporter_proc = start_exporter(port, stdout=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+    model, opt, x = build(torch, args.layers, args.d, args.batch, args.seq, local_rank)
+    run_steps(model, opt, x, args.warmup)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    parts = None
+    for i in range(args.rounds):
+        for attached in (False, True) if i % 2 == 0 else (True, False):
+            agent = attach(model=model, optimizer=opt, exporter=url) if attached else None
+            run_steps(model, opt, x, args.warmup)
+            times[attached] += run_steps(model, opt, x, args.steps)
+            if agent is not None:
+                parts = agent_parts(agent)
+                agent.close()
+    dist.destroy_process_group()
+    if exporter_proc is not None:
+        exporter_proc.terminate()
+    if rank != 0:
+        return 0
+    m0, m1 = statistics.median(times[False]), statistics.median(times[True])
+    q0, q1 = p99(times[False]), p99(times[True])
+    result = {
+        "device": torch.cuda.get_device_name(local_rank),
+        "world_size": world,
+        "steps_per_arm": len(times[False]),
+        "median_ms": {"detached": m0 * 1e3, "attached": m1 * 1e3},
+        "p99_ms": {"detached": q0 * 1e3, "attached": q1 * 1e3},
+        "median_ratio": m1 / m0,
+        "p99_ratio": q1 / q0,
+        "agent": parts,
+        "exporter": url,
+    }
+    print(json.dumps(result, indent=1, default=str))
+    if parts is None or parts["clock"] != "CudaPhaseClock" or parts["nccl_reader"] is None:
+        print(
+            "NOTE: attach() did not enable the GPU parts (agent/core.py wiring not applied?): "
+            "this measured the CPU agent only."
+        )
+    verdict = "PASS" if m1 / m0 <= TARGET_RATIO else "FAIL"
+    print(
+        f"{verdict}: median step ratio {m1 / m0:.4f} (target ≤ {TARGET_RATIO}), p99 {q1 / q0:.4f}"
+    )
+    return 0 if verdict == "PASS" or args.no_fail else 1
+
+
+def nccl_timing_ab(args) -> int:
+    """TORCH_NCCL_ENABLE_TIMING's own cost: fresh processes, no agent, alternating."""
+    need_cuda()
+    medians: dict[str, list[float]] = {"0": [], "1": []}
+    for i in range(args.rounds):
+        for timing in ("0", "1") if i % 2 == 0 else ("1", "0"):
+            env = dict(os.environ, TORCH_NCCL_ENABLE_TIMING=timing)
+            out = subprocess.run(
+                [sys.executable, __file__, "--baseline-only", *sys.argv[1:]],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            medians[timing].append(float(out.strip().splitlines()[-1]))
+    m0, m1 = statistics.median(medians["0"]), statistics.median(medians["1"])
+    print(f"NCCL timing off {m0 * 1e3:.3f} ms, on {m1 * 1e3:.3f} ms, ratio {m1 / m0:.4f}")
+    return 0
+
+
+def baseline_only(args) -> int:
+    torch = need_cuda()
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    store = tempfile.mktemp(prefix="syncscope-gpu-bench-")
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
+    model, opt, x = build(torch, args.layers, args.d, args.batch, args.seq, 0)
+    run_steps(model, opt, x, args.warmup)
+    print(statistics.median(run_steps(model, opt, x, args.steps)))
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=150, help="measured steps per round")
+    p.add_argument("--warmup", type=int, default=20, help="steps before each round")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--d", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument(
+        "--exporter",
+        default="auto",
+        help="auto (start a real exporter, the default), none, or an http:// URL",
+    )
+    p.add_argument("--no-fail", action="store_true", help="exit 0 even above the target")
+    p.add_argument("--nccl-timing-ab", action="store_true")
+    p.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.baseline_only:
+        return baseline_only(args)
+    if args.nccl_timing_ab:
+        return nccl_timing_ab(args)
+    os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
+    return ab(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

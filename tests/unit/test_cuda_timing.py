@@ -1,0 +1,294 @@
+"""CUDA-event phase timing, on CPU: a fake stream whose events behave like CUDA's (recorded at the
+tail of the queue, completed once the stream has run that far). The real CUDA path is checked in
+tests/gpu/test_gpu_agent.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import pytest
+from syncscope.agent.cuda_timing import CudaPhaseClock
+from syncscope.agent.nccl_trace import StepTimeline
+
+from syncscope.wire import DDP_GRAD_SYNC
+
+MS = 1_000_000  # ns
+
+
+class FakeStream:
+    """GPU time in ms: `enqueue` adds work at the tail, `run_all`/`run_to` executes it."""
+
+    def __init__(self) -> None:
+        self.tail = 0.0
+        self.executed = 0.0
+        self.query_threads: set[str] = set()
+        self.record_threads: set[str] = set()
+
+    def enqueue(self, ms: float) -> None:
+        self.tail += ms
+
+    def run_all(self) -> None:
+        self.executed = self.tail
+
+
+class FakeEvent:
+    def __init__(self, stream: FakeStream, fail: bool = False) -> None:
+        self.stream = stream
+        self.t: float | None = None
+        self.fail = fail
+
+    def record(self) -> None:
+        if self.fail:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        self.stream.record_threads.add(threading.current_thread().name)
+        self.t = self.stream.tail
+
+    def query(self) -> bool:
+        self.stream.query_threads.add(threading.current_thread().name)
+        return self.t is not None and self.stream.executed >= self.t
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return end.t - self.t  # type: ignore[operator]
+
+
+class Loop:
+    """Drives the clock's hooks in the order a DDP training step fires them."""
+
+    PHASES = {"data": 3.0, "forward": 5.0, "loss": 0.5, "backward": 9.0, "comm": 4.0, "clip": 1.0}
+    OPT = 2.0
+
+    def __init__(self, **kw) -> None:
+        self.stream = FakeStream()
+        self.steps: deque = deque(maxlen=1000)
+        self.colls: deque = deque(maxlen=1000)
+        self.callbacks: list = []
+        self.errors: list[BaseException] = []
+        self.clock = CudaPhaseClock(
+            self.steps,
+            self.colls,
+            self.callbacks.append,
+            "default_pg",
+            4096.0,
+            self.errors.append,
+            event_factory=kw.pop("event_factory", lambda: FakeEvent(self.stream)),
+            **kw,
+        )
+
+    def step(self, **override: float) -> None:
+        p = {**self.PHASES, **override}
+        s, c = self.stream, self.clock
+        s.enqueue(p["data"])
+        c.forward_pre(None, None)
+        s.enqueue(p["forward"])
+        c.forward_post(None, None, object())
+        s.enqueue(p["loss"])
+        c._backward_reached_output(None)
+        s.enqueue(p["backward"])
+        self.callbacks.pop(0)()  # callback A: backward done, queues B
+        s.enqueue(p["comm"])
+        self.callbacks.pop(0)()  # callback B: gradients reduced
+        s.enqueue(p["clip"])
+        c.optimizer_pre(None, None, None)
+        s.enqueue(override.get("opt", self.OPT))
+        c.optimizer_post(None, None, None)
+
+
+def phases_ms(record: tuple) -> dict[str, float]:
+    names = ("data", "forward", "backward", "optimizer", "comm_exposed", "pacing")
+    return {n: v / MS for n, v in zip(names, record[3:], strict=True)} | {"total": record[2] / MS}
+
+
+def test_gpu_phases_are_the_gpu_time_between_boundaries_and_add_up():
+    loop = Loop()
+    for _ in range(5):
+        loop.step()
+    assert not loop.steps  # nothing reported before the GPU has run it
+    loop.stream.run_all()
+    assert loop.clock.resolve() == 5
+    records = list(loop.steps)
+    assert [r[0] for r in records] == [0, 1, 2, 3, 4]
+    assert loop.clock.cpu_steps == 1  # step 0 has no start event: CPU phases
+    for r in records[1:]:
+        p = phases_ms(r)
+        assert p["data"] == pytest.approx(3.0)
+        assert p["forward"] == pytest.approx(5.0)
+        assert p["backward"] == pytest.approx(9.0)
+        assert p["comm_exposed"] == pytest.approx(4.0)
+        assert p["optimizer"] == pytest.approx(2.0)
+        assert p["total"] == pytest.approx(24.5)  # + loss and clipping, which are "other"
+        assert sum(r[3:]) <= r[2]
+    ddp = list(loop.colls)
+    assert len(ddp) == 5 and all(c[0] == DDP_GRAD_SYNC for c in ddp)
+    assert [c[3] for c in ddp[1:]] == [4 * MS] * 4  # the GPU's exposed communication
+    assert [c[4] for c in ddp] == [0, 1, 2, 3, 4]
+    assert loop.errors == []
+
+
+def test_steps_are_resolved_in_order_only_once_the_gpu_passed_them():
+    loop = Loop()
+    for _ in range(3):
+        loop.step()
+    loop.stream.executed = 24.5 * 1.5  # step 0 done, step 1 half-way
+    assert loop.clock.resolve() == 1 and [r[0] for r in loop.steps] == [0]
+    loop.stream.run_all()
+    assert loop.clock.resolve() == 2 and [r[0] for r in loop.steps] == [0, 1, 2]
+
+
+def test_a_slow_gpu_phase_shows_in_that_phase():
+    loop = Loop()
+    loop.step()
+    loop.step(backward=30.0)
+    loop.step(comm=15.0)
+    loop.stream.run_all()
+    loop.clock.resolve()
+    _, slow_backward, slow_comm = (phases_ms(r) for r in loop.steps)
+    assert slow_backward["backward"] == pytest.approx(30.0)
+    assert slow_comm["comm_exposed"] == pytest.approx(15.0)
+
+
+def test_the_resolver_thread_does_all_querying():
+    loop = Loop(poll_interval_s=0.01)
+    loop.clock.start()
+    for _ in range(4):
+        loop.step()
+    loop.stream.run_all()
+    deadline = time.monotonic() + 5
+    while len(loop.steps) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.clock.stop()
+    assert len(loop.steps) == 4
+    assert loop.stream.record_threads == {threading.current_thread().name}
+    assert loop.stream.query_threads == {"syncscope-cuda-events"}
+
+
+def test_events_are_reused_not_created_per_step():
+    loop = Loop()
+    for _ in range(50):
+        loop.step()
+        loop.stream.run_all()
+        loop.clock.resolve()
+    assert loop.clock.gpu_steps == 49
+    assert loop.clock.events_created <= 2 * 7 + 1  # one step in flight, one resolving, one end
+
+
+def test_a_full_queue_reports_cpu_phases_and_restarts_the_chain():
+    loop = Loop(max_pending=2)
+    for _ in range(4):
+        loop.step()  # the GPU never catches up meanwhile
+    assert [r[0] for r in loop.steps] == [2, 3]  # went out at once, with CPU phases
+    loop.stream.run_all()
+    loop.clock.resolve()
+    loop.step()  # the first step after the break has no start event
+    loop.step()
+    loop.stream.run_all()
+    loop.clock.resolve()
+    assert [r[0] for r in loop.steps] == [2, 3, 0, 1, 4, 5]
+    assert loop.clock.gpu_steps == 2 and loop.clock.cpu_steps == 4  # 1 and 5 are GPU-timed
+    assert phases_ms(loop.steps[-1])["total"] == pytest.approx(24.5)
+
+
+def test_running_out_of_events_or_a_cuda_error_never_reaches_the_loop():
+    loop = Loop(max_events=5)  # fewer than one step needs
+    for _ in range(3):
+        loop.step()
+    loop.stream.run_all()
+    loop.clock.resolve()
+    assert [r[0] for r in loop.steps] == [0, 1, 2] and loop.clock.gpu_steps == 0
+    failing = Loop(event_factory=lambda: FakeEvent(FakeStream(), fail=True))
+    for _ in range(3):
+        failing.step()
+    failing.clock.resolve()
+    assert len(failing.steps) == 3 and len(failing.errors) == 3  # one per step, then untimed
+
+
+def test_pacing_stays_the_cpu_delay_and_is_not_counted_as_data():
+    loop = Loop()
+    loop.clock.pacer = lambda _comm, _total: 2 * MS  # 2 ms before every next iteration
+    for _ in range(3):
+        loop.step(data=3.0)
+    loop.stream.run_all()
+    loop.clock.resolve()
+    last = phases_ms(loop.steps[-1])
+    assert last["pacing"] >= 2.0  # a real time.sleep: at least what was asked
+    assert last["data"] == pytest.approx(max(0.0, 3.0 - last["pacing"]))
+
+
+def test_stop_flushes_what_the_gpu_never_finished_as_cpu_steps():
+    loop = Loop()
+    for _ in range(3):
+        loop.step()
+    t0 = time.monotonic()
+    loop.clock.stop(timeout=0.2)
+    assert time.monotonic() - t0 < 1.0
+    assert [r[0] for r in loop.steps] == [0, 1, 2] and loop.clock.cpu_steps == 3
+
+
+def test_step_ends_are_marked_on_the_timeline_for_the_nccl_reader():
+    timeline = StepTimeline()
+    loop = Loop(timeline=timeline)
+    before = time.time_ns()
+    loop.step()
+    loop.step()
+    assert [s for _, s in timeline.ends] == [0, 1]
+    assert all(before <= t <= time.time_ns() for t, _ in timeline.ends)
+
+
+def test_manual_steps_time_the_optimizer_to_its_post_hook():
+    loop = Loop()
+    c, s = loop.clock, loop.stream
+    for _ in range(3):
+        c.begin_manual_step()
+        s.enqueue(1.0)
+        c.optimizer_pre(None, None, None)
+        s.enqueue(2.0)
+        c.optimizer_post(None, None, None)
+        s.enqueue(4.0)  # logging after the optimizer, inside the `with agent.step()` block
+        c.end_step(time.perf_counter_ns())
+    s.run_all()
+    c.resolve()
+    p = phases_ms(loop.steps[-1])
+    assert p["optimizer"] == pytest.approx(2.0) and p["total"] == pytest.approx(7.0)
+
+
+def test_with_real_torch_hooks_on_cpu():
+    torch = pytest.importorskip("torch")
+    stream = FakeStream()
+
+    class WallEvent(FakeEvent):
+        def record(self) -> None:  # "GPU time" = host time: a CPU loop is its own stream
+            self.t = time.perf_counter_ns() / MS
+
+        def query(self) -> bool:
+            return True
+
+    steps: deque = deque(maxlen=100)
+    errors: list = []
+    clock = CudaPhaseClock(
+        steps,
+        deque(maxlen=100),
+        torch.autograd.Variable._execution_engine.queue_callback,
+        None,
+        0.0,
+        errors.append,
+        event_factory=lambda: WallEvent(stream),
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model.register_forward_pre_hook(clock.forward_pre)
+    model.register_forward_hook(clock.forward_post)
+    opt.register_step_pre_hook(clock.optimizer_pre)
+    opt.register_step_post_hook(clock.optimizer_post)
+    x = torch.randn(32, 64)
+    for _ in range(6):
+        time.sleep(0.002)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    clock.resolve()
+    assert errors == [] and len(steps) == 6 and clock.gpu_steps == 5
+    for r in list(steps)[1:]:
+        p = phases_ms(r)
+        assert p["data"] >= 1.5 and p["forward"] > 0 and p["backward"] > 0 and p["optimizer"] > 0
+        assert sum(r[3:]) <= r[2]

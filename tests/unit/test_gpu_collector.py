@@ -1,0 +1,167 @@
+"""The GPU collector end to end on CPU: fixture topologies -> a validated batch -> the real store
+-> collect_gpu -> exposition text, diffed against a golden file and checked by promtool."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from syncscope.agent.topology import DeviceLocator, TopologySampler
+from syncscope.exporter.app import parse_batch
+from syncscope.exporter.gpu import collect_gpu
+from syncscope.exporter.settings import Settings
+from syncscope.exporter.store import Store
+
+from tests.fixtures.gpu import HERE, load_case
+
+GOLDEN = HERE / "expected-gpu-metrics.prom"
+CONTRACT = Path(__file__).resolve().parents[2] / "deploy" / "metrics-contract.txt"
+
+
+def topology(case: str, tmp_path: Path) -> dict:
+    device, sysfs = load_case(case, tmp_path / case)
+    sampler = TopologySampler(
+        DeviceLocator(pci_bus_id="x"), open_nvml=lambda _l: device, sysfs=sysfs
+    )
+    return sampler()
+
+
+def batch(rank: int, topo: dict | None) -> bytes:
+    return json.dumps(
+        {
+            "schema_version": 1,
+            "agent": {
+                "job": "train",
+                "rank": rank,
+                "local_rank": rank,
+                "world_size": 3,
+                "incarnation": f"i{rank}",
+            },
+            "steps": [
+                {"step": 0, "duration_s": 0.03, "end_unix_s": 1.7e9, "phases": {"forward": 0.01}}
+            ],
+            "topology": topo,
+        },
+        allow_nan=False,
+    ).encode()
+
+
+class ViewCollector:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def collect(self):
+        return collect_gpu(self.store.view())
+
+
+@pytest.fixture
+def store(tmp_path) -> Store:
+    store = Store(Settings())
+    store.ingest(parse_batch(batch(0, topology("h100-vm", tmp_path))))
+    store.ingest(parse_batch(batch(1, topology("degraded", tmp_path))))
+    store.ingest(parse_batch(batch(2, None)))  # a CPU-only rank
+    return store
+
+
+def render(store: Store) -> str:
+    registry = CollectorRegistry()
+    registry.register(ViewCollector(store))  # type: ignore[arg-type]
+    return generate_latest(registry).decode()
+
+
+def test_exposition_matches_the_golden_file(store):
+    text = render(store)
+    if os.environ.get("SYNCSCOPE_UPDATE_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text()
+
+
+def samples(text: str, name: str) -> dict[str, dict]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name:
+                out[s.labels["rank"]] = {**s.labels, "value": s.value}
+    return out
+
+
+def test_series_per_rank(store):
+    text = render(store)
+    info = samples(text, "syncscope_gpu_info")
+    assert set(info) == {"0", "1"}  # the CPU-only rank has no GPU series at all
+    assert info["0"]["name"] == "NVIDIA H100 80GB HBM3"
+    assert (info["0"]["nic"], info["0"]["nic_distance"], info["0"]["numa_node"]) == (
+        "eth0",
+        "unknown",
+        "0",
+    )
+    assert (info["1"]["nic"], info["1"]["nic_distance"]) == ("mlx5_1", "same_pcie_switch")
+    assert info["1"]["pci_bus_id"] == "0000:1b:00.0"
+    width = samples(text, "syncscope_gpu_pcie_link_width")
+    assert (width["0"]["value"], width["1"]["value"]) == (16, 8)
+    assert samples(text, "syncscope_gpu_numa_mismatch")["1"]["value"] == 1
+    # NVLink "not supported" in the VM: no series rather than a misleading 0
+    assert set(samples(text, "syncscope_gpu_nvlink_active_links")) == {"1"}
+    assert samples(text, "syncscope_gpu_sm_clock_hertz")["1"]["value"] == 1.41e9
+    assert samples(text, "syncscope_gpu_power_watts")["1"]["value"] == pytest.approx(698.5)
+
+
+def test_families_and_labels_are_the_contracts_gpu_lines(store):
+    contract = {}
+    for line in CONTRACT.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 4 and not line.startswith("#") and parts[3] == "gpu":
+            contract[parts[0]] = set(parts[2].split(","))
+    emitted = {}
+    for family in text_string_to_metric_families(render(store)):
+        for s in family.samples:
+            emitted[s.name] = set(s.labels)
+    assert emitted == contract
+
+
+def test_odd_topologies_never_fail_the_collector():
+    view = {
+        "jobs": {
+            "j": {
+                "ranks": [
+                    {"rank": 0, "local_rank": 0, "topology": None},
+                    {"rank": 1, "local_rank": 1, "topology": {"gpu_uuid": "unknown"}},
+                    {
+                        "rank": 2,
+                        "local_rank": 2,
+                        "topology": {
+                            "gpu_uuid": "GPU-1",
+                            "pcie_link_width": "sixteen",
+                            "temperature_celsius": float("inf"),
+                            "numa_mismatch": True,
+                            "nic": "x" * 300,
+                        },
+                    },
+                ]
+            }
+        }
+    }
+    families = {f.name: f for f in collect_gpu(view)}
+    assert [s.labels["rank"] for s in families["syncscope_gpu_info"].samples] == ["2"]
+    assert families["syncscope_gpu_pcie_link_width"].samples == []
+    assert families["syncscope_gpu_temperature_celsius"].samples == []
+    assert families["syncscope_gpu_numa_mismatch"].samples[0].value == 1.0
+    assert len(families["syncscope_gpu_info"].samples[0].labels["nic"]) <= 64
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_accepts_the_exposition(store):
+    result = subprocess.run(
+        ["promtool", "check", "metrics"],
+        input=render(store),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
