@@ -23,9 +23,10 @@ import random
 import socket
 import statistics
 import subprocess
-import sys
 import threading
 import time
+
+from syncscope import demo
 
 PHASES = ("data", "forward", "backward", "optimizer", "comm_exposed", "pacing", "other")
 RANKS = 8
@@ -148,34 +149,16 @@ class Client:
 
 
 def start_exporter(port: int, cpu: int | None) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "syncscope.exporter",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--expire-after",
-            "86400",
-            "--stale-after",
-            "86400",
-        ],
+    """The real exporter (never expiring ranks during the bench), pinned to one core."""
+    proc = demo.start_exporter(
+        port,
+        ["--expire-after", "86400", "--stale-after", "86400"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     if cpu is not None:
         os.sched_setaffinity(proc.pid, {cpu})
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            Client(port).get("/healthz")
-            return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("exporter did not start")
+    return proc
 
 
 def bench_ingest(port: int, pid: int, bodies: list[list[bytes]], seconds: float) -> dict:
@@ -314,7 +297,7 @@ def main() -> None:
         r = bench_rss(port, proc.pid, bodies, a.records)
         samples = r["samples"]
         warm = samples[1][1] if len(samples) > 1 else samples[0][1]
-        after = [mb for n, mb in samples[1:]]
+        after = [mb for n, mb in samples[1:]] or [samples[0][1]]  # runs under 100k records
         final = samples[-1][1]
         print(
             f"rss: start {samples[0][1]:.1f} MB, after warm-up (100k records) {warm:.1f} MB, "

@@ -189,6 +189,11 @@ def prometheus_config(
         rule_globs = [os.path.join(workdir, "rules", "*.yml")]
     if render is not None:
         return render.render_config(f"127.0.0.1:{exporter_port}", "1s", rule_globs)
+    return scrape_config(exporter_port)
+
+
+def scrape_config(exporter_port: int) -> str:
+    """The smallest config: scrape the exporter every second, keep its job label, no rules."""
     lines = [
         "global:",
         "  scrape_interval: 1s",
@@ -278,9 +283,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"  prometheus {prom.url}  (syncscope rules and alerts loaded; see {prom.url}/alerts)"
         )
-    ranks = launch(
-        args.ranks, train_args, env=env, stdout=subprocess.DEVNULL, stderr=rank_log
-    )
+    ranks = launch(args.ranks, train_args, env=env, stdout=subprocess.DEVNULL, stderr=rank_log)
     tty = sys.stdout.isatty()
     last_print = 0.0
     state: dict[str, Any] = {"jobs": {}}
