@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"syncscope demo: {args.ranks} ranks (gloo, CPU), rank {args.slow_rank} slowed by {args.slow_ms:.0f} ms per step"
     )
-    print(f"  metrics  {base}/metrics\n  state    {base}/v1/state")
+    print(f"  status   {base}/\n  metrics  {base}/metrics\n  state    {base}/v1/state")
     if prom is not None:
         print(
             f"  prometheus {prom.url}  (syncscope rules and alerts loaded; see {prom.url}/alerts)"
