@@ -12,7 +12,9 @@ and the agent must account for each as sent or dropped.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
 import socket
 import statistics
 import threading
@@ -289,3 +291,111 @@ def test_exporter_killed_and_restarted_mid_run(job_factory, tmp_path):
                 e.stop()
         if prom is not None:
             prom.stop()
+
+
+@pytest.mark.slow
+def test_stalled_exporter_keeps_queue_bounded_memory_flat_and_loop_unblocked(exporter, job_factory):
+    """SIGSTOP the exporter for 8 s: connections are accepted by the kernel, never answered."""
+    job = job_factory(
+        WORLD, ["--duration", "24"], exporter.url, job="stall", SYNCSCOPE_QUEUE_SIZE="32"
+    )
+    assert wait_until(lambda: len(first_steps_seen(exporter, "stall")) == WORLD, 60)
+    time.sleep(3)
+    steps_at_stall = by_rank(parse_samples(exporter.metrics_text(), "syncscope_steps_total"))
+    rss: dict[int, list[int]] = {i: [] for i in range(WORLD)}
+    os.kill(exporter.proc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(16):  # 8 s of stall, RSS sampled every 0.5 s
+            for i, p in enumerate(job.procs):
+                rss[i].append(rss_kib(p.pid))
+            time.sleep(0.5)
+    finally:
+        os.kill(exporter.proc.pid, signal.SIGCONT)
+    assert wait_until(
+        lambda: (
+            min(by_rank(parse_samples(exporter.metrics_text(), "syncscope_steps_total")).values())
+            > max(steps_at_stall.values())
+        ),
+        timeout=10,
+        interval=0.2,
+    ), "reports did not resume after the stall"
+    resumed_at = wait_until(lambda: resume_step(exporter, "stall"), 5, 0.2)
+    assert resumed_at
+    results = job.wait(120)
+    for i, samples in rss.items():
+        growth = max(samples) - min(samples)
+        assert growth < 8 * 1024, f"rank {i} RSS grew {growth} KiB during the stall: {samples}"
+    for r in results:
+        stats = r["stats"]
+        assert stats["sent_records"] + stats["dropped_records"] == produced(r), stats
+        assert stats["dropped_records"] > 0
+    stalled_at = int(min(steps_at_stall.values()))
+    stall = (stalled_at + 5, resumed_at - 5)
+    ratio = median_ratio(results, stall)
+    longest = longest_step(results, stall)
+    print(f"longest step during the stall: {longest * 1e3:.1f} ms")
+    assert longest < 0.5, longest
+    print(f"\nsteps: stalled at {stalled_at}, resumed at {resumed_at}")
+    print(f"median step time during the stall / rest of the run: {ratio:.3f}; rss {rss}")
+    assert ratio <= NOISE_BOUND, ratio
+
+
+@pytest.mark.slow
+def test_killed_rank_goes_stale_expires_and_elastic_restart_is_clean(job_factory):
+    """Rank killed: stale, then expired, bystanders untouched; a torchrun-style restart of the
+    job's ranks is a new incarnation whose steps add to the old counters, each counted once."""
+    exporter = Exporter(["--stale-after", "2", "--expire-after", "14"])
+    try:
+        bystander = job_factory(2, ["--duration", "40"], exporter.url, job="bystander")
+        victim = job_factory(2, ["--duration", "40"], exporter.url, job="victim")
+
+        def both_reporting() -> bool:
+            jobs = exporter.state()["jobs"]
+            return all(
+                len(jobs.get(j, {}).get("ranks", [])) == 2
+                and min(r["steps_total"] for r in jobs[j]["ranks"]) > 20
+                for j in ("bystander", "victim")
+            )
+
+        assert wait_until(both_reporting, 60)
+        victim.procs[1].kill()
+
+        def rank_view(job: str, rank: int) -> dict | None:
+            for r in exporter.state()["jobs"].get(job, {}).get("ranks", []):
+                if r["rank"] == rank:
+                    return r
+            return None
+
+        assert wait_until(lambda: (rank_view("victim", 1) or {}).get("stale"), 6, 0.2)
+        # torchrun's elastic agent now stops the whole worker group; so do we
+        victim.kill()
+        by_before = {r: rank_view("bystander", r)["steps_total"] for r in (0, 1)}
+        time.sleep(2.5)
+        for r in (0, 1):
+            view = rank_view("bystander", r)
+            assert not view["stale"] and view["steps_total"] > by_before[r], view
+        ranks_gauge = parse_samples(exporter.metrics_text(), "syncscope_exporter_ranks")
+        assert ranks_gauge[(("job", "victim"),)] == 0 and ranks_gauge[(("job", "bystander"),)] == 2
+
+        old = {r: rank_view("victim", r) for r in (0, 1)}
+        restarted = job_factory(2, ["--steps", "60"], exporter.url, job="victim")
+        new_results = restarted.wait(120)
+        time.sleep(1.0)
+        for r in (0, 1):
+            view = rank_view("victim", r)
+            assert view["restarts"] == 1 and view["incarnation"] != old[r]["incarnation"]
+            stats = new_results[r]["stats"]
+            assert stats["dropped_records"] == 0
+            # each step exactly once: what the old incarnation delivered plus the new 60
+            assert view["steps_total"] == old[r]["steps_total"] + 60, (view, old[r])
+
+        restarted.kill()
+        t0 = time.monotonic()
+        assert wait_until(lambda: "victim" not in exporter.state()["jobs"], 20, 0.5)
+        print(f"\nvictim gone {time.monotonic() - t0:.1f} s after its restarted job was over")
+        text = exporter.metrics_text()
+        assert 'job="victim"' not in text
+        assert len(by_rank(parse_samples(text, "syncscope_steps_total"))) == 2  # bystander only
+        bystander.kill()
+    finally:
+        exporter.stop()
