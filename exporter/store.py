@@ -324,7 +324,3 @@ def _rank_view(
             for r in recent
         ],
     }
-
-
-def finite(value: float | None) -> float:
-    return value if value is not None and math.isfinite(value) else float("nan")

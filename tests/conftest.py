@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from syncscope.demo import free_port, start_exporter
+from syncscope.demo import free_port, load_repo_module, start_exporter
 from syncscope.launch import launch, wait_all
 
 
@@ -176,6 +176,13 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.5) -> Any:
             return last
         time.sleep(interval)
     return last
+
+
+def load_by_path(path: Any, name: str) -> Any:
+    """A script from the checkout (deploy/, dashboards/ are not packages), loaded by path."""
+    module = load_repo_module(str(path), name)  # an absolute path joins to itself
+    assert module is not None, f"{path} is missing"
+    return module
 
 
 def promtool() -> str | None:

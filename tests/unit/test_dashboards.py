@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import re
 import shutil
@@ -13,6 +12,8 @@ from types import ModuleType
 
 import pytest
 
+from tests.conftest import load_by_path as load
+
 yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/install-observability-tools")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,14 +21,6 @@ DASH_DIR = ROOT / "dashboards"
 SCHEMA_DIR = DASH_DIR / "schema"
 UIDS = ("syncscope-job-overview", "syncscope-fabric-locality")
 SDK_PIN = "1769699379!11.6.0"
-
-
-def load(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 rules = load(ROOT / "deploy" / "prometheus" / "generate.py", "syncscope_rules_generate")

@@ -6,15 +6,15 @@ Kubernetes API schemas), amtool, and structural asserts that the pieces point at
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.conftest import load_by_path as load
 
 yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/install-observability-tools")
 
@@ -22,14 +22,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "kubernetes"
 K8S_VERSION = "1.30.0"  # native sidecars (restartPolicy on an init container) need 1.29+
-
-
-def load(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 rules = load(DEPLOY / "prometheus" / "generate.py", "syncscope_rules_generate")

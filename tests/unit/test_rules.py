@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
 import subprocess
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.conftest import load_by_path as load
 
 yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/install-observability-tools")
 
@@ -23,15 +23,6 @@ needs_promtool = pytest.mark.skipif(
     PROMTOOL is None,
     reason="promtool not installed: run scripts/install-observability-tools (apt prometheus)",
 )
-
-
-def load(path: Path, name: str) -> ModuleType:
-    """deploy/ is not a package: load its scripts by path, as the e2e test does."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 gen = load(PROM / "generate.py", "syncscope_rules_generate")
