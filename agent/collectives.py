@@ -1,4 +1,5 @@
-"""The one place syncscope patches torch: timing of direct torch.distributed collectives.
+"""Timing of direct torch.distributed collectives, by patching them (the only other patch
+syncscope makes is the torch.autograd.backward wrapper in phases.py).
 
 Only Python callers go through these functions (user code, comm hooks, DDP's constructor);
 DDP's own gradient all-reduce does not, which is why phases.py measures it separately. Both

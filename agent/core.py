@@ -47,17 +47,17 @@ class Agent:
         self.config = config
         self.errors = 0
         self.last_error: BaseException | None = None
-        self._handles: list[Any] = []
         self._closed = False
         steps: deque = deque(maxlen=config.queue_size)
         collectives: deque = deque(maxlen=config.queue_size * 4)
         torch = sys.modules.get("torch") if model is None and optimizer is None else _import_torch()
         labels = GroupLabels()
-        ddp_group, ddp_bytes, queue_callback = None, 0.0, None
+        ddp_group, ddp_bytes, queue_callback, ddp_model = None, 0.0, None, None
         if model is not None and torch is not None:
             queue_callback = torch.autograd.Variable._execution_engine.queue_callback
             ddp = torch.nn.parallel.DistributedDataParallel
             if isinstance(model, ddp):
+                ddp_model = model
                 ddp_group = labels(model.process_group)
                 ddp_bytes = float(
                     sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -73,7 +73,14 @@ class Agent:
             timeline = StepTimeline()
             clock_cls, clock_kw = CudaPhaseClock, {"timeline": timeline}
         self.clock = clock_cls(
-            steps, collectives, queue_callback, ddp_group, ddp_bytes, self._on_error, **clock_kw
+            steps,
+            collectives,
+            queue_callback,
+            ddp_group,
+            ddp_bytes,
+            self._on_error,
+            ddp_model=ddp_model,
+            **clock_kw,
         )
         self.nccl_reader: Any = None
         self.topology: Any = None
@@ -128,21 +135,14 @@ class Agent:
         )
         if config.pacing:
             self._enable_pacing()
-        if model is not None:
-            self._handles.append(model.register_forward_pre_hook(self.clock.forward_pre))
-            self._handles.append(model.register_forward_hook(self.clock.forward_post))
-            if config.detail == "buckets" and ddp_group is not None:
-                try:
-                    model.register_comm_hook(
-                        model.process_group, bucket_timing_hook(identity["world_size"])
-                    )
-                except Exception as exc:  # noqa: BLE001 - e.g. the user registered their own hook
-                    log.warning(
-                        "syncscope: per-bucket timing unavailable (%s); default path only", exc
-                    )
-        if optimizer is not None:
-            self._handles.append(optimizer.register_step_pre_hook(self.clock.optimizer_pre))
-            self._handles.append(optimizer.register_step_post_hook(self.clock.optimizer_post))
+        self.clock.instrument(model, optimizer)
+        if model is not None and config.detail == "buckets" and ddp_group is not None:
+            try:
+                model.register_comm_hook(
+                    model.process_group, bucket_timing_hook(identity["world_size"])
+                )
+            except Exception as exc:  # noqa: BLE001 - e.g. the user registered their own hook
+                log.warning("syncscope: per-bucket timing unavailable (%s); default path only", exc)
         self.reporter.start()
         if cuda_index is not None:
             self.clock.start()  # the CUDA-event resolver thread
@@ -160,9 +160,8 @@ class Agent:
         if self._closed:
             return
         self._closed = True
-        for handle in self._handles:
-            with contextlib.suppress(Exception):
-                handle.remove()
+        with contextlib.suppress(Exception):
+            self.clock.uninstrument()
         if self.patch is not None:
             self.patch.uninstall()
         if self.nccl_reader is not None:

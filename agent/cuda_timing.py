@@ -11,7 +11,7 @@ queries (0.4 µs) and reads elapsed times (1.1 µs).
 Where the GPU's time goes between two consecutive events (k = this step):
   data          end of step k-1 (or end of backward / communication) -> forward pre-hook
   forward       forward pre-hook -> forward post-hook
-  backward      backward reaches the output -> callback A (all autograd kernels enqueued)
+  backward      torch.autograd.backward entered -> callback A (all autograd kernels enqueued)
   comm_exposed  A -> callback B (after DDP made the stream wait for its all-reduces): the
                 communication the GPU could not overlap with compute
   optimizer     optimizer pre-hook -> post-hook / step end
@@ -83,6 +83,7 @@ class CudaPhaseClock(PhaseClock):
         ddp_group: str | None,
         ddp_bytes: float,
         on_error: Callable[[BaseException], None],
+        ddp_model: Any = None,
         *,
         event_factory: Callable[[], Any] | None = None,
         timeline: Any = None,
@@ -97,6 +98,7 @@ class CudaPhaseClock(PhaseClock):
             ddp_group,
             ddp_bytes,
             on_error,
+            ddp_model,
         )
         self.out_steps = steps
         self.out_collectives = collectives
@@ -142,18 +144,23 @@ class CudaPhaseClock(PhaseClock):
             self.free.extend(event for _, event in self.marks)
         self.marks = None
 
-    def forward_pre(self, module: Any, args: Any) -> None:
-        super().forward_pre(module, args)
+    def forward_pre(self, *args: Any) -> None:
+        super().forward_pre()
         self._mark(FWD_PRE)
 
-    def forward_post(self, module: Any, args: Any, output: Any) -> None:
-        super().forward_post(module, args, output)
+    def forward_post(self, output: Any = None, *args: Any) -> None:
+        super().forward_post(output)
         self._mark(FWD_POST)
 
-    def _backward_reached_output(self, grad: Any) -> None:
-        first = not self.bwd_pending
-        super()._backward_reached_output(grad)
-        if first and self.bwd_pending:
+    def backward_enter(self) -> None:
+        super().backward_enter()
+        if self.bwd_depth == 1:
+            self._mark(BWD_START)  # on the caller's stream, before any backward kernel
+
+    def grad_ready(self, param: Any) -> None:
+        unwrapped = not self.bwd_pending and not self.bwd_entry  # a backward run another way
+        super().grad_ready(param)
+        if unwrapped and self.bwd_pending:
             self._mark(BWD_START)
 
     def _backward_done(self) -> None:

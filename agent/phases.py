@@ -2,44 +2,50 @@
 
 Where each boundary comes from (measured on gloo + DDP, see shared/FIELD-NOTES.md):
   data          previous step end (or previous backward) -> forward pre-hook
-  forward       module forward pre-hook -> forward post-hook
-  backward      a tensor hook on the forward output (fires when backward reaches it) ->
-                callback A queued on the autograd engine (runs after all autograd work)
+  forward       entry -> return of the model's forward (wrapped on the instance)
+  backward      entry of torch.autograd.backward (wrapped) -> callback A, queued on the autograd
+                engine by the first gradient of the model's parameters, which runs after all
+                autograd work of that backward
   comm_exposed  A -> callback B that A queues (runs after DDP has waited for its buckets)
   optimizer     optimizer step pre-hook -> post-hook
   pacing        the delay the pacing controller inserted at the step boundary
   other         the rest (loss, clipping, logging ...), so that phases add up exactly
 A step runs from one optimizer post-hook to the next (or one `with agent.step()` block).
-Micro-steps under gradient accumulation are summed. Everything here runs on the training
-thread, so it only reads the clock, adds integers and appends a tuple: no locks, no I/O.
+Micro-steps under gradient accumulation are summed; a DDP micro-step under `no_sync()` has no
+exposed communication and emits no sync record.
+
+Why a parameter hook and not a hook on the forward output: a hook registered on the output every
+step costs 8-12 µs per step on a DDP backward (bench in docs/reliability.md), a post-accumulate-
+grad hook registered once costs ~0.3 µs when it fires. Which parameter's gradient comes first is
+learned on the first backward (all trainable parameters watched once), then only the first
+`TRIGGERS` keep a hook. If none of them fires in a backward that followed a forward of the model
+(conditional compute), the next backward learns again. After `RELEARN_LIMIT` such misses
+(gradients assigned rather than accumulated, as FSDP does, or a backward of another model after
+each forward of this one) the clock falls back to a hook on the forward output, registered every
+step: dearer, but it needs no parameter.
+Backward starts where torch.autograd.backward is entered (the first layer's gradient kernels,
+often the largest, come before any parameter gradient); without that wrapper (a backward run
+another way) it starts at the first parameter gradient.
+Everything here runs on the training thread (or autograd's), so it only reads the clock, adds
+integers and appends a tuple: no locks, no I/O.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from syncscope.wire import DDP_GRAD_SYNC
 
 DATA, FORWARD, BACKWARD, OPTIMIZER, COMM, PACING = range(6)
+TRIGGERS = 2  # parameters whose gradients come first, hooked after learning
+RELEARN_LIMIT = 16
 _now = time.perf_counter_ns
-
-
-def first_grad_tensor(output: Any) -> Any:
-    """The first tensor in a forward output that will receive a gradient, or None."""
-    if getattr(output, "requires_grad", False) and hasattr(output, "register_hook"):
-        return output
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        for item in output:
-            found = first_grad_tensor(item)
-            if found is not None:
-                return found
-    return None
 
 
 class PhaseClock:
@@ -57,12 +63,14 @@ class PhaseClock:
         ddp_group: str | None,
         ddp_bytes: float,
         on_error: Callable[[BaseException], None],
+        ddp_model: Any = None,
     ) -> None:
         self.steps = steps
         self.collectives = collectives
         self.queue_callback = queue_callback
         self.ddp_group = ddp_group  # None when the model does not synchronise gradients
         self.ddp_bytes = ddp_bytes
+        self.ddp_model = ddp_model  # its require_backward_grad_sync is False under no_sync()
         self.on_error = on_error
         self.acc = [0, 0, 0, 0, 0, 0]
         self.step = 0
@@ -75,6 +83,22 @@ class PhaseClock:
         self.opt_start = 0
         self.bwd_pending = False
         self.manual_steps = False
+        # Backward bookkeeping (see the module docstring).
+        self.bwd_depth = (
+            0  # nesting of wrapped torch.autograd.backward calls (reentrant checkpoint)
+        )
+        self.bwd_entry = 0  # when the outermost wrapped backward was entered; 0 outside one
+        self.bwd_deferred = False  # the trigger fired in a nested backward: queue A on return
+        self.bwd_fired = False  # a trigger fired during the current outermost backward
+        self.fwd_since_bwd = False
+        self.misses = 0  # backwards after a forward of the model in which no trigger fired
+        # Fallback when parameter hooks cannot see this model's gradients (they are assigned,
+        # not accumulated, as FSDP does): a hook on the forward output, registered every step.
+        self.output_hooks = False
+        self._handles: list[Any] = []
+        self._params: list[Any] = []
+        self._grad_hooks: dict[int, Any] = {}
+        self._learned: list[Any] | None = None  # parameters in the order their gradients came
         # Tail drop: a full queue refuses the new record and counts it. (Appending to a full
         # deque(maxlen) would evict the oldest instead, and "was it full?" checked before the
         # append races with the reporter's drain, so the count could be off.)
@@ -85,8 +109,30 @@ class PhaseClock:
         # wait (ns); returns the delay (ns) to insert before the next iteration.
         self.pacer: Callable[[int, int], int] | None = None
 
-    # -- module hooks -------------------------------------------------------------------------
-    def forward_pre(self, _module: Any, _args: Any) -> None:
+    # -- wiring -------------------------------------------------------------------------------
+    def instrument(self, model: Any = None, optimizer: Any = None) -> None:
+        """Hook `model` (forward, parameter gradients, torch.autograd.backward) and `optimizer`."""
+        handles = self._handles
+        if model is not None:
+            handles.append(wrap_forward(model, self.forward_pre, self.forward_post))
+            if self.queue_callback is not None:
+                self.watch_gradients(model.parameters())
+                install_backward(self)
+        if optimizer is not None:
+            handles.append(optimizer.register_step_pre_hook(self.optimizer_pre))
+            handles.append(optimizer.register_step_post_hook(self.optimizer_post))
+
+    def uninstrument(self) -> None:
+        """Remove every hook `instrument` added. Safe to call twice."""
+        uninstall_backward(self)
+        for handle in [*self._handles, *self._grad_hooks.values()]:
+            with contextlib.suppress(Exception):
+                handle.remove()
+        self._handles.clear()
+        self._grad_hooks.clear()
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward_pre(self, *_: Any) -> None:
         try:
             t = _now()
             if self.idle_since:
@@ -96,26 +142,95 @@ class PhaseClock:
         except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
             self.on_error(exc)
 
-    def forward_post(self, _module: Any, _args: Any, output: Any) -> None:
+    def forward_post(self, output: Any = None, *_: Any) -> None:
         try:
             t = _now()
             if self.fwd_start:
                 self.acc[FORWARD] += t - self.fwd_start
                 self.fwd_start = 0
-            if self.queue_callback is not None and not self.bwd_pending:
+            self.fwd_since_bwd = True
+            if self.output_hooks and not self.bwd_pending:
                 tensor = first_grad_tensor(output)
                 if tensor is not None:
-                    tensor.register_hook(self._backward_reached_output)
+                    tensor.register_hook(self._output_reached)
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
 
-    def _backward_reached_output(self, _grad: Any) -> None:
+    # -- backward -----------------------------------------------------------------------------
+    def watch_gradients(self, params: Iterable[Any]) -> None:
+        """Hook every trainable parameter until the first backward shows which come first."""
+        if self.queue_callback is None:
+            return
+        self._params = [p for p in params if getattr(p, "requires_grad", False)]
+        self._learn()
+
+    def _learn(self) -> None:
+        seen = set(self._grad_hooks)
+        self._learned = []
+        for p in self._params:
+            if id(p) not in seen and p.is_leaf:
+                seen.add(id(p))
+                self._grad_hooks[id(p)] = _grad_hook(p, self.grad_ready)
+
+    def backward_enter(self) -> None:
+        """Called on entry of every torch.autograd.backward (the wrapper in install_backward)."""
         try:
+            self.bwd_depth += 1
+            if self.bwd_depth == 1:
+                self.bwd_entry = _now()
+                self.bwd_fired = False
+        except BaseException as exc:  # noqa: BLE001
+            self.on_error(exc)
+
+    def backward_exit(self) -> None:
+        try:
+            depth = self.bwd_depth = self.bwd_depth - 1
+            if depth == 1 and self.bwd_deferred:
+                # Back from a nested (reentrant checkpoint) backward into the outer one's
+                # graph task: A queued now runs after the outer backward's autograd work.
+                self.bwd_deferred = False
+                self.queue_callback(self._backward_done)  # type: ignore[misc]
+            elif depth <= 0:
+                self.bwd_depth = 0
+                self.bwd_entry = 0
+                if self.fwd_since_bwd and not self.bwd_fired and not self.output_hooks:
+                    self._missed()
+        except BaseException as exc:  # noqa: BLE001
+            self.on_error(exc)
+
+    def _missed(self) -> None:
+        # The model ran forward, then a backward in which no hooked parameter got a gradient:
+        # conditional compute skipped the triggers (learn again), or no parameter hook can see
+        # this model's gradients at all (fall back to hooking the output).
+        self.misses += 1
+        if self.misses <= RELEARN_LIMIT and self._params:
+            self._learn()
+        else:
+            self.output_hooks = True
+            for handle in self._grad_hooks.values():
+                handle.remove()
+            self._grad_hooks.clear()
+            self._learned = None
+
+    def _output_reached(self, _grad: Any) -> None:
+        self.grad_ready(None)
+
+    def grad_ready(self, param: Any) -> None:
+        """Post-accumulate-grad hook: the first one in a backward starts the backward phase."""
+        try:
+            learned = self._learned
+            if learned is not None and len(learned) < TRIGGERS and param is not None:
+                learned.append(param)
             if self.bwd_pending:
                 return
             self.bwd_pending = True
-            self.bwd_start = _now()
-            self.queue_callback(self._backward_done)  # type: ignore[misc]
+            self.bwd_fired = True
+            self.fwd_since_bwd = False
+            self.bwd_start = self.bwd_entry or _now()
+            if self.bwd_depth > 1:
+                self.bwd_deferred = True
+            else:
+                self.queue_callback(self._backward_done)  # type: ignore[misc]
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
 
@@ -125,13 +240,24 @@ class PhaseClock:
             t = _now()
             self.acc[BACKWARD] += t - self.bwd_start
             self.bwd_end = t
-            if self.ddp_group is not None:
+            if self._learned is not None:
+                self._keep_triggers()
+            if self.ddp_group is not None and getattr(
+                self.ddp_model, "require_backward_grad_sync", True
+            ):
                 self.queue_callback(self._gradients_reduced)  # type: ignore[misc]
             else:
                 self.bwd_pending = False
                 self.idle_since = t
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
+
+    def _keep_triggers(self) -> None:
+        # After autograd's work, so no hook is removed while the engine might be calling it.
+        keep = {id(p) for p in self._learned or ()}
+        self._learned = None
+        for key in [k for k in self._grad_hooks if k not in keep]:
+            self._grad_hooks.pop(key).remove()
 
     def _gradients_reduced(self) -> None:
         # Callback B: DDP's finalize (queued between A and B) has waited for every bucket.
@@ -150,10 +276,10 @@ class PhaseClock:
             self.on_error(exc)
 
     # -- optimizer hooks ----------------------------------------------------------------------
-    def optimizer_pre(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+    def optimizer_pre(self, *_: Any) -> None:
         self.opt_start = _now()
 
-    def optimizer_post(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+    def optimizer_post(self, *_: Any) -> None:
         try:
             t = _now()
             if self.opt_start:
@@ -195,3 +321,105 @@ class PhaseClock:
                 after = _now()
                 self.acc[PACING] = after - t
                 self.idle_since = after
+
+
+class _ForwardWrapper:
+    """The handle of wrap_forward: `remove()` undoes it, unless someone wrapped on top of it."""
+
+    def __init__(self, model: Any, wrapper: Any, had_own: bool, original: Any) -> None:
+        self.model, self.wrapper, self.had_own, self.original = model, wrapper, had_own, original
+
+    def remove(self) -> None:
+        model = self.model
+        if model is None or model.__dict__.get("forward") is not self.wrapper:
+            return
+        if self.had_own:
+            model.__dict__["forward"] = self.original
+        else:
+            del model.__dict__["forward"]
+        self.model = None
+
+
+def wrap_forward(model: Any, pre: Callable[[], None], post: Callable[[Any], None]) -> Any:
+    """Time `model`'s forward by wrapping it on the instance (as accelerate does).
+
+    Not register_forward_(pre_)hook: any module hook sends every call through nn.Module's slow
+    path, 5-7 µs per step for the pair on this machine; the wrapper costs ~1 µs (bench above).
+    An exception in forward passes through untouched (the next forward restarts the phase).
+    """
+    had_own = "forward" in model.__dict__
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        pre()
+        out = original(*args, **kwargs)
+        post(out)
+        return out
+
+    model.__dict__["forward"] = forward
+    return _ForwardWrapper(model, forward, had_own, original)
+
+
+def first_grad_tensor(output: Any) -> Any:
+    """The first tensor in a forward output that will receive a gradient, or None."""
+    if getattr(output, "requires_grad", False) and hasattr(output, "register_hook"):
+        return output
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        for item in output:
+            found = first_grad_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _grad_hook(param: Any, fn: Callable[[Any], None]) -> Any:
+    register = getattr(param, "register_post_accumulate_grad_hook", None)
+    if register is not None:
+        return register(fn)
+    return param.register_hook(lambda grad: fn(param))  # torch < 2.1: before accumulation
+
+
+# -- the torch.autograd.backward wrapper, shared by every clock in the process ----------------
+_clocks: tuple[PhaseClock, ...] = ()
+_original_backward: Any = None  # set while our wrapper is in torch.autograd.backward's chain
+
+
+def install_backward(clock: PhaseClock) -> None:
+    """Make torch.autograd.backward (what Tensor.backward calls) tell `clock` it ran."""
+    global _clocks, _original_backward
+    import torch.autograd
+
+    if clock not in _clocks:
+        _clocks = (*_clocks, clock)
+    if _original_backward is not None:
+        return  # already wrapped (perhaps under someone else's wrapper): never twice
+    _original_backward = original = torch.autograd.backward
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        clocks = _clocks
+        for c in clocks:
+            c.backward_enter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for c in clocks:
+                c.backward_exit()
+
+    backward.__syncscope_wrapped__ = True  # type: ignore[attr-defined]
+    backward.__wrapped__ = original  # type: ignore[attr-defined]
+    backward.__doc__ = original.__doc__
+    torch.autograd.backward = backward
+
+
+def uninstall_backward(clock: PhaseClock) -> None:
+    """Forget `clock`; with no clock left, put torch's own function back if ours is on top."""
+    global _clocks, _original_backward
+    import torch.autograd
+
+    _clocks = tuple(c for c in _clocks if c is not clock)
+    if not _clocks and getattr(torch.autograd.backward, "__syncscope_wrapped__", False):
+        torch.autograd.backward = _original_backward
+        _original_backward = None

@@ -113,10 +113,7 @@ def via_modules(torch, args) -> dict:
         errors.append,
         timeline=timeline,
     )
-    model.register_forward_pre_hook(clock.forward_pre)
-    model.register_forward_hook(clock.forward_post)
-    opt.register_step_pre_hook(clock.optimizer_pre)
-    opt.register_step_post_hook(clock.optimizer_post)
+    clock.instrument(model, opt)
     fr_sink: deque = deque(maxlen=100_000)
     reader = FlightRecorderReader(
         fr_sink, timeline=timeline, current_step=lambda: clock.step, min_interval_s=1.0

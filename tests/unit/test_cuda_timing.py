@@ -80,15 +80,17 @@ class Loop:
         p = {**self.PHASES, **override}
         s, c = self.stream, self.clock
         s.enqueue(p["data"])
-        c.forward_pre(None, None)
+        c.forward_pre()
         s.enqueue(p["forward"])
-        c.forward_post(None, None, object())
+        c.forward_post()
         s.enqueue(p["loss"])
-        c._backward_reached_output(None)
+        c.backward_enter()  # loss.backward() -> the torch.autograd.backward wrapper
         s.enqueue(p["backward"])
+        c.grad_ready(None)  # the first parameter gradient: queues A
         self.callbacks.pop(0)()  # callback A: backward done, queues B
         s.enqueue(p["comm"])
         self.callbacks.pop(0)()  # callback B: gradients reduced
+        c.backward_exit()
         s.enqueue(p["clip"])
         c.optimizer_pre(None, None, None)
         s.enqueue(override.get("opt", self.OPT))
@@ -276,16 +278,14 @@ def test_with_real_torch_hooks_on_cpu():
     )
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    model.register_forward_pre_hook(clock.forward_pre)
-    model.register_forward_hook(clock.forward_post)
-    opt.register_step_pre_hook(clock.optimizer_pre)
-    opt.register_step_post_hook(clock.optimizer_post)
+    clock.instrument(model, opt)
     x = torch.randn(32, 64)
     for _ in range(6):
         time.sleep(0.002)
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         opt.step()
+    clock.uninstrument()
     clock.resolve()
     assert errors == [] and len(steps) == 6 and clock.gpu_steps == 5
     for r in list(steps)[1:]:

@@ -302,7 +302,8 @@ def test_a_real_dump_parses_and_untimed_entries_are_not_reported(gloo_dump):
     timed = [completed(e, 0.5) for e in entries]
     reader = FlightRecorderReader(deque(maxlen=100), dump=lambda: pickle.dumps({"entries": timed}))
     assert reader.poll() == len(entries)
-    ops = [(r[0], r[1], r[2]) for r in reader.sink]
+    # The ring buffer is process-wide: earlier tests' groups may have left entries before ours.
+    ops = [(r[0], r[1], r[2]) for r in reader.sink][-4:]
     assert ops[:3] == [
         ("all_reduce", "default_pg", 2048.0),
         ("broadcast", "default_pg", 2048.0),

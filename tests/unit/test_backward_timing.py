@@ -1,0 +1,234 @@
+"""The backward / exposed-communication boundaries on real torch graphs (agent/phases.py).
+
+Each test puts a known sleep where one boundary mechanism could get it wrong: before the first
+parameter gradient, inside a reentrant checkpoint, in a branch that stops receiving gradients,
+and under DDP's no_sync(). All on one CPU process (a gloo group of one where DDP is needed).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from syncscope.agent.phases import BACKWARD, COMM, RELEARN_LIMIT, TRIGGERS, PhaseClock  # noqa: E402
+
+from syncscope.wire import DDP_GRAD_SYNC  # noqa: E402
+
+MS = 1_000_000
+QUEUE = torch.autograd.Variable._execution_engine.queue_callback
+
+
+class SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ms):
+        ctx.ms = ms
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+
+        time.sleep(ctx.ms / 1e3)
+        return grad, None
+
+
+class Sleeper(torch.nn.Module):
+    """No parameters; its backward sleeps."""
+
+    def __init__(self, ms: float) -> None:
+        super().__init__()
+        self.ms = ms
+
+    def forward(self, x):
+        return SleepInBackward.apply(x, self.ms)
+
+
+def clock_for(model, errors, ddp_group=None, ddp_model=None):
+    clock = PhaseClock(
+        deque(maxlen=1000), deque(maxlen=1000), QUEUE, ddp_group, 64.0, errors.append, ddp_model
+    )
+    return clock
+
+
+def train(model, clock, steps, x, opt=None, before_backward=None):
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.01)
+    clock.instrument(model, opt)
+    try:
+        for i in range(steps):
+            opt.zero_grad()
+            out = model(x)
+            if before_backward is not None:
+                out = before_backward(i, out)
+            out.pow(2).mean().backward()
+            opt.step()
+    finally:
+        clock.uninstrument()
+    return list(clock.steps)
+
+
+def test_backward_starts_before_the_first_parameter_gradient():
+    # The sleeping layer is the model's last, like a language model's output projection whose
+    # input-gradient kernels run before any parameter has a gradient.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Sleeper(8.0))
+    errors: list = []
+    clock = clock_for(model, errors)
+    rows = train(model, clock, 5, torch.randn(4, 8))
+    assert errors == []
+    for row in rows[1:]:
+        assert row[3 + BACKWARD] >= 8 * MS
+        assert sum(row[3:]) <= row[2]
+
+
+def test_reentrant_checkpoint_backward_is_timed_to_the_outer_end():
+    # Trigger parameters live inside the checkpointed tail (their gradients come first, in the
+    # nested backward); the outer backward then runs the sleeping head. Callback A must run at
+    # the end of the outer backward, so the head's sleep is backward time.
+    head = torch.nn.Sequential(Sleeper(8.0), torch.nn.Linear(8, 8))
+    tail = torch.nn.Linear(8, 1)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head, self.tail = head, tail
+
+        def forward(self, x):
+            h = self.head(x)
+            return torch.utils.checkpoint.checkpoint(self.tail, h, use_reentrant=True)
+
+    model = Model()
+    errors: list = []
+    clock = clock_for(model, errors)
+    x = torch.randn(4, 8, requires_grad=True)  # reentrant checkpoint needs a grad path in
+    rows = train(model, clock, 5, x)
+    assert errors == []
+    assert clock.bwd_depth == 0 and not clock.bwd_deferred
+    for row in rows[1:]:
+        assert row[3 + BACKWARD] >= 8 * MS
+
+
+def test_only_the_first_gradients_stay_hooked_and_a_missed_trigger_relearns():
+    class TwoBranches(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8)
+            self.b = torch.nn.Linear(8, 8)
+            self.use_b = True
+
+        def forward(self, x):
+            h = self.a(x)
+            return SleepInBackward.apply(self.b(h) if self.use_b else h, 4.0)
+
+    model = TwoBranches()
+    errors: list = []
+    clock = clock_for(model, errors)
+
+    def switch(i, out):
+        if i == 1:
+            assert len(clock._grad_hooks) == TRIGGERS  # learned on the first backward
+            assert {id(p) for p in model.b.parameters()} == set(clock._grad_hooks)
+        if i == 2:
+            model.use_b = False  # branch b (the triggers) gets no gradient from step 3 on
+        if i == 6:  # relearned on step 4's backward
+            assert {id(p) for p in model.a.parameters()} == set(clock._grad_hooks)
+        return out
+
+    rows = train(model, clock, 7, torch.randn(4, 8), before_backward=switch)
+    assert errors == []
+    assert clock.misses == 1
+    # The step where the trigger missed has no backward; the ones after it do again.
+    assert rows[3][3 + BACKWARD] == 0
+    assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[4:])
+    assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[1:3])
+
+
+def test_gradients_that_bypass_accumulation_fall_back_to_the_output_hook():
+    # FSDP-style: the parameter's gradient is assigned in backward, never accumulated, so no
+    # post-accumulate-grad hook fires; after RELEARN_LIMIT misses the output hook takes over.
+    class Assigned(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, owner):  # the parameter is not an input: no AccumulateGrad node
+            ctx.save_for_backward(x)
+            ctx.owner = owner
+            return x @ owner.w.detach()
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            w = ctx.owner.w
+            w.grad = x.t() @ grad
+            return grad @ w.detach().t(), None
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return SleepInBackward.apply(Assigned.apply(x, self), 4.0)
+
+    model = Model()
+    errors: list = []
+    clock = clock_for(model, errors)
+    x = torch.randn(4, 8, requires_grad=True)
+    rows = train(model, clock, RELEARN_LIMIT + 4, x)
+    assert errors == []
+    assert clock.output_hooks and clock.misses == RELEARN_LIMIT + 1
+    assert all(row[3 + BACKWARD] == 0 for row in rows[: RELEARN_LIMIT + 1])
+    assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[RELEARN_LIMIT + 2 :])
+
+
+def test_uninstrument_puts_torch_and_the_model_back():
+    original = torch.autograd.backward
+    model = torch.nn.Linear(4, 1)
+    clock = clock_for(model, [])
+    clock.instrument(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert torch.autograd.backward is not original and "forward" in model.__dict__
+    clock.uninstrument()
+    clock.uninstrument()
+    assert torch.autograd.backward is original
+    assert "forward" not in model.__dict__
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def gloo_world_of_one(tmp_path_factory):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = tmp_path_factory.mktemp("gloo") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_no_sync_micro_steps_have_no_exposed_comm_and_no_sync_record(gloo_world_of_one):
+    import contextlib
+
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+    errors: list = []
+    clock = clock_for(model, errors, ddp_group="default_pg", ddp_model=model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    clock.instrument(model, opt)
+    x = torch.randn(4, 8)
+    try:
+        for _ in range(6):
+            opt.zero_grad()
+            for micro in range(4):  # gradient accumulation: only the last one synchronises
+                ctx = model.no_sync() if micro < 3 else contextlib.nullcontext()
+                with ctx:
+                    model(x).pow(2).mean().backward()
+            opt.step()
+    finally:
+        clock.uninstrument()
+    assert errors == []
+    syncs = [c for c in clock.collectives if c[0] == DDP_GRAD_SYNC]
+    assert len(syncs) == 6  # one per step, not one per micro-step
+    assert [c[4] for c in syncs] == list(range(6))
+    assert all(row[3 + COMM] > 0 for row in clock.steps)
