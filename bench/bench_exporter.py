@@ -30,7 +30,7 @@ from syncscope import demo
 
 PHASES = ("data", "forward", "backward", "optimizer", "comm_exposed", "pacing", "other")
 RANKS = 8
-STEPS_PER_BATCH = 50  # a 10 ms step and the agent's 0.5 s flush interval
+STEPS_PER_BATCH = 50  # a 10 ms step flushed every 0.5 s: twice the agent's default rate
 OPS = (
     ("ddp_grad_sync", 25e6, 0.004),
     ("all_reduce", 4096.0, 0.0004),
@@ -182,7 +182,7 @@ def bench_scrape(port: int, n: int, ingest_port: int | None, bodies: list[list[b
     stop = threading.Event()
 
     def background_ingest() -> None:
-        # The 8 ranks keep reporting at the agent's rate: one batch per rank every 0.5 s.
+        # The 8 ranks keep reporting: one batch per rank every 0.5 s (the default is 1 s).
         c = Client(ingest_port)  # type: ignore[arg-type]
         k = 0
         while not stop.is_set():
