@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import hmac
 import json
@@ -147,6 +148,11 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        # Everything built so far (FastAPI, pydantic, prometheus_client, the app) lives as
+        # long as the process: out of the collector's sight, a full collection walks only what
+        # ingest and scrapes create, not ~100k startup objects (scrape p99, bench_exporter.py).
+        gc.collect()
+        gc.freeze()
         yield
 
     app = FastAPI(title="syncscope exporter", version=__version__, lifespan=lifespan)
