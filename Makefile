@@ -1,5 +1,5 @@
 # The two commands in the README. Each sets up what it needs first (idempotent).
-.PHONY: demo test lint
+.PHONY: demo test lint fuzz
 
 demo:
 	scripts/setup demo
@@ -15,3 +15,10 @@ lint:
 	.venv/bin/ruff check .
 	.venv/bin/mypy agent exporter sim syncscope
 	.venv/bin/ruff format --check .
+
+# The full fuzz run of issue 7 (docs/reliability.md): 10,000 examples per test, counts to
+# fuzz-report.json (git-ignored). About 7 minutes here.
+fuzz:
+	scripts/setup test
+	SYNCSCOPE_FUZZ_EXAMPLES=10000 SYNCSCOPE_FUZZ_REPORT=fuzz-report.json \
+		.venv/bin/pytest -q tests/unit/test_fuzz_ingest.py -p no:cacheprovider -s

@@ -62,6 +62,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         port=args.port,
         ingest_socket=args.ingest_socket,
         token=token,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
         stale_after_s=args.stale_after,
         expire_after_s=args.expire_after,
         log_level=args.log_level,
@@ -83,12 +85,12 @@ def _tcp_socket(host: str, port: int) -> socket.socket:
     return tcp
 
 
-def bind_sockets(settings: Settings, metrics: tuple[str, int] | None = None) -> list[socket.socket]:
+def bind_sockets(settings: Settings) -> list[socket.socket]:
     """The TCP socket, the unix socket when asked for (created 0660, owner's group), and the
     metrics-only TCP socket when asked for."""
     sockets = [_tcp_socket(settings.host, settings.port)]
-    if metrics is not None:
-        sockets.append(_tcp_socket(*metrics))
+    if settings.metrics_port is not None:
+        sockets.append(_tcp_socket(settings.metrics_host or settings.host, settings.metrics_port))
     if settings.ingest_socket:
         if os.path.exists(settings.ingest_socket):
             os.unlink(settings.ingest_socket)
@@ -106,13 +108,13 @@ def bind_sockets(settings: Settings, metrics: tuple[str, int] | None = None) -> 
     return sockets
 
 
-def serve(settings: Settings, metrics: tuple[str, int] | None = None) -> None:
+def serve(settings: Settings) -> None:
     import uvicorn
     from syncscope.exporter.app import MetricsOnlyListener, create_app
 
     app = create_app(settings)
-    if metrics is not None:
-        app = MetricsOnlyListener(app, metrics[1])
+    if settings.metrics_port is not None:
+        app = MetricsOnlyListener(app, settings.metrics_port)
     config = uvicorn.Config(
         app,
         log_level=settings.log_level,
@@ -123,7 +125,7 @@ def serve(settings: Settings, metrics: tuple[str, int] | None = None) -> None:
         limit_concurrency=MAX_CONNECTIONS,
     )
     server = uvicorn.Server(config)
-    server.run(sockets=bind_sockets(settings, metrics))
+    server.run(sockets=bind_sockets(settings))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,14 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"syncscope-exporter: cannot read token file: {exc}", file=sys.stderr)
         return 2
-    metrics = None
-    if args.metrics_port is not None:
-        if args.metrics_port == settings.port:
-            print("syncscope-exporter: --metrics-port must differ from --port", file=sys.stderr)
-            return 2
-        metrics = (args.metrics_host or settings.host, args.metrics_port)
+    if settings.metrics_port is not None and settings.metrics_port == settings.port:
+        print("syncscope-exporter: --metrics-port must differ from --port", file=sys.stderr)
+        return 2
     try:
-        serve(settings, metrics)
+        serve(settings)
     except OSError as exc:
         print(
             f"syncscope-exporter: cannot listen on {settings.host}:{settings.port}: {exc}",

@@ -11,6 +11,9 @@ class Settings:
     port: int = 9464
     ingest_socket: str | None = None  # also accept ingest on this unix socket (mode 0660)
     token: str | None = None  # bearer token required for ingest over TCP
+    # An extra listener serving GET /metrics and nothing else, for a Prometheus elsewhere.
+    metrics_host: str | None = None  # default: host
+    metrics_port: int | None = None  # default: no such listener
     step_window: int = 100  # steps in the CV / rolling windows
     recent_steps: int = 300  # per-rank steps kept for /v1/state and the status page
     stale_after_s: float = 30.0  # a rank silent this long is marked stale

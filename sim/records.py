@@ -156,7 +156,9 @@ def load_jsonl(path: str | Path) -> MeasuredRun:
     return run
 
 
-def from_exporter_state(state: dict[str, Any], source: str = "exporter state", job: str | None = None) -> MeasuredRun:
+def from_exporter_state(
+    state: dict[str, Any], source: str = "exporter state", job: str | None = None
+) -> MeasuredRun:
     """The exporter's ``GET /v1/state?recent=N``: ``{"jobs": {name: {"ranks": [...]}}}``.
 
     Each rank has ``rank``, ``world_size`` and ``recent_steps`` (``{step, step_s, phases,

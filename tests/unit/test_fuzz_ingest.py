@@ -6,7 +6,7 @@ the configured caps, and what the caps refused is counted.
 
 The example count per test is SYNCSCOPE_FUZZ_EXAMPLES (default 150, for the suite). The full
 run (docs/reliability.md) uses 10000 and writes its counts to SYNCSCOPE_FUZZ_REPORT:
-  SYNCSCOPE_FUZZ_EXAMPLES=10000 SYNCSCOPE_FUZZ_REPORT=/tmp/fuzz.json \\
+  make fuzz, which is SYNCSCOPE_FUZZ_EXAMPLES=10000 SYNCSCOPE_FUZZ_REPORT=fuzz-report.json \\
       .venv/bin/pytest -q tests/unit/test_fuzz_ingest.py -p no:cacheprovider
 """
 

@@ -28,7 +28,11 @@ def test_defaults_bind_loopback_only():
     args = build_parser().parse_args([])
     settings = settings_from_args(args)
     assert settings.host == "127.0.0.1" and settings.ingest_socket is None
-    assert args.metrics_port is None  # no wider listener unless asked for
+    assert settings.metrics_port is None  # no wider listener unless asked for
+    wide = settings_from_args(
+        build_parser().parse_args(["--metrics-host", "0.0.0.0", "--metrics-port", "9465"])
+    )
+    assert (wide.host, wide.metrics_host, wide.metrics_port) == ("127.0.0.1", "0.0.0.0", 9465)
 
 
 def test_token_guards_tcp_ingest_and_forwarded_headers_do_not_bypass_it():
