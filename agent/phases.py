@@ -15,7 +15,7 @@ Micro-steps under gradient accumulation are summed; a DDP micro-step under `no_s
 exposed communication and emits no sync record.
 
 Why a parameter hook and not a hook on the forward output: a hook registered on the output every
-step costs 8-12 µs per step on a DDP backward (bench in docs/reliability.md), a post-accumulate-
+step costs 8-12 µs per step on a DDP backward (bench/bench_hook_costs.py), a post-accumulate-
 grad hook registered once costs ~0.3 µs when it fires. Which parameter's gradient comes first is
 learned on the first backward (all trainable parameters watched once), then only the first
 `TRIGGERS` keep a hook. If none of them fires in a backward that followed a forward of the model
@@ -344,7 +344,7 @@ def wrap_forward(model: Any, pre: Callable[[], None], post: Callable[[Any], None
     """Time `model`'s forward by wrapping it on the instance (as accelerate does).
 
     Not register_forward_(pre_)hook: any module hook sends every call through nn.Module's slow
-    path, 5-7 µs per step for the pair on this machine; the wrapper costs ~1 µs (bench above).
+    path, 5-7 µs per step for the pair on this machine; the wrapper ~1 µs (bench_hook_costs.py).
     An exception in forward passes through untouched (the next forward restarts the phase).
     """
     had_own = "forward" in model.__dict__

@@ -1,0 +1,127 @@
+"""What each way of hooking a DDP training step costs the training thread, side by side.
+
+The numbers behind agent/phases.py's design (docs/reliability.md): for each mechanism, the
+training-thread CPU per step with it minus without it, median over interleaved rounds, on a
+tiny DDP model (gloo, one process) so the hooks are visible. Mechanisms:
+  module hooks       register_forward_pre_hook + register_forward_hook, no-op bodies
+  instance wrapper   the model's forward wrapped on the instance (what the agent does)
+  output hook/step   a no-op hook registered on the forward output's grad_fn every step
+  param hook         a no-op post-accumulate-grad hook registered once on one parameter
+  agent clock        the agent's whole PhaseClock (forward, backward, optimizer, callbacks)
+Run: .venv/bin/python bench/bench_hook_costs.py [--rounds 20] [--steps 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from syncscope.agent.phases import PhaseClock, wrap_forward
+
+
+def noop(*_: Any) -> None:
+    pass
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--steps", type=int, default=400)
+    a = p.parse_args()
+    if len(os.sched_getaffinity(0)) >= 2:
+        os.sched_setaffinity(0, {0})
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = tempfile.mktemp(prefix="syncscope-bench-")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    layers = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    model = torch.nn.parallel.DistributedDataParallel(layers)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x, y = torch.randn(4, 16), torch.randn(4, 1)
+    per_step: list[Callable[[Any], None]] = []  # called on each forward output
+
+    def run(steps: int) -> float:
+        cpu = time.thread_time_ns()
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            out = model(x)
+            for fn in per_step:
+                fn(out)
+            torch.nn.functional.mse_loss(out, y).backward()
+            opt.step()
+        return (time.thread_time_ns() - cpu) / 1e3 / steps
+
+    def module_hooks() -> list:
+        return [model.register_forward_pre_hook(noop), model.register_forward_hook(noop)]
+
+    def instance_wrapper() -> list:
+        return [wrap_forward(model, noop, noop)]
+
+    def output_hook() -> list:
+        per_step.append(lambda out: out.grad_fn.register_prehook(noop))
+
+        class Undo:
+            def remove(self) -> None:
+                per_step.clear()
+
+        return [Undo()]
+
+    def param_hook() -> list:
+        return [list(model.parameters())[-1].register_post_accumulate_grad_hook(noop)]
+
+    def agent_clock() -> list:
+        queue = torch.autograd.Variable._execution_engine.queue_callback
+        clock = PhaseClock(
+            deque(maxlen=8192), deque(maxlen=32768), queue, "g", 1.0, noop, ddp_model=model
+        )
+        clock.instrument(model, opt)
+
+        class Undo:
+            def remove(self) -> None:
+                clock.uninstrument()
+
+        return [Undo()]
+
+    mechanisms = {
+        "module hooks (pre + post)": module_hooks,
+        "instance wrapper of forward": instance_wrapper,
+        "output grad_fn hook, every step": output_hook,
+        "post-accumulate-grad hook, once": param_hook,
+        "agent PhaseClock, everything": agent_clock,
+    }
+    run(200)  # warm-up
+    diffs: dict[str, list[float]] = {name: [] for name in mechanisms}
+    for i in range(a.rounds):
+        for name, install in mechanisms.items():
+            out = {}
+            for with_it in (True, False) if i % 2 == 0 else (False, True):
+                if with_it:
+                    handles = install()
+                    run(20)  # the clock learns its trigger parameters on the first backward
+                    out[True] = run(a.steps)
+                    for h in handles:
+                        h.remove()
+                else:
+                    out[False] = run(a.steps)
+            diffs[name].append(out[True] - out[False])
+    base = run(1000)
+    print(f"DDP (gloo, 1 rank), tiny model: {base:.0f} µs of training-thread CPU per step")
+    print(f"{a.rounds} rounds x {a.steps} steps; training-thread CPU per step, with minus without:")
+    for name, d in diffs.items():
+        q = statistics.quantiles(d, n=4)
+        print(
+            f"  {name:34s} {statistics.median(d):+6.1f} µs  (quartiles {q[0]:+.1f} .. {q[2]:+.1f})"
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
