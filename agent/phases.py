@@ -84,13 +84,10 @@ class PhaseClock:
         self.bwd_pending = False
         self.manual_steps = False
         # Backward bookkeeping (see the module docstring).
-        self.bwd_depth = (
-            0  # nesting of wrapped torch.autograd.backward calls (reentrant checkpoint)
-        )
+        self.bwd_depth = 0  # nesting of wrapped backward calls (reentrant checkpoint)
         self.bwd_entry = 0  # when the outermost wrapped backward was entered; 0 outside one
         self.bwd_deferred = False  # the trigger fired in a nested backward: queue A on return
-        self.bwd_fired = False  # a trigger fired during the current outermost backward
-        self.fwd_since_bwd = False
+        self.fwd_since_bwd = False  # a forward ran and no trigger has fired since
         self.misses = 0  # backwards after a forward of the model in which no trigger fired
         # Fallback when parameter hooks cannot see this model's gradients (they are assigned,
         # not accumulated, as FSDP does): a hook on the forward output, registered every step.
@@ -116,7 +113,10 @@ class PhaseClock:
         if model is not None:
             handles.append(wrap_forward(model, self.forward_pre, self.forward_post))
             if self.queue_callback is not None:
-                self.watch_gradients(model.parameters())
+                # Every trainable parameter is hooked until the first backward shows which
+                # gradients come first.
+                self._params = [p for p in model.parameters() if p.requires_grad]
+                self._learn()
                 install_backward(self)
         if optimizer is not None:
             handles.append(optimizer.register_step_pre_hook(self.optimizer_pre))
@@ -125,11 +125,11 @@ class PhaseClock:
     def uninstrument(self) -> None:
         """Remove every hook `instrument` added. Safe to call twice."""
         uninstall_backward(self)
-        for handle in [*self._handles, *self._grad_hooks.values()]:
+        for handle in self._handles:
             with contextlib.suppress(Exception):
                 handle.remove()
         self._handles.clear()
-        self._grad_hooks.clear()
+        self._drop_grad_hooks()
 
     # -- forward ------------------------------------------------------------------------------
     def forward_pre(self, *_: Any) -> None:
@@ -157,13 +157,6 @@ class PhaseClock:
             self.on_error(exc)
 
     # -- backward -----------------------------------------------------------------------------
-    def watch_gradients(self, params: Iterable[Any]) -> None:
-        """Hook every trainable parameter until the first backward shows which come first."""
-        if self.queue_callback is None:
-            return
-        self._params = [p for p in params if getattr(p, "requires_grad", False)]
-        self._learn()
-
     def _learn(self) -> None:
         seen = set(self._grad_hooks)
         self._learned = []
@@ -172,13 +165,18 @@ class PhaseClock:
                 seen.add(id(p))
                 self._grad_hooks[id(p)] = _grad_hook(p, self.grad_ready)
 
+    def _drop_grad_hooks(self, keep: Iterable[Any] = ()) -> None:
+        kept = {id(p) for p in keep}
+        for key in [k for k in self._grad_hooks if k not in kept]:
+            with contextlib.suppress(Exception):
+                self._grad_hooks.pop(key).remove()
+
     def backward_enter(self) -> None:
         """Called on entry of every torch.autograd.backward (the wrapper in install_backward)."""
         try:
             self.bwd_depth += 1
             if self.bwd_depth == 1:
                 self.bwd_entry = _now()
-                self.bwd_fired = False
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
 
@@ -193,8 +191,8 @@ class PhaseClock:
             elif depth <= 0:
                 self.bwd_depth = 0
                 self.bwd_entry = 0
-                if self.fwd_since_bwd and not self.bwd_fired and not self.output_hooks:
-                    self._missed()
+                if self.fwd_since_bwd and not self.output_hooks:
+                    self._missed()  # grad_ready would have cleared fwd_since_bwd
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
 
@@ -207,9 +205,7 @@ class PhaseClock:
             self._learn()
         else:
             self.output_hooks = True
-            for handle in self._grad_hooks.values():
-                handle.remove()
-            self._grad_hooks.clear()
+            self._drop_grad_hooks()
             self._learned = None
 
     def _output_reached(self, _grad: Any) -> None:
@@ -224,7 +220,6 @@ class PhaseClock:
             if self.bwd_pending:
                 return
             self.bwd_pending = True
-            self.bwd_fired = True
             self.fwd_since_bwd = False
             self.bwd_start = self.bwd_entry or _now()
             if self.bwd_depth > 1:
@@ -241,7 +236,9 @@ class PhaseClock:
             self.acc[BACKWARD] += t - self.bwd_start
             self.bwd_end = t
             if self._learned is not None:
-                self._keep_triggers()
+                # After autograd's work: no hook is removed while the engine may call it.
+                self._drop_grad_hooks(keep=self._learned)
+                self._learned = None
             if self.ddp_group is not None and getattr(
                 self.ddp_model, "require_backward_grad_sync", True
             ):
@@ -251,13 +248,6 @@ class PhaseClock:
                 self.idle_since = t
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
-
-    def _keep_triggers(self) -> None:
-        # After autograd's work, so no hook is removed while the engine might be calling it.
-        keep = {id(p) for p in self._learned or ()}
-        self._learned = None
-        for key in [k for k in self._grad_hooks if k not in keep]:
-            self._grad_hooks.pop(key).remove()
 
     def _gradients_reduced(self) -> None:
         # Callback B: DDP's finalize (queued between A and B) has waited for every bucket.

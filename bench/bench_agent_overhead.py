@@ -64,16 +64,18 @@ def run(
         if exporter is not None
         else None
     )
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
     until = time.perf_counter() + warm_s
     while time.perf_counter() < until:
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+        step()
     cpu0, proc0, wall0 = time.thread_time_ns(), time.process_time_ns(), time.perf_counter_ns()
     for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+        step()
     wall = time.perf_counter_ns() - wall0
     cpu, proc = time.thread_time_ns() - cpu0, time.process_time_ns() - proc0
     if agent is not None:

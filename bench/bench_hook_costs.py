@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -67,12 +68,7 @@ def main() -> None:
 
     def output_hook() -> list:
         per_step.append(lambda out: out.grad_fn.register_prehook(noop))
-
-        class Undo:
-            def remove(self) -> None:
-                per_step.clear()
-
-        return [Undo()]
+        return [SimpleNamespace(remove=per_step.clear)]
 
     def param_hook() -> list:
         return [list(model.parameters())[-1].register_post_accumulate_grad_hook(noop)]
@@ -83,12 +79,7 @@ def main() -> None:
             deque(maxlen=8192), deque(maxlen=32768), queue, "g", 1.0, noop, ddp_model=model
         )
         clock.instrument(model, opt)
-
-        class Undo:
-            def remove(self) -> None:
-                clock.uninstrument()
-
-        return [Undo()]
+        return [SimpleNamespace(remove=clock.uninstrument)]
 
     mechanisms = {
         "module hooks (pre + post)": module_hooks,
