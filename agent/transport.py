@@ -1,7 +1,9 @@
 """Background reporter: drains the training thread's queues, batches records, sends them.
 
-Everything that costs more than an append happens here, on a daemon thread: building dicts,
-the arrival estimator, JSON, HTTP. The exporter being absent, slow or failing only ever
+Everything that costs more than an append happens here, on a daemon thread: the arrival
+estimator, JSON, HTTP. The queued tuples are sent as rows (wire schema 2), never turned into
+an object per record: this thread shares the GIL with training, and per-record Python work
+here was most of what a flush cost the training loop. The exporter being absent, slow or failing only ever
 costs records, which are counted as dropped; nothing here can block or raise into training.
 """
 
@@ -19,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from syncscope.arrival import ArrivalEstimator, collective_key, key_text, parse_key_text
-from syncscope.wire import DDP_GRAD_SYNC, INGEST_PATH, SCHEMA_VERSION
+from syncscope.wire import DDP_GRAD_SYNC, INGEST_PATH, PHASES, SCHEMA_VERSION
 
 log = logging.getLogger("syncscope.agent")
 
@@ -55,22 +57,23 @@ def drain(queue: deque, limit: int) -> list:
     return [pop() for _ in range(min(len(queue), limit))]
 
 
-def split_batch(steps: list[dict], colls: list[dict], limit: int) -> list[tuple[list, list]]:
+def split_batch(steps: list[tuple], colls: list[tuple], limit: int) -> list[tuple[list, list]]:
     """Cut a backlog into requests of about `limit` records, a step's collectives with it.
 
+    Rows as queued: a step row starts with its step number, a collective row ends with it.
     One json.dumps holds the GIL from start to end (it never yields to other threads), so a
-    backlog sent as one body would stall the training thread for tens of milliseconds.
+    backlog sent as one body would stall the training thread for milliseconds.
     """
     if len(steps) + len(colls) <= limit:
         return [(steps, colls)]
-    by_step: dict[int, list[dict]] = {}
+    by_step: dict[int, list[tuple]] = {}
     for c in colls:
-        by_step.setdefault(c["step"], []).append(c)
+        by_step.setdefault(c[-1], []).append(c)
     chunks: list[tuple[list, list]] = []
-    chunk_steps: list[dict] = []
-    chunk_colls: list[dict] = []
+    chunk_steps: list[tuple] = []
+    chunk_colls: list[tuple] = []
     for s in steps:
-        chunk_colls.extend(by_step.pop(s["step"], ()))
+        chunk_colls.extend(by_step.pop(s[0], ()))
         chunk_steps.append(s)
         if len(chunk_steps) + len(chunk_colls) >= limit:
             chunks.append((chunk_steps, chunk_colls))
@@ -209,55 +212,36 @@ class Reporter:
                 self.send_dropped += self._in_flight
                 self._in_flight = 0
                 return
-        colls = [
-            {
-                "op": op,
-                "group": group,
-                "bytes": float(nbytes),
-                "duration_s": dur / 1e9,
-                "step": step,
-            }
-            for op, group, nbytes, dur, step in raw_colls
-        ]
-        offset = time.time() - time.perf_counter_ns() / 1e9
-        steps = []
-        for step, end_ns, total, data, fwd, bwd, opt, comm, pacing in raw_steps:
-            # One literal per record: this loop is most of the reporter's time on the GIL.
-            steps.append(
-                {
-                    "step": step,
-                    "duration_s": total / 1e9,
-                    "end_unix_s": end_ns / 1e9 + offset,
-                    "phases": {
-                        "data": data / 1e9,
-                        "forward": fwd / 1e9,
-                        "backward": bwd / 1e9,
-                        "optimizer": opt / 1e9,
-                        "comm_exposed": comm / 1e9,
-                        "pacing": pacing / 1e9,
-                        "other": max(0, total - data - fwd - bwd - opt - comm - pacing) / 1e9,
-                    },
-                }
-            )
         if self._record is not None:
-            for s in steps:
-                line = {
-                    "rank": self.identity["rank"],
-                    "world_size": self.identity["world_size"],
-                    "step": s["step"],
-                    "step_s": s["duration_s"],
-                    "phases": s["phases"],
-                    "wait_s": wait_by_step.get(s["step"], 0.0),
-                    "end_unix_s": s["end_unix_s"],
-                }
-                self._record.write(json.dumps(line) + "\n")
+            self._write_record(raw_steps, wait_by_step)
         if self.url is not None:
-            for chunk_steps, chunk_colls in split_batch(steps, colls, self.MAX_RECORDS_PER_REQUEST):
-                self._send(chunk_steps, chunk_colls)
+            # The queued tuples go out as they are (wire schema 2): no object per record.
+            offset = time.time_ns() - time.perf_counter_ns()
+            for chunk in split_batch(raw_steps, raw_colls, self.MAX_RECORDS_PER_REQUEST):
+                self._send(*chunk, offset)
         else:
             self._in_flight = 0  # kept locally only: nothing was meant to be sent
 
-    def _send(self, steps: list[dict], colls: list[dict]) -> None:
+    def _write_record(self, raw_steps: list[tuple], wait_by_step: dict[int, float]) -> None:
+        """One JSON line per step, in seconds (`record_path`: the local recording mode)."""
+        assert self._record is not None
+        offset = time.time() - time.perf_counter_ns() / 1e9
+        rank, world = self.identity["rank"], self.identity["world_size"]
+        for step, end_ns, total, *phase_ns in raw_steps:
+            phases = dict(zip(PHASES, (ns / 1e9 for ns in phase_ns), strict=False))
+            phases["other"] = max(0, total - sum(phase_ns)) / 1e9
+            line = {
+                "rank": rank,
+                "world_size": world,
+                "step": step,
+                "step_s": total / 1e9,
+                "phases": phases,
+                "wait_s": wait_by_step.get(step, 0.0),
+                "end_unix_s": end_ns / 1e9 + offset,
+            }
+            self._record.write(json.dumps(line) + "\n")
+
+    def _send(self, steps: list[tuple], colls: list[tuple], clock_offset_ns: int) -> None:
         count = len(steps) + len(colls)
         now = time.monotonic()
         if now < self._retry_at:
@@ -267,6 +251,7 @@ class Reporter:
         batch = {
             "schema_version": SCHEMA_VERSION,
             "agent": self.identity,
+            "clock_offset_ns": clock_offset_ns,
             "dropped_total": self.dropped_total,
             "steps": steps,
             "collectives": colls,

@@ -1,7 +1,8 @@
 """Exporter performance, measured in one run against a real exporter process on 127.0.0.1.
 
 Prints:
-  ingest     records/s over HTTP (keep-alive, 8 ranks, agent-sized batches), and records per
+  ingest     records/s over HTTP (keep-alive, 8 ranks, agent-sized batches in wire schema 2,
+             as the agent sends them; in-process, schema 1 alongside), and records per
              CPU-second of the exporter process (its utime+stime from /proc), i.e. on one core.
              The exporter is pinned to one CPU and the client to another when there are two.
              Target: >= 20,000 records/s on one core.
@@ -45,40 +46,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def batch(rank: int, step0: int, rng: random.Random) -> bytes:
+def batch(rank: int, step0: int, rng: random.Random, wire: int = 2) -> bytes:
+    """One agent-sized batch in wire schema `wire` (2: rows of ns, what the agent sends)."""
     steps, colls = [], []
     for s in range(step0, step0 + STEPS_PER_BATCH):
         d = 0.010 + rng.random() * 0.002
-        steps.append(
+        steps.append((s, d))
+        op, nbytes, base = OPS[s % 2] if s % 10 else OPS[2 + (s // 10) % 2]
+        ddp = OPS[0]
+        colls.append((ddp[0], ddp[1], ddp[2] + rng.random() * 0.003 * (rank != 3), s))
+        if op != "ddp_grad_sync":
+            colls.append((op, nbytes, base + rng.random() * 1e-4, s))
+    if wire == 2:
+        step_records: list = []
+        for s, d in steps:
+            share = round(d * 1e9 / len(PHASES))
+            step_records.append([s, s * 10**7, round(d * 1e9), *[share] * (len(PHASES) - 1)])
+        coll_records: list = [
+            [op, "default_pg", int(nbytes), round(dur * 1e9), s] for op, nbytes, dur, s in colls
+        ]
+    else:
+        step_records = [
             {
                 "step": s,
                 "duration_s": d,
                 "end_unix_s": 1.7e9 + s * 0.01,
                 "phases": {p: d / len(PHASES) for p in PHASES},
             }
-        )
-        op, nbytes, base = OPS[s % 2] if s % 10 else OPS[2 + (s // 10) % 2]
-        colls.append(
-            {
-                "op": "ddp_grad_sync",
-                "group": "default_pg",
-                "bytes": OPS[0][1],
-                "duration_s": OPS[0][2] + rng.random() * 0.003 * (rank != 3),
-                "step": s,
-            }
-        )
-        if op != "ddp_grad_sync":
-            colls.append(
-                {
-                    "op": op,
-                    "group": "default_pg",
-                    "bytes": nbytes,
-                    "duration_s": base + rng.random() * 1e-4,
-                    "step": s,
-                }
-            )
+            for s, d in steps
+        ]
+        coll_records = [
+            {"op": op, "group": "default_pg", "bytes": nbytes, "duration_s": dur, "step": s}
+            for op, nbytes, dur, s in colls
+        ]
     body = {
-        "schema_version": 1,
+        "schema_version": wire,
         "agent": {
             "job": "bench",
             "rank": rank,
@@ -90,8 +92,8 @@ def batch(rank: int, step0: int, rng: random.Random) -> bytes:
             "started_unix_s": 1.7e9,
         },
         "dropped_total": 0,
-        "steps": steps,
-        "collectives": colls,
+        "steps": step_records,
+        "collectives": coll_records,
         "pacing": {
             "enabled": True,
             "active": rank != 3,
@@ -109,6 +111,8 @@ def batch(rank: int, step0: int, rng: random.Random) -> bytes:
             "numa_node": rank // 4,
         },
     }
+    if wire == 2:
+        body["clock_offset_ns"] = 1_700_000_000 * 10**9
     return json.dumps(body).encode()
 
 
@@ -268,8 +272,14 @@ def main() -> None:
     print(f"batches: {per_batch:.0f} records each ({STEPS_PER_BATCH} steps), {RANKS} ranks")
     print(f"cpus: exporter on {server_cpu}, client on {client_cpu} (of {len(cpus)})")
 
+    # Both wire versions side by side: what the agent sends (2) and objects in seconds (1).
+    v1 = [[batch(r, k * STEPS_PER_BATCH, rng, wire=1) for k in range(8)] for r in range(RANKS)]
     ceiling = bench_in_process(bodies, 3.0)
-    print(f"in-process parse+validate+store: {ceiling:,.0f} records per CPU-second")
+    ceiling_v1 = bench_in_process(v1, 3.0)
+    print(
+        f"in-process parse+validate+store: {ceiling:,.0f} records per CPU-second (wire 2), "
+        f"{ceiling_v1:,.0f} (wire 1): x{ceiling / ceiling_v1:.2f}"
+    )
 
     port = free_port()
     proc = start_exporter(port, server_cpu)

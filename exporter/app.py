@@ -9,25 +9,33 @@ import hmac
 import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.process_collector import ProcessCollector
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 from syncscope.exporter.collectors import StoreCollector
 from syncscope.exporter.page import install_page
 from syncscope.exporter.settings import Settings
-from syncscope.exporter.store import DIAGNOSIS_STEPS, Store
+from syncscope.exporter.store import DIAGNOSIS_STEPS, Ingest, Store
 
 from syncscope import __version__
-from syncscope.wire import INGEST_PATH, Batch
+from syncscope.wire import INGEST_PATH, BadRows, BatchV1, BatchV2
 
-_batch_adapter = TypeAdapter(Batch)
+# Tagged by schema_version: a batch is checked against its own version only, so the errors
+# name that version's fields instead of listing both versions' mismatches.
+_batch_adapter: TypeAdapter[BatchV1 | BatchV2] = TypeAdapter(
+    Annotated[BatchV1 | BatchV2, Field(discriminator="schema_version")]
+)
 _batch_schema = _batch_adapter.json_schema(ref_template="#/components/schemas/{model}")
 _batch_defs = _batch_schema.pop("$defs", {})
+# OpenAPI discriminators map *string* values; schema_version is an integer, and each branch
+# already pins it (const 1 / const 2), so oneOf alone is exact. Published without the mapping,
+# which clients and fuzzers would otherwise read as schema_version == "1".
+_batch_schema.pop("discriminator", None)
 # A client that cannot deliver its body within this long is holding a connection, not sending.
 BODY_READ_TIMEOUT_S = 10.0
 METRICS_PATH = "/metrics"
@@ -45,7 +53,7 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def parse_batch(body: bytes) -> Batch:
+def parse_batch(body: bytes) -> Ingest:
     """Strict JSON (no NaN/Infinity) then schema validation; errors never echo the input."""
     try:
         raw = json.loads(body, parse_constant=_no_constants)
@@ -54,13 +62,15 @@ def parse_batch(body: bytes) -> Batch:
     except RecursionError:  # '[[[[...' a few thousand deep: refuse, never crash
         raise BadRequest(400, "malformed_json", "body nests too deeply") from None
     try:
-        return _batch_adapter.validate_python(raw)
+        return Ingest.of(_batch_adapter.validate_python(raw))
     except ValidationError as exc:
         errors = [
             {"loc": [str(p) for p in e["loc"]][:8], "msg": e["msg"][:200], "type": e["type"]}
             for e in exc.errors(include_url=False, include_input=False)[:20]
         ]
         raise BadRequest(422, "invalid_schema", errors) from None
+    except BadRows as exc:
+        raise BadRequest(422, "invalid_schema", [{"msg": str(exc)[:200]}]) from None
 
 
 async def _read_limited(request: Request, limit: int) -> bytes:

@@ -14,7 +14,7 @@ from typing import Any
 from syncscope.exporter.settings import Settings
 
 from syncscope.arrival import ArrivalEstimator, collective_key, key_text
-from syncscope.wire import OPS, PHASES, Batch
+from syncscope.wire import OPS, PHASES, Batch, CollectiveSeconds, StepSeconds
 
 # Steps the diagnosis and the shares look back over (diagnosis.py reads recent_steps[-100:]).
 DIAGNOSIS_STEPS = 100
@@ -35,6 +35,20 @@ STEP_BUCKETS = (
     30.0,
     60.0,
 )
+
+
+@dataclass
+class Ingest:
+    """One validated batch, its records as rows in seconds whichever wire version it came in."""
+
+    batch: Batch
+    steps: list[StepSeconds]
+    collectives: list[CollectiveSeconds]
+
+    @classmethod
+    def of(cls, batch: Batch) -> Ingest:
+        """Raises wire.BadRows for rows the schema's bounds let through but that make no sense."""
+        return cls(batch, batch.step_rows(), batch.collective_rows())
 
 
 def clean_label(value: str, limit: int = 64) -> str:
@@ -110,8 +124,9 @@ class Store:
         with self.lock:
             self.rejected[reason] = self.rejected.get(reason, 0) + count
 
-    def ingest(self, batch: Batch) -> dict[str, Any]:
+    def ingest(self, ingest: Ingest) -> dict[str, Any]:
         """Fold one validated batch in; return the reply (node-wide baselines for the agent)."""
+        batch = ingest.batch
         a = batch.agent
         job = clean_label(a.job)
         now = time.time()
@@ -150,9 +165,9 @@ class Store:
                     clean_label(k): clean_label(v, 256) if isinstance(v, str) else v
                     for k, v in list(batch.topology.items())[:64]
                 }
-            waits_by_step = self._collectives(state, estimator, batch)
-            self._steps(state, batch, waits_by_step)
-            self.ingested_records += len(batch.steps) + len(batch.collectives)
+            waits_by_step = self._collectives(state, estimator, ingest.collectives)
+            self._steps(state, ingest.steps, waits_by_step)
+            self.ingested_records += len(ingest.steps) + len(ingest.collectives)
             baselines = {key_text(k): v for k, v in estimator.baselines().items()}
         return {"accepted": True, "baselines": baselines}
 
@@ -171,21 +186,19 @@ class Store:
         estimator.forget(state.rank)
 
     def _collectives(
-        self, state: RankState, estimator: ArrivalEstimator, batch: Batch
+        self, state: RankState, estimator: ArrivalEstimator, rows: list[CollectiveSeconds]
     ) -> dict[int, float]:
         calls = []
-        for c in batch.collectives:
-            op = c.op if c.op in OPS else "other"
-            group = clean_label(c.group)
+        for op, group, nbytes, duration, step in rows:
+            op = op if op in OPS else "other"
+            group = clean_label(group)
             totals = state.collectives.get((op, group))
             if totals is None:
                 if len(state.collectives) >= self.settings.max_series_per_rank:
                     self.rejected["too_many_series"] = self.rejected.get("too_many_series", 0) + 1
                     continue
                 totals = state.collectives[(op, group)] = CollectiveTotals()
-            calls.append(
-                (totals, c.step, collective_key(op, group, c.bytes), c.duration_s, c.bytes)
-            )
+            calls.append((totals, step, collective_key(op, group, nbytes), duration, nbytes))
         waits = estimator.observe(state.rank, [(k, d, step) for _, step, k, d, _ in calls])
         by_step: dict[int, float] = {}
         for (totals, step, _key, duration, nbytes), wait in zip(calls, waits, strict=True):
@@ -196,21 +209,20 @@ class Store:
             by_step[step] = by_step.get(step, 0.0) + wait
         return by_step
 
-    def _steps(self, state: RankState, batch: Batch, waits_by_step: dict[int, float]) -> None:
+    def _steps(
+        self, state: RankState, rows: list[StepSeconds], waits_by_step: dict[int, float]
+    ) -> None:
         if not state.window.maxlen:
             state.window = deque(state.window, maxlen=self.settings.step_window)
             state.recent = deque(state.recent, maxlen=self.settings.recent_steps)
-        for s in batch.steps:
-            d = s.duration_s
+        for step, d, end_unix_s, values in rows:
             state.steps_total += 1
             state.step_seconds_sum += d
             state.step_bucket_counts[bisect.bisect_left(STEP_BUCKETS, d)] += 1
-            p = s.phases
-            values = (p.data, p.forward, p.backward, p.optimizer, p.comm_exposed, p.pacing, p.other)
             for i, v in enumerate(values):
                 state.phase_seconds[i] += v
             state.window.append(d)
-            state.recent.append((s.step, d, values, waits_by_step.get(s.step, 0.0), s.end_unix_s))
+            state.recent.append((step, d, values, waits_by_step.get(step, 0.0), end_unix_s))
 
     def _expire(self, now: float) -> None:
         limit = self.settings.expire_after_s

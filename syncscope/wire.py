@@ -1,16 +1,24 @@
 """The wire schema of what an agent sends its node's exporter: one module both sides import.
 
-The agent (stdlib only) builds plain dicts with these field names and never validates; the
-exporter validates each batch against the dataclasses below through pydantic. The bounds are
-part of the schema so that NaN, infinities, negative durations and absurd sizes are refused at
-the door rather than poisoning a counter.
+Two versions, told apart by `schema_version`, both accepted by the exporter:
+
+- **2** (what the agent sends): records as rows of integers, exactly the tuples the training
+  thread queued, nanoseconds on the agent's monotonic clock plus one clock offset per batch.
+  The reporter serialises its queues without building a Python object per record, which is
+  most of what a flush costs the training process (bench/bench_agent_overhead.py).
+- **1**: records as objects in seconds, for people and other clients writing batches by hand.
+
+The agent (stdlib only) never validates; the exporter validates each batch against the
+dataclasses below through pydantic and turns either version into the same rows in seconds
+(`step_rows`, `collective_rows`). The bounds are part of the schema so that NaN, infinities,
+negative durations and absurd sizes are refused at the door rather than poisoning a counter.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 try:  # present wherever pydantic is (the exporter); the agent never evaluates these bounds
     from annotated_types import Ge, Le, MaxLen
@@ -21,7 +29,7 @@ except ImportError:  # pragma: no cover - agent-only installs
 
     Ge = Le = MaxLen = _unbounded  # type: ignore[assignment,misc]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # what the agent sends; the exporter accepts 1 and 2
 INGEST_PATH = "/v1/ingest"
 
 # Phases add up to the step's wall time (see agent.phases for where each boundary comes from).
@@ -47,10 +55,13 @@ MAX_TOPOLOGY_ENTRIES = 64
 MAX_TOPOLOGY_TEXT = 256
 MAX_SECONDS = 86_400.0  # a single step or collective longer than a day is garbage, not data
 MAX_BYTES = float(1 << 50)  # 1 PiB per call
+MAX_NANOS = int(MAX_SECONDS * 1e9)
+MAX_UNIX_S = 1e11
 
 Seconds = Annotated[float, Ge(0.0), Le(MAX_SECONDS)]
 Count = Annotated[int, Ge(0), Le(1 << 62)]
 Label = Annotated[str, MaxLen(MAX_LABEL_LEN)]
+Nanos = Annotated[int, Ge(0), Le(MAX_NANOS)]
 # Topology values are free-form but bounded: short text, finite numbers (JSON's 1e999 parses
 # to inf, which would poison every later JSON answer), and at most MAX_TOPOLOGY_ENTRIES keys.
 TopologyValue = (
@@ -94,7 +105,7 @@ class StepRecord:
 
     step: Count
     duration_s: Seconds
-    end_unix_s: Annotated[float, Ge(0.0), Le(1e11)]
+    end_unix_s: Annotated[float, Ge(0.0), Le(MAX_UNIX_S)]
     phases: Phases = field(default_factory=Phases)
 
 
@@ -121,21 +132,89 @@ class PacingState:
     total_delay_s: Annotated[float, Ge(0.0), Le(1e12)] = 0.0
 
 
-@dataclass
-class Batch:
-    """What one agent POSTs to the exporter's ingest endpoint."""
+# A step as a row (version 2): step, end (agent monotonic clock), duration, then the phases
+# data, forward, backward, optimizer, comm_exposed, pacing, all integer nanoseconds; `other` is
+# what the phases leave of the duration.
+STEP_ROW = ("step", "end_ns", "duration_ns", *(p + "_ns" for p in PHASES[:-1]))
+StepRow = tuple[Count, Count, Nanos, Nanos, Nanos, Nanos, Nanos, Nanos, Nanos]
+COLLECTIVE_ROW = ("op", "group", "bytes", "duration_ns", "step")
+CollectiveRow = tuple[Label, Label, Annotated[int, Ge(0), Le(int(MAX_BYTES))], Nanos, Count]
 
-    schema_version: Annotated[int, Ge(1), Le(SCHEMA_VERSION)]
+# Rows in seconds, what the exporter's store folds in whichever version arrived:
+# (step, duration_s, end_unix_s, (seconds per phase, in PHASES order)) and
+# (op, group, bytes, duration_s, step).
+StepSeconds = tuple[int, float, float, tuple[float, ...]]
+CollectiveSeconds = tuple[str, str, float, float, int]
+
+
+class BadRows(ValueError):
+    """Rows that pass the schema's bounds but make no sense together (e.g. a wrong clock)."""
+
+
+@dataclass(kw_only=True)
+class _Batch:
+    """What every version of a batch carries besides its records."""
+
     agent: AgentInfo
     # Cumulative count of records this agent lost (queue overflow, failed sends).
     dropped_total: Count = 0
+    pacing: PacingState | None = None
+    # GPU topology and low-rate samples: free-form but bounded, see agent.topology.
+    topology: Annotated[dict[Label, TopologyValue], MaxLen(MAX_TOPOLOGY_ENTRIES)] | None = None
+
+
+@dataclass(kw_only=True)
+class BatchV1(_Batch):
+    """What an agent POSTs to the exporter's ingest endpoint, records as objects in seconds."""
+
+    schema_version: Literal[1]
     steps: Annotated[list[StepRecord], MaxLen(MAX_STEPS_PER_BATCH)] = field(default_factory=list)
     collectives: Annotated[list[CollectiveRecord], MaxLen(MAX_COLLECTIVES_PER_BATCH)] = field(
         default_factory=list
     )
-    pacing: PacingState | None = None
-    # GPU topology and low-rate samples: free-form but bounded, see agent.topology.
-    topology: Annotated[dict[Label, TopologyValue], MaxLen(MAX_TOPOLOGY_ENTRIES)] | None = None
+
+    def step_rows(self) -> list[StepSeconds]:
+        out: list[StepSeconds] = []
+        for s in self.steps:
+            p = s.phases
+            phases = (p.data, p.forward, p.backward, p.optimizer, p.comm_exposed, p.pacing, p.other)
+            out.append((s.step, s.duration_s, s.end_unix_s, phases))
+        return out
+
+    def collective_rows(self) -> list[CollectiveSeconds]:
+        return [(c.op, c.group, c.bytes, c.duration_s, c.step) for c in self.collectives]
+
+
+@dataclass(kw_only=True)
+class BatchV2(_Batch):
+    """The same as BatchV1 with records as rows of integers (STEP_ROW, COLLECTIVE_ROW)."""
+
+    schema_version: Literal[2]
+    # Unix time minus the agent's monotonic clock, in ns, taken when the batch was built.
+    clock_offset_ns: Annotated[int, Ge(-(1 << 62)), Le(1 << 62)]
+    steps: Annotated[list[StepRow], MaxLen(MAX_STEPS_PER_BATCH)] = field(default_factory=list)
+    collectives: Annotated[list[CollectiveRow], MaxLen(MAX_COLLECTIVES_PER_BATCH)] = field(
+        default_factory=list
+    )
+
+    def step_rows(self) -> list[StepSeconds]:
+        """Seconds and unix time; raises BadRows for an end time no clock offset explains."""
+        offset = self.clock_offset_ns
+        out: list[StepSeconds] = []
+        for step, end, total, data, fwd, bwd, opt, comm, pacing in self.steps:
+            end_unix_s = (end + offset) / 1e9
+            if not 0.0 <= end_unix_s <= MAX_UNIX_S:
+                raise BadRows(f"step {step}: end_ns + clock_offset_ns is not a unix time")
+            other = max(0, total - data - fwd - bwd - opt - comm - pacing)
+            phases = (data / 1e9, fwd / 1e9, bwd / 1e9, opt / 1e9, comm / 1e9, pacing / 1e9)
+            out.append((step, total / 1e9, end_unix_s, (*phases, other / 1e9)))
+        return out
+
+    def collective_rows(self) -> list[CollectiveSeconds]:
+        return [(op, g, float(b), d / 1e9, step) for op, g, b, d, step in self.collectives]
+
+
+Batch = BatchV1 | BatchV2
 
 
 def size_bucket(nbytes: float) -> int:

@@ -186,14 +186,15 @@ def test_unexpected_reporter_error_counts_the_records_it_held():
 
 
 def test_backlog_is_split_into_bounded_requests_with_collectives_beside_their_steps():
-    steps = [{"step": i} for i in range(3000)]
-    colls = [{"step": i, "n": k} for i in range(3000) for k in range(2)]
+    # Rows as queued: a step row starts with its step, a collective row ends with it.
+    steps = [(i, 0, 10) for i in range(3000)]
+    colls = [("all_reduce", k, i) for i in range(3000) for k in range(2)]
     chunks = split_batch(steps, colls, 1024)
     assert sum(len(s) for s, _ in chunks) == 3000 and sum(len(c) for _, c in chunks) == 6000
     for s, c in chunks:
         assert len(s) + len(c) <= 1024 + 2
-        assert {x["step"] for x in c} <= {x["step"] for x in s}
-    one_step_many = split_batch([{"step": 0}], [{"step": 0}] * 5000, 1024)
+        assert {x[-1] for x in c} <= {x[0] for x in s}
+    one_step_many = split_batch([(0, 0, 10)], [("all_reduce", 0, 0)] * 5000, 1024)
     assert all(len(c) <= 1024 for _, c in one_step_many)
     assert sum(len(c) for _, c in one_step_many) == 5000
 

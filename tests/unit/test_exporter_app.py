@@ -38,6 +38,22 @@ BATCH = {
 }
 
 
+# The same ten steps as BATCH in wire schema 2, the agent's own: rows of integer nanoseconds on
+# a monotonic clock, one offset to unix time per batch; `other` is what the phases leave.
+MS = 1_000_000
+BATCH_V2 = {
+    "schema_version": 2,
+    "agent": BATCH["agent"],
+    "clock_offset_ns": 1_700_000_000 * 10**9 - 5_000 * 10**9,
+    "dropped_total": 3,
+    "steps": [
+        [i, (5_000 + i) * 10**9, 100 * MS, 10 * MS, 20 * MS, 30 * MS, 10 * MS, 20 * MS, 0]
+        for i in range(10)
+    ],
+    "collectives": [["all_reduce", "default_pg", 1024, 10 * MS, i] for i in range(10)],
+}
+
+
 @pytest.fixture
 def client():
     with TestClient(create_app(Settings(max_body_bytes=200_000))) as c:
@@ -143,5 +159,67 @@ def test_openapi_publishes_the_ingest_schema(client):
     body = spec["paths"]["/v1/ingest"]["post"]["requestBody"]["content"]["application/json"][
         "schema"
     ]
-    assert body["properties"]["agent"]["$ref"].endswith("/AgentInfo")
-    assert "AgentInfo" in spec["components"]["schemas"]
+    versions = [ref["$ref"].rsplit("/", 1)[1] for ref in body["oneOf"]]
+    assert versions == ["BatchV1", "BatchV2"]
+    schemas = spec["components"]["schemas"]
+    for name in versions:  # every $ref resolves inside the published spec
+        assert schemas[name]["properties"]["agent"]["$ref"].endswith("/AgentInfo")
+    assert "AgentInfo" in schemas and "StepRecord" in schemas
+
+
+def _series(client) -> dict[str, dict]:
+    text = client.get("/metrics").text
+    names = (
+        "syncscope_steps_total",
+        "syncscope_step_seconds_sum",
+        "syncscope_phase_seconds_total",
+        "syncscope_collective_bytes_total",
+        "syncscope_collective_seconds_total",
+        "syncscope_agent_records_dropped_total",
+    )
+    return {name: parse_samples(text, name) for name in names}
+
+
+def test_schema_v2_rows_store_what_v1_objects_store():
+    """The agent's row format and the object format are two spellings of the same records."""
+    with TestClient(create_app(Settings())) as v1, TestClient(create_app(Settings())) as v2:
+        for _ in range(2):  # twice: the second batch meets the baselines the first one set
+            a = v1.post("/v1/ingest", json=BATCH)
+            b = v2.post("/v1/ingest", json=BATCH_V2)
+            assert a.status_code == b.status_code == 200, b.text
+            assert a.json()["baselines"] == pytest.approx(b.json()["baselines"])
+        a, b = _series(v1), _series(v2)
+        assert a["syncscope_steps_total"] and a.keys() == b.keys()
+        for name in a:
+            assert a[name].keys() == b[name].keys(), name
+            for key, value in a[name].items():
+                assert b[name][key] == pytest.approx(value), (name, key)
+        steps = v2.get("/v1/state?recent=10").json()["jobs"]["j"]["ranks"][0]["recent_steps"]
+        assert steps[-1]["phases"]["other"] == pytest.approx(0.01)
+        assert [s["step"] for s in steps] == list(range(10))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "where"),
+    [
+        (lambda b: b["steps"][0].pop(), "steps"),  # a row one field short
+        (lambda b: b["steps"][0].__setitem__(3, -1), "steps"),  # negative nanoseconds
+        (lambda b: b["steps"][0].__setitem__(2, 0.5), "steps"),  # nanoseconds are integers
+        (lambda b: b["collectives"][0].__setitem__(2, -4), "collectives"),
+        (lambda b: b.pop("clock_offset_ns"), "clock_offset_ns"),
+        # within bounds field by field, but no unix time: refused as a whole
+        (lambda b: b.__setitem__("clock_offset_ns", -(10**18)), "unix time"),
+        (lambda b: b.__setitem__("steps", [{"step": 0}]), "steps"),  # v1 objects under v2
+        (lambda b: b.__setitem__("schema_version", 3), "schema_version"),
+    ],
+)
+def test_bad_v2_rows_get_422_and_lose_nothing(client, mutate, where):
+    assert client.post("/v1/ingest", json=BATCH_V2).status_code == 200
+    before = _series(client)
+    bad = copy.deepcopy(BATCH_V2)
+    bad["agent"] = {**BATCH_V2["agent"], "rank": 1}
+    mutate(bad)
+    r = client.post("/v1/ingest", json=bad)
+    assert r.status_code == 422, r.text
+    assert where in r.text and "input" not in r.text
+    assert _series(client) == before

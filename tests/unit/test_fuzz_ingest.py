@@ -53,7 +53,19 @@ CLIENT = TestClient(APP, raise_server_exceptions=False)
 COUNTS: dict[str, Counter] = {"hypothesis": Counter(), "schemathesis": Counter()}
 
 
-def valid_batch(job: str = "fuzz", rank: int = 0, steps: int = 3) -> dict[str, Any]:
+def valid_batch(
+    job: str = "fuzz", rank: int = 0, steps: int = 3, version: int = 1
+) -> dict[str, Any]:
+    """A batch the exporter accepts, in wire schema 1 (objects) or 2 (the agent's rows)."""
+    if version == 2:
+        ms = 1_000_000
+        return {
+            **valid_batch(job, rank, 0),
+            "schema_version": 2,
+            "clock_offset_ns": 1_700_000_000 * 10**9,
+            "steps": [[i, i * 10**9, 10 * ms, *[ms] * 6] for i in range(steps)],
+            "collectives": [["ddp_grad_sync", "default_pg", 4096, 2 * ms, i] for i in range(steps)],
+        }
     return {
         "schema_version": 1,
         "agent": {
@@ -194,6 +206,7 @@ def mutated_batches(draw: Any) -> bytes:
         job=draw(st.sampled_from(["fuzz", "fuzz-2"]) | NASTY_TEXT),
         rank=draw(st.integers(0, 2**20) | st.integers(0, 64)),
         steps=draw(st.integers(0, 4)),
+        version=draw(st.sampled_from([1, 2])),
     )
     for _ in range(draw(st.integers(1, 4))):
         paths = [p for p in _paths(batch) if p]
@@ -258,14 +271,19 @@ def test_hypothesis_hostile_batches_never_5xx(body: bytes) -> None:
 
 
 @FUZZ
-@given(job=NASTY_TEXT, group=NASTY_TEXT, host=NASTY_TEXT)
-def test_hypothesis_label_values_are_sanitised(job: str, group: str, host: str) -> None:
+@given(job=NASTY_TEXT, group=NASTY_TEXT, host=NASTY_TEXT, version=st.sampled_from([1, 2]))
+def test_hypothesis_label_values_are_sanitised(
+    job: str, group: str, host: str, version: int
+) -> None:
     """Quotes, newlines, unicode: accepted, cleaned, and the scrape still parses to the same label."""
     with TestClient(create_app(Settings()), raise_server_exceptions=False) as client:
-        batch = valid_batch(job=job)
+        batch = valid_batch(job=job, version=version)
         batch["agent"]["hostname"] = host
         for c in batch["collectives"]:
-            c["group"] = group
+            if version == 2:
+                c[1] = group
+            else:
+                c["group"] = group
         body = json.dumps(batch).encode("utf-8", "surrogatepass")
         r = client.post(INGEST_PATH, content=body, headers={"content-type": "application/json"})
         tally("hypothesis", r.status_code)
