@@ -3,8 +3,9 @@
 Everything that costs more than an append happens here, on a daemon thread: the arrival
 estimator, JSON, HTTP. The queued tuples are sent as rows (wire schema 2), never turned into
 an object per record: this thread shares the GIL with training, and per-record Python work
-here was most of what a flush cost the training loop. The exporter being absent, slow or failing only ever
-costs records, which are counted as dropped; nothing here can block or raise into training.
+here was most of what a flush cost the training loop. The exporter being absent, slow or
+failing only ever costs records, which are counted as dropped; nothing here can block or
+raise into training.
 """
 
 from __future__ import annotations

@@ -129,13 +129,13 @@ def scenario(
         f"{name}: step {statistics.median(base_wall) / 1e3:.2f} ms, {rounds} rounds x {steps} steps"
     )
     print(
-        f"  training-thread CPU per step: +{statistics.median(d_cpu):.1f} µs with the agent "
+        f"  training-thread CPU per step: {statistics.median(d_cpu):+.1f} µs with the agent "
         f"(median of per-round differences; without: {statistics.median(base_cpu):.0f} µs; "
         f"quartiles {q(d_cpu, n=4)[0]:.1f} .. {q(d_cpu, n=4)[2]:.1f} µs)"
     )
     print(
         f"  whole-process CPU per step (training thread + reporter): "
-        f"+{statistics.median(d_proc):.1f} µs (quartiles {q(d_proc, n=4)[0]:.1f} .. "
+        f"{statistics.median(d_proc):+.1f} µs (quartiles {q(d_proc, n=4)[0]:.1f} .. "
         f"{q(d_proc, n=4)[2]:.1f} µs)"
     )
     ratio = statistics.median(ratios)
