@@ -132,6 +132,7 @@ class Agent:
             dropped_elsewhere=self._dropped_on_training_thread,
             pacing_state=self._pacing_state,
             topology=self.topology if self.topology is not None else (lambda: None),
+            estimate=config.pacing,  # (and the record file, which the reporter knows of)
         )
         if config.pacing:
             self._enable_pacing()

@@ -117,8 +117,13 @@ class Reporter:
         dropped_elsewhere: Callable[[], int],
         pacing_state: Callable[[], dict[str, Any] | None],
         topology: Callable[[], dict[str, Any] | None],
+        estimate: bool = True,
     ) -> None:
         self.identity = identity
+        # The local arrival estimator feeds pacing (its DDP baseline) and the record file (each
+        # step's wait); the exporter runs its own, node-wide. Without either it is half of a
+        # flush's CPU spent on nothing, so it is skipped.
+        self.estimate = estimate or record_path is not None
         self.url = url
         self.token = token
         self.steps = steps
@@ -188,22 +193,9 @@ class Reporter:
         self.drained_records += self._in_flight
         if not raw_steps and not raw_colls and self.url is None:
             return
-        # The local estimator runs even while the exporter is away: pacing reads its baseline.
-        keys = self._keys
-        if len(keys) > 4096:  # bounded: keys are (op, group, size) and groups are capped
-            keys.clear()
-        calls = []
-        for op, group, nbytes, dur, step in raw_colls:
-            key = keys.get((op, group, nbytes))
-            if key is None:
-                key = keys[(op, group, nbytes)] = collective_key(op, group, float(nbytes))
-            calls.append((key, dur / 1e9, step))
-        waits = self.estimator.observe("self", calls)
         wait_by_step: dict[int, float] = {}
-        for (op, _group, _nbytes, dur, step), wait in zip(raw_colls, waits, strict=True):
-            wait_by_step[step] = wait_by_step.get(step, 0.0) + wait
-            if op == DDP_GRAD_SYNC:
-                self.ddp_baseline_s = dur / 1e9 - wait
+        if self.estimate:
+            wait_by_step = self._observe(raw_colls)
         if self._record is None:
             if self.url is None:  # no exporter and no file: nothing was meant to go anywhere
                 self._in_flight = 0
@@ -222,6 +214,26 @@ class Reporter:
                 self._send(*chunk, offset)
         else:
             self._in_flight = 0  # kept locally only: nothing was meant to be sent
+
+    def _observe(self, raw_colls: list[tuple]) -> dict[int, float]:
+        """Feed the local estimator (also while the exporter is away: pacing reads its
+        baseline); return each step's estimated wait at its collectives."""
+        keys = self._keys
+        if len(keys) > 4096:  # bounded: keys are (op, group, size) and groups are capped
+            keys.clear()
+        calls = []
+        for op, group, nbytes, dur, step in raw_colls:
+            key = keys.get((op, group, nbytes))
+            if key is None:
+                key = keys[(op, group, nbytes)] = collective_key(op, group, float(nbytes))
+            calls.append((key, dur / 1e9, step))
+        waits = self.estimator.observe("self", calls)
+        wait_by_step: dict[int, float] = {}
+        for (op, _group, _nbytes, dur, step), wait in zip(raw_colls, waits, strict=True):
+            wait_by_step[step] = wait_by_step.get(step, 0.0) + wait
+            if op == DDP_GRAD_SYNC:
+                self.ddp_baseline_s = dur / 1e9 - wait
+        return wait_by_step
 
     def _write_record(self, raw_steps: list[tuple], wait_by_step: dict[int, float]) -> None:
         """One JSON line per step, in seconds (`record_path`: the local recording mode)."""
@@ -306,6 +318,8 @@ class Reporter:
         self._backoff = min(self.MAX_BACKOFF_S, self._backoff * 2)
 
     def _apply_reply(self, payload: bytes) -> None:
+        if not self.estimate:
+            return  # the node-wide baselines only feed the local estimator
         reply = json.loads(payload)
         external = {}
         for text, value in (reply.get("baselines") or {}).items():

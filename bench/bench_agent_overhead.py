@@ -179,7 +179,7 @@ def longest_pause(seconds: float, background: threading.Thread | None) -> tuple[
     return worst, tail
 
 
-def reporter_for(url: str, steps: deque, colls: deque) -> Reporter:
+def reporter_for(url: str, steps: deque, colls: deque, estimate: bool = False) -> Reporter:
     return Reporter(
         identity={
             "job": "pause",
@@ -201,6 +201,7 @@ def reporter_for(url: str, steps: deque, colls: deque) -> Reporter:
         dropped_elsewhere=lambda: 0,
         pacing_state=lambda: None,
         topology=lambda: None,
+        estimate=estimate,  # attach() without pacing: False
     )
 
 
@@ -214,23 +215,32 @@ def fill(steps: deque, colls: deque, n_steps: int, colls_per_step: int, start: i
 
 def flush_cost(url: str, rounds: int = 60) -> None:
     """Reporter CPU per flush of one default interval of a 10 ms step (100 steps, 100 DDP
-    syncs): the GIL time a flush takes from training. Wall includes the exporter's answer."""
-    steps: deque = deque(maxlen=8192)
-    colls: deque = deque(maxlen=32768)
-    rep = reporter_for(url, steps, colls)
-    cpu, wall = [], []
+    syncs): the GIL time a flush takes from training. Wall includes the exporter's answer.
+    Both kinds of reporter, interleaved: the default one, and one with pacing on, which also
+    feeds the local arrival estimator."""
+    cpu: dict[bool, list[float]] = {False: [], True: []}
+    wall: dict[bool, list[float]] = {False: [], True: []}
+    reps = {}
+    for estimate in (False, True):
+        steps: deque = deque(maxlen=8192)
+        colls: deque = deque(maxlen=32768)
+        reps[estimate] = (reporter_for(url, steps, colls, estimate=estimate), steps, colls)
     for i in range(rounds):
-        fill(steps, colls, 100, 1, start=i * 100)
-        c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
-        rep.flush()
-        cpu.append((time.thread_time_ns() - c0) / 1e6)
-        wall.append((time.perf_counter_ns() - w0) / 1e6)
-    assert rep.sent_records == rounds * 200, (rep.sent_records, rep.send_dropped)
-    print(
-        f"reporter flush (100 steps + 100 collectives, wire schema 2): "
-        f"CPU {statistics.median(cpu[5:]):.3f} ms, wall {statistics.median(wall[5:]):.3f} ms "
-        f"(medians of {rounds - 5})"
-    )
+        for estimate in (False, True) if i % 2 else (True, False):
+            rep, steps, colls = reps[estimate]
+            fill(steps, colls, 100, 1, start=i * 100)
+            c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+            rep.flush()
+            cpu[estimate].append((time.thread_time_ns() - c0) / 1e6)
+            wall[estimate].append((time.perf_counter_ns() - w0) / 1e6)
+    for estimate, name in ((False, "default"), (True, "with pacing's estimator")):
+        rep = reps[estimate][0]
+        assert rep.sent_records == rounds * 200, (rep.sent_records, rep.send_dropped)
+        print(
+            f"reporter flush (100 steps + 100 collectives, wire schema 2), {name}: "
+            f"CPU {statistics.median(cpu[estimate][5:]):.3f} ms, "
+            f"wall {statistics.median(wall[estimate][5:]):.3f} ms (medians of {rounds - 5})"
+        )
 
 
 def pauses(url: str) -> None:

@@ -178,6 +178,27 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.5) -> Any:
     return last
 
 
+def make_reporter(url: str | None, steps: Any, colls: Any, **overrides: Any) -> Any:
+    """An agent Reporter over the given queues with quiet test defaults; keywords override."""
+    from syncscope.agent.transport import Reporter
+
+    kwargs: dict[str, Any] = {
+        "identity": {"job": "t", "rank": 0, "local_rank": 0, "world_size": 1, "incarnation": "x"},
+        "url": url,
+        "token": None,
+        "steps": steps,
+        "collectives": colls,
+        "flush_interval_s": 1.0,
+        "send_timeout_s": 1.0,
+        "record_path": None,
+        "dropped_elsewhere": lambda: 0,
+        "pacing_state": lambda: None,
+        "topology": lambda: None,
+    }
+    kwargs.update(overrides)
+    return Reporter(**kwargs)
+
+
 def load_by_path(path: Any, name: str) -> Any:
     """A script from the checkout (deploy/, dashboards/ are not packages), loaded by path."""
     module = load_repo_module(str(path), name)  # an absolute path joins to itself

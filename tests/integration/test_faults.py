@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from syncscope.agent.transport import Reporter, split_batch
 
-from tests.conftest import Exporter, by_rank, parse_samples, wait_until
+from tests.conftest import Exporter, by_rank, make_reporter, parse_samples, wait_until
 
 WORLD = 4
 # Median step time during a fault over the rest of the run: the bound is the machine's noise
@@ -120,20 +120,10 @@ class StalledServer:
         self.sock.close()
 
 
-def make_reporter(url: str, steps: deque, colls: deque, **kw: Any) -> Reporter:
-    return Reporter(
-        identity={"job": "t", "rank": 0, "local_rank": 0, "world_size": 1, "incarnation": "x"},
-        url=url,
-        token=None,
-        steps=steps,
-        collectives=colls,
-        flush_interval_s=kw.get("flush_interval_s", 0.05),
-        send_timeout_s=kw.get("send_timeout_s", 0.3),
-        record_path=None,
-        dropped_elsewhere=lambda: 0,
-        pacing_state=kw.get("pacing_state", lambda: None),
-        topology=lambda: None,
-    )
+def fault_reporter(url: str, steps: deque, colls: deque, **kw: Any) -> Reporter:
+    """Fast flushes and a short send timeout, so faults show within a test's seconds."""
+    kw = {"flush_interval_s": 0.05, "send_timeout_s": 0.3, **kw}
+    return make_reporter(url, steps, colls, **kw)
 
 
 def step_record(i: int) -> tuple:
@@ -144,7 +134,7 @@ def test_stalled_exporter_costs_records_not_training_time():
     server = StalledServer()
     steps: deque = deque(maxlen=64)
     colls: deque = deque(maxlen=256)
-    reporter = make_reporter(f"http://127.0.0.1:{server.port}", steps, colls)
+    reporter = fault_reporter(f"http://127.0.0.1:{server.port}", steps, colls)
     reporter.start()
     produced_n, refused, gaps = 0, 0, []
     try:
@@ -179,7 +169,7 @@ def test_unexpected_reporter_error_counts_the_records_it_held():
 
     steps: deque = deque(step_record(i) for i in range(10))
     colls: deque = deque()
-    reporter = make_reporter("http://127.0.0.1:9", steps, colls, pacing_state=broken)
+    reporter = fault_reporter("http://127.0.0.1:9", steps, colls, pacing_state=broken)
     reporter.flush()
     assert reporter.errors == 1
     assert reporter.drained_records == 10 and reporter.send_dropped == 10

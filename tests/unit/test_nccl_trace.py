@@ -22,6 +22,7 @@ from syncscope.agent.nccl_trace import (
     op_label,
 )
 
+from tests.conftest import make_reporter
 from tests.fixtures.gpu import load_fr_dump
 
 T0 = 1_795_357_313_000_000_000  # the constructed dump's clock (CLOCK_REALTIME ns)
@@ -241,23 +242,9 @@ def test_timeline_places_entries_in_their_step():
 
 
 def test_records_feed_the_same_estimator_as_the_gloo_path(tmp_path):
-    from syncscope.agent.transport import Reporter
-
     colls: deque = deque(maxlen=1000)
     reader_for(load_fr_dump(), sink=colls).poll()
-    reporter = Reporter(
-        identity={"rank": 0, "world_size": 2},
-        url=None,
-        token=None,
-        steps=deque(),
-        collectives=colls,
-        flush_interval_s=1.0,
-        send_timeout_s=1.0,
-        record_path=None,
-        dropped_elsewhere=lambda: 0,
-        pacing_state=lambda: None,
-        topology=lambda: None,
-    )
+    reporter = make_reporter(None, deque(), colls, identity={"rank": 0, "world_size": 2})
     reporter.flush()
     assert not colls
     baselines = reporter.baselines_text()
