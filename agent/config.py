@@ -27,9 +27,9 @@ class AgentConfig:
     detail: str = "default"
     pacing: bool = False
     pacing_kill_file: str | None = None  # pacing stops while this file exists
-    # Each flush costs the training process ~0.4 ms of reporter CPU on the GIL and, measured,
-    # 1.2-1.5 ms of a CPU-bound trainer's wall time (bench/bench_agent_overhead.py); once a
-    # second keeps that at ~0.1 % and is still far finer than any Prometheus scrape.
+    # Each flush takes the training process's GIL for ~0.2 ms of reporter CPU per second of
+    # 10 ms steps (bench/bench_agent_overhead.py); once a second keeps that near 0.02 % and is
+    # still far finer than any Prometheus scrape.
     flush_interval_s: float = 1.0
     queue_size: int = 8192  # records held between flushes; beyond it they are dropped and counted
     send_timeout_s: float = 1.0

@@ -121,8 +121,8 @@ class Reporter:
     ) -> None:
         self.identity = identity
         # The local arrival estimator feeds pacing (its DDP baseline) and the record file (each
-        # step's wait); the exporter runs its own, node-wide. Without either it is half of a
-        # flush's CPU spent on nothing, so it is skipped.
+        # step's wait); the exporter runs its own, node-wide. Without either it would be a
+        # quarter of a flush's CPU spent on nothing (bench_agent_overhead.py), so it is skipped.
         self.estimate = estimate or record_path is not None
         self.url = url
         self.token = token
@@ -193,27 +193,17 @@ class Reporter:
         self.drained_records += self._in_flight
         if not raw_steps and not raw_colls and self.url is None:
             return
-        wait_by_step: dict[int, float] = {}
-        if self.estimate:
-            wait_by_step = self._observe(raw_colls)
-        if self._record is None:
-            if self.url is None:  # no exporter and no file: nothing was meant to go anywhere
-                self._in_flight = 0
-                return
-            if time.monotonic() < self._retry_at:
-                # Backing off: these records are lost anyway; skip building what nobody reads.
-                self.send_dropped += self._in_flight
-                self._in_flight = 0
-                return
+        wait_by_step = self._observe(raw_colls) if self.estimate else {}
+        offset_ns = time.time_ns() - time.perf_counter_ns()  # the queues' clock -> unix time
         if self._record is not None:
-            self._write_record(raw_steps, wait_by_step)
+            self._write_record(raw_steps, wait_by_step, offset_ns)
         if self.url is not None:
             # The queued tuples go out as they are (wire schema 2): no object per record.
-            offset = time.time_ns() - time.perf_counter_ns()
+            # While backing off, _send counts them as dropped without building a body.
             for chunk in split_batch(raw_steps, raw_colls, self.MAX_RECORDS_PER_REQUEST):
-                self._send(*chunk, offset)
+                self._send(*chunk, offset_ns)
         else:
-            self._in_flight = 0  # kept locally only: nothing was meant to be sent
+            self._in_flight = 0  # kept locally, or nowhere: nothing was meant to be sent
 
     def _observe(self, raw_colls: list[tuple]) -> dict[int, float]:
         """Feed the local estimator (also while the exporter is away: pacing reads its
@@ -235,10 +225,11 @@ class Reporter:
                 self.ddp_baseline_s = dur / 1e9 - wait
         return wait_by_step
 
-    def _write_record(self, raw_steps: list[tuple], wait_by_step: dict[int, float]) -> None:
+    def _write_record(
+        self, raw_steps: list[tuple], wait_by_step: dict[int, float], offset_ns: int
+    ) -> None:
         """One JSON line per step, in seconds (`record_path`: the local recording mode)."""
         assert self._record is not None
-        offset = time.time() - time.perf_counter_ns() / 1e9
         rank, world = self.identity["rank"], self.identity["world_size"]
         for step, end_ns, total, *phase_ns in raw_steps:
             phases = dict(zip(PHASES, (ns / 1e9 for ns in phase_ns), strict=False))
@@ -250,7 +241,7 @@ class Reporter:
                 "step_s": total / 1e9,
                 "phases": phases,
                 "wait_s": wait_by_step.get(step, 0.0),
-                "end_unix_s": end_ns / 1e9 + offset,
+                "end_unix_s": (end_ns + offset_ns) / 1e9,
             }
             self._record.write(json.dumps(line) + "\n")
 

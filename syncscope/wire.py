@@ -132,12 +132,11 @@ class PacingState:
     total_delay_s: Annotated[float, Ge(0.0), Le(1e12)] = 0.0
 
 
-# A step as a row (version 2): step, end (agent monotonic clock), duration, then the phases
-# data, forward, backward, optimizer, comm_exposed, pacing, all integer nanoseconds; `other` is
-# what the phases leave of the duration.
-STEP_ROW = ("step", "end_ns", "duration_ns", *(p + "_ns" for p in PHASES[:-1]))
+# A step as a row (version 2): [step, end_ns (agent monotonic clock), duration_ns, data_ns,
+# forward_ns, backward_ns, optimizer_ns, comm_exposed_ns, pacing_ns], integer nanoseconds;
+# `other` is what the phases leave of the duration.
 StepRow = tuple[Count, Count, Nanos, Nanos, Nanos, Nanos, Nanos, Nanos, Nanos]
-COLLECTIVE_ROW = ("op", "group", "bytes", "duration_ns", "step")
+# A collective as a row: [op, group, bytes, duration_ns, step].
 CollectiveRow = tuple[Label, Label, Annotated[int, Ge(0), Le(int(MAX_BYTES))], Nanos, Count]
 
 # Rows in seconds, what the exporter's store folds in whichever version arrived:
@@ -187,7 +186,7 @@ class BatchV1(_Batch):
 
 @dataclass(kw_only=True)
 class BatchV2(_Batch):
-    """The same as BatchV1 with records as rows of integers (STEP_ROW, COLLECTIVE_ROW)."""
+    """The same as BatchV1 with records as rows of integers (StepRow, CollectiveRow)."""
 
     schema_version: Literal[2]
     # Unix time minus the agent's monotonic clock, in ns, taken when the batch was built.
