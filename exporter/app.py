@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from syncscope.exporter.collectors import StoreCollector
 from syncscope.exporter.page import install_page
 from syncscope.exporter.settings import Settings
-from syncscope.exporter.store import DIAGNOSIS_STEPS, Ingest, Store
+from syncscope.exporter.store import Ingest, Store, as_json
 
 from syncscope import __version__
 from syncscope.wire import INGEST_PATH, BadRows, BatchV1, BatchV2
@@ -220,14 +220,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
     @app.get("/v1/state", summary="Everything the exporter knows, as JSON")
     def state(recent: int = 0) -> JSONResponse:
-        keep = max(0, min(recent, settings.recent_steps))
-        # Diagnosis reads the last DIAGNOSIS_STEPS steps; more only when the caller asks.
-        view = store.view(recent=max(keep, DIAGNOSIS_STEPS))
-        for job in view["jobs"].values():
-            for r in job["ranks"]:
-                r["recent_steps"] = r["recent_steps"][-keep:] if keep else []
-        view["version"] = __version__
-        return JSONResponse(view)
+        view = store.view(recent=max(0, min(recent, settings.recent_steps)))
+        return JSONResponse({**as_json(view), "version": __version__})
 
     install_page(app, store, settings)
     plain_openapi = app.openapi

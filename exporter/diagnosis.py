@@ -28,23 +28,54 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-CAUSE_PHASES = ("data", "forward", "backward", "optimizer")
-COMPUTE_PHASES = ("forward", "backward", "optimizer")
-MODES = ("straggler", "sync_amplification", "fabric_contention", "runtime_jitter", "locality")
-CAUSES = (*CAUSE_PHASES, "gpu_throttle", "locality", "unknown")
+from syncscope.exporter.settings import STEP_WINDOW, Settings
+from syncscope.exporter.store import OMIT_IF_NONE, RankView, RecentStep
 
-# NVML clock-event ("throttle") reason bits that mean the GPU is being slowed down, as opposed
-# to idle (0x1), application clocks (0x2), sync boost (0x10) or display clocks (0x100).
-THROTTLE_BITS = {
-    0x4: "software power cap",
-    0x8: "hardware slowdown",
-    0x20: "software thermal slowdown",
-    0x40: "hardware thermal slowdown",
-    0x80: "power brake",
-}
+from syncscope.catalog import CLOCK_EVENT_REASONS
+from syncscope.wire import Phase
+
+CAUSE_PHASES = (Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
+COMPUTE_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
+MODES = ("straggler", "sync_amplification", "fabric_contention", "runtime_jitter", "locality")
+CAUSES = (*(p.label for p in CAUSE_PHASES), "gpu_throttle", "locality", "unknown")
+
+# The NVML clock-event ("throttle") reasons that mean the GPU is being slowed down.
+THROTTLE_BITS = {r.bit: r.words for r in CLOCK_EVENT_REASONS if r.slows}
+
+
+@dataclass(frozen=True)
+class ModeVerdict:
+    """One failure mode as assessed: how strongly the data shows it, and why."""
+
+    score: float  # 0..1, rounded to 4 places
+    verdict: bool  # the (unrounded) score reaches 0.5
+    reason: str
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """The rank named as holding the job back, and what makes it late."""
+
+    rank: int
+    cause: str  # one of CAUSES
+    cause_reason: str
+    lateness_s: float  # the arrival skew it causes
+    last_arrival_share: float | None  # None with too few steps reported by every rank
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """One job's diagnosis on this node (its JSON is the `diagnosis` of /v1/state)."""
+
+    modes: Mapping[str, ModeVerdict]  # only the modes the data lets a rule assess
+    straggler: Straggler | None
+    skew_s: float | None
+    steps_compared: int  # steps reported by every live rank that the per-step rules used
+    error: str | None = field(default=None, metadata=OMIT_IF_NONE)  # a rule's failure
 
 
 @dataclass(frozen=True)
@@ -58,7 +89,7 @@ class Thresholds:
     transfer_share_full: float = 0.5  # fabric_contention scores 1 at this transfer share
     spike_share_full: float = 0.3  # runtime_jitter scores 1 at this share lost to spikes
     clock_ratio: float = 0.9  # a throttling GPU's SM clock is below this × its peers' median
-    window: int = 100  # most recent steps compared
+    window: int = STEP_WINDOW  # most recent steps compared
     min_aligned_steps: int = 20  # fewer steps reported by every rank: per-step rules abstain
 
 
@@ -80,14 +111,14 @@ def _number(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def _phase_means(rank: dict[str, Any], window: int) -> dict[str, float]:
-    steps = rank["recent_steps"][-window:]
+def _phase_means(rank: RankView, window: int) -> dict[Phase, float]:
+    steps = rank.recent_steps[-window:]
     if not steps:
         return {}
-    return {p: sum(s["phases"][p] for s in steps) / len(steps) for p in CAUSE_PHASES}
+    return {p: sum(s.phases[p] for s in steps) / len(steps) for p in CAUSE_PHASES}
 
 
-def locality_fault(topology: dict[str, Any] | None) -> str | None:
+def locality_fault(topology: Mapping[str, Any] | None) -> str | None:
     """A degraded PCIe link (narrower than its maximum) or a NUMA mismatch, in words; else None.
 
     A lower PCIe *generation* is not a fault on its own: GPUs train the link down while idle,
@@ -107,7 +138,7 @@ def locality_fault(topology: dict[str, Any] | None) -> str | None:
     return None
 
 
-def throttle_reasons(topology: dict[str, Any] | None) -> list[str]:
+def throttle_reasons(topology: Mapping[str, Any] | None) -> list[str]:
     """The slowing-down clock-event reasons a rank's GPU reports, in words."""
     mask = _number((topology or {}).get("throttle_reasons"))
     if not mask:
@@ -115,11 +146,11 @@ def throttle_reasons(topology: dict[str, Any] | None) -> list[str]:
     return [name for bit, name in THROTTLE_BITS.items() if int(mask) & bit]
 
 
-def _throttled(straggler: dict[str, Any], peers: list[dict[str, Any]], t: Thresholds) -> str | None:
-    topo = straggler.get("topology") or {}
+def _throttled(straggler: RankView, peers: Sequence[RankView], t: Thresholds) -> str | None:
+    topo = straggler.topology or {}
     reasons = throttle_reasons(topo)
     own = _number(topo.get("sm_clock_hertz"))
-    clocks = [_number((p.get("topology") or {}).get("sm_clock_hertz")) for p in peers]
+    clocks = [_number((p.topology or {}).get("sm_clock_hertz")) for p in peers]
     peer_clock = _median([c for c in clocks if c])
     if not reasons or not own or not peer_clock or own >= t.clock_ratio * peer_clock:
         return None
@@ -129,7 +160,7 @@ def _throttled(straggler: dict[str, Any], peers: list[dict[str, Any]], t: Thresh
 
 
 def straggler_cause(
-    straggler: dict[str, Any], peers: list[dict[str, Any]], t: Thresholds = DEFAULT_THRESHOLDS
+    straggler: RankView, peers: Sequence[RankView], t: Thresholds = DEFAULT_THRESHOLDS
 ) -> tuple[str, str]:
     """(cause, reason) for a named straggler: a phase, gpu_throttle, locality or unknown."""
     mine = _phase_means(straggler, t.window)
@@ -145,85 +176,77 @@ def straggler_cause(
     throttle = _throttled(straggler, peers, t)
     if throttle and compute >= t.cause_share * total:
         return "gpu_throttle", f"{throttle}; compute is {compute * 1e3:.1f} ms slower"
-    fault = locality_fault(straggler.get("topology"))
-    shared = fault is not None and all(locality_fault(p.get("topology")) for p in peers)
-    if fault and not shared and compute + positive.get("data", 0.0) >= t.cause_share * total:
+    fault = locality_fault(straggler.topology)
+    shared = fault is not None and all(locality_fault(p.topology) for p in peers)
+    if fault and not shared and compute + positive.get(Phase.DATA, 0.0) >= t.cause_share * total:
         return "locality", f"{fault}, unlike its peers"
     phase, gap = max(positive.items(), key=lambda kv: kv[1])
     if gap >= t.cause_share * total:
         return (
-            phase,
-            f"{phase} takes {gap * 1e3:.1f} ms longer than on its peers "
+            phase.label,
+            f"{phase.label} takes {gap * 1e3:.1f} ms longer than on its peers "
             f"({gap / total:.0%} of its lateness)",
         )
     ranked = sorted(positive.items(), key=lambda kv: -kv[1])[:2]
-    split = ", ".join(f"{p} {g / total:.0%}" for p, g in ranked)
+    split = ", ".join(f"{p.label} {g / total:.0%}" for p, g in ranked)
     return "unknown", f"no single signal explains 80 % of its lateness ({split})"
 
 
-def _aligned(ranks: list[dict[str, Any]], window: int) -> list[dict[int, dict[str, Any]]]:
+def _aligned(ranks: Sequence[RankView], window: int) -> list[dict[int, RecentStep]]:
     """Per step number that every rank reports (the latest `window`), each rank's record."""
-    by_rank = [{s["step"]: s for s in r["recent_steps"]} for r in ranks]
+    by_rank = [{s.step: s for s in r.recent_steps} for r in ranks]
     common = set(by_rank[0]).intersection(*by_rank[1:]) if by_rank else set()
-    return [{r["rank"]: b[k] for r, b in zip(ranks, by_rank, strict=True)} for k in sorted(common)][
+    return [{r.rank: b[k] for r, b in zip(ranks, by_rank, strict=True)} for k in sorted(common)][
         -window:
     ]
 
 
-def _sync_signal(steps: list[dict[int, dict[str, Any]]]) -> str:
+def _sync_signal(steps: list[dict[int, RecentStep]]) -> str:
     # DDP's exposed communication is measured directly each step; without DDP (direct
     # collectives only) the arrival estimator's per-step wait is the only sync signal.
-    exposed = any(s["phases"]["comm_exposed"] > 0 for step in steps for s in step.values())
+    exposed = any(s.phases[Phase.COMM_EXPOSED] > 0 for step in steps for s in step.values())
     return "comm_exposed" if exposed else "wait_s"
 
 
-def _sync_time(record: dict[str, Any], signal: str) -> float:
-    return record["phases"]["comm_exposed"] if signal == "comm_exposed" else record["wait_s"]
+def _sync_time(record: RecentStep, signal: str) -> float:
+    return record.phases[Phase.COMM_EXPOSED] if signal == "comm_exposed" else record.wait_s
 
 
-def _spike_share(rank: dict[str, Any], window: int) -> float | None:
-    steps = rank["recent_steps"][-window:]
-    total = sum(s["step_s"] for s in steps)
+def _spike_share(rank: RankView, window: int) -> float | None:
+    steps = rank.recent_steps[-window:]
+    total = sum(s.step_s for s in steps)
     if len(steps) < 5 or total <= 0:
         return None
-    work = [s["step_s"] - s["phases"]["comm_exposed"] - s["phases"]["pacing"] for s in steps]
+    work = [s.step_s - s.phases[Phase.COMM_EXPOSED] - s.phases[Phase.PACING] for s in steps]
     typical = statistics.median(work)
     return sum(max(0.0, w - typical) for w in work) / total
 
 
 def diagnose_job(
-    ranks: list[dict[str, Any]], settings: Any, thresholds: Thresholds = DEFAULT_THRESHOLDS
-) -> dict[str, Any]:
+    ranks: Sequence[RankView], settings: Settings, thresholds: Thresholds = DEFAULT_THRESHOLDS
+) -> Diagnosis:
     """Scores, verdicts and reasons for one job's ranks on this node.
 
-    Returns {"modes": {mode: {score, verdict, reason}}, "straggler": None | {rank, cause,
-    cause_reason, lateness_s, last_arrival_share}, "skew_s": float | None, "steps_compared": int}.
     Never raises: the snapshot it is part of also serves /metrics and the page, so on a rule's
-    failure it returns no verdicts and the error in "error".
+    failure it returns no verdicts and the error in `error`.
     """
     try:
         return _diagnose(ranks, settings, thresholds)
     except Exception as exc:  # noqa: BLE001 - a diagnosis bug must not take /metrics down
-        return {
-            "modes": {},
-            "straggler": None,
-            "skew_s": None,
-            "steps_compared": 0,
-            "error": f"{type(exc).__name__}: {exc}"[:200],
-        }
+        return Diagnosis({}, None, None, 0, error=f"{type(exc).__name__}: {exc}"[:200])
 
 
-def _diagnose(ranks: list[dict[str, Any]], settings: Any, t: Thresholds) -> dict[str, Any]:
-    live = [r for r in ranks if not r["stale"] and r["steps_total"] > 0]
-    out: dict[str, Any] = {"modes": {}, "straggler": None, "skew_s": None, "steps_compared": 0}
+def _diagnose(ranks: Sequence[RankView], settings: Settings, t: Thresholds) -> Diagnosis:
+    live = [r for r in ranks if not r.stale and r.steps_total > 0]
     if not live:
-        return out
-    step = _median([r["step_time_median_s"] for r in live if r["step_time_median_s"]]) or 0.0
+        return Diagnosis({}, None, None, 0)
+    step = _median([r.step_time_median_s for r in live if r.step_time_median_s]) or 0.0
     aligned = _aligned(live, t.window) if len(live) >= 2 else []
     enough = len(aligned) >= t.min_aligned_steps
-    out["steps_compared"] = len(aligned)
     signal = _sync_signal(aligned) if enough else "wait_s"
     modes: dict[str, tuple[float, str]] = {}
+    straggler: Straggler | None = None
+    skew: float | None = None
 
     # Who arrived last, per step: the rank that spent the least time at the sync.
     last_counts: dict[int, int] = {}
@@ -239,15 +262,14 @@ def _diagnose(ranks: list[dict[str, Any]], settings: Any, t: Thresholds) -> dict
         # fractions cost ~1.5 ms a scrape (bench/bench_exporter.py)
         idles.append(sum(v - sync[last] for v in sync.values()) / len(sync))
 
-    leads = [(r["arrival_lead_s"], r) for r in live if r["arrival_lead_s"] is not None]
+    leads = [(r.arrival_lead_s, r) for r in live if r.arrival_lead_s is not None]
     if len(leads) >= 2 and step > 0:
         lo, slow = min(leads, key=lambda x: x[0])
         skew = max(lead for lead, _ in leads) - lo
-        out["skew_s"] = skew
         threshold = max(settings.skew_threshold_s, t.skew_step_fraction * step)
         score = min(1.0, skew / step)
         need = max(t.last_arrival_share, 1.5 / len(live))
-        share = last_counts.get(slow["rank"], 0) / len(aligned) if enough else None
+        share = last_counts.get(slow.rank, 0) / len(aligned) if enough else None
         if skew <= threshold:
             modes["straggler"] = (
                 min(score, 0.49),
@@ -257,36 +279,28 @@ def _diagnose(ranks: list[dict[str, Any]], settings: Any, t: Thresholds) -> dict
             modes["straggler"] = (
                 min(score, 0.49),
                 f"arrival skew {skew * 1e3:.1f} ms, but no rank is persistently last "
-                f"(rank {slow['rank']} in {share:.0%} of steps): the last arrival rotates",
+                f"(rank {slow.rank} in {share:.0%} of steps): the last arrival rotates",
             )
         else:
             peers = [r for _, r in leads if r is not slow]
             cause, why = straggler_cause(slow, peers, t)
-            out["straggler"] = {
-                "rank": slow["rank"],
-                "cause": cause,
-                "cause_reason": why,
-                "lateness_s": skew,
-                "last_arrival_share": share,
-            }
+            straggler = Straggler(slow.rank, cause, why, skew, share)
             often = f", last in {share:.0%} of steps" if share is not None else ""
             modes["straggler"] = (
                 max(score, 0.5),
-                f"rank {slow['rank']} arrives {skew * 1e3:.1f} ms after the earliest peer{often}",
+                f"rank {slow.rank} arrives {skew * 1e3:.1f} ms after the earliest peer{often}",
             )
 
     mean_step = (
         statistics.mean(
-            statistics.median(rec["step_s"] for rec in by_rank.values()) for by_rank in aligned
+            statistics.median(rec.step_s for rec in by_rank.values()) for by_rank in aligned
         )
         if enough
         else step
     )
     if enough and mean_step > 0:
         idle = statistics.mean(idles) / mean_step
-        blame = ""
-        if out["straggler"] is not None:
-            blame = f", mostly for rank {out['straggler']['rank']}"
+        blame = f", mostly for rank {straggler.rank}" if straggler is not None else ""
         modes["sync_amplification"] = (
             min(1.0, idle / t.idle_share_full),
             f"ranks sit idle at the sync {idle:.0%} of each step waiting for a later peer{blame}",
@@ -301,7 +315,7 @@ def _diagnose(ranks: list[dict[str, Any]], settings: Any, t: Thresholds) -> dict
                 f"(median {p50 * 1e3:.1f} ms, p90 {p90 * 1e3:.1f} ms)",
             )
     else:
-        waits = [r["wait_mean_s"] for r in live if r["wait_mean_s"] is not None]
+        waits = [r.wait_mean_s for r in live if r.wait_mean_s is not None]
         if waits and step > 0:
             idle = statistics.mean(waits) / step
             modes["sync_amplification"] = (
@@ -313,17 +327,17 @@ def _diagnose(ranks: list[dict[str, Any]], settings: Any, t: Thresholds) -> dict
     if spikes:
         typical = statistics.median(s for s, _ in spikes)
         worst, worst_rank = max(spikes, key=lambda x: x[0])
-        cvs = [r["step_time_cv"] for r in live if r["step_time_cv"] is not None]
+        cvs = [r.step_time_cv for r in live if r.step_time_cv is not None]
         cv = f"; step-time CV {statistics.median(cvs):.2f}" if cvs else ""
         modes["runtime_jitter"] = (
             min(1.0, typical / t.spike_share_full),
             f"ranks lose {typical:.0%} of step time to irregular spikes in their own work "
-            f"(worst: rank {worst_rank['rank']}, {worst:.0%}){cv}",
+            f"(worst: rank {worst_rank.rank}, {worst:.0%}){cv}",
         )
 
-    topologies = [r for r in live if r.get("topology")]
+    topologies = [r for r in live if r.topology]
     if topologies:
-        faults = [(r["rank"], locality_fault(r["topology"])) for r in topologies]
+        faults = [(r.rank, locality_fault(r.topology)) for r in topologies]
         faults = [(rank, f) for rank, f in faults if f]
         if faults:
             more = f" (+{len(faults) - 1} more ranks)" if len(faults) > 1 else ""
@@ -332,8 +346,5 @@ def _diagnose(ranks: list[dict[str, Any]], settings: Any, t: Thresholds) -> dict
             reason = "PCIe links at full width, processes on their GPU's NUMA node"
         modes["locality"] = (1.0 if faults else 0.0, reason)
 
-    out["modes"] = {
-        m: {"score": round(s, 4), "verdict": s >= 0.5, "reason": why}
-        for m, (s, why) in modes.items()
-    }
-    return out
+    verdicts = {m: ModeVerdict(round(s, 4), s >= 0.5, why) for m, (s, why) in modes.items()}
+    return Diagnosis(verdicts, straggler, skew, len(aligned))

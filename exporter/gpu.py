@@ -3,69 +3,30 @@
 Series exist only for ranks that reported a GPU (a UUID, PCI bus id or name); a number the
 agent could not read (NVML "not supported", a VM without NUMA) is left out rather than sent as
 0, so a missing reading never looks like a degraded link. Registered in collectors.COLLECTORS
-as "gpu"; like every collector it gets the store's snapshot and yields metric families.
+as "gpu"; like every collector it gets the store's snapshot and yields metric families, built
+from their specs in syncscope.catalog (collectors.py imports this module, so the families are
+made here directly rather than through its helpers).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
-from syncscope.exporter.store import clean_label
+from syncscope.exporter.store import StoreView, clean_label
 
-RANK_LABELS = ["job", "rank", "local_rank"]
-INFO_LABELS = ["gpu_uuid", "pci_bus_id", "name", "numa_node", "nic", "nic_distance"]
+from syncscope.catalog import CATALOG, GPU_INFO, GPU_PREFIX
+
 UNKNOWN = "unknown"
-
-# metric name, topology key, help
-GAUGES = (
-    ("syncscope_gpu_pcie_link_width", "pcie_link_width", "Current PCIe link width (lanes)."),
-    (
-        "syncscope_gpu_pcie_link_max_width",
-        "pcie_link_max_width",
-        "Maximum PCIe link width the GPU and slot support (lanes).",
-    ),
-    (
-        "syncscope_gpu_pcie_link_generation",
-        "pcie_link_generation",
-        "Current PCIe link generation, sampled while the GPU is busy.",
-    ),
-    (
-        "syncscope_gpu_pcie_link_max_generation",
-        "pcie_link_max_generation",
-        "Maximum PCIe link generation the GPU and slot support.",
-    ),
-    (
-        "syncscope_gpu_nvlink_active_links",
-        "nvlink_active_links",
-        "NVLink links up (absent where NVML reports NVLink as not supported).",
-    ),
-    (
-        "syncscope_gpu_numa_mismatch",
-        "numa_mismatch",
-        "1 if the process may not run on the GPU's NUMA node, else 0.",
-    ),
-    ("syncscope_gpu_sm_clock_hertz", "sm_clock_hertz", "Current SM clock."),
-    (
-        "syncscope_gpu_throttle_reasons",
-        "throttle_reasons",
-        "NVML clocks-event reasons bitmask (0 = none; 0x1 GPU idle, 0x4 SW power cap, "
-        "0x8 HW slowdown, 0x20 SW thermal, 0x40 HW thermal, 0x80 power brake).",
-    ),
-    ("syncscope_gpu_temperature_celsius", "temperature_celsius", "GPU core temperature."),
-    ("syncscope_gpu_power_watts", "power_watts", "GPU board power draw."),
-)
+# The topology keys behind GPU_INFO's own labels, in label order.
+INFO_KEYS = ("gpu_uuid", "pci_bus_id", "gpu_name", "gpu_numa_node", "nic", "nic_distance")
+# Every other GPU family is a gauge named GPU_PREFIX + the topology key it reports.
+GAUGES = tuple(s for s in CATALOG if s.condition == "gpu" and s is not GPU_INFO)
 
 
-def _ranks(view: dict[str, Any]) -> Iterator[tuple[dict[str, Any], list[str]]]:
-    for job, data in view.get("jobs", {}).items():
-        for r in data.get("ranks", []):
-            yield r, [job, str(r["rank"]), str(r["local_rank"])]
-
-
-def _text(topology: dict[str, Any], key: str) -> str:
+def _text(topology: Mapping[str, Any], key: str) -> str:
     value = topology.get(key)
     if value is None or value == "":
         return UNKNOWN
@@ -80,36 +41,25 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def has_gpu(topology: dict[str, Any] | None) -> bool:
-    if not isinstance(topology, dict):
+def has_gpu(topology: Mapping[str, Any] | None) -> bool:
+    if not isinstance(topology, Mapping):
         return False
     return any(_text(topology, k) != UNKNOWN for k in ("gpu_uuid", "pci_bus_id", "gpu_name"))
 
 
-def collect_gpu(view: dict[str, Any]) -> Iterable[Metric]:
-    info = GaugeMetricFamily(
-        "syncscope_gpu_info",
-        "The rank's GPU and its nearest NIC (value 1).",
-        labels=RANK_LABELS + INFO_LABELS,
-    )
-    gauges = [(key, GaugeMetricFamily(name, doc, labels=RANK_LABELS)) for name, key, doc in GAUGES]
-    for rank, labels in _ranks(view):
-        topology = rank.get("topology")
-        if not isinstance(topology, dict) or not has_gpu(topology):
+def collect_gpu(view: StoreView) -> Iterable[Metric]:
+    info = GaugeMetricFamily(GPU_INFO.name, GPU_INFO.help, labels=GPU_INFO.labels)
+    gauges = [
+        (s.name.removeprefix(GPU_PREFIX), GaugeMetricFamily(s.name, s.help, labels=s.labels))
+        for s in GAUGES
+    ]
+    for job, rank in view.ranks():
+        topology = rank.topology
+        if topology is None or not has_gpu(topology):
             continue
+        labels = [job, str(rank.rank), str(rank.local_rank)]
         try:
-            info.add_metric(
-                labels
-                + [
-                    _text(topology, "gpu_uuid"),
-                    _text(topology, "pci_bus_id"),
-                    _text(topology, "gpu_name"),
-                    _text(topology, "gpu_numa_node"),
-                    _text(topology, "nic"),
-                    _text(topology, "nic_distance"),
-                ],
-                1.0,
-            )
+            info.add_metric(labels + [_text(topology, k) for k in INFO_KEYS], 1.0)
             for key, family in gauges:
                 value = _number(topology.get(key))
                 if value is not None:

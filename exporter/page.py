@@ -13,15 +13,23 @@ from __future__ import annotations
 import html
 import statistics
 import time
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
-from syncscope.exporter.diagnosis import locality_fault, throttle_reasons
+from syncscope.exporter.diagnosis import (
+    DEFAULT_THRESHOLDS,
+    Diagnosis,
+    locality_fault,
+    throttle_reasons,
+)
+from syncscope.exporter.settings import STEP_WINDOW, Settings
+from syncscope.exporter.store import JobView, RankView, Store, StoreView
 
 from syncscope import __version__
-from syncscope.wire import PHASES
+from syncscope.wire import PacingState, Phase
 
 REFRESH_MS = 2000
 TREND_STEPS = 120  # steps in the job's sparklines
@@ -43,25 +51,17 @@ MODE_MISSING = {
     "runtime_jitter": "needs a few steps",
     "locality": "no GPU topology reported (CPU ranks, or NVML unavailable)",
 }
-PHASE_NAMES = {
-    "data": "data",
-    "forward": "forward",
-    "backward": "backward",
-    "optimizer": "optimizer",
-    "comm_exposed": "exposed comm",
-    "pacing": "pacing",
-    "other": "other",
-}
+PHASE_NAMES = {p: p.label for p in Phase} | {Phase.COMM_EXPOSED: "exposed comm"}
 # Colour plus a texture per phase, so the stacked bars read without colour vision too.
 # (fill, texture ink, texture: one of solid, slash, backslash, dots, hlines, vlines, cross)
 PHASE_STYLE = {
-    "data": ("#2a9d8f", "#e9f5f3", "slash"),
-    "forward": ("#3a6fd8", "#ffffff", "solid"),
-    "backward": ("#7b4fc4", "#efe8fb", "dots"),
-    "optimizer": ("#d99a16", "#5b3d00", "hlines"),
-    "comm_exposed": ("#d1495b", "#fff1f1", "cross"),
-    "pacing": ("#5c946e", "#eef7f0", "vlines"),
-    "other": ("#9aa1ab", "#3d434b", "backslash"),
+    Phase.DATA: ("#2a9d8f", "#e9f5f3", "slash"),
+    Phase.FORWARD: ("#3a6fd8", "#ffffff", "solid"),
+    Phase.BACKWARD: ("#7b4fc4", "#efe8fb", "dots"),
+    Phase.OPTIMIZER: ("#d99a16", "#5b3d00", "hlines"),
+    Phase.COMM_EXPOSED: ("#d1495b", "#fff1f1", "cross"),
+    Phase.PACING: ("#5c946e", "#eef7f0", "vlines"),
+    Phase.OTHER: ("#9aa1ab", "#3d434b", "backslash"),
 }
 STATIC = {"page.css": "text/css; charset=utf-8", "page.js": "text/javascript; charset=utf-8"}
 HEADERS = {
@@ -144,22 +144,22 @@ def _series_label(name: str, values: list[float], fmt: Any) -> str:
     )
 
 
-def phase_bar(shares: dict[str, float], width: int = 150, height: int = 14) -> str:
-    """Stacked bar of phase shares (patterned), plus the two largest phases as text."""
+def phase_bar(shares: Sequence[float], width: int = 150, height: int = 14) -> str:
+    """Stacked bar of phase shares (one per Phase; patterned), plus the two largest as text."""
     if not shares:
         return '<span class="muted">no steps yet</span>'
-    total = sum(max(0.0, shares.get(p, 0.0)) for p in PHASES) or 1.0
+    total = sum(max(0.0, s) for s in shares) or 1.0
     x = 0.0
     rects = []
-    for p in PHASES:
-        w = max(0.0, shares.get(p, 0.0)) / total * width
+    for p in Phase:
+        w = max(0.0, shares[p]) / total * width
         if w >= 0.5:
             rects.append(
-                f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="{height}" '
-                f'fill="url(#ph-{p})"><title>{PHASE_NAMES[p]} {shares[p]:.0%}</title></rect>'
+                f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="{height}" fill="url(#ph-'
+                f'{p.label})"><title>{PHASE_NAMES[p]} {shares[p]:.0%}</title></rect>'
             )
         x += w
-    top = sorted(((shares.get(p, 0.0), p) for p in PHASES), reverse=True)
+    top = sorted(((shares[p], p) for p in Phase), reverse=True)
     words = ", ".join(f"{PHASE_NAMES[p]} {s:.0%}" for s, p in top if s >= 0.005)
     caption = " · ".join(f"{PHASE_NAMES[p]} {s:.0%}" for s, p in top[:2] if s >= 0.005)
     frame = f'<rect class="bar-frame" x="0.5" y="0.5" width="{width - 1}" height="{height - 1}"/>'
@@ -195,7 +195,7 @@ def pattern_defs() -> str:
     parts = []
     for p, (fill, ink, texture) in PHASE_STYLE.items():
         parts.append(
-            f'<pattern id="ph-{p}" width="6" height="6" patternUnits="userSpaceOnUse">'
+            f'<pattern id="ph-{p.label}" width="6" height="6" patternUnits="userSpaceOnUse">'
             f'<rect width="6" height="6" fill="{fill}"/>{textures[texture].format(ink=ink)}'
             "</pattern>"
         )
@@ -209,19 +209,19 @@ def pattern_defs() -> str:
 def phase_legend() -> str:
     items = "".join(
         f'<li><svg width="14" height="14" aria-hidden="true"><rect width="14" height="14" '
-        f'fill="url(#ph-{p})" class="swatch"/></svg>{PHASE_NAMES[p]}</li>'
-        for p in PHASES
+        f'fill="url(#ph-{p.label})" class="swatch"/></svg>{PHASE_NAMES[p]}</li>'
+        for p in Phase
     )
     return f'<ul class="legend" aria-label="phase legend">{items}</ul>'
 
 
 # -- the body ---------------------------------------------------------------------------------
-def _job_series(ranks: list[dict[str, Any]]) -> list[float]:
+def _job_series(ranks: Sequence[RankView]) -> list[float]:
     """Step time of the job per step: the median over the ranks that reported that step."""
     by_step: dict[int, list[float]] = {}
     for r in ranks:
-        for s in r["recent_steps"]:
-            by_step.setdefault(s["step"], []).append(s["step_s"])
+        for s in r.recent_steps:
+            by_step.setdefault(s.step, []).append(s.step_s)
     return [statistics.median(by_step[k]) for k in sorted(by_step)]
 
 
@@ -234,11 +234,11 @@ def _rolling_cv(values: list[float], window: int) -> list[float]:
     return out
 
 
-def _banner(job: dict[str, Any], live: list[dict[str, Any]]) -> tuple[str, str]:
+def _banner(job: JobView, live: Sequence[RankView]) -> tuple[str, str]:
     """(html, one-line headline for screen readers)."""
-    diag = job["diagnosis"]
-    s = diag.get("straggler")
-    name = job["name"]
+    diag = job.diagnosis
+    s = diag.straggler
+    name = job.name
     if not live:
         text = f"No rank of job {name} has reported recently: the job may have stopped."
         return (
@@ -246,30 +246,31 @@ def _banner(job: dict[str, Any], live: list[dict[str, Any]]) -> tuple[str, str]:
             text,
         )
     if s:
-        cause = s["cause"]
+        cause = s.cause
         cause_html = (
-            f'Cause: <strong class="cause">{_e(cause.replace("_", " "))}</strong> — {_e(s["cause_reason"])}.'
+            f'Cause: <strong class="cause">{_e(cause.replace("_", " "))}</strong> — {_e(s.cause_reason)}.'
             if cause != "unknown"
-            else f"Cause: <strong>unknown</strong> — {_e(s['cause_reason'])}."
+            else f"Cause: <strong>unknown</strong> — {_e(s.cause_reason)}."
         )
-        mode = diag["modes"].get("straggler", {})
-        head = f"Straggler: rank {s['rank']} of job {name}, cause {cause.replace('_', ' ')}"
+        mode = diag.modes.get("straggler")
+        head = f"Straggler: rank {s.rank} of job {name}, cause {cause.replace('_', ' ')}"
         return (
             '<div class="banner banner-bad" data-kind="straggler">'
             '<span class="icon" aria-hidden="true">⚠</span><div>'
-            f'<p class="banner-title">STRAGGLER: rank {s["rank"]}</p>'
-            f"<p>{_e(_capital(mode.get('reason', '')))}. Every other rank waits for it at each gradient "
+            f'<p class="banner-title">STRAGGLER: rank {s.rank}</p>'
+            f"<p>{_e(_capital(mode.reason if mode else ''))}. Every other rank waits for it at each gradient "
             f"sync.</p><p>{cause_html}</p></div></div>",
             head,
         )
-    if diag.get("skew_s") is None:
+    if diag.skew_s is None:
         text = "Collecting: the straggler check needs a few steps from at least two ranks."
         return (
             f'<div class="banner banner-info"><span class="icon" aria-hidden="true">ℹ</span><p>{_e(text)}</p></div>',
             text,
         )
-    reason = diag["modes"].get("straggler", {}).get("reason", "")
-    flagged = [MODE_NAMES[m] for m, v in diag["modes"].items() if v["verdict"]]
+    mode = diag.modes.get("straggler")
+    reason = mode.reason if mode else ""
+    flagged = [MODE_NAMES[m] for m, v in diag.modes.items() if v.verdict]
     if flagged:
         title = f"No straggler · detected: {', '.join(flagged)}"
         kind, icon = "banner-warn", "▲"
@@ -284,21 +285,22 @@ def _banner(job: dict[str, Any], live: list[dict[str, Any]]) -> tuple[str, str]:
     )
 
 
-def _cards(live: list[dict[str, Any]], diag: dict[str, Any], settings: Any) -> str:
+def _cards(live: Sequence[RankView], diag: Diagnosis, settings: Settings) -> str:
     series = _job_series(live)[-(TREND_STEPS + CV_WINDOW - 1) :]
     trend = series[-TREND_STEPS:]
-    medians = [r["step_time_median_s"] for r in live if r["step_time_median_s"]]
+    medians = [r.step_time_median_s for r in live if r.step_time_median_s]
     step = statistics.median(medians) if medians else None
-    cvs = [r["step_time_cv"] for r in live if r["step_time_cv"] is not None]
+    cvs = [r.step_time_cv for r in live if r.step_time_cv is not None]
     cv = statistics.median(cvs) if cvs else None
     rolling = _rolling_cv(series, CV_WINDOW)
-    skew = diag.get("skew_s")
-    threshold = max(settings.skew_threshold_s, 0.05 * step) if step else None
+    skew = diag.skew_s
+    fraction = DEFAULT_THRESHOLDS.skew_step_fraction
+    threshold = max(settings.skew_threshold_s, fraction * step) if step else None
     cards = [
         (
             "Step time",
             fmt_s(step),
-            "median over ranks, last 100 steps",
+            f"median over ranks, last {STEP_WINDOW} steps",
             sparkline(trend, _series_label("Step time", trend, fmt_s), 300, 34, wide=True)
             if len(trend) > 1
             else "",
@@ -326,7 +328,7 @@ def _cards(live: list[dict[str, Any]], diag: dict[str, Any], settings: Any) -> s
         (
             "Throughput",
             f"{1 / step:.1f} steps/s" if step else "—",
-            f"{live[0]['steps_total']} steps so far (rank {live[0]['rank']})" if live else "",
+            f"{live[0].steps_total} steps so far (rank {live[0].rank})" if live else "",
             "",
         ),
     ]
@@ -341,10 +343,10 @@ def _cards(live: list[dict[str, Any]], diag: dict[str, Any], settings: Any) -> s
     )
 
 
-def _modes_table(diag: dict[str, Any]) -> str:
+def _modes_table(diag: Diagnosis) -> str:
     rows = []
     for mode, title in MODE_NAMES.items():
-        m = diag["modes"].get(mode)
+        m = diag.modes.get(mode)
         if m is None:
             rows.append(
                 f'<tr class="mode-na"><th scope="row">{title}</th><td><span class="verdict na">'
@@ -353,13 +355,13 @@ def _modes_table(diag: dict[str, Any]) -> str:
             continue
         verdict = (
             '<span class="verdict bad">▲ DETECTED</span>'
-            if m["verdict"]
+            if m.verdict
             else '<span class="verdict ok">✓ not detected</span>'
         )
         rows.append(
-            f'<tr class="{"mode-bad" if m["verdict"] else "mode-ok"}"><th scope="row">{title}</th>'
-            f'<td>{verdict}</td><td class="num">{score_meter(m["score"])} {m["score"]:.2f}</td>'
-            f"<td>{_e(m['reason'])}</td></tr>"
+            f'<tr class="{"mode-bad" if m.verdict else "mode-ok"}"><th scope="row">{title}</th>'
+            f'<td>{verdict}</td><td class="num">{score_meter(m.score)} {m.score:.2f}</td>'
+            f"<td>{_e(m.reason)}</td></tr>"
         )
     return (
         '<table class="modes"><caption>Failure modes (paper §3.3); a score of 0.50 or more '
@@ -370,73 +372,72 @@ def _modes_table(diag: dict[str, Any]) -> str:
     )
 
 
-def _pacing(p: dict[str, Any] | None) -> str:
-    if not p or not p.get("enabled"):
+def _pacing(p: PacingState | None) -> str:
+    if p is None or not p.enabled:
         return '<span class="muted">off</span>'
-    if p.get("active"):
+    if p.active:
         return (
-            f'<span class="tag tag-warn">ACTIVE</span> +{_e(fmt_s(p["current_delay_s"]))}/step'
-            f'<div class="sub">engaged {int(p.get("engagements", 0))}×</div>'
+            f'<span class="tag tag-warn">ACTIVE</span> +{_e(fmt_s(p.current_delay_s))}/step'
+            f'<div class="sub">engaged {p.engagements}×</div>'
         )
     return (
-        f'<span class="tag">armed</span><div class="sub">threshold {_e(fmt_s(p.get("threshold_s")))}'
-        f", engaged {int(p.get('engagements', 0))}×</div>"
+        f'<span class="tag">armed</span><div class="sub">threshold {_e(fmt_s(p.threshold_s))}'
+        f", engaged {p.engagements}×</div>"
     )
 
 
-def _ranks_table(job: dict[str, Any], now: float) -> str:
-    diag = job["diagnosis"]
-    straggler = (diag.get("straggler") or {}).get("rank")
-    shown = job["ranks"]
+def _ranks_table(job: JobView, now: float) -> str:
+    named = job.diagnosis.straggler
+    straggler = named.rank if named else None
+    shown: Sequence[RankView] = job.ranks
     if len(shown) > MAX_RANK_ROWS:
-        first = [r for r in shown if r["rank"] == straggler or r["stale"]][:MAX_RANK_ROWS]
+        first = [r for r in shown if r.rank == straggler or r.stale][:MAX_RANK_ROWS]
         rest = [r for r in shown if r not in first][: MAX_RANK_ROWS - len(first)]
-        shown = sorted(first + rest, key=lambda r: r["rank"])
+        shown = sorted(first + rest, key=lambda r: r.rank)
     rows = []
     for r in shown:
-        is_straggler = r["rank"] == straggler
+        is_straggler = r.rank == straggler
         status = []
-        if is_straggler:
-            s = diag["straggler"]
+        if named and is_straggler:
             status.append(
                 '<span class="tag tag-bad">⚠ STRAGGLER</span>'
-                f'<div class="sub">cause: {_e(s["cause"].replace("_", " "))}</div>'
+                f'<div class="sub">cause: {_e(named.cause.replace("_", " "))}</div>'
             )
-        if r["stale"]:
-            ago = now - r["last_report_unix_s"]
+        if r.stale:
+            ago = now - r.last_report_unix_s
             status.append(
                 f'<span class="tag tag-stale">⏸ stale</span><div class="sub">silent {ago:.0f} s</div>'
             )
         if not status:
             status.append('<span class="tag tag-ok">✓ ok</span>')
-        if r.get("restarts"):
-            status.append(f'<div class="sub">restarted {int(r["restarts"])}×</div>')
-        if r.get("dropped_total"):
-            status.append(f'<div class="sub">{int(r["dropped_total"])} records dropped</div>')
-        steps = [s["step_s"] for s in r["recent_steps"][-RANK_TREND_STEPS:]]
+        if r.restarts:
+            status.append(f'<div class="sub">restarted {int(r.restarts)}×</div>')
+        if r.dropped_total:
+            status.append(f'<div class="sub">{int(r.dropped_total)} records dropped</div>')
+        steps = [s.step_s for s in r.recent_steps[-RANK_TREND_STEPS:]]
         trend = (
-            sparkline(steps, _series_label(f"Rank {r['rank']} step time", steps, fmt_s), 96, 22)
+            sparkline(steps, _series_label(f"Rank {r.rank} step time", steps, fmt_s), 96, 22)
             if len(steps) > 1
             else '<span class="muted">—</span>'
         )
-        lead = fmt_s(r["arrival_lead_s"])
+        lead = fmt_s(r.arrival_lead_s)
         if is_straggler:
             lead += ' <span class="sub-inline">(arrives last)</span>'
         classes = ["straggler"] if is_straggler else []
-        if r["stale"]:
+        if r.stale:
             classes.append("stale")
         rows.append(
-            f'<tr class="{" ".join(classes)}"><th scope="row" class="num">{r["rank"]}</th>'
+            f'<tr class="{" ".join(classes)}"><th scope="row" class="num">{r.rank}</th>'
             f"<td>{''.join(status)}</td>"
-            f'<td class="num">{r["steps_total"]}</td>'
-            f'<td class="num">{fmt_s(r["step_time_median_s"])}</td>'
+            f'<td class="num">{r.steps_total}</td>'
+            f'<td class="num">{fmt_s(r.step_time_median_s)}</td>'
             f"<td>{trend}</td>"
-            f'<td class="num">{_fmt_num(r["step_time_cv"])}</td>'
-            f'<td class="phases">{phase_bar(r["phase_shares"])}</td>'
+            f'<td class="num">{_fmt_num(r.step_time_cv)}</td>'
+            f'<td class="phases">{phase_bar(r.phase_shares)}</td>'
             f'<td class="num">{lead}</td>'
-            f'<td class="num">{fmt_s(r["wait_mean_s"])}</td>'
-            f"<td>{_pacing(r['pacing'])}</td>"
-            f'<td class="host">{_e(r["hostname"])}<div class="sub">local {r["local_rank"]} · pid {r["pid"]}</div></td></tr>'
+            f'<td class="num">{fmt_s(r.wait_mean_s)}</td>'
+            f"<td>{_pacing(r.pacing)}</td>"
+            f'<td class="host">{_e(r.hostname)}<div class="sub">local {r.local_rank} · pid {r.pid}</div></td></tr>'
         )
     head = (
         "Rank",
@@ -455,7 +456,7 @@ def _ranks_table(job: dict[str, Any], now: float) -> str:
     ths = "".join(
         f'<th scope="col"{" class=num" if h in numeric else ""}>{_e(h)}</th>' for h in head
     )
-    hidden = len(job["ranks"]) - len(shown)
+    hidden = len(job.ranks) - len(shown)
     more = (
         f'<p class="muted">{hidden} more ranks are not shown here; all are in '
         '<a href="v1/state">/v1/state</a>.</p>'
@@ -470,11 +471,11 @@ def _ranks_table(job: dict[str, Any], now: float) -> str:
     )
 
 
-def _topology(ranks: list[dict[str, Any]]) -> str:
+def _topology(ranks: Sequence[RankView]) -> str:
     hosts: dict[str, list[int]] = {}
     for r in ranks:
-        hosts.setdefault(r["hostname"] or "unknown host", []).append(r["rank"])
-    world = max((r["world_size"] for r in ranks), default=0)
+        hosts.setdefault(r.hostname or "unknown host", []).append(r.rank)
+    world = max((r.world_size for r in ranks), default=0)
     lines = [
         f"<li><strong>{_e(h)}</strong>: ranks {_ranges(rs)}</li>" for h, rs in sorted(hosts.items())
     ]
@@ -482,17 +483,16 @@ def _topology(ranks: list[dict[str, Any]]) -> str:
         f"<p>{len(ranks)} of {world} ranks report to this exporter, on "
         f'{len(hosts)} host{"s" if len(hosts) != 1 else ""}.</p><ul class="hosts">{"".join(lines)}</ul>'
     )
-    with_topo = [r for r in ranks if r.get("topology")]
+    with_topo = [(r, r.topology) for r in ranks if r.topology]
     if not with_topo:
         return (
             summary + '<p class="muted">No GPU topology reported: CPU ranks (gloo), or NVML '
             "unavailable on this node. Locality faults cannot be checked.</p>"
         )
     rows = []
-    for r in with_topo:
-        t = r["topology"]
+    for r, t in with_topo:
 
-        def val(key: str, topo: dict[str, Any] = t) -> str:
+        def val(key: str, topo: Mapping[str, Any] = t) -> str:
             v = topo.get(key)
             return "unknown" if v is None or v == "" else _e(str(v))
 
@@ -515,7 +515,7 @@ def _topology(ranks: list[dict[str, Any]]) -> str:
         if fault and fault.startswith("PCIe"):
             link += ' <span class="tag tag-bad">⚠ degraded</span>'
         rows.append(
-            f'<tr><th scope="row" class="num">{r["rank"]}</th><td>{val("gpu_name", t)}'
+            f'<tr><th scope="row" class="num">{r.rank}</th><td>{val("gpu_name", t)}'
             f'<div class="sub">{val("pci_bus_id")}</div></td>'
             f"<td>{link}</td>"
             f'<td>{numa}</td><td>{val("nic")}<div class="sub">{val("nic_distance")}</div></td>'
@@ -530,35 +530,35 @@ def _topology(ranks: list[dict[str, Any]]) -> str:
     )
 
 
-def _job_section(job: dict[str, Any], settings: Any, now: float) -> tuple[str, str]:
-    ranks = job["ranks"]
-    live = [r for r in ranks if not r["stale"]]
+def _job_section(job: JobView, settings: Settings, now: float) -> tuple[str, str]:
+    ranks = job.ranks
+    live = [r for r in ranks if not r.stale]
     banner, headline = _banner(job, live)
-    world = max((r["world_size"] for r in ranks), default=0)
-    ident = "job-" + "".join(ch if ch.isalnum() else "-" for ch in job["name"])
+    world = max((r.world_size for r in ranks), default=0)
+    ident = "job-" + "".join(ch if ch.isalnum() else "-" for ch in job.name)
     body = (
         f'<section class="job" aria-labelledby="{_e(ident)}">'
-        f'<div class="job-head"><h2 id="{_e(ident)}">Job <code>{_e(job["name"])}</code></h2>'
+        f'<div class="job-head"><h2 id="{_e(ident)}">Job <code>{_e(job.name)}</code></h2>'
         f'<span class="muted">{len(live)} of {len(ranks)} ranks reporting · world size {world}</span></div>'
-        f"{banner}{_cards(live or ranks, job['diagnosis'], settings)}"
+        f"{banner}{_cards(live or ranks, job.diagnosis, settings)}"
         '<div class="split"><div class="panel">'
-        f"{_modes_table(job['diagnosis'])}</div>"
+        f"{_modes_table(job.diagnosis)}</div>"
         f'<div class="panel"><h3>Topology</h3>{_topology(ranks)}</div></div>'
         f'<div class="panel"><h3>Ranks</h3>{phase_legend()}{_ranks_table(job, now)}</div></section>'
     )
     return body, headline
 
 
-def render_status(view: dict[str, Any], settings: Any) -> str:
+def render_status(view: StoreView, settings: Settings) -> str:
     """The page body (what the script swaps in every refresh)."""
-    now = view.get("now_unix_s") or time.time()
+    now = view.now_unix_s
     stamp = time.strftime("%H:%M:%S UTC", time.gmtime(now))
-    jobs = view.get("jobs") or {}
+    jobs = view.jobs
     meta = (
-        f'<p class="updated">Updated {stamp} · {int(view.get("ingested_records", 0))} records '
+        f'<p class="updated">Updated {stamp} · {view.ingested_records} records '
         f"ingested since the exporter started"
     )
-    rejected = sum((view.get("rejected") or {}).values())
+    rejected = sum(view.rejected.values())
     if rejected:
         meta += f" · {rejected} refused at ingest"
     meta += "</p>"
@@ -592,7 +592,7 @@ def render_status(view: dict[str, Any], settings: Any) -> str:
     return f'<div data-headline="{_e(" ".join(headlines))}">{meta}{"".join(sections)}</div>'
 
 
-def render_page(view: dict[str, Any], settings: Any) -> str:
+def render_page(view: StoreView, settings: Settings) -> str:
     """The whole document: header, links, pattern definitions and the first body."""
     v = _e(__version__)
     return (
@@ -614,8 +614,8 @@ def render_page(view: dict[str, Any], settings: Any) -> str:
         '<p id="announce" class="sr-only" aria-live="polite"></p>'
         f'<main id="status" data-refresh-ms="{REFRESH_MS}">{render_status(view, settings)}</main>'
         '<footer class="foot">Diagnosis rules: <code>docs/diagnosis.md</code> · the page refreshes '
-        "every 2 s (every 5 s without JavaScript) · times are medians of the last 100 steps "
-        "unless stated</footer></body></html>"
+        "every 2 s (every 5 s without JavaScript) · times are medians of the last "
+        f"{STEP_WINDOW} steps unless stated</footer></body></html>"
     )
 
 
@@ -623,7 +623,7 @@ def _static(name: str) -> bytes:
     return resources.files("syncscope.exporter").joinpath("static", name).read_bytes()
 
 
-def install_page(app: FastAPI, store: Any, settings: Any) -> None:
+def install_page(app: FastAPI, store: Store, settings: Settings) -> None:
     """Register the page's routes on the app: `/`, its body at `/ui/status`, and its assets."""
     assets = {name: _static(name) for name in STATIC}
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Steps every rolling figure looks back over: the step-time CV, phase shares, medians and the
+# diagnosis. Metric help and the status page quote this number.
+STEP_WINDOW = 100
+
 
 @dataclass
 class Settings:
@@ -14,7 +18,7 @@ class Settings:
     # An extra listener serving GET /metrics and nothing else, for a Prometheus elsewhere.
     metrics_host: str | None = None  # default: host
     metrics_port: int | None = None  # default: no such listener
-    step_window: int = 100  # steps in the CV / rolling windows
+    step_window: int = STEP_WINDOW  # steps in the step-time CV window
     recent_steps: int = 300  # per-rank steps kept for /v1/state and the status page
     stale_after_s: float = 30.0  # a rank silent this long is marked stale
     expire_after_s: float = 600.0  # ... and forgotten after this long

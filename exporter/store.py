@@ -1,23 +1,42 @@
-"""Per-rank rolling state of every local rank, fed by ingest, read by scrapes and /v1/state."""
+"""Per-rank rolling state of every local rank, fed by ingest, read as typed views by every reader.
+
+`Store.view()` is the exporter's one contract with its readers (the collectors, the diagnosis,
+/v1/state and the status page): an immutable `StoreView` snapshot. `as_json` turns it into the
+JSON of /v1/state.
+"""
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import functools
 import math
 import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from syncscope.exporter.settings import Settings
+from syncscope.exporter.settings import STEP_WINDOW, Settings
 
 from syncscope.arrival import ArrivalEstimator, collective_key, key_text
-from syncscope.wire import OPS, PHASES, Batch, CollectiveSeconds, StepSeconds
+from syncscope.wire import (
+    MAX_LABEL_LEN,
+    MAX_TOPOLOGY_ENTRIES,
+    MAX_TOPOLOGY_TEXT,
+    OPS,
+    PHASES,
+    Batch,
+    CollectiveSeconds,
+    PacingState,
+    StepSeconds,
+)
 
-# Steps the diagnosis and the shares look back over (diagnosis.py reads recent_steps[-100:]).
-DIAGNOSIS_STEPS = 100
+if TYPE_CHECKING:  # diagnosis reads the views defined here; the store imports it when it runs
+    from syncscope.exporter.diagnosis import Diagnosis
+
 STEP_BUCKETS = (
     0.001,
     0.0025,
@@ -35,6 +54,11 @@ STEP_BUCKETS = (
     30.0,
     60.0,
 )
+# Field metadata for `as_json`. BY_PHASE: the field holds one number per wire.Phase, in Phase
+# order (index it with a Phase), and its JSON is an object keyed by phase label ({} when the
+# tuple is empty). OMIT_IF_NONE: the key is left out of the JSON while the field is None.
+BY_PHASE = {"json": "by_phase"}
+OMIT_IF_NONE = {"json": "omit_if_none"}
 
 
 @dataclass
@@ -51,12 +75,146 @@ class Ingest:
         return cls(batch, batch.step_rows(), batch.collective_rows())
 
 
-def clean_label(value: str, limit: int = 64) -> str:
+def clean_label(value: str, limit: int = MAX_LABEL_LEN) -> str:
     """Label values stay printable and short; the exposition format escapes the rest."""
     text = "".join(ch if ch.isprintable() else "_" for ch in value)[:limit]
     return text or "_"
 
 
+# -- the views: what readers get ---------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RecentStep:
+    """One recent step of a rank. The store keeps these as they are, so views copy no step."""
+
+    step: int
+    step_s: float
+    phases: tuple[float, ...] = field(metadata=BY_PHASE)
+    wait_s: float  # this step's wait for the last peer at collectives (arrival estimator)
+
+
+@dataclass(frozen=True)
+class CollectiveView:
+    """A rank's totals for one (op, group)."""
+
+    op: str
+    group: str
+    calls: int
+    seconds: float
+    bytes: float
+    wait_seconds: float
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank as of the snapshot: totals, rolling figures over the last STEP_WINDOW steps."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    hostname: str
+    pid: int
+    incarnation: str
+    restarts: int
+    last_report_unix_s: float
+    stale: bool
+    steps_total: int
+    step_seconds_sum: float
+    step_bucket_counts: tuple[int, ...]  # per STEP_BUCKETS bound, then +Inf; not cumulative
+    phase_seconds_total: tuple[float, ...] = field(metadata=BY_PHASE)
+    step_time_mean_s: float | None
+    step_time_median_s: float | None
+    step_time_cv: float | None
+    phase_shares: tuple[float, ...] = field(metadata=BY_PHASE)  # empty until steps take time
+    arrival_lead_s: float | None
+    wait_mean_s: float | None
+    collectives: tuple[CollectiveView, ...]
+    dropped_total: int
+    pacing: PacingState | None  # totals include earlier incarnations of the rank
+    topology: Mapping[str, Any] | None
+    recent_steps: tuple[RecentStep, ...]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RankView:
+        """The inverse of `as_json` for one rank: how recorded /v1/state snapshots are replayed."""
+
+        def by_phase(values: Mapping[str, float]) -> tuple[float, ...]:
+            return tuple(values[p] for p in PHASES) if values else ()
+
+        return cls(
+            **{
+                **data,
+                "step_bucket_counts": tuple(data["step_bucket_counts"]),
+                "phase_seconds_total": by_phase(data["phase_seconds_total"]),
+                "phase_shares": by_phase(data["phase_shares"]),
+                "collectives": tuple(CollectiveView(**c) for c in data["collectives"]),
+                "pacing": PacingState(**data["pacing"]) if data["pacing"] else None,
+                "recent_steps": tuple(
+                    RecentStep(s["step"], s["step_s"], by_phase(s["phases"]), s["wait_s"])
+                    for s in data["recent_steps"]
+                ),
+            }
+        )
+
+
+@dataclass(frozen=True)
+class JobView:
+    """One job's ranks on this node and their diagnosis."""
+
+    ranks: tuple[RankView, ...]  # by rank
+    diagnosis: Diagnosis
+    name: str
+
+
+@dataclass(frozen=True)
+class StoreView:
+    """A consistent snapshot of everything the exporter knows."""
+
+    started_unix_s: float
+    now_unix_s: float
+    ingested_records: int
+    rejected: Mapping[str, int]  # refusals by reason
+    jobs: Mapping[str, JobView]  # by name
+
+    def ranks(self) -> Iterator[tuple[str, RankView]]:
+        """Every rank of every job, with its job's name."""
+        for name, job in self.jobs.items():
+            for r in job.ranks:
+                yield name, r
+
+
+def as_json(value: Any) -> Any:
+    """A view (or any part of one) as JSON: what /v1/state serves.
+
+    Dataclasses become objects with their fields in declaration order (the views declare them in
+    /v1/state's key order), per-phase tuples objects keyed by phase label.
+    """
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    if isinstance(value, Mapping):
+        return {k: as_json(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [as_json(v) for v in value]
+    out: dict[str, Any] = {}
+    cls: type = type(value)  # a dataclass: a view, or wire.PacingState inside one
+    for name, by_phase, omit_if_none in _json_fields(cls):
+        v = getattr(value, name)
+        if by_phase:
+            out[name] = dict(zip(PHASES, v, strict=True)) if v else {}
+        elif not (omit_if_none and v is None):
+            out[name] = as_json(v)
+    return out
+
+
+@functools.cache
+def _json_fields(cls: type) -> tuple[tuple[str, bool, bool], ...]:
+    # Looked up once per class: /v1/state?recent=300 renders thousands of RecentSteps.
+    return tuple(
+        (f.name, f.metadata == BY_PHASE, f.metadata == OMIT_IF_NONE)
+        for f in dataclasses.fields(cls)
+    )
+
+
+# -- the store's own state -----------------------------------------------------------------------
 @dataclass
 class CollectiveTotals:
     calls: int = 0
@@ -84,12 +242,12 @@ class RankState:
     collectives: dict[tuple[str, str], CollectiveTotals] = field(default_factory=dict)
     dropped_before: int = 0  # records lost by earlier incarnations of this rank
     dropped_current: int = 0
-    window: deque = field(default_factory=deque)  # recent step durations (CV)
-    recent: deque = field(default_factory=deque)  # recent (step, duration, phases, wait)
-    pacing: dict[str, Any] | None = None
+    window: deque[float] = field(default_factory=deque)  # recent step durations (CV)
+    recent: deque[RecentStep] = field(default_factory=deque)
+    pacing: PacingState | None = None  # as the current incarnation last reported it
     pacing_delay_before: float = 0.0
     pacing_engagements_before: int = 0
-    topology: dict[str, Any] | None = None
+    topology: dict[str, Any] | None = None  # replaced whole, never changed in place
 
     @property
     def dropped_total(self) -> int:
@@ -152,18 +310,11 @@ class Store:
             state.last_report_unix_s = now
             state.dropped_current = max(state.dropped_current, batch.dropped_total)
             if batch.pacing is not None:
-                state.pacing = {
-                    "enabled": batch.pacing.enabled,
-                    "active": batch.pacing.active,
-                    "current_delay_s": batch.pacing.current_delay_s,
-                    "threshold_s": batch.pacing.threshold_s,
-                    "engagements": batch.pacing.engagements,
-                    "total_delay_s": batch.pacing.total_delay_s,
-                }
+                state.pacing = batch.pacing
             if batch.topology is not None:
                 state.topology = {
-                    clean_label(k): clean_label(v, 256) if isinstance(v, str) else v
-                    for k, v in list(batch.topology.items())[:64]
+                    clean_label(k): clean_label(v, MAX_TOPOLOGY_TEXT) if isinstance(v, str) else v
+                    for k, v in list(batch.topology.items())[:MAX_TOPOLOGY_ENTRIES]
                 }
             waits_by_step = self._collectives(state, estimator, ingest.collectives)
             self._steps(state, ingest.steps, waits_by_step)
@@ -177,8 +328,8 @@ class Store:
             state.incarnations += 1
             state.dropped_before += state.dropped_current
             if state.pacing:
-                state.pacing_delay_before += state.pacing.get("total_delay_s", 0.0)
-                state.pacing_engagements_before += state.pacing.get("engagements", 0)
+                state.pacing_delay_before += state.pacing.total_delay_s
+                state.pacing_engagements_before += state.pacing.engagements
         state.dropped_current = 0
         state.pacing = None
         state.window = deque(maxlen=self.settings.step_window)
@@ -215,14 +366,14 @@ class Store:
         if not state.window.maxlen:
             state.window = deque(state.window, maxlen=self.settings.step_window)
             state.recent = deque(state.recent, maxlen=self.settings.recent_steps)
-        for step, d, end_unix_s, values in rows:
+        for step, d, _end_unix_s, values in rows:
             state.steps_total += 1
             state.step_seconds_sum += d
             state.step_bucket_counts[bisect.bisect_left(STEP_BUCKETS, d)] += 1
             for i, v in enumerate(values):
                 state.phase_seconds[i] += v
             state.window.append(d)
-            state.recent.append((step, d, values, waits_by_step.get(step, 0.0), end_unix_s))
+            state.recent.append(RecentStep(step, d, values, waits_by_step.get(step, 0.0)))
 
     def _expire(self, now: float) -> None:
         limit = self.settings.expire_after_s
@@ -234,19 +385,22 @@ class Store:
                 if not est.ranks() and not any(s.job == state.job for s in self.ranks.values()):
                     del self.estimators[state.job]
 
-    # -- read side (callers hold no lock; these take it) -----------------------------------------
-    def view(self, recent: int | None = None) -> dict[str, Any]:
+    # -- read side (callers hold no lock; this takes it) ------------------------------------------
+    def view(self, recent: int | None = None) -> StoreView:
         """A consistent snapshot of everything the collectors, state endpoint and page show.
 
-        `recent` bounds the per-rank `recent_steps` materialised (None: all kept). Scrapes ask
-        for DIAGNOSIS_STEPS only: building hundreds of dicts per rank was most of a scrape.
+        `recent` bounds each rank's `recent_steps` (None: all kept); the diagnosis sees at least
+        the last STEP_WINDOW whatever the caller keeps. Scrapes ask for STEP_WINDOW only, so the
+        diagnosis aligns that many steps per rank rather than every step kept.
         """
         from syncscope.exporter.diagnosis import diagnose_job
 
         now = time.time()
+        # The steps each rank view carries into the diagnosis: its window, or more if asked.
+        shown = None if recent is None else max(recent, STEP_WINDOW)
+        by_job: dict[str, list[RankView]] = {}
         with self.lock:
             self._expire(now)
-            jobs: dict[str, dict[str, Any]] = {}
             baselines: dict[str, dict[Any, float]] = {}
             for state in sorted(self.ranks.values(), key=lambda s: (s.job, s.rank)):
                 est = self.estimators.get(state.job)
@@ -256,83 +410,74 @@ class Store:
                     if cache is None:
                         cache = baselines[state.job] = est.baselines()
                     lead = est.lead(state.rank, cache)
-                job = jobs.setdefault(state.job, {"ranks": []})
-                job["ranks"].append(
-                    _rank_view(state, lead, now, self.settings.stale_after_s, recent)
+                by_job.setdefault(state.job, []).append(
+                    _rank_view(state, lead, now, self.settings.stale_after_s, shown)
                 )
-            for name, job in jobs.items():
-                job["diagnosis"] = diagnose_job(job["ranks"], self.settings)
-                job["name"] = name
-            return {
-                "started_unix_s": self.started_unix_s,
-                "now_unix_s": now,
-                "ingested_records": self.ingested_records,
-                "rejected": dict(self.rejected),
-                "jobs": jobs,
-            }
+            started, ingested, rejected = (
+                self.started_unix_s,
+                self.ingested_records,
+                dict(self.rejected),
+            )
+        # Views are immutable, so the diagnosis runs outside the lock and never holds up ingest.
+        jobs = {}
+        for name, ranks in by_job.items():
+            diagnosis = diagnose_job(ranks, self.settings)
+            if recent is not None and recent != shown:
+                ranks = [
+                    dataclasses.replace(r, recent_steps=r.recent_steps[-recent:] if recent else ())
+                    for r in ranks
+                ]
+            jobs[name] = JobView(tuple(ranks), diagnosis, name)
+        return StoreView(started, now, ingested, rejected, jobs)
 
 
 def _rank_view(
-    s: RankState, lead: float | None, now: float, stale_after: float, keep: int | None = None
-) -> dict[str, Any]:
-    recent = list(s.recent)
-    last = recent[-DIAGNOSIS_STEPS:]
-    durations = [r[1] for r in last]
+    s: RankState, lead: float | None, now: float, stale_after: float, keep: int | None
+) -> RankView:
+    recent = tuple(s.recent)
+    last = recent[-STEP_WINDOW:]
+    durations = [r.step_s for r in last]
     total = sum(durations)
-    shares = {}
+    shares: tuple[float, ...] = ()
     if total > 0:
-        sums = [0.0] * len(PHASES)
-        for r in last:
-            for i, v in enumerate(r[2]):
-                sums[i] += v
-        shares = {phase: sums[i] / total for i, phase in enumerate(PHASES)}
+        shares = tuple(
+            sum(column) / total for column in zip(*(r.phases for r in last), strict=True)
+        )
     if keep is not None:
-        recent = recent[-keep:] if keep > 0 else []
-    pacing = dict(s.pacing) if s.pacing else None
+        recent = recent[-keep:] if keep > 0 else ()
+    pacing = s.pacing
     if pacing is not None:
-        pacing["total_delay_s"] += s.pacing_delay_before
-        pacing["engagements"] += s.pacing_engagements_before
-    return {
-        "rank": s.rank,
-        "local_rank": s.local_rank,
-        "world_size": s.world_size,
-        "hostname": s.hostname,
-        "pid": s.pid,
-        "incarnation": s.incarnation,
-        "restarts": s.incarnations,
-        "last_report_unix_s": s.last_report_unix_s,
-        "stale": now - s.last_report_unix_s > stale_after,
-        "steps_total": s.steps_total,
-        "step_seconds_sum": s.step_seconds_sum,
-        "step_bucket_counts": list(s.step_bucket_counts),
-        "phase_seconds_total": dict(zip(PHASES, s.phase_seconds, strict=True)),
-        "step_time_mean_s": (total / len(durations)) if durations else None,
-        "step_time_median_s": statistics.median(durations) if durations else None,
-        "step_time_cv": s.cv(),
-        "phase_shares": shares,
-        "arrival_lead_s": lead,
-        "wait_mean_s": (sum(r[3] for r in last) / len(durations)) if durations else None,
-        "collectives": [
-            {
-                "op": op,
-                "group": g,
-                "calls": t.calls,
-                "seconds": t.seconds,
-                "bytes": t.bytes,
-                "wait_seconds": t.wait_seconds,
-            }
+        pacing = dataclasses.replace(
+            pacing,
+            total_delay_s=pacing.total_delay_s + s.pacing_delay_before,
+            engagements=pacing.engagements + s.pacing_engagements_before,
+        )
+    return RankView(
+        rank=s.rank,
+        local_rank=s.local_rank,
+        world_size=s.world_size,
+        hostname=s.hostname,
+        pid=s.pid,
+        incarnation=s.incarnation,
+        restarts=s.incarnations,
+        last_report_unix_s=s.last_report_unix_s,
+        stale=now - s.last_report_unix_s > stale_after,
+        steps_total=s.steps_total,
+        step_seconds_sum=s.step_seconds_sum,
+        step_bucket_counts=tuple(s.step_bucket_counts),
+        phase_seconds_total=tuple(s.phase_seconds),
+        step_time_mean_s=(total / len(durations)) if durations else None,
+        step_time_median_s=statistics.median(durations) if durations else None,
+        step_time_cv=s.cv(),
+        phase_shares=shares,
+        arrival_lead_s=lead,
+        wait_mean_s=(sum(r.wait_s for r in last) / len(durations)) if durations else None,
+        collectives=tuple(
+            CollectiveView(op, g, t.calls, t.seconds, t.bytes, t.wait_seconds)
             for (op, g), t in sorted(s.collectives.items())
-        ],
-        "dropped_total": s.dropped_total,
-        "pacing": pacing,
-        "topology": s.topology,
-        "recent_steps": [
-            {
-                "step": r[0],
-                "step_s": r[1],
-                "phases": dict(zip(PHASES, r[2], strict=True)),
-                "wait_s": r[3],
-            }
-            for r in recent
-        ],
-    }
+        ),
+        dropped_total=s.dropped_total,
+        pacing=pacing,
+        topology=s.topology,
+        recent_steps=recent,
+    )

@@ -16,6 +16,7 @@ negative durations and absurd sizes are refused at the door rather than poisonin
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -32,8 +33,29 @@ except ImportError:  # pragma: no cover - agent-only installs
 SCHEMA_VERSION = 2  # what the agent sends; the exporter accepts 1 and 2
 INGEST_PATH = "/v1/ingest"
 
-# Phases add up to the step's wall time (see agent.phases for where each boundary comes from).
-PHASES = ("data", "forward", "backward", "optimizer", "comm_exposed", "pacing", "other")
+
+class Phase(enum.IntEnum):
+    """The phases of a step, in wire order; they add up to the step's wall time.
+
+    The value is the phase's position in every per-step tuple (rows, `Phases`, the store's
+    sums); the label is its name in metrics and JSON. agent.phases says where each boundary
+    comes from.
+    """
+
+    DATA = 0
+    FORWARD = 1
+    BACKWARD = 2
+    OPTIMIZER = 3
+    COMM_EXPOSED = 4
+    PACING = 5
+    OTHER = 6
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+PHASES = tuple(p.label for p in Phase)
 # Collective ops as labelled in metrics. `ddp_grad_sync` is DDP's gradient synchronisation as
 # seen from the default (hook-free) path: its duration is the *exposed* part only.
 OPS = (

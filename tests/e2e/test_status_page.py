@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from syncscope.exporter.app import create_app
 from syncscope.exporter.diagnosis import diagnose_job
 from syncscope.exporter.page import render_page, render_status
 from syncscope.exporter.settings import Settings
+from syncscope.exporter.store import JobView, RankView, StoreView
 
 from tests.conftest import wait_until
 
@@ -41,15 +43,18 @@ CHROMIUM_FLAGS = [
 SLOW_RANK = 2
 
 
-def recorded_view(name: str, job: str = "demo") -> dict[str, Any]:
+def recorded_view(name: str, job: str = "demo") -> StoreView:
     with gzip.open(SCENARIOS / f"{name}.json.gz", "rt") as f:
         data = json.load(f)["job"]
     now = time.time()
-    for r in data["ranks"]:
-        r["last_report_unix_s"] = now
-    data["name"] = job
-    data["diagnosis"] = diagnose_job(data["ranks"], Settings())
-    return {"now_unix_s": now, "ingested_records": 1, "rejected": {}, "jobs": {job: data}}
+    ranks = [replace(RankView.from_json(r), last_report_unix_s=now) for r in data["ranks"]]
+    return view_of(ranks, job, now)
+
+
+def view_of(ranks: list[RankView], job: str, now: float) -> StoreView:
+    """One job's ranks as the store would show them, diagnosed."""
+    diagnosis = diagnose_job(ranks, Settings())
+    return StoreView(now, now, 1, {}, {job: JobView(tuple(ranks), diagnosis, job)})
 
 
 # -- in-process: the routes and the renderer ------------------------------------------------------
@@ -95,31 +100,33 @@ def test_no_straggler_and_jitter_read_differently() -> None:
 
 
 def test_labels_from_agents_are_escaped() -> None:
-    view = recorded_view("forward_straggler", job='<img src=x onerror="alert(1)">')
-    view["jobs"][next(iter(view["jobs"]))]["ranks"][0]["hostname"] = "<script>x</script>"
-    html = render_page(view, Settings())
+    job = '<img src=x onerror="alert(1)">'
+    view = recorded_view("forward_straggler", job=job)
+    ranks = list(view.jobs[job].ranks)
+    ranks[0] = replace(ranks[0], hostname="<script>x</script>")
+    html = render_page(view_of(ranks, job, view.now_unix_s), Settings())
     assert "<img src=x" not in html and "<script>x" not in html
     assert "&lt;img src=x" in html
 
 
 def test_stale_ranks_and_gpu_topology_are_shown() -> None:
     view = recorded_view("balanced")
-    job = next(iter(view["jobs"].values()))
-    job["ranks"][3]["stale"] = True
-    job["ranks"][3]["last_report_unix_s"] = view["now_unix_s"] - 45
-    for r in job["ranks"]:
-        r["topology"] = {
-            "gpu_name": "NVIDIA H100",
-            "pcie_link_width": 16,
-            "pcie_link_max_width": 16,
-            "gpu_numa_node": 0,
-            "process_numa_nodes": "0",
-            "numa_mismatch": 0,
-        }
-    job["ranks"][1]["topology"]["pcie_link_width"] = 8
-    job["ranks"][2]["topology"].update(numa_mismatch=True, process_numa_nodes="1")
-    job["diagnosis"] = diagnose_job(job["ranks"], Settings())
-    html = render_status(view, Settings())
+    now = view.now_unix_s
+    healthy = {
+        "gpu_name": "NVIDIA H100",
+        "pcie_link_width": 16,
+        "pcie_link_max_width": 16,
+        "gpu_numa_node": 0,
+        "process_numa_nodes": "0",
+        "numa_mismatch": 0,
+    }
+    faults = {1: {"pcie_link_width": 8}, 2: {"numa_mismatch": True, "process_numa_nodes": "1"}}
+    ranks = [
+        replace(r, topology={**healthy, **faults.get(i, {})})
+        for i, r in enumerate(view.jobs["demo"].ranks)
+    ]
+    ranks[3] = replace(ranks[3], stale=True, last_report_unix_s=now - 45)
+    html = render_status(view_of(ranks, "demo", now), Settings())
     assert "⏸ stale" in html and "silent 45 s" in html
     assert "NVIDIA H100" in html and "⚠ degraded" in html
     assert "rank 1: PCIe link x8 of x16 (+1 more ranks)" in html

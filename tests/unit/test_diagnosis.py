@@ -7,9 +7,9 @@ those cases lay a topology over a recorded run: the timing data stays real.
 
 from __future__ import annotations
 
-import copy
 import gzip
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,80 +18,86 @@ from syncscope.exporter.collectors import collect_diagnosis
 from syncscope.exporter.diagnosis import (
     CAUSES,
     MODES,
+    Diagnosis,
     diagnose_job,
     locality_fault,
     straggler_cause,
     throttle_reasons,
 )
 from syncscope.exporter.settings import Settings
+from syncscope.exporter.store import JobView, RankView, RecentStep, StoreView, as_json
 
 from syncscope.demo import render_table
+from syncscope.wire import Phase
 
 SCENARIOS = Path(__file__).resolve().parents[1] / "fixtures" / "scenarios"
 SETTINGS = Settings()
 
 
-def ranks_of(name: str) -> list[dict[str, Any]]:
+def ranks_of(name: str) -> list[RankView]:
     with gzip.open(SCENARIOS / f"{name}.json.gz", "rt") as f:
-        return json.load(f)["job"]["ranks"]
+        return [RankView.from_json(r) for r in json.load(f)["job"]["ranks"]]
 
 
-def diagnose(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def diagnose(ranks: list[RankView]) -> Diagnosis:
     out = diagnose_job(ranks, SETTINGS)
-    for mode, m in out["modes"].items():  # the shape every consumer relies on
+    for mode, m in out.modes.items():  # the shape every consumer relies on
         assert mode in MODES
-        assert 0.0 <= m["score"] <= 1.0
-        assert m["verdict"] == (m["score"] >= 0.5)
-        assert m["reason"]
-    if out["straggler"]:
-        assert out["straggler"]["cause"] in CAUSES
+        assert 0.0 <= m.score <= 1.0
+        assert m.verdict == (m.score >= 0.5)
+        assert m.reason
+    if out.straggler:
+        assert out.straggler.cause in CAUSES
     return out
 
 
-def verdicts(out: dict[str, Any]) -> set[str]:
-    return {m for m, v in out["modes"].items() if v["verdict"]}
+def verdicts(out: Diagnosis) -> set[str]:
+    return {m for m, v in out.modes.items() if v.verdict}
 
 
-def gpu(ranks: list[dict[str, Any]], **per_rank: dict[str, Any]) -> list[dict[str, Any]]:
+def gpu(ranks: list[RankView], **per_rank: dict[str, Any]) -> list[RankView]:
     """A copy of recorded ranks with a healthy GPU topology, overridden per rank ('r2'=...)."""
-    ranks = copy.deepcopy(ranks)
-    for r in ranks:
-        r["topology"] = {
-            "gpu_name": "NVIDIA H100",
-            "pcie_link_width": 16,
-            "pcie_link_max_width": 16,
-            "pcie_link_generation": 5,
-            "pcie_link_max_generation": 5,
-            "numa_mismatch": 0,
-            "sm_clock_hertz": 1.98e9,
-            "throttle_reasons": 0,
-            **per_rank.get(f"r{r['rank']}", {}),
-        }
-    return ranks
+    healthy = {
+        "gpu_name": "NVIDIA H100",
+        "pcie_link_width": 16,
+        "pcie_link_max_width": 16,
+        "pcie_link_generation": 5,
+        "pcie_link_max_generation": 5,
+        "numa_mismatch": 0,
+        "sm_clock_hertz": 1.98e9,
+        "throttle_reasons": 0,
+    }
+    return [replace(r, topology={**healthy, **per_rank.get(f"r{r.rank}", {})}) for r in ranks]
+
+
+def cause_of(out: Diagnosis) -> str | None:
+    return out.straggler.cause if out.straggler else None
 
 
 def test_forward_straggler_is_named_with_its_phase() -> None:
     out = diagnose(ranks_of("forward_straggler"))
-    s = out["straggler"]
-    assert s["rank"] == 2 and s["cause"] == "forward", s
-    assert s["last_arrival_share"] >= 0.9
-    assert 0.020 <= s["lateness_s"] <= 0.045  # slowed 30 ms
+    s = out.straggler
+    assert s is not None
+    assert s.rank == 2 and s.cause == "forward", s
+    assert s.last_arrival_share is not None and s.last_arrival_share >= 0.9
+    assert 0.020 <= s.lateness_s <= 0.045  # slowed 30 ms
     assert {"straggler", "sync_amplification"} <= verdicts(out)
-    assert "rank 2" in out["modes"]["sync_amplification"]["reason"]
+    assert "rank 2" in out.modes["sync_amplification"].reason
     assert "runtime_jitter" not in verdicts(out)
 
 
 def test_slow_data_loading_on_one_rank_is_named_data() -> None:
     out = diagnose(ranks_of("data_straggler"))
-    assert out["straggler"]["rank"] == 1 and out["straggler"]["cause"] == "data", out["straggler"]
+    s = out.straggler
+    assert s is not None and s.rank == 1 and s.cause == "data", s
     assert "straggler" in verdicts(out)
 
 
 def test_balanced_run_names_no_straggler() -> None:
     out = diagnose(ranks_of("balanced"))
-    assert out["straggler"] is None
-    assert not out["modes"]["straggler"]["verdict"]
-    assert out["skew_s"] < 0.005
+    assert out.straggler is None
+    assert not out.modes["straggler"].verdict
+    assert out.skew_s is not None and out.skew_s < 0.005
     assert "runtime_jitter" not in verdicts(out)
     # 4 ranks on 2 shared cores with gloo over loopback: the exposed transfer after the last
     # arrival is half of each step. That is what the data says, so the mode says so too.
@@ -102,51 +108,48 @@ def test_jitter_is_runtime_jitter_not_a_straggler() -> None:
     jitter = diagnose(ranks_of("jitter"))
     balanced = diagnose(ranks_of("balanced"))
     # The arrival skew crosses the threshold, but the last arrival rotates among the ranks.
-    assert jitter["skew_s"] > 0.005
-    assert jitter["straggler"] is None
-    assert "rotates" in jitter["modes"]["straggler"]["reason"]
+    assert jitter.skew_s is not None and jitter.skew_s > 0.005
+    assert jitter.straggler is None
+    assert "rotates" in jitter.modes["straggler"].reason
     assert {"runtime_jitter", "sync_amplification"} <= verdicts(jitter)
-    assert (
-        jitter["modes"]["runtime_jitter"]["score"]
-        > 2 * balanced["modes"]["runtime_jitter"]["score"]
-    )
+    assert jitter.modes["runtime_jitter"].score > 2 * balanced.modes["runtime_jitter"].score
 
 
 def test_throttling_gpu_explains_a_compute_straggler() -> None:
     ranks = gpu(
         ranks_of("forward_straggler"), r2={"sm_clock_hertz": 1.41e9, "throttle_reasons": 0x40}
     )
-    s = diagnose(ranks)["straggler"]
-    assert s["cause"] == "gpu_throttle", s
-    assert "1410 MHz" in s["cause_reason"] and "hardware thermal slowdown" in s["cause_reason"]
+    s = diagnose(ranks).straggler
+    assert s is not None and s.cause == "gpu_throttle", s
+    assert "1410 MHz" in s.cause_reason and "hardware thermal slowdown" in s.cause_reason
 
 
 def test_throttle_does_not_explain_slow_data_loading() -> None:
     ranks = gpu(ranks_of("data_straggler"), r1={"sm_clock_hertz": 1.41e9, "throttle_reasons": 0x40})
-    assert diagnose(ranks)["straggler"]["cause"] == "data"
+    assert cause_of(diagnose(ranks)) == "data"
 
 
 def test_throttle_needs_a_lower_clock_than_the_peers() -> None:
     # Idle (0x1) is not throttling; a power cap with the same clock as the peers explains nothing.
     assert throttle_reasons({"throttle_reasons": 0x1}) == []
     ranks = gpu(ranks_of("forward_straggler"), r2={"throttle_reasons": 0x4})
-    assert diagnose(ranks)["straggler"]["cause"] == "forward"
+    assert cause_of(diagnose(ranks)) == "forward"
 
 
 def test_degraded_pcie_link_is_a_locality_cause_and_mode() -> None:
     ranks = gpu(ranks_of("forward_straggler"), r2={"pcie_link_width": 8})
     out = diagnose(ranks)
-    assert out["straggler"]["cause"] == "locality"
-    assert "x8 of x16" in out["straggler"]["cause_reason"]
-    assert out["modes"]["locality"]["verdict"] and "rank 2" in out["modes"]["locality"]["reason"]
+    assert cause_of(out) == "locality"
+    assert out.straggler is not None and "x8 of x16" in out.straggler.cause_reason
+    assert out.modes["locality"].verdict and "rank 2" in out.modes["locality"].reason
 
 
 def test_numa_mismatch_shared_by_every_rank_explains_no_single_one() -> None:
     mismatch = {"numa_mismatch": True}
     ranks = gpu(ranks_of("forward_straggler"), r0=mismatch, r1=mismatch, r2=mismatch, r3=mismatch)
     out = diagnose(ranks)
-    assert out["straggler"]["cause"] == "forward"
-    assert out["modes"]["locality"]["verdict"]
+    assert cause_of(out) == "forward"
+    assert out.modes["locality"].verdict
 
 
 def test_link_generation_alone_is_not_a_fault() -> None:
@@ -157,46 +160,49 @@ def test_link_generation_alone_is_not_a_fault() -> None:
 
 
 def test_lateness_split_between_phases_is_unknown() -> None:
-    ranks = copy.deepcopy(ranks_of("forward_straggler"))
-    for s in ranks[2]["recent_steps"]:
-        moved = s["phases"]["forward"] / 2
-        s["phases"]["forward"] -= moved
-        s["phases"]["data"] += moved
-    peers = [r for r in ranks if r["rank"] != 2]
+    ranks = ranks_of("forward_straggler")
+    steps = []
+    for s in ranks[2].recent_steps:
+        phases = list(s.phases)
+        moved = phases[Phase.FORWARD] / 2
+        phases[Phase.FORWARD] -= moved
+        phases[Phase.DATA] += moved
+        steps.append(replace(s, phases=tuple(phases)))
+    ranks[2] = replace(ranks[2], recent_steps=tuple(steps))
+    peers = [r for r in ranks if r.rank != 2]
     cause, reason = straggler_cause(ranks[2], peers)
     assert cause == "unknown"
     assert "forward" in reason and "data" in reason
 
 
 def test_no_ranks_or_only_stale_ranks_diagnose_nothing() -> None:
-    assert diagnose([]) == {"modes": {}, "straggler": None, "skew_s": None, "steps_compared": 0}
-    ranks = copy.deepcopy(ranks_of("forward_straggler"))
-    for r in ranks:
-        r["stale"] = True
-    assert diagnose(ranks)["modes"] == {}
+    empty = {"modes": {}, "straggler": None, "skew_s": None, "steps_compared": 0}
+    assert as_json(diagnose([])) == empty
+    ranks = [replace(r, stale=True) for r in ranks_of("forward_straggler")]
+    assert diagnose(ranks).modes == {}
 
 
 def test_a_single_rank_gets_no_straggler_verdict() -> None:
     out = diagnose(ranks_of("forward_straggler")[:1])
-    assert out["straggler"] is None and "straggler" not in out["modes"]
-    assert "runtime_jitter" in out["modes"]
+    assert out.straggler is None and "straggler" not in out.modes
+    assert "runtime_jitter" in out.modes
 
 
 @pytest.mark.parametrize("name", ["forward_straggler", "balanced"])
 def test_metrics_and_demo_table_read_the_same_diagnosis(name: str) -> None:
     ranks = ranks_of(name)
     diagnosis = diagnose(ranks)
-    view = {"jobs": {"j": {"ranks": ranks, "diagnosis": diagnosis, "name": "j"}}}
+    view = StoreView(0.0, 0.0, 0, {}, {"j": JobView(tuple(ranks), diagnosis, "j")})
     families = {f.name: f for f in collect_diagnosis(view)}
     scores = {s.labels["mode"]: s.value for s in families["syncscope_diagnosis"].samples}
-    assert scores == {m: v["score"] for m, v in diagnosis["modes"].items()}
+    assert scores == {m: v.score for m, v in diagnosis.modes.items()}
     causes = [s.labels for s in families["syncscope_straggler_cause"].samples]
-    if diagnosis["straggler"]:
+    if diagnosis.straggler:
         assert causes == [{"job": "j", "rank": "2", "cause": "forward"}]
     else:
         assert causes == []
-    table = "\n".join(render_table(view, "j"))
-    assert ("STRAGGLER" in table) == bool(diagnosis["straggler"])
+    table = "\n".join(render_table(as_json(view), "j"))  # the demo reads /v1/state's JSON
+    assert ("STRAGGLER" in table) == bool(diagnosis.straggler)
 
 
 def test_hostile_topology_values_are_ignored_not_fatal() -> None:
@@ -209,11 +215,13 @@ def test_hostile_topology_values_are_ignored_not_fatal() -> None:
     }
     ranks = gpu(ranks_of("forward_straggler"), r2=odd)
     out = diagnose(ranks)
-    assert out["straggler"]["cause"] == "forward"
-    assert "error" not in out
+    assert cause_of(out) == "forward"
+    assert out.error is None
     assert throttle_reasons({"throttle_reasons": float("inf")}) == []
 
 
 def test_a_failing_rule_returns_no_verdicts_instead_of_raising() -> None:
-    out = diagnose_job([{"stale": False, "steps_total": 1}], SETTINGS)  # fields missing
-    assert out["modes"] == {} and out["straggler"] is None and "error" in out
+    rank = ranks_of("forward_straggler")[0]
+    broken = replace(rank, recent_steps=tuple(RecentStep(i, 0.1, (), 0.0) for i in range(9)))
+    out = diagnose_job([broken], SETTINGS)  # steps without their phases
+    assert out.modes == {} and out.straggler is None and out.error is not None

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -125,28 +126,22 @@ def test_families_and_labels_are_the_contracts_gpu_lines(store):
     assert emitted == contract
 
 
-def test_odd_topologies_never_fail_the_collector():
-    view = {
-        "jobs": {
-            "j": {
-                "ranks": [
-                    {"rank": 0, "local_rank": 0, "topology": None},
-                    {"rank": 1, "local_rank": 1, "topology": {"gpu_uuid": "unknown"}},
-                    {
-                        "rank": 2,
-                        "local_rank": 2,
-                        "topology": {
-                            "gpu_uuid": "GPU-1",
-                            "pcie_link_width": "sixteen",
-                            "temperature_celsius": float("inf"),
-                            "numa_mismatch": True,
-                            "nic": "x" * 300,
-                        },
-                    },
-                ]
-            }
-        }
+def test_odd_topologies_never_fail_the_collector(store):
+    # Topologies ingest would refuse (infinities, overlong text) laid over a real CPU rank's view.
+    view = store.view()
+    cpu = view.jobs["train"].ranks[2]
+    odd = {
+        "gpu_uuid": "GPU-1",
+        "pcie_link_width": "sixteen",
+        "temperature_celsius": float("inf"),
+        "numa_mismatch": True,
+        "nic": "x" * 300,
     }
+    ranks = tuple(
+        replace(cpu, rank=i, local_rank=i, topology=topology)
+        for i, topology in enumerate([None, {"gpu_uuid": "unknown"}, odd])
+    )
+    view = replace(view, jobs={"j": replace(view.jobs["train"], ranks=ranks, name="j")})
     families = {f.name: f for f in collect_gpu(view)}
     assert [s.labels["rank"] for s in families["syncscope_gpu_info"].samples] == ["2"]
     assert families["syncscope_gpu_pcie_link_width"].samples == []

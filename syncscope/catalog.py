@@ -1,0 +1,419 @@
+"""Every metric family the exporter emits, and the foreign ones its rules read, declared once.
+
+The exporter's collectors build their families from these specs; deploy/metrics-contract.txt
+(`contract_text`), the README's metric table (`markdown_table`), the Prometheus rules and the
+Grafana dashboards are generated from them. Stdlib only: importing the catalog needs neither
+prometheus_client nor the exporter's dependencies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from syncscope.exporter.settings import STEP_WINDOW
+
+TYPES = ("counter", "gauge", "histogram", "info")
+CONDITIONS = ("always", "gpu", "pacing", "straggler", "rejections", "process", "prometheus")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric family as exposed: what Prometheus, rules and dashboards can rely on."""
+
+    name: str  # the family as exposed; counters INCLUDE the _total suffix
+    type: str  # one of TYPES; "info" is a gauge whose value is 1
+    help: str
+    labels: tuple[str, ...]  # label names the exporter sets (not instance/job added by Prometheus)
+    condition: str  # one of CONDITIONS: when the family has series (see CONTRACT_HEADER)
+    unit: str = ""  # base unit, also the name's last word before _total: "seconds", "bytes", ...
+
+    @property
+    def family(self) -> str:
+        """The name without a trailing "_total" (what CounterMetricFamily takes)."""
+        return self.name.removesuffix("_total")
+
+
+@dataclass(frozen=True)
+class Section:
+    """A group of families, headed by a comment line in the contract file."""
+
+    title: str
+    metrics: tuple[MetricSpec, ...]
+
+
+@dataclass(frozen=True)
+class ClockEventReason:
+    """One bit of NVML's clocks-event ("throttle") reasons mask, as the agent reports it."""
+
+    bit: int
+    short: str  # as the metric's help lists it
+    words: str  # as the diagnosis and the status page say it
+    # The GPU is being slowed down, as opposed to idle (0x1), application clocks (0x2), sync
+    # boost (0x10) or display clocks (0x100), none of which explains a slow rank.
+    slows: bool
+
+
+CLOCK_EVENT_REASONS = (
+    ClockEventReason(0x1, "GPU idle", "GPU idle", slows=False),
+    ClockEventReason(0x4, "SW power cap", "software power cap", slows=True),
+    ClockEventReason(0x8, "HW slowdown", "hardware slowdown", slows=True),
+    ClockEventReason(0x20, "SW thermal", "software thermal slowdown", slows=True),
+    ClockEventReason(0x40, "HW thermal", "hardware thermal slowdown", slows=True),
+    ClockEventReason(0x80, "power brake", "power brake", slows=True),
+)
+
+RANK = ("job", "rank", "local_rank")
+COLLECTIVE = (*RANK, "op", "group")
+GPU_PREFIX = "syncscope_gpu_"  # every GPU gauge is GPU_PREFIX + the topology key it reports
+
+
+def _rank(
+    name: str, type_: str, help_: str, unit: str = "", condition: str = "always"
+) -> MetricSpec:
+    return MetricSpec(name, type_, help_, RANK, condition, unit)
+
+
+def _gpu(key: str, help_: str, unit: str = "") -> MetricSpec:
+    return MetricSpec(GPU_PREFIX + key, "gauge", help_, RANK, "gpu", unit)
+
+
+def _process(name: str, type_: str, help_: str, unit: str = "") -> MetricSpec:
+    return MetricSpec(name, type_, help_, (), "process", unit)
+
+
+# -- per rank: steps and phases
+STEP_DURATION_SECONDS = _rank(
+    "syncscope_step_duration_seconds", "histogram", "Training step wall time.", "seconds"
+)
+STEPS_TOTAL = _rank("syncscope_steps_total", "counter", "Training steps completed.")
+PHASE_SECONDS_TOTAL = MetricSpec(
+    "syncscope_phase_seconds_total",
+    "counter",
+    "Time spent per step phase; phases add up to step time.",
+    (*RANK, "phase"),
+    "always",
+    "seconds",
+)
+# -- per rank: collectives
+COLLECTIVE_CALLS_TOTAL = MetricSpec(
+    "syncscope_collective_calls_total", "counter", "Collective calls.", COLLECTIVE, "always"
+)
+COLLECTIVE_SECONDS_TOTAL = MetricSpec(
+    "syncscope_collective_seconds_total",
+    "counter",
+    "Collective time on this rank, entry to exit.",
+    COLLECTIVE,
+    "always",
+    "seconds",
+)
+COLLECTIVE_BYTES_TOTAL = MetricSpec(
+    "syncscope_collective_bytes_total",
+    "counter",
+    "Bytes moved by collectives.",
+    COLLECTIVE,
+    "always",
+    "bytes",
+)
+COLLECTIVE_WAIT_SECONDS_TOTAL = MetricSpec(
+    "syncscope_collective_wait_seconds_total",
+    "counter",
+    "Part of collective time spent waiting for the last peer.",
+    COLLECTIVE,
+    "always",
+    "seconds",
+)
+ARRIVAL_LEAD_SECONDS = _rank(
+    "syncscope_arrival_lead_seconds",
+    "gauge",
+    "Rolling mean of how early this rank arrives at collectives relative to the last peer.",
+    "seconds",
+)
+STEP_TIME_CV = _rank(
+    "syncscope_step_time_cv",
+    "gauge",
+    f"Coefficient of variation of step time over the last {STEP_WINDOW} steps.",
+)
+# -- per rank: liveness and transport
+WORLD_SIZE = _rank("syncscope_world_size", "gauge", "World size the rank reports.")
+RANK_LAST_REPORT_TIMESTAMP_SECONDS = _rank(
+    "syncscope_rank_last_report_timestamp_seconds",
+    "gauge",
+    "Unix time of the rank's last report.",
+    "seconds",
+)
+AGENT_RECORDS_DROPPED_TOTAL = _rank(
+    "syncscope_agent_records_dropped_total",
+    "counter",
+    "Records the rank's agent could not deliver.",
+)
+# -- per rank: pacing controller
+PACING_ACTIVE = _rank(
+    "syncscope_pacing_active",
+    "gauge",
+    "1 while the pacing controller is engaged.",
+    condition="pacing",
+)
+PACING_DELAY_SECONDS_TOTAL = _rank(
+    "syncscope_pacing_delay_seconds_total",
+    "counter",
+    "Delay inserted by pacing.",
+    "seconds",
+    "pacing",
+)
+PACING_CURRENT_DELAY_SECONDS = _rank(
+    "syncscope_pacing_current_delay_seconds",
+    "gauge",
+    "Delay pacing inserts before each iteration now.",
+    "seconds",
+    "pacing",
+)
+PACING_THRESHOLD_SECONDS = _rank(
+    "syncscope_pacing_threshold_seconds",
+    "gauge",
+    "Current adaptive engage threshold.",
+    "seconds",
+    "pacing",
+)
+PACING_ENGAGEMENTS_TOTAL = _rank(
+    "syncscope_pacing_engagements_total", "counter", "Times pacing engaged.", condition="pacing"
+)
+# -- per rank: GPU topology and state
+GPU_INFO = MetricSpec(
+    "syncscope_gpu_info",
+    "info",
+    "The rank's GPU and its nearest NIC (value 1).",
+    (*RANK, "gpu_uuid", "pci_bus_id", "name", "numa_node", "nic", "nic_distance"),
+    "gpu",
+)
+GPU_PCIE_LINK_WIDTH = _gpu("pcie_link_width", "Current PCIe link width (lanes).")
+GPU_PCIE_LINK_MAX_WIDTH = _gpu(
+    "pcie_link_max_width", "Maximum PCIe link width the GPU and slot support (lanes)."
+)
+GPU_PCIE_LINK_GENERATION = _gpu(
+    "pcie_link_generation", "Current PCIe link generation, sampled while the GPU is busy."
+)
+GPU_PCIE_LINK_MAX_GENERATION = _gpu(
+    "pcie_link_max_generation", "Maximum PCIe link generation the GPU and slot support."
+)
+GPU_NVLINK_ACTIVE_LINKS = _gpu(
+    "nvlink_active_links", "NVLink links up (absent where NVML reports NVLink as not supported)."
+)
+GPU_NUMA_MISMATCH = _gpu(
+    "numa_mismatch", "1 if the process may not run on the GPU's NUMA node, else 0."
+)
+GPU_SM_CLOCK_HERTZ = _gpu("sm_clock_hertz", "Current SM clock.", "hertz")
+GPU_THROTTLE_REASONS = _gpu(
+    "throttle_reasons",
+    "NVML clocks-event reasons bitmask (0 = none; "
+    + ", ".join(f"{r.bit:#x} {r.short}" for r in CLOCK_EVENT_REASONS)
+    + ").",
+)
+GPU_TEMPERATURE_CELSIUS = _gpu("temperature_celsius", "GPU core temperature.", "celsius")
+GPU_POWER_WATTS = _gpu("power_watts", "GPU board power draw.", "watts")
+# -- per exporter: local diagnosis
+DIAGNOSIS = MetricSpec(
+    "syncscope_diagnosis",
+    "gauge",
+    "Failure-mode score 0..1 (paper §3.3).",
+    ("job", "mode"),
+    "always",
+)
+STRAGGLER_CAUSE = MetricSpec(
+    "syncscope_straggler_cause",
+    "gauge",
+    "1 for the named straggler and its cause.",
+    ("job", "rank", "cause"),
+    "straggler",
+)
+ARRIVAL_SKEW_SECONDS = MetricSpec(
+    "syncscope_arrival_skew_seconds",
+    "gauge",
+    "Max minus min arrival lead across this node's ranks.",
+    ("job",),
+    "always",
+    "seconds",
+)
+# -- exporter self-metrics
+EXPORTER_COLLECTOR_DURATION_SECONDS = MetricSpec(
+    "syncscope_exporter_collector_duration_seconds",
+    "gauge",
+    "Time a collector took this scrape.",
+    ("collector",),
+    "always",
+    "seconds",
+)
+EXPORTER_COLLECTOR_SUCCESS = MetricSpec(
+    "syncscope_exporter_collector_success",
+    "gauge",
+    "1 if the collector succeeded this scrape.",
+    ("collector",),
+    "always",
+)
+EXPORTER_INGEST_RECORDS_TOTAL = MetricSpec(
+    "syncscope_exporter_ingest_records_total",
+    "counter",
+    "Records accepted at ingest.",
+    (),
+    "always",
+)
+EXPORTER_INGEST_REJECTED_TOTAL = MetricSpec(
+    "syncscope_exporter_ingest_rejected_total",
+    "counter",
+    "Requests or records refused at ingest.",
+    ("reason",),
+    "rejections",
+)
+EXPORTER_START_TIME_SECONDS = MetricSpec(
+    "syncscope_exporter_start_time_seconds",
+    "gauge",
+    "Unix time the exporter started.",
+    (),
+    "always",
+    "seconds",
+)
+EXPORTER_RANKS = MetricSpec(
+    "syncscope_exporter_ranks", "gauge", "Ranks reporting (not stale).", ("job",), "always"
+)
+# -- the exporter process; help as prometheus_client's ProcessCollector writes it
+PROCESS_CPU_SECONDS_TOTAL = _process(
+    "process_cpu_seconds_total",
+    "counter",
+    "Total user and system CPU time spent in seconds.",
+    "seconds",
+)
+PROCESS_VIRTUAL_MEMORY_BYTES = _process(
+    "process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.", "bytes"
+)
+PROCESS_RESIDENT_MEMORY_BYTES = _process(
+    "process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", "bytes"
+)
+PROCESS_START_TIME_SECONDS = _process(
+    "process_start_time_seconds",
+    "gauge",
+    "Start time of the process since unix epoch in seconds.",
+    "seconds",
+)
+PROCESS_OPEN_FDS = _process("process_open_fds", "gauge", "Number of open file descriptors.")
+PROCESS_MAX_FDS = _process("process_max_fds", "gauge", "Maximum number of open file descriptors.")
+# -- from Prometheus itself
+UP = MetricSpec("up", "gauge", "1 if Prometheus scraped the target, 0 if not.", (), "prometheus")
+ALERTS = MetricSpec(
+    "ALERTS",
+    "gauge",
+    "Alerts pending or firing, one series per alert (value 1).",
+    ("alertname", "alertstate"),
+    "prometheus",
+)
+
+SECTIONS = (
+    Section(
+        "per rank: steps and phases", (STEP_DURATION_SECONDS, STEPS_TOTAL, PHASE_SECONDS_TOTAL)
+    ),
+    Section(
+        "per rank: collectives",
+        (
+            COLLECTIVE_CALLS_TOTAL,
+            COLLECTIVE_SECONDS_TOTAL,
+            COLLECTIVE_BYTES_TOTAL,
+            COLLECTIVE_WAIT_SECONDS_TOTAL,
+            ARRIVAL_LEAD_SECONDS,
+            STEP_TIME_CV,
+        ),
+    ),
+    Section(
+        "per rank: liveness and transport",
+        (WORLD_SIZE, RANK_LAST_REPORT_TIMESTAMP_SECONDS, AGENT_RECORDS_DROPPED_TOTAL),
+    ),
+    Section(
+        "per rank: pacing controller",
+        (
+            PACING_ACTIVE,
+            PACING_DELAY_SECONDS_TOTAL,
+            PACING_CURRENT_DELAY_SECONDS,
+            PACING_THRESHOLD_SECONDS,
+            PACING_ENGAGEMENTS_TOTAL,
+        ),
+    ),
+    Section(
+        "per rank: GPU topology and state",
+        (
+            GPU_INFO,
+            GPU_PCIE_LINK_WIDTH,
+            GPU_PCIE_LINK_MAX_WIDTH,
+            GPU_PCIE_LINK_GENERATION,
+            GPU_PCIE_LINK_MAX_GENERATION,
+            GPU_NVLINK_ACTIVE_LINKS,
+            GPU_NUMA_MISMATCH,
+            GPU_SM_CLOCK_HERTZ,
+            GPU_THROTTLE_REASONS,
+            GPU_TEMPERATURE_CELSIUS,
+            GPU_POWER_WATTS,
+        ),
+    ),
+    Section("per exporter: local diagnosis", (DIAGNOSIS, STRAGGLER_CAUSE, ARRIVAL_SKEW_SECONDS)),
+    Section(
+        "exporter self-metrics",
+        (
+            EXPORTER_COLLECTOR_DURATION_SECONDS,
+            EXPORTER_COLLECTOR_SUCCESS,
+            EXPORTER_INGEST_RECORDS_TOTAL,
+            EXPORTER_INGEST_REJECTED_TOTAL,
+            EXPORTER_START_TIME_SECONDS,
+            EXPORTER_RANKS,
+        ),
+    ),
+    Section(
+        "the exporter process (prometheus_client's ProcessCollector)",
+        (
+            PROCESS_CPU_SECONDS_TOTAL,
+            PROCESS_VIRTUAL_MEMORY_BYTES,
+            PROCESS_RESIDENT_MEMORY_BYTES,
+            PROCESS_START_TIME_SECONDS,
+            PROCESS_OPEN_FDS,
+            PROCESS_MAX_FDS,
+        ),
+    ),
+    Section("from Prometheus itself", (UP, ALERTS)),
+)
+CATALOG: tuple[MetricSpec, ...] = tuple(m for s in SECTIONS for m in s.metrics)
+
+CONTRACT_HEADER = """\
+# The metric families the syncscope exporter emits, generated from syncscope/catalog.py by
+# `syncscope generate`: edit the catalog, not this file. Rules, dashboards and the exporter are
+# built from the same catalog; tests/unit/test_catalog.py compares it with a real /metrics.
+#
+# One family per line: NAME TYPE LABELS CONDITION
+#   TYPE       counter | gauge | histogram | info (a gauge whose value is 1)
+#              counters are listed with their _total suffix; a histogram's family name
+#              stands for its _bucket{le}, _sum and _count series
+#   LABELS     comma-separated label names the exporter sets (not instance/job added by
+#              Prometheus), "-" for none
+#   CONDITION  always | gpu (only where the rank has a GPU) | pacing (only where the agent
+#              runs the pacing controller) | straggler (only while the exporter names one)
+#              | rejections (no series before the exporter's first rejected record)
+#              | process (prometheus_client's process collector; Linux only)
+#              | prometheus (synthesised by Prometheus)
+"""
+
+
+def contract_text() -> str:
+    """deploy/metrics-contract.txt: the header, then one aligned line per family by section."""
+    lines = [CONTRACT_HEADER, "\n"]
+    for section in SECTIONS:
+        lines.append(f"# {section.title}\n")
+        for m in section.metrics:
+            labels = ",".join(m.labels) or "-"
+            lines.append(f"{m.name:<46}  {m.type:<9}  {labels:<38}  {m.condition}\n")
+    return "".join(lines)
+
+
+def markdown_table() -> str:
+    """The families the exporter emits as a Markdown table: metric, type, labels, help."""
+    rows = ["| Metric | Type | Labels | Help |\n", "|---|---|---|---|\n"]
+    for m in CATALOG:
+        if m.condition == "prometheus":
+            continue
+        labels = ", ".join(f"`{label}`" for label in m.labels) or "—"
+        help_ = m.help.replace("|", "\\|")  # a pipe would end the cell
+        rows.append(f"| `{m.name}` | {m.type} | {labels} | {help_} |\n")
+    return "".join(rows)
