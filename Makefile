@@ -1,9 +1,12 @@
 # The two commands in the README. Each sets up what it needs first (idempotent).
 .PHONY: demo test lint fuzz
 
+# DEMO_ARGS: extra `syncscope demo` flags, e.g. DEMO_ARGS="--duration 20" (.ci/run uses it).
+DEMO_ARGS ?=
+
 demo:
 	scripts/setup demo
-	.venv/bin/syncscope demo
+	.venv/bin/syncscope demo $(DEMO_ARGS)
 
 test:
 	scripts/setup test

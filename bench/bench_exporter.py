@@ -27,7 +27,7 @@ import subprocess
 import threading
 import time
 
-from syncscope import demo
+from syncscope import servers
 
 PHASES = ("data", "forward", "backward", "optimizer", "comm_exposed", "pacing", "other")
 RANKS = 8
@@ -154,7 +154,7 @@ class Client:
 
 def start_exporter(port: int, cpu: int | None) -> subprocess.Popen:
     """The real exporter (never expiring ranks during the bench), pinned to one core."""
-    proc = demo.start_exporter(
+    proc = servers.start_exporter(
         port,
         ["--expire-after", "86400", "--stale-after", "86400"],
         stdout=subprocess.DEVNULL,

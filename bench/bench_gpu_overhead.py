@@ -108,7 +108,7 @@ def ab(args) -> int:
     exporter_proc, url = None, None if args.exporter == "none" else args.exporter
     if args.exporter == "auto":
         # a real exporter, so the reporter sends and the topology sampler runs, as in production
-        from syncscope.demo import free_port, start_exporter
+        from syncscope.servers import free_port, start_exporter
 
         port = free_port()
         exporter_proc = start_exporter(port, stdout=subprocess.DEVNULL)

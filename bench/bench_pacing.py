@@ -16,8 +16,8 @@ import statistics
 import subprocess
 import tempfile
 
-from syncscope.demo import free_port, start_exporter
 from syncscope.launch import launch, wait_all
+from syncscope.servers import free_port, start_exporter
 
 SCENARIOS = {
     "steady straggler (rank 1 +30 ms)": ["--slow-rank", "1", "--slow-ms", "30"],

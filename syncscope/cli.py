@@ -1,4 +1,4 @@
-"""The `syncscope` command: demo, exporter, and (from syncscope.sim) simulate and project."""
+"""The `syncscope` command: demo, exporter, rules, dashboards, and (syncscope.sim) simulate and project."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     from syncscope.demo import add_subcommand as add_demo
+    from syncscope.monitoring.cli import add_subcommands as add_monitoring
 
     add_demo(sub)
+    add_monitoring(sub)
     exporter = sub.add_parser(
         "exporter", help="run the node sidecar (same as syncscope-exporter)", add_help=False
     )

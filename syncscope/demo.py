@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.parse
-import urllib.request
 from typing import Any
 
 from syncscope.launch import launch
+from syncscope.monitoring.prometheus_config import local_config
+from syncscope.servers import Prometheus, free_port, get_json, start_exporter
 from syncscope.wire import PHASES
 
 SHORT = {
@@ -59,159 +57,14 @@ def add_subcommand(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def demo_prometheus(exporter_port: int, workdir: str) -> Prometheus | None:
+    """Prometheus scraping the exporter every second with syncscope's rules, if installed.
 
-
-def get_json(url: str, timeout: float = 2.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - our own 127.0.0.1 server
-        return json.loads(r.read())
-
-
-def start_exporter(port: int, extra: list[str] | None = None, **popen: Any) -> subprocess.Popen:
-    """Start the real exporter on 127.0.0.1:port and wait until it answers /healthz."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "syncscope.exporter",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *(extra or []),
-        ],
-        **popen,
-    )
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exporter exited with {proc.returncode}")
-        with contextlib.suppress(OSError):
-            get_json(f"http://127.0.0.1:{port}/healthz", timeout=0.5)
-            return proc
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("exporter did not come up within 20 s")
-
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_repo_module(relpath: str, name: str) -> Any:
-    """A module from the source checkout (deploy/, dashboards/ are not installed packages)."""
-    import importlib.util
-
-    path = os.path.join(REPO_ROOT, relpath)
-    if not os.path.exists(path):
-        return None
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
-class Prometheus:
-    """A real Prometheus process on 127.0.0.1 with a temporary TSDB."""
-
-    def __init__(self, config_text: str, workdir: str, port: int | None = None) -> None:
-        binary = shutil.which("prometheus")
-        if binary is None:
-            raise FileNotFoundError("prometheus is not installed (scripts/setup installs it)")
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = os.path.join(workdir, "prometheus.yml")
-        with open(config, "w") as f:
-            f.write(config_text)
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={os.path.join(workdir, 'tsdb')}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-
-    def wait_ready(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {self.proc.returncode}")
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(self.url + "/-/ready", timeout=1) as r,
-            ):  # noqa: S310
-                if r.status == 200:
-                    return
-            time.sleep(0.2)
-        raise RuntimeError("prometheus not ready")
-
-    def query(self, promql: str) -> list[dict[str, Any]]:
-        url = self.url + "/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-        reply = get_json(url)
-        if reply.get("status") != "success":
-            raise RuntimeError(f"query failed: {promql}: {reply}")
-        return reply["data"]["result"]
-
-    def alerts(self) -> list[dict[str, Any]]:
-        return get_json(self.url + "/api/v1/alerts")["data"]["alerts"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(10)
-            if self.proc.poll() is None:
-                self.proc.kill()
-
-
-def prometheus_config(
-    exporter_port: int, workdir: str, overrides: dict[str, Any] | None = None, fast: bool = False
-) -> str:
-    """syncscope's rules (regenerated into workdir, with overrides) and a 1 s scrape of the exporter."""
-    rules = load_repo_module("deploy/prometheus/generate.py", "syncscope_rules")
-    render = load_repo_module("deploy/prometheus/render.py", "syncscope_render")
-    rule_globs: list[str] = []
-    if rules is not None:
-        settings = dict(overrides or {})
-        if fast:
-            settings = {
-                **rules.fast_for_overrides(rules.load_config(), "2s"),
-                "windows.rate": "10s",
-                "windows.straggler": "10s",
-                **settings,
-            }
-        rules.write_rules(os.path.join(workdir, "rules"), settings)
-        rule_globs = [os.path.join(workdir, "rules", "*.yml")]
-    if render is not None:
-        return render.render_config(f"127.0.0.1:{exporter_port}", "1s", rule_globs)
-    return scrape_config(exporter_port)
-
-
-def scrape_config(exporter_port: int) -> str:
-    """The smallest config: scrape the exporter every second, keep its job label, no rules."""
-    lines = [
-        "global:",
-        "  scrape_interval: 1s",
-        "  evaluation_interval: 1s",
-        "scrape_configs:",
-        "  - job_name: syncscope",
-        "    honor_labels: true",
-        "    static_configs:",
-        f"      - targets: ['127.0.0.1:{exporter_port}']",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def start_prometheus(exporter_port: int, workdir: str) -> Prometheus | None:
-    """Prometheus scraping the exporter every second with syncscope's rules, if installed."""
+    The rules get the demo's short for: and windows (a one-minute job, 1 s intervals).
+    """
     if shutil.which("prometheus") is None:
         return None
-    prom = Prometheus(prometheus_config(exporter_port, workdir, fast=True), workdir)
+    prom = Prometheus(local_config(exporter_port, workdir), workdir)
     try:
         prom.wait_ready()
     except RuntimeError:
@@ -254,14 +107,35 @@ def render_table(state: dict[str, Any], job: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Everything started is stopped on every way out, a failed start included: a demo that
+    # fails must not leave an exporter, a Prometheus or ranks running behind it.
+    with contextlib.ExitStack() as stack:
+        workdir = tempfile.mkdtemp(prefix="syncscope-demo-")
+        stack.callback(shutil.rmtree, workdir, True)
+        return _run(args, workdir, stack)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _run(args: argparse.Namespace, workdir: str, stack: contextlib.ExitStack) -> int:
     port = args.port or free_port()
-    workdir = tempfile.mkdtemp(prefix="syncscope-demo-")
     job = "demo"
     exporter = start_exporter(port, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    prom = start_prometheus(port, workdir) if args.prometheus == "auto" else None
+    stack.callback(_stop, exporter)
+    prom = demo_prometheus(port, workdir) if args.prometheus == "auto" else None
+    if prom is not None:
+        stack.callback(prom.stop)
     base = f"http://127.0.0.1:{port}"
     # Ranks' stderr goes to a file: a pipe nobody drains would block a chatty rank.
-    rank_log = open(os.path.join(workdir, "ranks.log"), "w+b")  # noqa: SIM115 - closed in finally
+    rank_log = stack.enter_context(open(os.path.join(workdir, "ranks.log"), "w+b"))  # noqa: SIM115
     env = dict(os.environ, SYNCSCOPE_EXPORTER=base, SYNCSCOPE_JOB=job)
     if args.pacing:
         env["SYNCSCOPE_PACING"] = "1"
@@ -283,47 +157,39 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"  prometheus {prom.url}  (syncscope rules and alerts loaded; see {prom.url}/alerts)"
         )
+    elif args.prometheus == "auto":
+        print("  prometheus not started (not installed, or it did not come up)")
     ranks = launch(args.ranks, train_args, env=env, stdout=subprocess.DEVNULL, stderr=rank_log)
+    for p in ranks:
+        stack.callback(_stop, p)
     tty = sys.stdout.isatty()
     last_print = 0.0
     state: dict[str, Any] = {"jobs": {}}
-    try:
-        while any(p.poll() is None for p in ranks):
-            time.sleep(args.refresh)
-            with contextlib.suppress(OSError, ValueError):
-                state = get_json(base + "/v1/state")
-            now = time.monotonic()
-            if tty:
-                sys.stdout.write("\x1b[H\x1b[J" + "\n".join(render_table(state, job)) + "\n")
-                sys.stdout.flush()
-            elif now - last_print >= 10:
-                print("\n".join(render_table(state, job)) + "\n", flush=True)
-                last_print = now
-        failed = [i for i, p in enumerate(ranks) if p.returncode != 0]
-        time.sleep(1.0)  # the agents' final flush
+    while any(p.poll() is None for p in ranks):
+        time.sleep(args.refresh)
         with contextlib.suppress(OSError, ValueError):
             state = get_json(base + "/v1/state")
-        print("\n=== summary ===")
-        print("\n".join(render_table(state, job)))
-        if failed:
-            for i in failed:
-                print(f"rank {i} failed (exit {ranks[i].returncode})", file=sys.stderr)
-            rank_log.flush()
-            with open(rank_log.name, errors="replace") as f:
-                print(f.read()[-4000:], file=sys.stderr)
-            return 1
-        named = (state["jobs"].get(job, {}).get("diagnosis", {}).get("straggler") or {}).get("rank")
-        expected = args.slow_rank if args.slow_rank >= 0 else None
-        print(f"\nslowed rank: {expected}; syncscope named: {named}")
-        return 0
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-        exporter.terminate()
-        if prom is not None:
-            prom.stop()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            exporter.wait(5)
-        rank_log.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        now = time.monotonic()
+        if tty:
+            sys.stdout.write("\x1b[H\x1b[J" + "\n".join(render_table(state, job)) + "\n")
+            sys.stdout.flush()
+        elif now - last_print >= 10:
+            print("\n".join(render_table(state, job)) + "\n", flush=True)
+            last_print = now
+    failed = [i for i, p in enumerate(ranks) if p.returncode != 0]
+    time.sleep(1.0)  # the agents' final flush
+    with contextlib.suppress(OSError, ValueError):
+        state = get_json(base + "/v1/state")
+    print("\n=== summary ===")
+    print("\n".join(render_table(state, job)))
+    if failed:
+        for i in failed:
+            print(f"rank {i} failed (exit {ranks[i].returncode})", file=sys.stderr)
+        rank_log.flush()
+        rank_log.seek(0)
+        print(rank_log.read()[-4000:].decode(errors="replace"), file=sys.stderr)
+        return 1
+    named = (state["jobs"].get(job, {}).get("diagnosis", {}).get("straggler") or {}).get("rank")
+    expected = args.slow_rank if args.slow_rank >= 0 else None
+    print(f"\nslowed rank: {expected}; syncscope named: {named}")
+    return 0

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from syncscope.demo import free_port, load_repo_module, start_exporter
 from syncscope.launch import launch, wait_all
+from syncscope.servers import free_port, start_exporter
 
 
 def torch_available() -> bool:
@@ -197,13 +197,6 @@ def make_reporter(url: str | None, steps: Any, colls: Any, **overrides: Any) -> 
     }
     kwargs.update(overrides)
     return Reporter(**kwargs)
-
-
-def load_by_path(path: Any, name: str) -> Any:
-    """A script from the checkout (deploy/, dashboards/ are not packages), loaded by path."""
-    module = load_repo_module(str(path), name)  # an absolute path joins to itself
-    assert module is not None, f"{path} is missing"
-    return module
 
 
 def promtool() -> str | None:

@@ -12,7 +12,9 @@ import shutil
 
 import pytest
 
-from syncscope.demo import Prometheus, load_repo_module, prometheus_config
+from syncscope.monitoring.dashboards import evaluable_queries
+from syncscope.monitoring.prometheus_config import local_config
+from syncscope.servers import Prometheus
 from tests.conftest import wait_until
 
 pytestmark = [
@@ -39,11 +41,10 @@ def firing(prom: Prometheus, alertname: str, job: str) -> list[dict]:
 def test_rules_alerts_and_every_dashboard_query_against_real_prometheus(
     exporter, job_factory, tmp_path
 ):
-    config = prometheus_config(
+    config = local_config(
         exporter.port,
         str(tmp_path),
-        fast=True,
-        overrides={"alerts.SyncscopeStepTimeCVHigh.levels.0.threshold": CV_THRESHOLD},
+        {"alerts.SyncscopeStepTimeCVHigh.levels.0.threshold": CV_THRESHOLD},
     )
     prom = Prometheus(config, str(tmp_path))
     try:
@@ -82,10 +83,9 @@ def test_rules_alerts_and_every_dashboard_query_against_real_prometheus(
             lambda: firing(prom, "SyncscopeStraggler", "steady"), timeout=20, interval=1
         )
 
-        queries = load_repo_module("dashboards/queries.py", "syncscope_queries")
         have = {"pacing", "straggler", "collectives", "alerts"}
         empty = []
-        for q in queries.evaluable_queries(job="steady", rate_interval="10s", have=have):
+        for q in evaluable_queries(job="steady", rate_interval="10s", have=have):
             if q["expected_data"] and not prom.query(q["promql"]):
                 empty.append(f"{q['dashboard']} / {q['panel']}: {q['promql']}")
         # gpu, low_skew (contention needs skew below its gate) and rejections are not produced here

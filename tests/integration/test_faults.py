@@ -201,9 +201,10 @@ def test_exporter_killed_and_restarted_mid_run(job_factory, tmp_path):
     prom = None
     try:
         if shutil.which("prometheus"):
-            from syncscope.demo import Prometheus, scrape_config
+            from syncscope.monitoring.prometheus_config import render_config
+            from syncscope.servers import Prometheus
 
-            prom = Prometheus(scrape_config(port), str(tmp_path))
+            prom = Prometheus(render_config(f"127.0.0.1:{port}", "1s", []), str(tmp_path))
         job = job_factory(WORLD, ["--duration", "25"], first.url, job="restart")
         assert wait_until(lambda: len(first_steps_seen(first, "restart")) == WORLD, 60)
         time.sleep(5)

@@ -8,11 +8,12 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from tests.conftest import load_by_path as load
+from syncscope.monitoring import dashboards as generator
+from syncscope.monitoring import rules
+from syncscope.monitoring.config import load_config
 
 yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/install-observability-tools")
 
@@ -23,10 +24,6 @@ UIDS = ("syncscope-job-overview", "syncscope-fabric-locality")
 SDK_PIN = "1769699379!11.6.0"
 
 
-rules = load(ROOT / "deploy" / "prometheus" / "generate.py", "syncscope_rules_generate")
-queries = load(DASH_DIR / "queries.py", "syncscope_dashboard_queries")
-
-
 def dashboard(uid: str) -> dict:
     return json.loads((DASH_DIR / f"{uid}.json").read_text())
 
@@ -35,32 +32,25 @@ def panels(uid: str) -> list[dict]:
     return [p for p in dashboard(uid)["panels"] if p["type"] != "row"]
 
 
-@pytest.fixture(scope="module")
-def generator() -> ModuleType:
-    pytest.importorskip(
-        "grafana_foundation_sdk",
-        reason=f"grafana-foundation-sdk=={SDK_PIN} missing: run scripts/install-observability-tools",
-    )
+def test_the_sdk_is_the_build_the_json_was_generated_with():
     from importlib.metadata import version
 
-    assert version("grafana-foundation-sdk") == SDK_PIN, (
-        "the committed JSON was generated with this build"
-    )
-    return load(DASH_DIR / "generate.py", "syncscope_dashboards_generate")
+    assert version("grafana-foundation-sdk") == SDK_PIN
 
 
-def test_regenerating_changes_nothing(generator):
-    assert generator.main(["--check"]) == 0, "run: python dashboards/generate.py"
+def test_regenerating_changes_nothing():
+    for name, text in generator.render_files(load_config()).items():
+        assert (DASH_DIR / name).read_text() == text, f"{name} is stale: run syncscope generate"
 
 
-def test_panel_thresholds_come_from_the_alert_config(generator):
-    cfg = rules.load_config()
+def test_panel_thresholds_come_from_the_alert_config():
+    cfg = load_config()
     cv = next(p for p in panels(UIDS[0]) if p["title"] == "Step-time CV")
     steps = cv["fieldConfig"]["defaults"]["thresholds"]["steps"]
     levels = cfg["alerts"]["SyncscopeStepTimeCVHigh"]["levels"]
     assert [s["value"] for s in steps] == [None] + [lv["threshold"] for lv in levels]
     # Change the config, and the dashboards follow.
-    mutated = rules.load_config({"alerts.SyncscopeFabricContention.levels.0.threshold": 3.0})
+    mutated = load_config({"alerts.SyncscopeFabricContention.levels.0.threshold": 3.0})
     fabric = generator.dashboards(mutated)[UIDS[1]]
     index = next(p for p in fabric["panels"] if p["title"] == "Contention index")
     assert index["fieldConfig"]["defaults"]["thresholds"]["steps"][1]["value"] == 3.0
@@ -162,8 +152,8 @@ def _all_exprs() -> list[str]:
 
 
 def test_every_series_a_dashboard_reads_is_in_the_contract_or_recorded():
-    contract = rules.load_contract()
-    recorded = {r["record"] for r in rules.recording_rules(rules.load_config())}
+    contract = rules.series_conditions()
+    recorded = {r["record"] for r in rules.recording_rules(load_config())}
     for expr in _all_exprs():
         names = rules.metric_names(expr)
         assert names, expr
@@ -196,7 +186,7 @@ def test_failure_mode_panels_are_present():
 
 
 def test_queries_json_lists_every_panel_target_with_flags():
-    listed = queries.load_queries()
+    listed = json.loads((DASH_DIR / "queries.json").read_text())
     targets = [
         (uid, p["id"], t["refId"], t["expr"])
         for uid in UIDS
@@ -204,7 +194,7 @@ def test_queries_json_lists_every_panel_target_with_flags():
         for t in p["targets"]
     ]
     assert [(q["dashboard"], q["panel_id"], q["ref_id"], q["expr"]) for q in listed] == targets
-    contract = rules.load_contract()
+    contract = rules.series_conditions()
     for q in listed:
         raw = rules.metric_names(q["expr"])
         if any(contract.get(n) == "gpu" for n in raw) or "gpu_locality" in q["expr"]:
@@ -218,11 +208,11 @@ def test_queries_json_lists_every_panel_target_with_flags():
 
 
 def test_evaluable_queries_fill_in_every_variable():
-    for q in queries.evaluable_queries(rate_interval="30s", have={"pacing"}):
+    for q in generator.evaluable_queries(rate_interval="30s", have={"pacing"}):
         assert "$" not in q["promql"], q["promql"]
         assert q["expected_data"] == (set(q["needs"]) <= {"pacing"})
     with pytest.raises(KeyError):
-        queries.substitute("rate(x[$__range])", {"job": ".+"})
+        generator.substitute("rate(x[$__range])", {"job": ".+"})
 
 
 @pytest.mark.skipif(
@@ -231,7 +221,7 @@ def test_evaluable_queries_fill_in_every_variable():
 )
 def test_every_dashboard_query_parses(tmp_path):
     """promtool has no PromQL linter in 2.42; a rule file of the queries gets them parsed."""
-    listed = queries.evaluable_queries()
+    listed = generator.evaluable_queries()
     group = {
         "name": "dashboard-queries",
         "rules": [
@@ -258,6 +248,6 @@ def test_schema_sources_are_pinned():
     }
     lock = json.loads((SCHEMA_DIR / "package-lock.json").read_text())
     assert lock["packages"]["node_modules/@grafana/schema"]["version"] == "11.6.0"
-    script = (ROOT / "scripts" / "install-observability-tools").read_text()
-    assert f'"grafana-foundation-sdk=={SDK_PIN}"' in script
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'"grafana-foundation-sdk=={SDK_PIN}"' in pyproject
     assert re.search(r"schemaVersion", (DASH_DIR / f"{UIDS[0]}.json").read_text())

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import load_by_path as load
+from syncscope.cli import main as syncscope
+from syncscope.monitoring import generate, prometheus_config
+from syncscope.monitoring import rules as gen
+from syncscope.monitoring.config import load_config
 
 yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/install-observability-tools")
 
@@ -25,8 +28,9 @@ needs_promtool = pytest.mark.skipif(
 )
 
 
-gen = load(PROM / "generate.py", "syncscope_rules_generate")
-render = load(PROM / "render.py", "syncscope_prometheus_render")
+render = prometheus_config
+RULES_PATH = ROOT / generate.RULES_PATH
+PROMETHEUS_RULE_PATH = ROOT / generate.PROMETHEUS_RULE_PATH
 
 
 def promtool(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -37,22 +41,23 @@ def promtool(*args: str | Path, cwd: Path | None = None) -> subprocess.Completed
 
 
 def rules_doc() -> dict:
-    return yaml.safe_load(gen.RULES_PATH.read_text())
+    return yaml.safe_load(RULES_PATH.read_text())
 
 
-def test_generated_files_match_the_thresholds_file():
-    assert gen.main(["--check"]) == 0, "run: python deploy/prometheus/generate.py"
+def test_generated_files_match_the_package():
+    """Rules, PrometheusRule, compose config, dashboards, contract, README table: all current."""
+    assert generate.main(ROOT, check=True) == 0, "run: syncscope generate"
 
 
 def test_prometheus_rule_carries_the_same_groups():
-    cr = yaml.safe_load(gen.PROMETHEUS_RULE_PATH.read_text())
+    cr = yaml.safe_load(PROMETHEUS_RULE_PATH.read_text())
     assert cr["apiVersion"] == "monitoring.coreos.com/v1" and cr["kind"] == "PrometheusRule"
     assert cr["spec"] == rules_doc()
 
 
 @needs_promtool
 def test_promtool_check_rules_including_lint():
-    result = promtool("check", "rules", gen.RULES_PATH)
+    result = promtool("check", "rules", RULES_PATH)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -145,7 +150,7 @@ def test_recording_rule_names_follow_level_metric_operations():
 
 
 def test_rules_only_use_contract_metrics_and_their_own_records():
-    contract = gen.load_contract()
+    contract = gen.series_conditions()
     recorded = {r["record"] for r in rules_doc()["groups"][0]["rules"]}
     for group in rules_doc()["groups"]:
         for rule in group["rules"]:
@@ -155,13 +160,13 @@ def test_rules_only_use_contract_metrics_and_their_own_records():
 
 def test_shipped_thresholds_are_production_values():
     """This machine's scheduler noise alone gives CV 0.2-0.3: tests override, never the config."""
-    cv = gen.load_config()["alerts"]["SyncscopeStepTimeCVHigh"]["levels"]
+    cv = load_config()["alerts"]["SyncscopeStepTimeCVHigh"]["levels"]
     assert [(lv["severity"], lv["threshold"]) for lv in cv] == [("warning", 0.1), ("critical", 0.2)]
 
 
 def test_thresholds_live_in_one_place():
     """An alert expression holds its own level's threshold from the config and no other number."""
-    cfg = gen.load_config()
+    cfg = load_config()
     for alert in gen.alerting_rules(cfg):
         levels = cfg["alerts"][alert["alert"]]["levels"]
         level = next(lv for lv in levels if lv["severity"] == alert["labels"]["severity"])
@@ -174,12 +179,15 @@ def test_thresholds_live_in_one_place():
 
 
 def test_overrides_apply_and_typos_fail(tmp_path):
-    cfg = gen.load_config({"alerts.SyncscopeStepTimeCVHigh.levels.0.threshold": 0.5})
+    cfg = load_config({"alerts.SyncscopeStepTimeCVHigh.levels.0.threshold": 0.5})
     assert cfg["alerts"]["SyncscopeStepTimeCVHigh"]["levels"][0]["threshold"] == 0.5
     with pytest.raises(KeyError):
-        gen.load_config({"alerts.SyncscopeStepTimeCVHigh.levels.0.treshold": 0.5})
+        load_config({"alerts.SyncscopeStepTimeCVHigh.levels.0.treshold": 0.5})
     out = tmp_path / "rules"
-    assert gen.main(["--out", str(out), "--fast-for", "2s", "--set", "windows.rate=10s"]) == 0
+    assert (
+        syncscope(["rules", "--out", str(out), "--fast-for", "2s", "--set", "windows.rate=10s"])
+        == 0
+    )
     doc = yaml.safe_load((out / "syncscope.rules.yml").read_text())
     assert {a["for"] for a in doc["groups"][1]["rules"]} == {"2s"}
     assert "[10s]" in doc["groups"][0]["rules"][2]["expr"]
@@ -259,10 +267,6 @@ def test_render_config_for_the_e2e_harness():
         render.duration_seconds("1 minute")
 
 
-def test_compose_prometheus_config_is_rendered():
-    assert render.main(["--check"]) == 0, "run: python deploy/prometheus/render.py"
-
-
 @needs_promtool
 def test_promtool_check_config_with_the_rules(tmp_path):
     shutil.copytree(PROM / "rules", tmp_path / "rules")
@@ -278,5 +282,7 @@ def test_promtool_check_config_with_the_rules(tmp_path):
 
 
 def test_thresholds_file_is_plain_json():
-    data = json.loads(gen.CONFIG_PATH.read_text())
+    from syncscope.monitoring.config import thresholds_text
+
+    data = json.loads(thresholds_text())
     assert set(data["alerts"]) == {a["alert"] for a in rules_doc()["groups"][1]["rules"]}

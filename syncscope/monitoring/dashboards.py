@@ -1,26 +1,18 @@
-"""Generate syncscope's Grafana dashboards (and the list of their PromQL) with grafana-foundation-sdk.
+"""Syncscope's Grafana dashboards (and the list of their PromQL), built with grafana-foundation-sdk.
 
-One source: panel thresholds come from deploy/prometheus/thresholds.json and recorded series
-names from deploy/prometheus/generate.py, the same place the alerts come from.
-
-Outputs (committed; a test proves regenerating them changes nothing):
-  dashboards/syncscope-job-overview.json
-  dashboards/syncscope-fabric-locality.json
-  dashboards/queries.json   every panel query, with the optional series it needs (see queries.py)
-
-Usage: python dashboards/generate.py [--check]
-Needs grafana-foundation-sdk==1769699379!11.6.0 (scripts/install-observability-tools).
+One source: panel thresholds come from the thresholds file and recorded-series names from
+monitoring/rules.py, the same place the alerts come from. `syncscope dashboards --out DIR`
+writes them; `syncscope generate` rewrites the checked-in copies under dashboards/
+(the two dashboards and queries.json, every panel query with the optional series it needs).
+The JSON is stable only with grafana-foundation-sdk==1769699379!11.6.0 (the Grafana 11.6 build).
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
-import sys
-from collections.abc import Callable, Iterable, Sequence
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from grafana_foundation_sdk.builders import (
@@ -39,27 +31,17 @@ from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import prometheus as pm
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RULES_MODULE_PATH = ROOT / "deploy" / "prometheus" / "generate.py"
-QUERIES_PATH = HERE / "queries.json"
+from syncscope import catalog as M
+from syncscope.monitoring import rules as R
+from syncscope.monitoring.config import load_config
+
+QUERIES_FILE = "queries.json"
 TAGS = ["syncscope"]
 GRID_WIDTH = 24
 
 OVERVIEW_UID = "syncscope-job-overview"
 FABRIC_UID = "syncscope-fabric-locality"
 
-
-def load_rules_module() -> ModuleType:
-    """deploy/ is not a package; load the rules generator by path for its names and config."""
-    spec = importlib.util.spec_from_file_location("syncscope_rules_generate", RULES_MODULE_PATH)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-R = load_rules_module()
 DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 
 # Panel selectors: Grafana variables plus the deployment's own rank selector from the config.
@@ -214,7 +196,7 @@ def table_panel(
 
 
 def variables(cfg: dict[str, Any]) -> list[Any]:
-    steps_metric = sel(cfg, "syncscope_steps_total")
+    steps_metric = sel(cfg, M.STEPS_TOTAL.name)
     return [
         db.DatasourceVariable("datasource").label("Data source").type("prometheus"),
         db.QueryVariable("job")
@@ -229,7 +211,7 @@ def variables(cfg: dict[str, Any]) -> list[Any]:
         db.QueryVariable("rank")
         .label("Rank")
         .datasource(DS)
-        .query(f"label_values({sel(cfg, 'syncscope_steps_total', JOB)}, rank)")
+        .query(f"label_values({sel(cfg, M.STEPS_TOTAL.name, JOB)}, rank)")
         .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
         .sort(dm.VariableSort.NUMERICAL_ASC)
         .multi(True)
@@ -243,10 +225,10 @@ def job_overview(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int, An
     a = cfg["alerts"]
     straggler = a["SyncscopeStraggler"]["levels"][0]["threshold"]
     diagnosis = cfg["dashboards"]["diagnosis_score_threshold"]
-    phase = sel(cfg, "syncscope_phase_seconds_total", JOB, RANK)
-    comm = sel(cfg, "syncscope_phase_seconds_total", JOB, RANK, 'phase="comm_exposed"')
-    wait = sel(cfg, "syncscope_collective_wait_seconds_total", JOB, RANK)
-    step_sum = sel(cfg, "syncscope_step_duration_seconds_sum", JOB, RANK)
+    phase = sel(cfg, M.PHASE_SECONDS_TOTAL.name, JOB, RANK)
+    comm = sel(cfg, M.PHASE_SECONDS_TOTAL.name, JOB, RANK, 'phase="comm_exposed"')
+    wait = sel(cfg, M.COLLECTIVE_WAIT_SECONDS_TOTAL.name, JOB, RANK)
+    step_sum = sel(cfg, R.STEP_SECONDS_SUM, JOB, RANK)
     return [
         (
             "Job health",
@@ -343,7 +325,7 @@ def job_overview(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int, An
                     ts(
                         "Step-time CV by rank",
                         "Dashed lines: the SyncscopeStepTimeCVHigh levels.",
-                        [q(sel(cfg, "syncscope_step_time_cv", JOB, RANK), "rank {{rank}}")],
+                        [q(sel(cfg, M.STEP_TIME_CV.name, JOB, RANK), "rank {{rank}}")],
                         "none",
                         thresholds=alert_steps(cfg, "SyncscopeStepTimeCVHigh"),
                     ),
@@ -403,7 +385,7 @@ def job_overview(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int, An
                         "Arrival lead by rank",
                         "How early each rank reaches collectives compared with the "
                         "last one (rolling mean). The straggler sits at zero.",
-                        [q(sel(cfg, "syncscope_arrival_lead_seconds", JOB, RANK), "rank {{rank}}")],
+                        [q(sel(cfg, M.ARRIVAL_LEAD_SECONDS.name, JOB, RANK), "rank {{rank}}")],
                         "s",
                     ),
                 ),
@@ -430,7 +412,7 @@ def job_overview(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int, An
                             q(rec(R.STRAGGLER_RATIO), instant=True, table_format=True),
                             q(rec(R.STRAGGLER_LAG), instant=True, table_format=True),
                             q(
-                                sel(cfg, "syncscope_straggler_cause", JOB),
+                                sel(cfg, M.STRAGGLER_CAUSE.name, JOB),
                                 instant=True,
                                 table_format=True,
                             ),
@@ -453,9 +435,7 @@ def job_overview(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int, An
                     .max(1)
                     .thresholds(steps((diagnosis, "orange")))
                     .with_target(
-                        q(sel(cfg, "syncscope_diagnosis", JOB), "{{mode}}", instant=True).ref_id(
-                            "A"
-                        )
+                        q(sel(cfg, M.DIAGNOSIS.name, JOB), "{{mode}}", instant=True).ref_id("A")
                     ),
                 ),
             ],
@@ -476,7 +456,7 @@ def job_overview(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int, An
                     .mappings(on_off("idle", "pacing", "orange"))
                     .with_target(
                         q(
-                            f"max by (rank) ({sel(cfg, 'syncscope_pacing_active', JOB, RANK)})",
+                            f"max by (rank) ({sel(cfg, M.PACING_ACTIVE.name, JOB, RANK)})",
                             "rank {{rank}}",
                         ).ref_id("A")
                     ),
@@ -490,11 +470,11 @@ def job_overview(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int, An
                         "threshold above which its controller engages.",
                         [
                             q(
-                                sel(cfg, "syncscope_pacing_current_delay_seconds", JOB, RANK),
+                                sel(cfg, M.PACING_CURRENT_DELAY_SECONDS.name, JOB, RANK),
                                 "delay rank {{rank}}",
                             ),
                             q(
-                                sel(cfg, "syncscope_pacing_threshold_seconds", JOB, RANK),
+                                sel(cfg, M.PACING_THRESHOLD_SECONDS.name, JOB, RANK),
                                 "threshold rank {{rank}}",
                             ),
                         ],
@@ -510,7 +490,7 @@ def job_overview(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int, An
                         "share of each rank's time spent waiting for peers (what pacing trades off).",
                         [
                             q(
-                                f"sum by (rank) (rate({sel(cfg, 'syncscope_pacing_engagements_total', JOB, RANK)}[{RATE}]))",
+                                f"sum by (rank) (rate({sel(cfg, M.PACING_ENGAGEMENTS_TOTAL.name, JOB, RANK)}[{RATE}]))",
                                 "engagements/s rank {{rank}}",
                             ),
                             q(
@@ -545,15 +525,15 @@ def job_overview(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int, An
                         "unreachable) and records the exporters rejected, by reason.",
                         [
                             q(
-                                f"sum by (rank) (rate({sel(cfg, 'syncscope_agent_records_dropped_total', JOB, RANK)}[{RATE}]))",
+                                f"sum by (rank) (rate({sel(cfg, M.AGENT_RECORDS_DROPPED_TOTAL.name, JOB, RANK)}[{RATE}]))",
                                 "dropped rank {{rank}}",
                             ),
                             q(
-                                f"sum by (reason) (rate(syncscope_exporter_ingest_rejected_total[{RATE}]))",
+                                f"sum by (reason) (rate({M.EXPORTER_INGEST_REJECTED_TOTAL.name}[{RATE}]))",
                                 "rejected {{reason}}",
                             ),
                             q(
-                                f"sum(rate(syncscope_exporter_ingest_records_total[{RATE}]))",
+                                f"sum(rate({M.EXPORTER_INGEST_RECORDS_TOTAL.name}[{RATE}]))",
                                 "ingested",
                             ),
                         ],
@@ -580,7 +560,7 @@ def job_overview(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int, An
                         "Whether each exporter collector succeeded at the last scrape.",
                         [
                             q(
-                                "min by (collector) (syncscope_exporter_collector_success)",
+                                f"min by (collector) ({M.EXPORTER_COLLECTOR_SUCCESS.name})",
                                 "{{collector}}",
                             )
                         ],
@@ -597,7 +577,7 @@ def job_overview(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int, An
                         "Time each exporter collector took at scrape time, slowest exporter.",
                         [
                             q(
-                                "max by (collector) (syncscope_exporter_collector_duration_seconds)",
+                                f"max by (collector) ({M.EXPORTER_COLLECTOR_DURATION_SECONDS.name})",
                                 "{{collector}}",
                             )
                         ],
@@ -614,10 +594,10 @@ def fabric_locality(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int,
     coll = lambda m: sel(cfg, m, JOB, RANK)  # noqa: E731 - a local shorthand
     gpu = lambda m: f"max by (rank) ({sel(cfg, m, JOB, RANK)})"  # noqa: E731
     seconds, wait = (
-        coll("syncscope_collective_seconds_total"),
-        coll("syncscope_collective_wait_seconds_total"),
+        coll(M.COLLECTIVE_SECONDS_TOTAL.name),
+        coll(M.COLLECTIVE_WAIT_SECONDS_TOTAL.name),
     )
-    step_sum = coll("syncscope_step_duration_seconds_sum")
+    step_sum = coll(R.STEP_SECONDS_SUM)
     return [
         (
             "Collectives",
@@ -693,7 +673,7 @@ def fabric_locality(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int,
                     .unit("s")
                     .with_target(
                         q(
-                            f"max by (rank) ({coll('syncscope_arrival_lead_seconds')})", "{{rank}}"
+                            f"max by (rank) ({coll(M.ARRIVAL_LEAD_SECONDS.name)})", "{{rank}}"
                         ).ref_id("A")
                     ),
                 ),
@@ -736,36 +716,36 @@ def fabric_locality(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int,
                         "GPU, PCIe link (current vs max), NVLink and NUMA placement per rank.",
                         [
                             q(
-                                sel(cfg, "syncscope_gpu_info", JOB, RANK),
+                                sel(cfg, M.GPU_INFO.name, JOB, RANK),
                                 instant=True,
                                 table_format=True,
                             ),
                             q(
-                                gpu("syncscope_gpu_pcie_link_width"),
+                                gpu(M.GPU_PCIE_LINK_WIDTH.name),
                                 instant=True,
                                 table_format=True,
                             ),
                             q(
-                                gpu("syncscope_gpu_pcie_link_max_width"),
+                                gpu(M.GPU_PCIE_LINK_MAX_WIDTH.name),
                                 instant=True,
                                 table_format=True,
                             ),
                             q(
-                                gpu("syncscope_gpu_pcie_link_generation"),
+                                gpu(M.GPU_PCIE_LINK_GENERATION.name),
                                 instant=True,
                                 table_format=True,
                             ),
                             q(
-                                gpu("syncscope_gpu_pcie_link_max_generation"),
+                                gpu(M.GPU_PCIE_LINK_MAX_GENERATION.name),
                                 instant=True,
                                 table_format=True,
                             ),
                             q(
-                                gpu("syncscope_gpu_nvlink_active_links"),
+                                gpu(M.GPU_NVLINK_ACTIVE_LINKS.name),
                                 instant=True,
                                 table_format=True,
                             ),
-                            q(gpu("syncscope_gpu_numa_mismatch"), instant=True, table_format=True),
+                            q(gpu(M.GPU_NUMA_MISMATCH.name), instant=True, table_format=True),
                         ],
                         hide=("Time", "__name__", "Value #A"),
                     ),
@@ -788,7 +768,7 @@ def fabric_locality(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int,
                     ts(
                         "SM clock",
                         "Streaming-multiprocessor clock by rank.",
-                        [q(gpu("syncscope_gpu_sm_clock_hertz"), "rank {{rank}}")],
+                        [q(gpu(M.GPU_SM_CLOCK_HERTZ.name), "rank {{rank}}")],
                         "hertz",
                     ),
                 ),
@@ -798,7 +778,7 @@ def fabric_locality(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int,
                     ts(
                         "Temperature",
                         "GPU temperature by rank.",
-                        [q(gpu("syncscope_gpu_temperature_celsius"), "rank {{rank}}")],
+                        [q(gpu(M.GPU_TEMPERATURE_CELSIUS.name), "rank {{rank}}")],
                         "celsius",
                     ),
                 ),
@@ -808,7 +788,7 @@ def fabric_locality(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int,
                     ts(
                         "Power",
                         "GPU power draw by rank.",
-                        [q(gpu("syncscope_gpu_power_watts"), "rank {{rank}}")],
+                        [q(gpu(M.GPU_POWER_WATTS.name), "rank {{rank}}")],
                         "watt",
                     ),
                 ),
@@ -818,7 +798,7 @@ def fabric_locality(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int,
                     table_panel(
                         "Throttle reasons",
                         "NVML clock-throttle reason bitmask by rank (0 = none).",
-                        [q(gpu("syncscope_gpu_throttle_reasons"), instant=True, table_format=True)],
+                        [q(gpu(M.GPU_THROTTLE_REASONS.name), instant=True, table_format=True)],
                         thresholds=steps((1, "orange")),
                     ),
                 ),
@@ -935,7 +915,7 @@ def needs(expr: str, cfg: dict[str, Any]) -> list[str]:
     other than DDP's gradient sync; low_skew: the contention index, only while arrival skew is
     below its gate.
     """
-    conditions = R.load_contract()
+    conditions = R.series_conditions()
     deps = rule_dependencies(cfg)
     names = R.metric_names(expr)
     raw = set().union(*(deps.get(n, {n}) for n in names))
@@ -968,33 +948,71 @@ def query_list(dashes: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> list[d
     return out
 
 
-def outputs() -> dict[Path, str]:
-    cfg = R.load_config()
+def render_files(cfg: dict[str, Any]) -> dict[str, str]:
+    """File name -> text: each dashboard as ``<uid>.json`` and the query list."""
     dashes = dashboards(cfg)
     files = {
-        HERE / f"{uid}.json": json.dumps(d, indent=2, sort_keys=True) + "\n"
-        for uid, d in dashes.items()
+        f"{uid}.json": json.dumps(d, indent=2, sort_keys=True) + "\n" for uid, d in dashes.items()
     }
-    files[QUERIES_PATH] = json.dumps(query_list(dashes, cfg), indent=2) + "\n"
+    files[QUERIES_FILE] = json.dumps(query_list(dashes, cfg), indent=2) + "\n"
     return files
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--check", action="store_true", help="exit 1 if the committed JSON is stale"
-    )
-    args = parser.parse_args(argv)
-    files = outputs()
-    if args.check:
-        stale = [p for p, text in files.items() if not p.exists() or p.read_text() != text]
-        for p in stale:
-            print(f"stale: {p}", file=sys.stderr)
-        return 1 if stale else 0
-    for p, text in files.items():
-        p.write_text(text)
-    return 0
+def write_dashboards(out_dir: Path | str, overrides: Mapping[str, Any] | None = None) -> list[Path]:
+    """Write the dashboards and queries.json into out_dir; returns the paths written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in render_files(load_config(overrides)).items():
+        path = out / name
+        path.write_text(text)
+        written.append(path)
+    return written
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# ----------------------------------------------------------------- queries with variables set
+
+_VARIABLE = re.compile(r"\$\{(\w+)\}|\$(\w+)")
+
+
+def substitute(expr: str, values: dict[str, str]) -> str:
+    """Replace ``$name`` / ``${name}``; an unknown variable is an error, not a silent no-op."""
+
+    def one(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        if name not in values:
+            raise KeyError(f"no value for ${name} in {expr!r}")
+        return values[name]
+
+    return _VARIABLE.sub(one, expr)
+
+
+def evaluable_queries(
+    *,
+    job: str = ".+",
+    rank: str = ".+",
+    rate_interval: str = "1m",
+    have: Iterable[str] = (),
+    cfg: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Every dashboard query with Grafana's variables filled in, for a real Prometheus to run.
+
+    Each item is a query_list() entry plus ``promql`` and ``expected_data``. ``job`` and
+    ``rank`` are regular expressions (the variables are used with ``=~``); ``rate_interval``
+    stands in for ``$__rate_interval`` (at least 4 scrape intervals, as in Grafana).
+    ``expected_data`` is true when every flag in ``needs`` is in ``have``: gpu, pacing,
+    straggler, rejections (series that exist only with a GPU, the pacing controller, a
+    diagnosed straggler, or after a rejected record), alerts (ALERTS: only while an alert is
+    pending or firing), collectives (collectives other than DDP's gradient sync), low_skew (the
+    contention index exists only while arrival skew is below its gate).
+    """
+    cfg = load_config() if cfg is None else cfg
+    values = {"job": job, "rank": rank, "__rate_interval": rate_interval}
+    have = set(have)
+    out = []
+    for query in query_list(dashboards(cfg), cfg):
+        item = dict(query)
+        item["promql"] = substitute(query["expr"], values)
+        item["expected_data"] = set(query["needs"]) <= have
+        out.append(item)
+    return out

@@ -1,0 +1,6 @@
+"""Prometheus rules, Prometheus configs and Grafana dashboards, generated from one thresholds file.
+
+Shipped with the package, so `syncscope rules` and `syncscope dashboards --out DIR` work from an
+installed wheel; the copies under deploy/ and dashboards/ of the checkout are this package's
+output (`syncscope generate`), kept current by a test.
+"""

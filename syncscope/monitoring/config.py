@@ -1,0 +1,85 @@
+"""The thresholds file (alert levels, windows, selectors) that rules, dashboards and diagnosis share.
+
+It ships inside the package (``thresholds.json`` beside this module); deployments and tests
+change it through dotted-path overrides, never by editing the shipped defaults to suit a noisy
+machine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+THRESHOLDS_FILE = "thresholds.json"
+
+
+def thresholds_text() -> str:
+    """The shipped thresholds file, read from the installed package (wheel or checkout alike)."""
+    return resources.files(__package__).joinpath(THRESHOLDS_FILE).read_text(encoding="utf-8")
+
+
+def load_config(
+    overrides: Mapping[str, Any] | None = None, path: Path | str | None = None
+) -> dict[str, Any]:
+    """The thresholds (the shipped file, or ``path``) with dotted-path overrides applied.
+
+    ``a.b.0.c`` indexes lists; an unknown key is a KeyError so that a typo cannot pass silently.
+    """
+    text = Path(path).read_text(encoding="utf-8") if path is not None else thresholds_text()
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"thresholds file {path or THRESHOLDS_FILE}: {exc}") from exc
+    for dotted, value in (overrides or {}).items():
+        set_path(cfg, dotted, value)
+    return cfg
+
+
+def set_path(cfg: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set one nested key; an unknown key is an error so that a typo cannot pass silently."""
+    *parents, last = dotted.split(".")
+    node: Any = cfg
+    try:
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if isinstance(node, list):
+            node[int(last)] = value
+            return
+    except (KeyError, IndexError, ValueError, TypeError):
+        pass
+    else:
+        if isinstance(node, dict) and last in node:
+            node[last] = value
+            return
+    raise KeyError(f"{dotted}: no such key in the thresholds file")
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """``PATH=JSON`` command-line overrides; a value that is not JSON is taken as a string (2s)."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected PATH=VALUE")
+        try:
+            overrides[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[key] = raw
+    return overrides
+
+
+def fast_for_overrides(cfg: Mapping[str, Any], duration: str) -> dict[str, str]:
+    """Overrides that shorten every alert's ``for:`` (the demo and e2e tests, 1 s intervals)."""
+    return {f"alerts.{name}.for": duration for name in cfg["alerts"]}
+
+
+def demo_overrides(cfg: Mapping[str, Any]) -> dict[str, str]:
+    """What a 1 s-interval Prometheus beside a one-minute job needs: short for: and windows."""
+    return {
+        **fast_for_overrides(cfg, "2s"),
+        "windows.rate": "10s",
+        "windows.straggler": "10s",
+    }
