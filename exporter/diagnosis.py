@@ -1,6 +1,7 @@
 """Node-local diagnosis in the paper's §3.3 terms, shared by /metrics, /v1/state and the page.
 
-Every mode gives a score in 0..1 and a one-line reason; its `verdict` is the score reaching 0.5.
+Every mode gives a score in 0..1 and a one-line reason; its `verdict` is the score reaching the
+thresholds file's verdict_score (0.5), as do the dashboards' and the status page's verdict lines.
 The rules (docs/diagnosis.md gives the reasoning and the recorded scenarios they are tested on):
 
   straggler           one rank arrives last at the gradient sync persistently: the arrival skew
@@ -29,13 +30,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from syncscope.exporter.settings import STEP_WINDOW, Settings
 from syncscope.exporter.store import OMIT_IF_NONE, RankView, RecentStep
 
 from syncscope.catalog import CLOCK_EVENT_REASONS
+from syncscope.monitoring.config import load_config
 from syncscope.wire import Phase
 
 CAUSE_PHASES = (Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
@@ -52,7 +54,7 @@ class ModeVerdict:
     """One failure mode as assessed: how strongly the data shows it, and why."""
 
     score: float  # 0..1, rounded to 4 places
-    verdict: bool  # the (unrounded) score reaches 0.5
+    verdict: bool  # the (unrounded) score reaches Thresholds.verdict_score
     reason: str
 
 
@@ -80,20 +82,28 @@ class Diagnosis:
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Every constant of the rules in one place (the skew floor comes from Settings)."""
+    """The rules' constants, from the thresholds file's "diagnosis" section (shared with the
+    dashboards; the skew floor's default is Settings.skew_threshold_s, taken from there too)."""
 
-    skew_step_fraction: float = 0.05  # skew must also exceed this fraction of the median step
-    last_arrival_share: float = 0.5  # ... and the rank must be last in this share of steps
-    cause_share: float = 0.8  # one signal must explain this share of the straggler's lateness
-    idle_share_full: float = 0.5  # sync_amplification scores 1 at this idle share of a step
-    transfer_share_full: float = 0.5  # fabric_contention scores 1 at this transfer share
-    spike_share_full: float = 0.3  # runtime_jitter scores 1 at this share lost to spikes
-    clock_ratio: float = 0.9  # a throttling GPU's SM clock is below this × its peers' median
+    verdict_score: float  # a mode's verdict is its score reaching this
+    skew_step_fraction: float  # skew must also exceed this fraction of the median step
+    last_arrival_share: float  # ... and the rank must be last in this share of steps
+    cause_share: float  # one signal must explain this share of the straggler's lateness
+    idle_share_full: float  # sync_amplification scores 1 at this idle share of a step
+    transfer_share_full: float  # fabric_contention scores 1 at this transfer share
+    spike_share_full: float  # runtime_jitter scores 1 at this share lost to spikes
+    clock_ratio: float  # a throttling GPU's SM clock is below this × its peers' median
+    min_aligned_steps: int  # fewer steps reported by every rank: per-step rules abstain
     window: int = STEP_WINDOW  # most recent steps compared
-    min_aligned_steps: int = 20  # fewer steps reported by every rank: per-step rules abstain
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> Thresholds:
+        section = cfg["diagnosis"]
+        names = [f.name for f in fields(cls) if f.name != "window"]
+        return cls(**{name: section[name] for name in names})
 
 
-DEFAULT_THRESHOLDS = Thresholds()
+DEFAULT_THRESHOLDS = Thresholds.from_config(load_config())
 
 
 def _median(values: list[float]) -> float | None:
@@ -272,12 +282,12 @@ def _diagnose(ranks: Sequence[RankView], settings: Settings, t: Thresholds) -> D
         share = last_counts.get(slow.rank, 0) / len(aligned) if enough else None
         if skew <= threshold:
             modes["straggler"] = (
-                min(score, 0.49),
+                min(score, t.verdict_score - 0.01),
                 f"arrival skew {skew * 1e3:.1f} ms is below {threshold * 1e3:.1f} ms",
             )
         elif share is not None and share < need:
             modes["straggler"] = (
-                min(score, 0.49),
+                min(score, t.verdict_score - 0.01),
                 f"arrival skew {skew * 1e3:.1f} ms, but no rank is persistently last "
                 f"(rank {slow.rank} in {share:.0%} of steps): the last arrival rotates",
             )
@@ -287,7 +297,7 @@ def _diagnose(ranks: Sequence[RankView], settings: Settings, t: Thresholds) -> D
             straggler = Straggler(slow.rank, cause, why, skew, share)
             often = f", last in {share:.0%} of steps" if share is not None else ""
             modes["straggler"] = (
-                max(score, 0.5),
+                max(score, t.verdict_score),
                 f"rank {slow.rank} arrives {skew * 1e3:.1f} ms after the earliest peer{often}",
             )
 
@@ -346,5 +356,7 @@ def _diagnose(ranks: Sequence[RankView], settings: Settings, t: Thresholds) -> D
             reason = "PCIe links at full width, processes on their GPU's NUMA node"
         modes["locality"] = (1.0 if faults else 0.0, reason)
 
-    verdicts = {m: ModeVerdict(round(s, 4), s >= 0.5, why) for m, (s, why) in modes.items()}
+    verdicts = {
+        m: ModeVerdict(round(s, 4), s >= t.verdict_score, why) for m, (s, why) in modes.items()
+    }
     return Diagnosis(verdicts, straggler, skew, len(aligned))

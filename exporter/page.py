@@ -172,12 +172,14 @@ def phase_bar(shares: Sequence[float], width: int = 150, height: int = 14) -> st
 
 def score_meter(score: float, width: int = 56, height: int = 8) -> str:
     w = max(0.0, min(1.0, score)) * width
+    line = DEFAULT_THRESHOLDS.verdict_score
+    mark = line * width
     return (
         f'<svg class="meter" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
         f'aria-hidden="true"><rect class="meter-bg" x="0" y="0" width="{width}" '
-        f'height="{height}"/><rect class="meter-fill{" hot" if score >= 0.5 else ""}" x="0" '
+        f'height="{height}"/><rect class="meter-fill{" hot" if score >= line else ""}" x="0" '
         f'y="0" width="{w:.1f}" height="{height}"/>'
-        f'<line class="meter-mark" x1="{width / 2}" y1="0" x2="{width / 2}" y2="{height}"/></svg>'
+        f'<line class="meter-mark" x1="{mark}" y1="0" x2="{mark}" y2="{height}"/></svg>'
     )
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from syncscope.monitoring.config import load_config
+
 # Steps every rolling figure looks back over: the step-time CV, phase shares, medians and the
 # diagnosis. Metric help and the status page quote this number.
 STEP_WINDOW = 100
@@ -26,5 +28,6 @@ class Settings:
     max_jobs: int = 16
     max_series_per_rank: int = 64  # distinct (op, group) pairs per rank
     max_body_bytes: int = 8 * 1024 * 1024
-    skew_threshold_s: float = 0.005  # arrival skew below this never names a straggler
+    # Arrival skew below this never names a straggler (the thresholds file's skew_floor_s).
+    skew_threshold_s: float = load_config()["diagnosis"]["skew_floor_s"]
     log_level: str = "warning"

@@ -32,6 +32,7 @@ from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import prometheus as pm
 
 from syncscope import catalog as M
+from syncscope.exporter.settings import STEP_WINDOW
 from syncscope.monitoring import rules as R
 from syncscope.monitoring.config import load_config
 
@@ -224,7 +225,7 @@ def job_overview(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int, An
     """Rows of (width, height, panel): the job's headline numbers and the paper's failure modes."""
     a = cfg["alerts"]
     straggler = a["SyncscopeStraggler"]["levels"][0]["threshold"]
-    diagnosis = cfg["dashboards"]["diagnosis_score_threshold"]
+    diagnosis = cfg["diagnosis"]["verdict_score"]
     phase = sel(cfg, M.PHASE_SECONDS_TOTAL.name, JOB, RANK)
     comm = sel(cfg, M.PHASE_SECONDS_TOTAL.name, JOB, RANK, 'phase="comm_exposed"')
     wait = sel(cfg, M.COLLECTIVE_WAIT_SECONDS_TOTAL.name, JOB, RANK)
@@ -258,7 +259,7 @@ def job_overview(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int, An
                     4,
                     stat_panel(
                         "Step-time CV",
-                        "Coefficient of variation of step time over the last 100 steps, "
+                        f"Coefficient of variation of step time over the last {STEP_WINDOW} steps, "
                         "noisiest rank. Orange/red at the SyncscopeStepTimeCVHigh levels.",
                         [q(rec(R.STEP_CV), "{{job}}")],
                         "none",

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from syncscope import catalog as M
+from syncscope.exporter.settings import STEP_WINDOW
 from syncscope.monitoring.config import load_config
 
 RULES_FILE = "syncscope.rules.yml"
@@ -299,7 +300,7 @@ def _alert_texts(cfg: Mapping[str, Any], name: str, level: Mapping[str, Any]) ->
             "expr": f"{STEP_CV} > {thr}",
             "summary": "Step time is unstable in job {{ $labels.job }}.",
             "description": (
-                "The coefficient of variation of step time over the last 100 steps is "
+                f"The coefficient of variation of step time over the last {STEP_WINDOW} steps is "
                 '{{ printf "%.2f" $value }} in job {{ $labels.job }} (threshold '
                 f"{thr}). Synchronous training turns this jitter into idle time on every rank."
             ),
