@@ -7,6 +7,7 @@ metric catalog, the rule and dashboard generators.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -47,10 +48,14 @@ def checked_in_files(root: Path) -> dict[Path, Callable[[str], str]]:
     for name, text in dashboards.render_files(cfg).items():
         files[f"{DASHBOARDS_DIR}/{name}"] = text
     out: dict[Path, Callable[[str], str]] = {
-        root / rel: (lambda _old, text=text: text) for rel, text in files.items()
+        root / rel: functools.partial(_replace, text) for rel, text in files.items()
     }
     out[root / README_PATH] = readme_with_table
     return out
+
+
+def _replace(text: str, _old: str) -> str:
+    return text
 
 
 def stale_files(root: Path) -> list[Path]:
