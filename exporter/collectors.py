@@ -117,6 +117,8 @@ def collect_diagnosis(view: StoreView) -> Iterable[Metric]:
     diag = gauge(M.DIAGNOSIS)
     cause = gauge(M.STRAGGLER_CAUSE)
     skew = gauge(M.ARRIVAL_SKEW_SECONDS)
+    pooled = counter(M.NODE_POOLED_STEPS_TOTAL)
+    transfer = counter(M.NODE_TRANSFER_SECONDS_TOTAL)
     for job, data in view.jobs.items():
         d = data.diagnosis
         for mode, m in d.modes.items():
@@ -125,7 +127,9 @@ def collect_diagnosis(view: StoreView) -> Iterable[Metric]:
             cause.add_metric([job, str(d.straggler.rank), d.straggler.cause], 1.0)
         if d.skew_s is not None:
             skew.add_metric([job], d.skew_s)
-    return [diag, cause, skew]
+        pooled.add_metric([job], data.pooled_steps_total)
+        transfer.add_metric([job], data.transfer_seconds_total)
+    return [diag, cause, skew, pooled, transfer]
 
 
 def collect_exporter(view: StoreView) -> Iterable[Metric]:

@@ -19,9 +19,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from syncscope.exporter.pooling import JobPool
 from syncscope.exporter.settings import STEP_WINDOW, Settings
 
-from syncscope.arrival import ArrivalEstimator, collective_key, key_text
+from syncscope.arrival import collective_key, key_text
 from syncscope.wire import (
     MAX_LABEL_LEN,
     MAX_TOPOLOGY_ENTRIES,
@@ -89,7 +90,7 @@ class RecentStep:
     step: int
     step_s: float
     phases: tuple[float, ...] = field(metadata=BY_PHASE)
-    wait_s: float  # this step's wait for the last peer at collectives (arrival estimator)
+    wait_s: float  # this step's wait for the last peer on this node at collectives (pooling)
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,8 @@ class JobView:
     ranks: tuple[RankView, ...]  # by rank
     diagnosis: Diagnosis
     name: str
+    pooled_steps_total: int = 0  # steps every rank here delivered (exporter.pooling)
+    transfer_seconds_total: float = 0.0  # the sum over them of the node's per-step minimum
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,8 @@ class Store:
         self.settings = settings
         self.lock = threading.Lock()
         self.ranks: dict[tuple[str, int], RankState] = {}
-        self.estimators: dict[str, ArrivalEstimator] = {}
+        self.job_ranks: dict[str, dict[int, RankState]] = {}  # the same states, by job
+        self.pools: dict[str, JobPool] = {}
         self.started_unix_s = time.time()
         self.ingested_records = 0
         self.rejected: dict[str, int] = {}
@@ -296,13 +300,14 @@ class Store:
                 if len(self.ranks) >= self.settings.max_ranks:
                     self.rejected["too_many_ranks"] = self.rejected.get("too_many_ranks", 0) + 1
                     return {"accepted": False, "reason": "too many ranks"}
-                if job not in self.estimators and len(self.estimators) >= self.settings.max_jobs:
+                if job not in self.pools and len(self.pools) >= self.settings.max_jobs:
                     self.rejected["too_many_jobs"] = self.rejected.get("too_many_jobs", 0) + 1
                     return {"accepted": False, "reason": "too many jobs"}
                 state = self.ranks[key] = RankState(job=job, rank=a.rank)
-            estimator = self.estimators.setdefault(job, ArrivalEstimator())
+                self.job_ranks.setdefault(job, {})[a.rank] = state
+            pool = self.pools.setdefault(job, JobPool())
             if state.incarnation != clean_label(a.incarnation):
-                self._new_incarnation(state, estimator)
+                self._new_incarnation(state, pool)
             state.local_rank, state.world_size = a.local_rank, a.world_size
             state.hostname, state.pid = clean_label(a.hostname), a.pid
             state.incarnation = clean_label(a.incarnation)
@@ -316,13 +321,14 @@ class Store:
                     clean_label(k): clean_label(v, MAX_TOPOLOGY_TEXT) if isinstance(v, str) else v
                     for k, v in list(batch.topology.items())[:MAX_TOPOLOGY_ENTRIES]
                 }
-            waits_by_step = self._collectives(state, estimator, ingest.collectives)
-            self._steps(state, ingest.steps, waits_by_step)
+            self._collectives(state, pool, ingest.collectives)
+            self._steps(state, pool, ingest.steps)
+            self._pool(job, pool, now)
             self.ingested_records += len(ingest.steps) + len(ingest.collectives)
-            baselines = {key_text(k): v for k, v in estimator.baselines().items()}
+            baselines = {key_text(k): v for k, v in pool.transfers().items()}
         return {"accepted": True, "baselines": baselines}
 
-    def _new_incarnation(self, state: RankState, estimator: ArrivalEstimator) -> None:
+    def _new_incarnation(self, state: RankState, pool: JobPool) -> None:
         # A restarted rank: keep the counters (they only grow), reset what describes "now".
         if state.incarnation:
             state.incarnations += 1
@@ -334,12 +340,9 @@ class Store:
         state.pacing = None
         state.window = deque(maxlen=self.settings.step_window)
         state.recent = deque(maxlen=self.settings.recent_steps)
-        estimator.forget(state.rank)
+        pool.forget(state.rank)
 
-    def _collectives(
-        self, state: RankState, estimator: ArrivalEstimator, rows: list[CollectiveSeconds]
-    ) -> dict[int, float]:
-        calls = []
+    def _collectives(self, state: RankState, pool: JobPool, rows: list[CollectiveSeconds]) -> None:
         for op, group, nbytes, duration, step in rows:
             op = op if op in OPS else "other"
             group = clean_label(group)
@@ -349,20 +352,15 @@ class Store:
                     self.rejected["too_many_series"] = self.rejected.get("too_many_series", 0) + 1
                     continue
                 totals = state.collectives[(op, group)] = CollectiveTotals()
-            calls.append((totals, step, collective_key(op, group, nbytes), duration, nbytes))
-        waits = estimator.observe(state.rank, [(k, d, step) for _, step, k, d, _ in calls])
-        by_step: dict[int, float] = {}
-        for (totals, step, _key, duration, nbytes), wait in zip(calls, waits, strict=True):
             totals.calls += 1
             totals.seconds += duration
             totals.bytes += nbytes
-            totals.wait_seconds += wait
-            by_step[step] = by_step.get(step, 0.0) + wait
-        return by_step
+            # Its wait is added when the step is pooled with the other ranks' (exporter.pooling).
+            pool.add_collective(
+                state.rank, collective_key(op, group, nbytes), step, duration, totals
+            )
 
-    def _steps(
-        self, state: RankState, rows: list[StepSeconds], waits_by_step: dict[int, float]
-    ) -> None:
+    def _steps(self, state: RankState, pool: JobPool, rows: list[StepSeconds]) -> None:
         if not state.window.maxlen:
             state.window = deque(state.window, maxlen=self.settings.step_window)
             state.recent = deque(state.recent, maxlen=self.settings.recent_steps)
@@ -373,17 +371,30 @@ class Store:
             for i, v in enumerate(values):
                 state.phase_seconds[i] += v
             state.window.append(d)
-            state.recent.append(RecentStep(step, d, values, waits_by_step.get(step, 0.0)))
+            pool.add_step(state.rank, step, d, values)
+
+    def _pool(self, job: str, pool: JobPool, now: float) -> None:
+        """Pool the steps every live rank of the job has delivered into the ranks' recent steps."""
+        ranks = self.job_ranks.get(job, {})
+        stale = self.settings.stale_after_s
+        live = [r for r, s in ranks.items() if now - s.last_report_unix_s <= stale]
+        for done in pool.complete(live):
+            state = ranks.get(done.rank)  # type: ignore[call-overload]
+            if state is not None:
+                state.recent.append(RecentStep(done.step, done.step_s, done.phases, done.wait_s))
 
     def _expire(self, now: float) -> None:
         limit = self.settings.expire_after_s
         for key in [k for k, s in self.ranks.items() if now - s.last_report_unix_s > limit]:
             state = self.ranks.pop(key)
-            est = self.estimators.get(state.job)
-            if est is not None:
-                est.forget(state.rank)
-                if not est.ranks() and not any(s.job == state.job for s in self.ranks.values()):
-                    del self.estimators[state.job]
+            job_ranks = self.job_ranks.get(state.job, {})
+            job_ranks.pop(state.rank, None)
+            pool = self.pools.get(state.job)
+            if pool is not None:
+                pool.forget(state.rank)
+            if not job_ranks:
+                self.job_ranks.pop(state.job, None)
+                self.pools.pop(state.job, None)
 
     # -- read side (callers hold no lock; this takes it) ------------------------------------------
     def view(self, recent: int | None = None) -> StoreView:
@@ -401,17 +412,13 @@ class Store:
         by_job: dict[str, list[RankView]] = {}
         with self.lock:
             self._expire(now)
-            baselines: dict[str, dict[Any, float]] = {}
+            pooled: dict[str, tuple[int, float]] = {
+                job: (pool.pooled_steps_total, pool.transfer_seconds_total)
+                for job, pool in self.pools.items()
+            }
             for state in sorted(self.ranks.values(), key=lambda s: (s.job, s.rank)):
-                est = self.estimators.get(state.job)
-                lead = None
-                if est is not None:
-                    cache = baselines.get(state.job)
-                    if cache is None:
-                        cache = baselines[state.job] = est.baselines()
-                    lead = est.lead(state.rank, cache)
                 by_job.setdefault(state.job, []).append(
-                    _rank_view(state, lead, now, self.settings.stale_after_s, shown)
+                    _rank_view(state, now, self.settings.stale_after_s, shown)
                 )
             started, ingested, rejected = (
                 self.started_unix_s,
@@ -427,15 +434,19 @@ class Store:
                     dataclasses.replace(r, recent_steps=r.recent_steps[-recent:] if recent else ())
                     for r in ranks
                 ]
-            jobs[name] = JobView(tuple(ranks), diagnosis, name)
+            jobs[name] = JobView(tuple(ranks), diagnosis, name, *pooled.get(name, (0, 0.0)))
         return StoreView(started, now, ingested, rejected, jobs)
 
 
-def _rank_view(
-    s: RankState, lead: float | None, now: float, stale_after: float, keep: int | None
-) -> RankView:
+# Steps the node view's arrival lead averages the pooled waits over.
+LEAD_STEPS = 64
+
+
+def _rank_view(s: RankState, now: float, stale_after: float, keep: int | None) -> RankView:
     recent = tuple(s.recent)
     last = recent[-STEP_WINDOW:]
+    lead_steps = recent[-LEAD_STEPS:]
+    lead = sum(r.wait_s for r in lead_steps) / len(lead_steps) if lead_steps else None
     durations = [r.step_s for r in last]
     total = sum(durations)
     shares: tuple[float, ...] = ()

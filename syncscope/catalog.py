@@ -233,6 +233,24 @@ ARRIVAL_SKEW_SECONDS = MetricSpec(
     "always",
     "seconds",
 )
+# Per-step pooling of the node's ranks (exporter/pooling.py): Prometheus takes the minimum over
+# nodes of transfer / pooled steps as the job's transfer per step (the job-wide rules).
+NODE_POOLED_STEPS_TOTAL = MetricSpec(
+    "syncscope_node_pooled_steps_total",
+    "counter",
+    "Steps that every rank reporting to this exporter delivered, pooled step by step.",
+    ("job",),
+    "always",
+)
+NODE_TRANSFER_SECONDS_TOTAL = MetricSpec(
+    "syncscope_node_transfer_seconds_total",
+    "counter",
+    "Sum over pooled steps of the smallest collective time of any rank here in that step "
+    "(the transfer, plus what all ranks here wait for ranks elsewhere).",
+    ("job",),
+    "always",
+    "seconds",
+)
 # -- exporter self-metrics
 EXPORTER_COLLECTOR_DURATION_SECONDS = MetricSpec(
     "syncscope_exporter_collector_duration_seconds",
@@ -350,7 +368,16 @@ SECTIONS = (
             GPU_POWER_WATTS,
         ),
     ),
-    Section("per exporter: local diagnosis", (DIAGNOSIS, STRAGGLER_CAUSE, ARRIVAL_SKEW_SECONDS)),
+    Section(
+        "per exporter: local diagnosis and per-step pooling",
+        (
+            DIAGNOSIS,
+            STRAGGLER_CAUSE,
+            ARRIVAL_SKEW_SECONDS,
+            NODE_POOLED_STEPS_TOTAL,
+            NODE_TRANSFER_SECONDS_TOTAL,
+        ),
+    ),
     Section(
         "exporter self-metrics",
         (

@@ -43,6 +43,9 @@ STEP_CV = "job:syncscope_step_time_cv:max"
 PHASE_RATIO = "job_phase:syncscope_phase_seconds:ratio"
 COMM_EXPOSED_RATIO = "job:syncscope_comm_exposed:ratio"
 SYNC_AMPLIFICATION = "job:syncscope_sync_amplification:ratio"
+TRANSFER_PER_STEP = "job:syncscope_collective_transfer_seconds_per_step:min"
+SYNC_PER_STEP = "job_rank:syncscope_collective_seconds_per_step:ratio"
+# Job-wide: each rank's collective time per step beyond the rank that waits least.
 LEAD_AVG = "job_rank:syncscope_arrival_lead_seconds:avg"
 SKEW = "job:syncscope_arrival_lead_seconds:max_minus_min"
 SKEW_RATIO = "job:syncscope_arrival_skew_step:ratio"
@@ -79,8 +82,8 @@ def _sel(cfg: Mapping[str, Any], metric: str, *matchers: str) -> str:
     return f"{metric}{{{', '.join(parts)}}}" if parts else metric
 
 
-def _rate(cfg: Mapping[str, Any], metric: str, *matchers: str) -> str:
-    return f"rate({_sel(cfg, metric, *matchers)}[{cfg['windows']['rate']}])"
+def _rate(cfg: Mapping[str, Any], metric: str, *matchers: str, window: str | None = None) -> str:
+    return f"rate({_sel(cfg, metric, *matchers)}[{window or cfg['windows']['rate']}])"
 
 
 def _block(expr: str) -> str:
@@ -139,22 +142,53 @@ def recording_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
 """,
         ),
         _record(COMM_EXPOSED_RATIO, f'sum without (phase) ({PHASE_RATIO}{{phase="comm_exposed"}})'),
-        # Rank-seconds spent waiting for the last peer per rank-second of stepping: the
-        # synchronization-amplification ratio (paper §3.3), job-wide.
+        # Job-wide truth from counters of every node (issue 15). At step k a rank's collective
+        # time is d(r,k) = T(k) + W(r,k), transfer plus wait for the last rank. Each exporter
+        # pools its own ranks per step and exports the sum of its per-step minimum; the
+        # smallest of those per step, over nodes, is the job's transfer T (exact on one node,
+        # and whenever the last rank of most steps sits on one node).
+        _record(
+            TRANSFER_PER_STEP,
+            f"""
+min by (job) (
+    sum by (job, instance) ({_rate(cfg, M.NODE_TRANSFER_SECONDS_TOTAL.name)})
+  /
+    (sum by (job, instance) ({_rate(cfg, M.NODE_POOLED_STEPS_TOTAL.name)}) > 0)
+)
+""",
+        ),
+        # Rank-seconds spent waiting per rank-second of stepping: the synchronization-
+        # amplification ratio (paper §3.3), job-wide, transient waits included: every rank's
+        # collective time beyond the job's transfer, over the ranks' step time.
         _record(
             SYNC_AMPLIFICATION,
             f"""
-  sum by (job) ({_rate(cfg, M.COLLECTIVE_WAIT_SECONDS_TOTAL.name)})
-/
-  sum by (job) ({_rate(cfg, STEP_SECONDS_SUM)})
+clamp_min(
+    (
+        sum by (job) ({_rate(cfg, M.COLLECTIVE_SECONDS_TOTAL.name)})
+      -
+        {TRANSFER_PER_STEP} * on (job) sum by (job) ({_rate(cfg, M.STEPS_TOTAL.name)})
+    )
+  /
+    sum by (job) ({_rate(cfg, STEP_SECONDS_SUM)}),
+  0
+)
 """,
         ),
-        # The agent's lead is already a rolling mean; averaging it over the straggler window
-        # makes the straggler's identity persistent instead of flipping with every step.
+        # Each rank's collective time per step over the straggler window; the rank with the
+        # least waits for nobody persistently, and the others' lead over it is their
+        # persistent skew. Differences of means carry no noise bias (a rolling minimum did).
+        _record(
+            SYNC_PER_STEP,
+            f"""
+  sum by (job, rank) ({_rate(cfg, M.COLLECTIVE_SECONDS_TOTAL.name, window=w["straggler"])})
+/
+  (sum by (job, rank) ({_rate(cfg, M.STEPS_TOTAL.name, window=w["straggler"])}) > 0)
+""",
+        ),
         _record(
             LEAD_AVG,
-            f"avg by (job, rank) (avg_over_time("
-            f"{_sel(cfg, M.ARRIVAL_LEAD_SECONDS.name)}[{w['straggler']}]))",
+            f"{SYNC_PER_STEP} - on (job) group_left () min by (job) ({SYNC_PER_STEP})",
         ),
         _record(SKEW, f"max by (job) ({LEAD_AVG}) - min by (job) ({LEAD_AVG})"),
         _record(SKEW_RATIO, f"{SKEW} / {STEP_MEAN}"),

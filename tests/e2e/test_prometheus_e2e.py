@@ -44,7 +44,11 @@ def test_rules_alerts_and_every_dashboard_query_against_real_prometheus(
     config = local_config(
         exporter.port,
         str(tmp_path),
-        {"alerts.SyncscopeStepTimeCVHigh.levels.0.threshold": CV_THRESHOLD},
+        # Both levels above this machine's noise (the critical one stays above the warning).
+        {
+            "alerts.SyncscopeStepTimeCVHigh.levels.0.threshold": CV_THRESHOLD,
+            "alerts.SyncscopeStepTimeCVHigh.levels.1.threshold": 2 * CV_THRESHOLD,
+        },
     )
     prom = Prometheus(config, str(tmp_path))
     try:
