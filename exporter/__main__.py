@@ -47,6 +47,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="port of that metrics-only listener (must differ from --port; default: none)",
     )
+    p.add_argument(
+        "--prometheus-url",
+        default=os.environ.get("SYNCSCOPE_PROMETHEUS_URL") or None,
+        help="Prometheus that scrapes every node of the job, e.g. http://prometheus:9090: the "
+        "exporter reads the job-wide leads, transfer and amplification back from it "
+        "(env SYNCSCOPE_PROMETHEUS_URL; default: none, a node-local view)",
+    )
+    p.add_argument(
+        "--prometheus-interval",
+        type=float,
+        default=d.prometheus_interval_s,
+        help="seconds between reads of the job-wide rules (default %(default)s)",
+    )
     p.add_argument("--log-level", default=d.log_level)
     return p
 
@@ -67,6 +80,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         stale_after_s=args.stale_after,
         expire_after_s=args.expire_after,
         log_level=args.log_level,
+        prometheus_url=args.prometheus_url,
+        prometheus_interval_s=args.prometheus_interval,
     )
 
 

@@ -18,6 +18,7 @@ from prometheus_client.process_collector import ProcessCollector
 from pydantic import Field, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 from syncscope.exporter.collectors import StoreCollector
+from syncscope.exporter.jobwide import PrometheusReader
 from syncscope.exporter.page import install_page
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import Ingest, Store, as_json
@@ -152,6 +153,10 @@ class MetricsOnlyListener:
 def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
     settings = settings or Settings()
     store = store or Store(settings)
+    reader = None
+    if settings.prometheus_url and store.job_wide is None:
+        reader = PrometheusReader(settings.prometheus_url, settings.prometheus_interval_s)
+        store.job_wide = reader.get
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(store))
     registry.register(ProcessCollector(registry=None))
@@ -163,7 +168,13 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         # ingest and scrapes create, not ~100k startup objects (scrape p99, bench_exporter.py).
         gc.collect()
         gc.freeze()
-        yield
+        if reader is not None:
+            reader.start()
+        try:
+            yield
+        finally:
+            if reader is not None:
+                reader.stop()
 
     app = FastAPI(title="syncscope exporter", version=__version__, lifespan=lifespan)
     app.state.store = store

@@ -141,9 +141,11 @@ def collect_exporter(view: StoreView) -> Iterable[Metric]:
     for reason, count in sorted(view.rejected.items()):
         rejected.add_metric([reason], count)
     ranks = gauge(M.EXPORTER_RANKS)
+    job_wide = gauge(M.EXPORTER_JOB_WIDE_VIEW)
     for job, data in view.jobs.items():
         ranks.add_metric([job], sum(1 for r in data.ranks if not r.stale))
-    return [start, records, rejected, ranks]
+        job_wide.add_metric([job], 1.0 if data.job_wide is not None else 0.0)
+    return [start, records, rejected, ranks, job_wide]
 
 
 COLLECTORS: dict[str, Callable[[StoreView], Iterable[Metric]]] = {

@@ -27,12 +27,14 @@ the phase (data, forward, backward, optimizer) that makes up ≥ 80 % of its lat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.settings import STEP_WINDOW, Settings
 from syncscope.exporter.store import OMIT_IF_NONE, RankView, RecentStep
 
@@ -233,15 +235,22 @@ def _spike_share(rank: RankView, window: int) -> float | None:
 
 
 def diagnose_job(
-    ranks: Sequence[RankView], settings: Settings, thresholds: Thresholds = DEFAULT_THRESHOLDS
+    ranks: Sequence[RankView],
+    settings: Settings,
+    thresholds: Thresholds = DEFAULT_THRESHOLDS,
+    job_wide: JobWide | None = None,
 ) -> Diagnosis:
     """Scores, verdicts and reasons for one job's ranks on this node.
 
+    With `job_wide` (Prometheus's view of every node, exporter.jobwide) the straggler, the
+    amplification and the fabric's share are the job's; without it, and with ranks of the job
+    on other nodes, the reasons say the view is node-local and fabric contention abstains.
     Never raises: the snapshot it is part of also serves /metrics and the page, so on a rule's
     failure it returns no verdicts and the error in `error`.
     """
     try:
-        return _diagnose(ranks, settings, thresholds)
+        diagnosis = _diagnose(ranks, settings, thresholds)
+        return _job_wide(diagnosis, ranks, settings, thresholds, job_wide)
     except Exception as exc:  # noqa: BLE001 - a diagnosis bug must not take /metrics down
         return Diagnosis({}, None, None, 0, error=f"{type(exc).__name__}: {exc}"[:200])
 
@@ -360,3 +369,75 @@ def _diagnose(ranks: Sequence[RankView], settings: Settings, t: Thresholds) -> D
         m: ModeVerdict(round(s, 4), s >= t.verdict_score, why) for m, (s, why) in modes.items()
     }
     return Diagnosis(verdicts, straggler, skew, len(aligned))
+
+
+def _job_wide(
+    local: Diagnosis,
+    ranks: Sequence[RankView],
+    settings: Settings,
+    t: Thresholds,
+    job_wide: JobWide | None,
+) -> Diagnosis:
+    """The node's diagnosis, with what only the whole job can tell taken from Prometheus."""
+    live = [r for r in ranks if not r.stale and r.steps_total > 0]
+    elsewhere = max((r.world_size for r in live), default=0) - len(live)
+    if not live or (job_wide is None and elsewhere <= 0):
+        return local  # the whole job reports here: the node's view is the job's
+    modes = dict(local.modes)
+    straggler, skew = local.straggler, local.skew_s
+    step = _median([r.step_time_median_s for r in live if r.step_time_median_s]) or 0.0
+
+    def verdict(score: float, why: str) -> ModeVerdict:
+        return ModeVerdict(round(score, 4), score >= t.verdict_score, why)
+
+    if job_wide is None:
+        modes["fabric_contention"] = verdict(
+            0.0,
+            f"node-local view ({len(live)} of {len(live) + elsewhere} ranks here): what this "
+            "node's ranks wait for ranks elsewhere cannot be told from the transfer here; give "
+            "the exporter --prometheus-url for the job-wide view",
+        )
+        return dataclasses.replace(local, modes=modes)
+
+    if len(job_wide.leads) >= 2 and step > 0:
+        slow_rank = min(job_wide.leads, key=lambda rank: job_wide.leads[rank])
+        skew = max(job_wide.leads.values()) - job_wide.leads[slow_rank]
+        threshold = max(settings.skew_threshold_s, t.skew_step_fraction * step)
+        score = min(1.0, skew / step)
+        if skew <= threshold:
+            straggler = None
+            modes["straggler"] = verdict(
+                min(score, t.verdict_score - 0.01),
+                f"job-wide arrival skew {skew * 1e3:.1f} ms is below {threshold * 1e3:.1f} ms",
+            )
+        else:
+            here = {r.rank: r for r in live}
+            slow = here.get(slow_rank)
+            if slow is not None:
+                cause, why = straggler_cause(slow, [r for r in live if r is not slow], t)
+            else:
+                cause, why = (
+                    "unknown",
+                    "it runs on another node; that node's exporter names the cause",
+                )
+            straggler = Straggler(slow_rank, cause, why, skew, None)
+            modes["straggler"] = verdict(
+                max(score, t.verdict_score),
+                f"rank {slow_rank} arrives {skew * 1e3:.1f} ms after the earliest rank of the "
+                "job (job-wide, from Prometheus)",
+            )
+    if job_wide.amplification is not None:
+        blame = f", mostly for rank {straggler.rank}" if straggler is not None else ""
+        modes["sync_amplification"] = verdict(
+            min(1.0, job_wide.amplification / t.idle_share_full),
+            f"ranks of the job sit idle at collectives {job_wide.amplification:.0%} of each step "
+            f"waiting for a later peer{blame} (job-wide, from Prometheus)",
+        )
+    if job_wide.transfer_s is not None and step > 0:
+        share = job_wide.transfer_s / step
+        modes["fabric_contention"] = verdict(
+            min(1.0, share / t.transfer_share_full),
+            f"the job's transfer (after its last rank arrives) is {share:.0%} of each step "
+            f"({job_wide.transfer_s * 1e3:.1f} ms; job-wide, from Prometheus)",
+        )
+    return dataclasses.replace(local, modes=modes, straggler=straggler, skew_s=skew)

@@ -541,7 +541,8 @@ def _job_section(job: JobView, settings: Settings, now: float) -> tuple[str, str
     body = (
         f'<section class="job" aria-labelledby="{_e(ident)}">'
         f'<div class="job-head"><h2 id="{_e(ident)}">Job <code>{_e(job.name)}</code></h2>'
-        f'<span class="muted">{len(live)} of {len(ranks)} ranks reporting · world size {world}</span></div>'
+        f'<span class="muted">{len(live)} of {len(ranks)} ranks reporting · world size {world}'
+        f" · {_scope(job, world - len(ranks), now)}</span></div>"
         f"{banner}{_cards(live or ranks, job.diagnosis, settings)}"
         '<div class="split"><div class="panel">'
         f"{_modes_table(job.diagnosis)}</div>"
@@ -549,6 +550,17 @@ def _job_section(job: JobView, settings: Settings, now: float) -> tuple[str, str
         f'<div class="panel"><h3>Ranks</h3>{phase_legend()}{_ranks_table(job, now)}</div></section>'
     )
     return body, headline
+
+
+def _scope(job: JobView, elsewhere: int, now: float) -> str:
+    """Whose view the figures are: the job's (Prometheus read back) or this node's."""
+    if job.job_wide is not None:
+        return f"job-wide view from Prometheus, read {max(0.0, now - job.job_wide.read_unix_s):.0f} s ago"
+    if elsewhere > 0:
+        return (
+            f"node-local view: {elsewhere} ranks of this job report elsewhere (no --prometheus-url)"
+        )
+    return "the whole job reports here"
 
 
 def render_status(view: StoreView, settings: Settings) -> str:

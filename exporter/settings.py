@@ -31,3 +31,7 @@ class Settings:
     # Arrival skew below this never names a straggler (the thresholds file's skew_floor_s).
     skew_threshold_s: float = load_config()["diagnosis"]["skew_floor_s"]
     log_level: str = "warning"
+    # Prometheus's HTTP API, to read the job-wide rules back (exporter/jobwide.py); without it
+    # the exporter's view is node-local and it says so.
+    prometheus_url: str | None = None
+    prometheus_interval_s: float = 15.0

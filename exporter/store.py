@@ -15,10 +15,11 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.pooling import JobPool
 from syncscope.exporter.settings import STEP_WINDOW, Settings
 
@@ -166,6 +167,8 @@ class JobView:
     name: str
     pooled_steps_total: int = 0  # steps every rank here delivered (exporter.pooling)
     transfer_seconds_total: float = 0.0  # the sum over them of the node's per-step minimum
+    # Prometheus's job-wide figures, read back (exporter.jobwide); None: a node-local view.
+    job_wide: JobWide | None = None
 
 
 @dataclass(frozen=True)
@@ -278,6 +281,8 @@ class Store:
         self.ranks: dict[tuple[str, int], RankState] = {}
         self.job_ranks: dict[str, dict[int, RankState]] = {}  # the same states, by job
         self.pools: dict[str, JobPool] = {}
+        # job -> the job-wide view read back from Prometheus, if the exporter was given one.
+        self.job_wide: Callable[[str], JobWide | None] | None = None
         self.started_unix_s = time.time()
         self.ingested_records = 0
         self.rejected: dict[str, int] = {}
@@ -325,8 +330,11 @@ class Store:
             self._steps(state, pool, ingest.steps)
             self._pool(job, pool, now)
             self.ingested_records += len(ingest.steps) + len(ingest.collectives)
-            baselines = {key_text(k): v for k, v in pool.transfers().items()}
-        return {"accepted": True, "baselines": baselines}
+            transfers = pool.transfers()
+        job_wide = self.job_wide(job) if self.job_wide is not None else None
+        if job_wide is not None and job_wide.transfer_s is not None and transfers:
+            transfers = with_job_transfer(transfers, job_wide.transfer_s)
+        return {"accepted": True, "baselines": {key_text(k): v for k, v in transfers.items()}}
 
     def _new_incarnation(self, state: RankState, pool: JobPool) -> None:
         # A restarted rank: keep the counters (they only grow), reset what describes "now".
@@ -428,14 +436,39 @@ class Store:
         # Views are immutable, so the diagnosis runs outside the lock and never holds up ingest.
         jobs = {}
         for name, ranks in by_job.items():
-            diagnosis = diagnose_job(ranks, self.settings)
+            job_wide = self.job_wide(name) if self.job_wide is not None else None
+            if job_wide is not None and job_wide.leads:
+                ranks = [
+                    dataclasses.replace(r, arrival_lead_s=job_wide.leads[r.rank])
+                    if r.rank in job_wide.leads
+                    else r
+                    for r in ranks
+                ]
+            diagnosis = diagnose_job(ranks, self.settings, job_wide=job_wide)
             if recent is not None and recent != shown:
                 ranks = [
                     dataclasses.replace(r, recent_steps=r.recent_steps[-recent:] if recent else ())
                     for r in ranks
                 ]
-            jobs[name] = JobView(tuple(ranks), diagnosis, name, *pooled.get(name, (0, 0.0)))
+            jobs[name] = JobView(
+                tuple(ranks), diagnosis, name, *pooled.get(name, (0, 0.0)), job_wide=job_wide
+            )
         return StoreView(started, now, ingested, rejected, jobs)
+
+
+def with_job_transfer(transfers: dict[Any, float], job_transfer_s: float) -> dict[Any, float]:
+    """The node's per-kind transfers, corrected by the job's transfer per step.
+
+    The node's per-step minimum exceeds the job's by what every rank here waits for ranks
+    elsewhere; that wait happens at the step's first synchronising collective, the kind that
+    takes longest, so its baseline comes down by the difference and agents on every node see
+    their lead over the job's last rank (pacing paces the early ranks, never the straggler).
+    """
+    gap = sum(transfers.values()) - job_transfer_s
+    if gap <= 0:
+        return transfers
+    sync = max(transfers, key=lambda k: transfers[k])
+    return {**transfers, sync: max(0.0, transfers[sync] - gap)}
 
 
 # Steps the node view's arrival lead averages the pooled waits over.

@@ -125,7 +125,8 @@ COLLECTIVE_WAIT_SECONDS_TOTAL = MetricSpec(
 ARRIVAL_LEAD_SECONDS = _rank(
     "syncscope_arrival_lead_seconds",
     "gauge",
-    "Rolling mean of how early this rank arrives at collectives relative to the last peer.",
+    "How early this rank arrives at collectives, per step: job-wide while the exporter reads "
+    "Prometheus back, else relative to the last rank on this node (mean of the last 64 steps).",
     "seconds",
 )
 STEP_TIME_CV = _rank(
@@ -292,6 +293,14 @@ EXPORTER_START_TIME_SECONDS = MetricSpec(
 EXPORTER_RANKS = MetricSpec(
     "syncscope_exporter_ranks", "gauge", "Ranks reporting (not stale).", ("job",), "always"
 )
+EXPORTER_JOB_WIDE_VIEW = MetricSpec(
+    "syncscope_exporter_job_wide_view",
+    "gauge",
+    "1 while the exporter's diagnosis, page and baselines use Prometheus's job-wide view of "
+    "the job (--prometheus-url), 0 while its view is node-local.",
+    ("job",),
+    "always",
+)
 # -- the exporter process; help as prometheus_client's ProcessCollector writes it
 PROCESS_CPU_SECONDS_TOTAL = _process(
     "process_cpu_seconds_total",
@@ -387,6 +396,7 @@ SECTIONS = (
             EXPORTER_INGEST_REJECTED_TOTAL,
             EXPORTER_START_TIME_SECONDS,
             EXPORTER_RANKS,
+            EXPORTER_JOB_WIDE_VIEW,
         ),
     ),
     Section(

@@ -1,0 +1,134 @@
+"""The job-wide view read back from Prometheus, for an exporter that sees only its node's ranks.
+
+Each exporter sees the ranks of its own node; Prometheus, scraping every node, computes the
+job-wide lead of every rank, the job's transfer per step and the amplification (the recording
+rules of syncscope.monitoring.rules). Given `--prometheus-url`, the exporter reads those three
+back over Prometheus's HTTP API every `--prometheus-interval` seconds on a thread of its own and
+uses them for its diagnosis, page, /v1/state and the baselines it hands to agents. No gossip
+between exporters and no aggregator of our own: Prometheus already is the job-wide engine.
+
+A reading older than three intervals is dropped: the exporter then says its view is node-local
+rather than show stale job-wide figures as current.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from syncscope.monitoring import rules
+
+log = logging.getLogger("syncscope.exporter")
+
+
+@dataclass(frozen=True)
+class JobWide:
+    """What Prometheus computes over every node of one job."""
+
+    leads: Mapping[int, float] = field(default_factory=dict)  # rank -> s per step (lead rule)
+    transfer_s: float | None = None  # the job's transfer per step
+    amplification: float | None = None  # idle share of rank-time at collectives
+    read_unix_s: float = 0.0
+
+
+def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, JobWide]:
+    """Instant-query results of the three rules -> one JobWide per job."""
+    leads: dict[str, dict[int, float]] = {}
+    transfer: dict[str, float] = {}
+    amplification: dict[str, float] = {}
+    for sample in replies.get(rules.LEAD_AVG, []):
+        job, rank = sample["metric"].get("job"), sample["metric"].get("rank")
+        value = _number(sample)
+        if job and rank is not None and rank.isdigit() and value is not None:
+            leads.setdefault(job, {})[int(rank)] = value
+    for name, into in (
+        (rules.TRANSFER_PER_STEP, transfer),
+        (rules.SYNC_AMPLIFICATION, amplification),
+    ):
+        for sample in replies.get(name, []):
+            job, value = sample["metric"].get("job"), _number(sample)
+            if job and value is not None:
+                into[job] = value
+    return {
+        job: JobWide(leads.get(job, {}), transfer.get(job), amplification.get(job), now)
+        for job in set(leads) | set(transfer) | set(amplification)
+    }
+
+
+def _number(sample: dict[str, Any]) -> float | None:
+    try:
+        value = float(sample["value"][1])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+    return value if value == value and abs(value) != float("inf") else None
+
+
+class PrometheusReader:
+    """Polls Prometheus for the job-wide rules; `get(job)` is the latest fresh reading or None."""
+
+    QUERIES = (rules.LEAD_AVG, rules.TRANSFER_PER_STEP, rules.SYNC_AMPLIFICATION)
+
+    def __init__(self, url: str, interval_s: float = 15.0, timeout_s: float = 2.0) -> None:
+        self.url = url.rstrip("/")
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.max_age_s = 3 * interval_s
+        self.last_error: str | None = None
+        self.reads = 0
+        self.failures = 0
+        self._jobs: dict[str, JobWide] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="syncscope-prometheus", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.timeout_s * len(self.QUERIES) + 1)
+
+    def get(self, job: str, now: float | None = None) -> JobWide | None:
+        with self._lock:
+            reading = self._jobs.get(job)
+        if reading is None:
+            return None
+        age = (time.time() if now is None else now) - reading.read_unix_s
+        return reading if age <= self.max_age_s else None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.read_once()
+            self._stop.wait(self.interval_s)
+
+    def read_once(self) -> bool:
+        try:
+            replies = {name: self._query(name) for name in self.QUERIES}
+        except (OSError, ValueError, KeyError) as exc:  # unreachable, refused, not Prometheus
+            self.failures += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"[:200]
+            log.debug("syncscope: reading %s failed: %s", self.url, self.last_error)
+            return False
+        jobs = parse(replies, time.time())
+        with self._lock:
+            self._jobs = jobs
+        self.reads += 1
+        self.last_error = None
+        return True
+
+    def _query(self, promql: str) -> list[dict[str, Any]]:
+        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
+        with urllib.request.urlopen(url, timeout=self.timeout_s) as reply:  # noqa: S310 - operator's URL
+            data = json.loads(reply.read())
+        if data.get("status") != "success":
+            raise ValueError(f"query {promql!r}: {data.get('error', data.get('status'))}")
+        return list(data["data"]["result"])

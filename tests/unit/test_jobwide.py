@@ -1,0 +1,113 @@
+"""The job-wide view an exporter reads back from Prometheus, and what its diagnosis does with it.
+
+The node's ranks come from a recorded real run (tests/fixtures/scenarios); the job-wide
+figures are what the recording rules would return for a job whose other ranks report to
+another exporter. The real Prometheus round trip is in tests/integration/test_multinode.py.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from syncscope.exporter.diagnosis import diagnose_job
+from syncscope.exporter.jobwide import JobWide, PrometheusReader, parse
+from syncscope.exporter.settings import Settings
+from syncscope.exporter.store import with_job_transfer
+
+from syncscope.monitoring import rules
+from syncscope.servers import free_port
+from tests.unit.test_diagnosis import ranks_of
+
+SETTINGS = Settings()
+
+
+def two_of_four(name: str) -> list:
+    """Ranks 0 and 1 of a recorded run, as one node's view of a 4-rank job."""
+    return [r for r in ranks_of(name) if r.rank in (0, 1)]
+
+
+def test_parse_groups_the_three_rules_by_job():
+    def sample(value: str, **labels: str) -> dict:
+        return {"metric": labels, "value": [1.0, value]}
+
+    replies = {
+        rules.LEAD_AVG: [
+            sample("0.03", job="a", rank="0"),
+            sample("0", job="a", rank="3"),
+            sample("NaN", job="a", rank="2"),  # no steps in the window: left out, not 0
+            sample("0.01", job="b", rank="1"),
+        ],
+        rules.TRANSFER_PER_STEP: [sample("0.005", job="a")],
+        rules.SYNC_AMPLIFICATION: [sample("0.4", job="a"), sample("+Inf", job="b")],
+    }
+    jobs = parse(replies, now=100.0)
+    assert jobs["a"] == JobWide({0: 0.03, 3: 0.0}, 0.005, 0.4, 100.0)
+    assert jobs["b"] == JobWide({1: 0.01}, None, None, 100.0)
+
+
+def test_an_unreachable_prometheus_leaves_the_view_node_local():
+    reader = PrometheusReader(f"http://127.0.0.1:{free_port()}", interval_s=1.0, timeout_s=0.5)
+    assert reader.read_once() is False
+    assert reader.failures == 1 and reader.last_error
+    assert reader.get("a") is None
+
+
+def test_a_reading_older_than_three_intervals_is_dropped():
+    reader = PrometheusReader("http://127.0.0.1:9", interval_s=10.0)
+    now = time.time()
+    reader._jobs = {"a": JobWide({0: 0.0}, None, None, now - 25)}
+    assert reader.get("a", now=now) is not None
+    assert reader.get("a", now=now + 10) is None
+
+
+def test_node_local_view_of_a_multi_node_job_never_calls_the_fabric_contended():
+    ranks = two_of_four("balanced")
+    assert all(r.world_size == 4 for r in ranks)
+    out = diagnose_job(ranks, SETTINGS)
+    fabric = out.modes["fabric_contention"]
+    assert fabric.score == 0 and not fabric.verdict
+    assert "node-local" in fabric.reason and "--prometheus-url" in fabric.reason
+
+
+def test_job_wide_view_names_a_straggler_on_another_node():
+    ranks = two_of_four("balanced")
+    step = statistics.median(r.step_time_median_s for r in ranks)  # the node's median step
+    job_wide = JobWide({0: 0.030, 1: 0.031, 2: 0.029, 3: 0.0}, 0.004, 0.45, time.time())
+    out = diagnose_job(ranks, SETTINGS, job_wide=job_wide)
+    assert out.straggler is not None and out.straggler.rank == 3
+    assert out.straggler.cause == "unknown" and "another node" in out.straggler.cause_reason
+    assert out.modes["straggler"].verdict
+    assert abs(out.skew_s - 0.031) < 1e-9
+    assert out.modes["sync_amplification"].verdict  # 45 % idle
+    assert "job-wide" in out.modes["sync_amplification"].reason
+    fabric = out.modes["fabric_contention"]
+    assert abs(fabric.score - min(1.0, 0.004 / step / 0.5)) < 1e-3
+
+
+def test_job_wide_view_of_a_balanced_job_names_nobody():
+    ranks = two_of_four("balanced")
+    job_wide = JobWide({0: 0.001, 1: 0.0, 2: 0.0015, 3: 0.0005}, 0.004, 0.05, time.time())
+    out = diagnose_job(ranks, SETTINGS, job_wide=job_wide)
+    assert out.straggler is None
+    assert not out.modes["straggler"].verdict
+    assert not out.modes["sync_amplification"].verdict
+
+
+def test_a_local_straggler_keeps_its_cause_in_the_job_wide_view():
+    ranks = [r for r in ranks_of("forward_straggler")]
+    slow = min(ranks, key=lambda r: r.arrival_lead_s).rank
+    mates = [r for r in ranks if r.rank in (slow, (slow + 1) % 4)]
+    leads = {r: (0.0 if r == slow else 0.03) for r in range(4)}
+    out = diagnose_job(mates, SETTINGS, job_wide=JobWide(leads, 0.004, 0.5, time.time()))
+    assert out.straggler is not None and out.straggler.rank == slow
+    assert out.straggler.cause == "forward"
+
+
+def test_baselines_come_down_by_what_the_node_waits_for_other_nodes():
+    sync, small = ("ddp_grad_sync", "ddp", 20), ("all_reduce", "pg", 3)
+    node = {sync: 0.030, small: 0.001}
+    # The job's transfer per step is 5 ms: this node's ranks wait 26 ms for a remote rank.
+    out = with_job_transfer(node, 0.005)
+    assert abs(out[sync] - 0.004) < 1e-12 and out[small] == 0.001
+    assert with_job_transfer(node, 0.5) == node  # never raised
