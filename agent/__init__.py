@@ -5,6 +5,6 @@ agent = attach(model=ddp_model, optimizer=optimizer)   # exporter from $SYNCSCOP
 """
 
 from syncscope.agent.config import AgentConfig
-from syncscope.agent.core import Agent, attach
+from syncscope.agent.core import Agent, RankAgent, attach
 
-__all__ = ["Agent", "AgentConfig", "attach"]
+__all__ = ["Agent", "AgentConfig", "RankAgent", "attach"]

@@ -13,12 +13,16 @@ import inspect
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from syncscope.wire import MAX_LABEL_LEN
+
+if TYPE_CHECKING:
+    from syncscope.agent.queues import RecordQueues
 
 _now = time.perf_counter_ns
-MAX_GROUP_LABELS = 32
+MAX_GROUP_LABELS = 32  # distinct group labels per process; the rest are "other"
 
 
 def _tensor_bytes(t: Any) -> int:
@@ -44,6 +48,13 @@ _SPECS: dict[str, tuple[str, int, Callable[[Any], int] | None]] = {
 }
 
 
+def group_label(name: str, desc: str) -> str:
+    """A process group's label: its description where torch has one, else 'pg' + its name."""
+    if desc and desc != "undefined":
+        return desc[:MAX_LABEL_LEN]
+    return ("pg" + name)[:MAX_LABEL_LEN]
+
+
 class GroupLabels:
     """Bounded mapping from process groups to label values (cardinality stays capped)."""
 
@@ -67,9 +78,7 @@ class GroupLabels:
             if group is None:
                 group = c10d._get_default_group()
             desc = getattr(group, "group_desc", "") or ""
-            if desc and desc != "undefined":
-                return desc[:64]
-            return "pg" + str(c10d._get_process_group_name(group))[:32]
+            return group_label(str(c10d._get_process_group_name(group)), desc)
         except Exception:  # noqa: BLE001 - a label is never worth an exception
             return "unknown"
 
@@ -77,9 +86,9 @@ class GroupLabels:
 class CollectivePatch:
     """Wraps torch.distributed collectives to record (op, group, bytes, duration_ns, step)."""
 
-    def __init__(self, sink: deque, step_of: Callable[[], int], labels: GroupLabels) -> None:
-        self.sink = sink
-        self.step_of = step_of
+    def __init__(self, queues: RecordQueues, labels: GroupLabels) -> None:
+        self.sink = queues.collectives
+        self.step_of = queues.current_step
         self.labels = labels
         self.originals: dict[tuple[Any, str], Any] = {}
         self.dropped = 0

@@ -7,6 +7,8 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from syncscope.wire import MAX_LABEL_LEN
+
 DETAIL_LEVELS = ("default", "buckets")
 
 
@@ -87,6 +89,6 @@ def process_identity(env: Mapping[str, str] = os.environ) -> dict[str, object]:
         "rank": rank,
         "local_rank": local_rank,
         "world_size": world,
-        "hostname": socket.gethostname()[:64],
+        "hostname": socket.gethostname()[:MAX_LABEL_LEN],
         "pid": os.getpid(),
     }

@@ -5,20 +5,58 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import os
 import sys
 import time
 import uuid
-from collections import deque
-from typing import Any
+from contextlib import AbstractContextManager
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Protocol
 
 from syncscope.agent.collectives import CollectivePatch, GroupLabels, bucket_timing_hook
 from syncscope.agent.config import AgentConfig, process_identity
+from syncscope.agent.local_arrival import LocalArrival
 from syncscope.agent.nccl_trace import nccl_group_exists
 from syncscope.agent.phases import PhaseClock
+from syncscope.agent.queues import RecordQueues
+from syncscope.agent.recording import RecordWriter
+from syncscope.agent.step_pacing import StepPacer
 from syncscope.agent.transport import Reporter
 
+from syncscope.wire import MAX_LABEL_LEN
+
+if TYPE_CHECKING:
+    from syncscope.agent.nccl_trace import FlightRecorderReader, StepTimeline
+    from syncscope.agent.pacing import PacingController
+    from syncscope.agent.topology import TopologySampler
+
 log = logging.getLogger("syncscope.agent")
+
+
+class RankAgent(Protocol):
+    """What attach() returns: the live `Agent`, or an `InertAgent` when syncscope is switched
+    off or could not start. Integrations (syncscope.integrations) use nothing else."""
+
+    errors: int  # hook failures caught on the training thread
+    last_error: BaseException | None
+
+    def step(self) -> AbstractContextManager[None]:
+        """`with agent.step():` marks one training step when no optimizer hook does."""
+        ...
+
+    def close(self) -> None:
+        """Remove hooks and patches, send what is left. Safe to call twice."""
+        ...
+
+    @property
+    def dropped_total(self) -> int:
+        """Records lost so far: refused by a full queue, or in a failed send."""
+        ...
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters for the curious (and the tests): steps, sent_records, dropped_records,
+        errors (the training thread's and the reporter's)."""
+        ...
 
 
 class _StepContext:
@@ -41,112 +79,65 @@ class _StepContext:
 
 
 class Agent:
-    """One rank's agent. Use `attach()` to make one; `close()` (or process exit) ends it."""
+    """One rank's agent. Use `attach()` to make one; `close()` (or process exit) ends it.
+
+    Its parts: `queues`, which the producers fill and the reporter drains; producers `clock`
+    (phases from hooks on the model and optimizer; on CUDA it also records CUDA events),
+    `patch` (timed torch.distributed calls, CPU groups) and `nccl_reader` (Flight Recorder, NCCL
+    groups); `topology` (GPU locality, sampled on the reporter's thread); `arrival`, the local
+    arrival estimate, only when `pacer` (pacing's controller) or `record` (the record file)
+    reads it; and `reporter`, which sends everything to the exporter.
+    """
 
     def __init__(self, model: Any, optimizer: Any, config: AgentConfig) -> None:
         self.config = config
         self.errors = 0
         self.last_error: BaseException | None = None
         self._closed = False
-        steps: deque = deque(maxlen=config.queue_size)
-        collectives: deque = deque(maxlen=config.queue_size * 4)
         torch = sys.modules.get("torch") if model is None and optimizer is None else _import_torch()
+        self.identity = _identity(config)
+        self.queues = RecordQueues(config.queue_size)
         labels = GroupLabels()
-        ddp_group, ddp_bytes, queue_callback, ddp_model = None, 0.0, None, None
-        if model is not None and torch is not None:
-            queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-            ddp = torch.nn.parallel.DistributedDataParallel
-            if isinstance(model, ddp):
-                ddp_model = model
-                ddp_group = labels(model.process_group)
-                ddp_bytes = float(
-                    sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-                )
+        ddp_model, ddp_group, ddp_bytes = _ddp_sync(torch, model, labels)
         # On CUDA (docs/gpu.md): GPU-side phases from CUDA events, NCCL durations from Flight
         # Recorder, GPU topology from NVML/sysfs; all resolved or read off the training thread.
         cuda_index = _cuda_device(torch, model, optimizer)
-        clock_cls, clock_kw, timeline = PhaseClock, {}, None
+        timeline = _step_timeline() if cuda_index is not None else None
+        self.clock = self._make_clock(torch, model, ddp_model, ddp_group, ddp_bytes, timeline)
+        self.queues.clock = self.clock
+        self.nccl_reader: FlightRecorderReader | None = None
+        self.topology: TopologySampler | None = None
         if cuda_index is not None:
-            from syncscope.agent.cuda_timing import CudaPhaseClock
-            from syncscope.agent.nccl_trace import StepTimeline
-
-            timeline = StepTimeline()
-            clock_cls, clock_kw = CudaPhaseClock, {"timeline": timeline}
-        self.clock = clock_cls(
-            steps,
-            collectives,
-            queue_callback,
-            ddp_group,
-            ddp_bytes,
-            self._on_error,
-            ddp_model=ddp_model,
-            **clock_kw,
-        )
-        self.nccl_reader: Any = None
-        self.topology: Any = None
-        if cuda_index is not None:
-            from syncscope.agent import nccl_trace
-            from syncscope.agent.topology import TopologySampler, locator_from_torch
-
-            if _dist_available(torch) and nccl_trace.flight_recorder_available(torch):
-                after, _timed = nccl_trace.check_timing_at_attach(torch)
-                self.nccl_reader = nccl_trace.FlightRecorderReader(
-                    collectives,
-                    timeline=timeline,
-                    current_step=lambda: self.clock.step,
-                    attached_after_group=after,
-                )
-            try:
-                self.topology = TopologySampler(locator_from_torch(torch, cuda_index))
-            except Exception as exc:  # noqa: BLE001 - topology is never worth failing attach
-                log.info("syncscope: no GPU topology (%r)", exc)
-        identity = process_identity()
-        identity.update(
-            job=config.job[:64], incarnation=uuid.uuid4().hex[:16], started_unix_s=time.time()
-        )
-        self.identity = identity
-
-        self.patch: CollectivePatch | None = None
-        # NCCL calls return before the GPU runs them: a CPU timer would time the enqueue only;
-        # Flight Recorder gives their real durations instead.
-        if (
-            config.patch_collectives
-            and torch is not None
-            and _dist_available(torch)
-            and not nccl_group_exists(torch)
-        ):
-            self.patch = CollectivePatch(collectives, lambda: self.clock.step, labels)
-            self.patch.install()
-        self.pacer: Any = None
+            self.nccl_reader = self._flight_recorder_reader(torch, timeline)
+            self.topology = _topology_sampler(torch, cuda_index)
+        self.patch = self._patch_collectives(torch, labels)
+        self.record = RecordWriter(config.record, self.identity) if config.record else None
+        self.arrival = LocalArrival(self.record) if config.pacing or self.record else None
+        self.pacer: PacingController | None = None
+        if config.pacing and self.arrival is not None:
+            self.pacer = self._enable_pacing(self.arrival)
         self.reporter = Reporter(
-            identity=identity,
+            identity=self.identity,
             url=config.exporter,
             token=config.token,
-            steps=steps,
-            collectives=collectives,
+            steps=self.queues.steps,
+            collectives=self.queues.collectives,
             flush_interval_s=config.flush_interval_s,
             send_timeout_s=config.send_timeout_s,
-            record_path=config.record.replace("{rank}", str(identity["rank"]))
-            if config.record
-            else None,
             dropped_elsewhere=self._dropped_on_training_thread,
-            pacing_state=self._pacing_state,
-            topology=self.topology if self.topology is not None else (lambda: None),
-            estimate=config.pacing,  # (and the record file, which the reporter knows of)
+            pacing_state=self.pacer.state if self.pacer is not None else None,
+            topology=self.topology,
+            on_drained=self.arrival.drained if self.arrival is not None else None,
+            on_reply=self.arrival.merge_reply if self.arrival is not None else None,
         )
-        if config.pacing:
-            self._enable_pacing()
+        # Hooks and patches go in last, so that a failure above leaves none of them in place.
+        if self.patch is not None:
+            self.patch.install()
         self.clock.instrument(model, optimizer)
         if model is not None and config.detail == "buckets" and ddp_group is not None:
-            try:
-                model.register_comm_hook(
-                    model.process_group, bucket_timing_hook(identity["world_size"])
-                )
-            except Exception as exc:  # noqa: BLE001 - e.g. the user registered their own hook
-                log.warning("syncscope: per-bucket timing unavailable (%s); default path only", exc)
+            self._time_buckets(model)
         self.reporter.start()
-        if cuda_index is not None:
-            self.clock.start()  # the CUDA-event resolver thread
+        self.clock.start()
         if self.nccl_reader is not None:
             self.nccl_reader.start()
         atexit.register(self.close)
@@ -167,12 +158,17 @@ class Agent:
             self.patch.uninstall()
         if self.nccl_reader is not None:
             self.nccl_reader.stop()
-        stop_clock = getattr(self.clock, "stop", None)
-        if stop_clock is not None:
-            stop_clock()  # resolve what the GPU has finished, so the reporter sends it
+        self.clock.stop()  # resolve what the GPU has finished, so the reporter sends it
         self.reporter.stop()
+        if self.record is not None:
+            self.record.close()
         if self.topology is not None:
             self.topology.close()
+
+    @property
+    def dropped_total(self) -> int:
+        """Records lost so far: refused by a full queue, or in a failed send."""
+        return self.reporter.dropped_total
 
     @property
     def stats(self) -> dict[str, int]:
@@ -180,9 +176,84 @@ class Agent:
         return {
             "steps": self.clock.step,
             "sent_records": self.reporter.sent_records,
-            "dropped_records": self.reporter.dropped_total,
+            "dropped_records": self.dropped_total,
             "errors": self.errors + self.reporter.errors,
         }
+
+    # -- construction -------------------------------------------------------------------------
+    def _make_clock(
+        self,
+        torch: Any,
+        model: Any,
+        ddp_model: Any,
+        ddp_group: str | None,
+        ddp_bytes: float,
+        timeline: StepTimeline | None,
+    ) -> PhaseClock:
+        """The CPU phase clock, or with a step timeline (CUDA) the one that also records CUDA
+        events at each boundary and resolves them into GPU-side phases on a thread of its own."""
+        queue_callback = None
+        if model is not None and torch is not None:
+            queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+        args = (
+            self.queues.steps,
+            self.queues.collectives,
+            queue_callback,
+            ddp_group,
+            ddp_bytes,
+            self._on_error,
+        )
+        if timeline is None:
+            return PhaseClock(*args, ddp_model=ddp_model)
+        from syncscope.agent.cuda_timing import CudaPhaseClock
+
+        return CudaPhaseClock(*args, ddp_model=ddp_model, timeline=timeline)
+
+    def _flight_recorder_reader(
+        self, torch: Any, timeline: StepTimeline | None
+    ) -> FlightRecorderReader | None:
+        """NCCL collectives' durations, where this torch has Flight Recorder (CUDA builds)."""
+        from syncscope.agent import nccl_trace
+
+        if not (_dist_available(torch) and nccl_trace.flight_recorder_available(torch)):
+            return None
+        after, _timed = nccl_trace.check_timing_at_attach(torch)
+        return nccl_trace.FlightRecorderReader(
+            self.queues.collectives,
+            timeline=timeline,
+            current_step=self.queues.current_step,
+            attached_after_group=after,
+        )
+
+    def _patch_collectives(self, torch: Any, labels: GroupLabels) -> CollectivePatch | None:
+        """The patch that times torch.distributed calls (installed with the other hooks)."""
+        # Not on NCCL groups: their calls return before the GPU runs them, so a CPU timer would
+        # time the enqueue only; Flight Recorder gives their real durations instead.
+        if not (
+            self.config.patch_collectives
+            and torch is not None
+            and _dist_available(torch)
+            and not nccl_group_exists(torch)
+        ):
+            return None
+        return CollectivePatch(self.queues, labels)
+
+    def _enable_pacing(self, arrival: LocalArrival) -> PacingController:
+        """Pacing (paper §5.3, agent/pacing.py) at the step boundary (agent/step_pacing.py)."""
+        from syncscope.agent.pacing import PacingConfig, PacingController
+
+        config = replace(PacingConfig.from_env(), world_size=int(self.identity["world_size"]))
+        controller = PacingController(config)
+        self.clock.pacer = StepPacer(controller, arrival, self.config.pacing_kill_file).pace
+        return controller
+
+    def _time_buckets(self, model: Any) -> None:
+        try:
+            model.register_comm_hook(
+                model.process_group, bucket_timing_hook(self.identity["world_size"])
+            )
+        except Exception as exc:  # noqa: BLE001 - e.g. the user registered their own hook
+            log.warning("syncscope: per-bucket timing unavailable (%s); default path only", exc)
 
     # -- internals ----------------------------------------------------------------------------
     def _on_error(self, exc: BaseException) -> None:
@@ -198,50 +269,39 @@ class Agent:
             + (self.nccl_reader.stats["dropped"] if self.nccl_reader is not None else 0)
         )
 
-    def _enable_pacing(self) -> None:
-        """Pacing (paper §5.3, controller in agent/pacing.py) at the step boundary.
 
-        The wait fed to the controller is this step's exposed DDP sync minus the node-wide
-        transfer baseline; until a baseline is known (first flush) nothing is fed, so start-up
-        transients cannot engage it. The kill file, checked every step (one stat, ~1 µs, only
-        with pacing on), switches pacing off for the rest of the process's life.
-        """
-        from dataclasses import replace
+class InertAgent:
+    """What attach() returns when syncscope is switched off or could not start: the same
+    interface as `Agent`, doing nothing."""
 
-        from syncscope.agent.pacing import PacingConfig, PacingController
+    def __init__(self) -> None:
+        self.errors = 0
+        self.last_error: BaseException | None = None
 
-        config = replace(PacingConfig.from_env(), world_size=int(self.identity["world_size"]))
-        pacer = self.pacer = PacingController(config)
-        kill_file = self.config.pacing_kill_file
-        exists = os.path.exists
-        reporter = self.reporter
+    def step(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
-        def pace(comm_ns: int, step_ns: int) -> int:
-            if kill_file is not None and exists(kill_file):
-                if pacer.enabled:
-                    pacer.disable()
-                    log.warning("syncscope: pacing switched off by %s", kill_file)
-                return 0
-            baseline = reporter.ddp_baseline_s
-            if baseline <= 0.0 or not pacer.enabled:
-                return 0
-            delay = pacer.update(max(0.0, comm_ns / 1e9 - baseline), step_ns / 1e9)
-            return int(delay * 1e9)
+    def close(self) -> None:
+        pass
 
-        self.clock.pacer = pace
+    @property
+    def dropped_total(self) -> int:
+        return 0
 
-    def _pacing_state(self) -> dict[str, Any] | None:
-        p = self.pacer
-        if p is None:
-            return None
-        return {
-            "enabled": bool(p.enabled),
-            "active": bool(p.active),
-            "current_delay_s": float(p.current_delay_s),
-            "threshold_s": float(p.threshold_s),
-            "engagements": int(p.engagements),
-            "total_delay_s": float(p.total_delay_s),
-        }
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"steps": 0, "sent_records": 0, "dropped_records": 0, "errors": 0}
+
+
+def _identity(config: AgentConfig) -> dict[str, Any]:
+    """Who reports: the process's rank and host, the job, and this incarnation of the agent."""
+    identity = process_identity()
+    identity.update(
+        job=config.job[:MAX_LABEL_LEN],
+        incarnation=uuid.uuid4().hex[:16],
+        started_unix_s=time.time(),
+    )
+    return identity
 
 
 def _import_torch() -> Any:
@@ -251,6 +311,17 @@ def _import_torch() -> Any:
         return torch
     except ImportError:
         return None
+
+
+def _ddp_sync(torch: Any, model: Any, labels: GroupLabels) -> tuple[Any, str | None, float]:
+    """(the DDP module, its group's label, bytes of gradients it synchronises per step), or
+    (None, None, 0.0) when the model synchronises no gradients through DDP."""
+    if model is None or torch is None:
+        return None, None, 0.0
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return None, None, 0.0
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return model, labels(model.process_group), float(nbytes)
 
 
 def _cuda_device(torch: Any, model: Any, optimizer: Any) -> int | None:
@@ -269,6 +340,22 @@ def _cuda_device(torch: Any, model: Any, optimizer: Any) -> int | None:
     return None
 
 
+def _step_timeline() -> StepTimeline:
+    from syncscope.agent.nccl_trace import StepTimeline
+
+    return StepTimeline()
+
+
+def _topology_sampler(torch: Any, cuda_index: int) -> TopologySampler | None:
+    from syncscope.agent.topology import TopologySampler, locator_from_torch
+
+    try:
+        return TopologySampler(locator_from_torch(torch, cuda_index))
+    except Exception as exc:  # noqa: BLE001 - topology is never worth failing attach
+        log.info("syncscope: no GPU topology (%r)", exc)
+        return None
+
+
 def _dist_available(torch: Any) -> bool:
     try:
         import torch.distributed as dist
@@ -278,23 +365,9 @@ def _dist_available(torch: Any) -> bool:
         return False
 
 
-class _DisabledAgent:
-    """What attach() returns under SYNCSCOPE_DISABLE=1: the same surface, doing nothing."""
-
-    stats: dict[str, int] = {"steps": 0, "sent_records": 0, "dropped_records": 0, "errors": 0}
-
-    def step(self) -> Any:
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def close(self) -> None:
-        pass
-
-
 def attach(
     model: Any = None, optimizer: Any = None, exporter: str | None = None, **config: Any
-) -> Any:
+) -> RankAgent:
     """Attach syncscope to this rank's training.
 
     model      the (DDP-wrapped) module: phases from its forward and backward
@@ -306,9 +379,9 @@ def attach(
     """
     settings = AgentConfig.resolve({"exporter": exporter, **config})
     if settings.disable:
-        return _DisabledAgent()
+        return InertAgent()
     try:
         return Agent(model, optimizer, settings)
     except Exception as exc:  # noqa: BLE001 - observability must not stop training
         log.warning("syncscope: attach failed, continuing without it: %r", exc)
-        return _DisabledAgent()
+        return InertAgent()

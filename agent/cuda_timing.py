@@ -31,7 +31,16 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from syncscope.agent.phases import BACKWARD, COMM, DATA, FORWARD, OPTIMIZER, PACING, PhaseClock
+from syncscope.agent.phases import (
+    BACKWARD,
+    COMM,
+    DATA,
+    FORWARD,
+    OPTIMIZER,
+    PACING,
+    ROW_PHASES,
+    PhaseClock,
+)
 
 STEP_START, FWD_PRE, FWD_POST, BWD_START, BWD_END, COMM_END, OPT_PRE, OPT_POST, STEP_END = range(9)
 _IDLE_BEFORE_FORWARD = (STEP_START, BWD_END, COMM_END)
@@ -271,7 +280,8 @@ class CudaPhaseClock(PhaseClock):
     def _emit_gpu(self, cpu: tuple, ddp: list, start: Any, marks: list) -> None:
         total, phases, comm = gpu_phases(start, marks)
         step, end_ns = cpu[0], cpu[1]
-        pacing = min(cpu[3 + PACING], total)  # CPU sleep; on the GPU it looks like data wait
+        # The CPU's pacing sleep; on the GPU it looks like data wait.
+        pacing = min(cpu[ROW_PHASES + PACING], total)
         phases[DATA] = max(0, phases[DATA] - pacing)
         phases[PACING] = pacing
         self.gpu_steps += 1

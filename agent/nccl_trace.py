@@ -32,11 +32,12 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from syncscope.agent.collectives import MAX_GROUP_LABELS, group_label
+
 log = logging.getLogger("syncscope.agent")
 
 ENABLE_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 BUFFER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
-MAX_GROUP_LABELS = 32
 
 # profiling_name after "nccl:" -> the op label the gloo path uses (syncscope.wire.OPS).
 _OPS = {
@@ -158,8 +159,8 @@ class StepTimeline:
 
 
 class GroupLabels:
-    """(pg_name, pg_desc) -> label, as agent.collectives.GroupLabels labels the gloo path:
-    the description where torch has one, else 'pg' + name; at most 32 distinct."""
+    """(pg_name, pg_desc) -> label, as agent.collectives.GroupLabels labels the gloo path;
+    at most MAX_GROUP_LABELS distinct."""
 
     def __init__(self) -> None:
         self._labels: dict[tuple[str, str], str] = {}
@@ -173,9 +174,7 @@ class GroupLabels:
         if label is None:
             if len(self._labels) >= MAX_GROUP_LABELS:
                 return "other"
-            name, desc = key
-            label = desc[:64] if desc and desc != "undefined" else ("pg" + name)[:64]
-            self._labels[key] = label
+            label = self._labels[key] = group_label(*key)
         return label
 
 

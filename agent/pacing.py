@@ -7,7 +7,8 @@ persistently above an adaptive threshold it delays its next iteration by a bound
 that lead, and it backs off by itself when the imbalance subsides. It never runs a collective of
 its own and it can be switched off at any moment.
 
-The controller is a pure object (waits in, delay out) and imports only the standard library. The
+The controller is a pure object (waits in, delay out) and imports only the standard library
+(and syncscope.wire, which does too; agent/step_pacing.py feeds it at the step boundary). The
 same class also runs *vectorised* over many ranks at once (``PacingController(cfg, ranks=n)``):
 the simulator uses that form so that it exercises exactly this arithmetic, not a copy. Both
 forms go through the single :meth:`PacingController.update`; only a handful of primitive
@@ -42,6 +43,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from statistics import NormalDist
 from typing import Any
+
+from syncscope.wire import PacingState
 
 __all__ = ["ENV_PREFIX", "PacingConfig", "PacingController", "balanced_lead"]
 
@@ -463,13 +466,13 @@ class PacingController:
         self.total_delay_s = self.total_delay_s + delay
         return delay
 
-    def state(self) -> dict[str, Any]:
-        """A snapshot for reporting; plain Python values in the scalar form."""
-        return {
-            "enabled": self._enabled,
-            "active": self.active,
-            "current_delay_s": self.current_delay_s,
-            "threshold_s": self.threshold_s,
-            "engagements": self.engagements,
-            "total_delay_s": self.total_delay_s,
-        }
+    def state(self) -> PacingState:
+        """A snapshot for the wire (scalar form only; the vectorised form's are arrays)."""
+        return PacingState(
+            enabled=bool(self._enabled),
+            active=bool(self.active),
+            current_delay_s=float(self.current_delay_s),
+            threshold_s=float(self.threshold_s),
+            engagements=int(self.engagements),
+            total_delay_s=float(self.total_delay_s),
+        )

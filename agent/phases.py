@@ -40,9 +40,18 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from syncscope.wire import DDP_GRAD_SYNC
+from syncscope.wire import DDP_GRAD_SYNC, Phase
 
-DATA, FORWARD, BACKWARD, OPTIMIZER, COMM, PACING = range(6)
+# Positions in the per-step accumulator, as plain ints: indexing a list with an IntEnum member
+# costs an __index__ call on the hot path. `other` is not accumulated (see PhaseClock).
+DATA = int(Phase.DATA)
+FORWARD = int(Phase.FORWARD)
+BACKWARD = int(Phase.BACKWARD)
+OPTIMIZER = int(Phase.OPTIMIZER)
+COMM = int(Phase.COMM_EXPOSED)
+PACING = int(Phase.PACING)
+# A step row is (step, end_ns, total_ns, *accumulated phases): where the phases start.
+ROW_PHASES = 3
 TRIGGERS = 2  # parameters whose gradients come first, hooked after learning
 RELEARN_LIMIT = 16
 _now = time.perf_counter_ns
@@ -72,7 +81,7 @@ class PhaseClock:
         self.ddp_bytes = ddp_bytes
         self.ddp_model = ddp_model  # its require_backward_grad_sync is False under no_sync()
         self.on_error = on_error
-        self.acc = [0, 0, 0, 0, 0, 0]
+        self.acc = [0, 0, 0, 0, 0, 0]  # ns per phase, DATA .. PACING
         self.step = 0
         now = _now()
         self.step_start = now
@@ -107,6 +116,12 @@ class PhaseClock:
         self.pacer: Callable[[int, int], int] | None = None
 
     # -- wiring -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Nothing to start on CPU (CudaPhaseClock starts its resolver thread here)."""
+
+    def stop(self, timeout: float = 0.5) -> None:
+        """Nothing to finish on CPU (CudaPhaseClock resolves what the GPU has done)."""
+
     def instrument(self, model: Any = None, optimizer: Any = None) -> None:
         """Hook `model` (forward, parameter gradients, torch.autograd.backward) and `optimizer`."""
         handles = self._handles

@@ -8,14 +8,13 @@ training thread. Anything NVML or sysfs cannot say is "unknown" (strings) or Non
 never an error: VMs report NUMA and NVLink as "not supported", containers hide /sys/class/*.
 
 Both sources sit behind small interfaces with their I/O injected, the way prometheus_client's
-ProcessCollector takes `proc=`: `NvmlDevice` (the live `PynvmlDevice`, or `RecordedNvmlDevice`
-replaying answers captured by tests/fixtures/gpu/capture.py) and `SysfsReader(root=...)`.
+ProcessCollector takes `proc=`: `NvmlDevice` (the live `PynvmlDevice`; the tests replay captured
+answers, tests/fixtures/gpu/replay.py) and `SysfsReader(root=...)`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -23,6 +22,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from syncscope.wire import MAX_LABEL_LEN
 
 log = logging.getLogger("syncscope.agent")
 
@@ -35,7 +36,9 @@ SAME_PCIE_SWITCH, SAME_NUMA_NODE, CROSS_SOCKET = (
 )
 NIC_DISTANCES = (SAME_PCIE_SWITCH, SAME_NUMA_NODE, CROSS_SOCKET, UNKNOWN)
 
-# Every key a topology dict may carry (the wire allows 64; exporter/gpu.py reads these).
+# Every key a topology dict may carry (at most wire.MAX_TOPOLOGY_ENTRIES; exporter/gpu.py reads
+# these). Text values become label values of the exporter's GPU info series: at most
+# wire.MAX_LABEL_LEN characters.
 KEYS = (
     "gpu_uuid",
     "gpu_name",
@@ -60,7 +63,6 @@ KEYS = (
     "power_watts",
     "topology_source",
 )
-MAX_VALUE_LEN = 64
 # NVML clocks-event reason "GPU idle": the PCIe link may have trained down to save power, so a
 # current link generation/width read now says nothing about the link under load.
 CLOCKS_EVENT_GPU_IDLE = 0x1
@@ -104,7 +106,7 @@ def parse_cpulist(text: str) -> set[int]:
 
 
 def format_cpus(cpus: Iterable[int] | None) -> str:
-    """{0,1,2,3,8} -> '0-3,8', bounded to MAX_VALUE_LEN characters."""
+    """{0,1,2,3,8} -> '0-3,8', bounded to MAX_LABEL_LEN characters."""
     ordered = sorted(set(cpus or ()))
     if not ordered:
         return UNKNOWN
@@ -118,15 +120,15 @@ def format_cpus(cpus: Iterable[int] | None) -> str:
         if cpu is not None:
             start = prev = cpu
     text = ",".join(ranges)
-    if len(text) > MAX_VALUE_LEN:
-        text = text[: MAX_VALUE_LEN - 3].rsplit(",", 1)[0] + ",.."
+    if len(text) > MAX_LABEL_LEN:
+        text = text[: MAX_LABEL_LEN - 3].rsplit(",", 1)[0] + ",.."
     return text
 
 
 def _short(value: Any) -> str:
     if value is None or value == "":
         return UNKNOWN
-    return str(value)[:MAX_VALUE_LEN]
+    return str(value)[:MAX_LABEL_LEN]
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -143,7 +145,7 @@ def _node_or_none(value: Any) -> int | None:
 # -- NVML -----------------------------------------------------------------------------------------
 class NvmlDevice(Protocol):
     """The NVML answers the provider needs. Any method may raise; the provider treats every
-    exception as "unknown". Names are the keys of a recorded answers file."""
+    exception as "unknown". Names (ANSWERS) are the keys of a recorded answers file."""
 
     def uuid(self) -> str: ...
     def name(self) -> str: ...
@@ -306,62 +308,6 @@ class PynvmlDevice:
         return self.nvml.nvmlDeviceGetPowerUsage(self.handle)
 
 
-class RecordedNvmlError(Exception):
-    """A recorded NVML error, replayed when pynvml's own classes are not importable."""
-
-
-def _nvml_error(name: str) -> BaseException:
-    try:
-        import pynvml
-
-        code = getattr(pynvml, "NVML_ERROR_" + re.sub(r"(?<!^)(?=[A-Z])", "_", name).upper(), None)
-        if code is not None:
-            return pynvml.NVMLError(code)
-    except ImportError:
-        pass
-    return RecordedNvmlError(name)
-
-
-class RecordedNvmlDevice:
-    """Replays an answers dict: a value, or {"error": "NotSupported"} to raise that NVMLError."""
-
-    def __init__(self, answers: dict[str, Any]) -> None:
-        self.answers = answers
-
-    @classmethod
-    def load(cls, path: str) -> RecordedNvmlDevice:
-        with open(path) as f:
-            return cls(json.load(f))
-
-    def _answer(self, name: str) -> Any:
-        if name not in self.answers:
-            raise _nvml_error("FunctionNotFound")
-        value = self.answers[name]
-        if isinstance(value, dict) and "error" in value:
-            raise _nvml_error(str(value["error"]))
-        return value
-
-    def close(self) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Callable[[], Any]:
-        if name not in ANSWERS:
-            raise AttributeError(name)
-        return lambda: self._answer(name)
-
-
-def record_answers(device: Any, names: Iterable[str] = ANSWERS) -> dict[str, Any]:
-    """Ask a device every question and keep the answer or the NVML error's short name."""
-    out: dict[str, Any] = {}
-    for name in names:
-        try:
-            out[name] = getattr(device, name)()
-        except Exception as exc:  # noqa: BLE001 - an error is an answer here
-            kind = type(exc).__name__
-            out[name] = {"error": kind.removeprefix("NVMLError_")}
-    return out
-
-
 class NvmlProvider:
     """Asks an NvmlDevice; every failure becomes None and is remembered in `errors`."""
 
@@ -514,7 +460,7 @@ class SysfsReader:
                 real = self.resolve(f"{base}/{name}/device")
                 pci = self._pci_at(real) if real else None
                 if pci is not None:
-                    out.append(Nic(name=name[:MAX_VALUE_LEN], kind=kind, pci=pci))
+                    out.append(Nic(name=name[:MAX_LABEL_LEN], kind=kind, pci=pci))
         return out
 
 

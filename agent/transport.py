@@ -1,11 +1,11 @@
-"""Background reporter: drains the training thread's queues, batches records, sends them.
+"""Background reporter: drains the training thread's queues and sends them to the exporter.
 
-Everything that costs more than an append happens here, on a daemon thread: the arrival
-estimator, JSON, HTTP. The queued tuples are sent as rows (wire schema 2), never turned into
-an object per record: this thread shares the GIL with training, and per-record Python work
-here was most of what a flush cost the training loop. The exporter being absent, slow or
-failing only ever costs records, which are counted as dropped; nothing here can block or
-raise into training.
+Everything that costs more than an append happens on this daemon thread: JSON and HTTP here,
+and whatever the agent hangs on a flush (the local arrival estimate, the record file). The
+queued tuples are sent as rows (wire schema 2), never turned into an object per record: this
+thread shares the GIL with training, and per-record Python work here was most of what a flush
+cost the training loop. The exporter being absent, slow or failing only ever costs records,
+which are counted as dropped; nothing here can block or raise into training.
 """
 
 from __future__ import annotations
@@ -19,10 +19,16 @@ import time
 import urllib.parse
 from collections import deque
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
-from syncscope.arrival import ArrivalEstimator, collective_key, key_text, parse_key_text
-from syncscope.wire import DDP_GRAD_SYNC, INGEST_PATH, PHASES, SCHEMA_VERSION
+from syncscope.wire import (
+    INGEST_PATH,
+    MAX_COLLECTIVES_PER_BATCH,
+    MAX_STEPS_PER_BATCH,
+    SCHEMA_VERSION,
+    PacingState,
+)
 
 log = logging.getLogger("syncscope.agent")
 
@@ -97,6 +103,11 @@ class Reporter:
     request the exporter did process before the connection broke cannot be counted twice.
     Accounting: every record drained from the queues ends up in `sent_records` or
     `send_dropped` (`drained_records` = their sum once a flush is over).
+
+    Two hooks, both called on this thread and only when set (the agent sets them when the local
+    arrival estimate has a reader): `on_drained(steps, collectives, clock_offset_ns)` gets every
+    flush's rows as queued, also with no exporter; `on_reply(body)` gets the exporter's answer
+    to each batch it accepted.
     """
 
     MAX_BACKOFF_S = 2.0
@@ -113,17 +124,13 @@ class Reporter:
         collectives: deque,
         flush_interval_s: float,
         send_timeout_s: float,
-        record_path: str | None,
         dropped_elsewhere: Callable[[], int],
-        pacing_state: Callable[[], dict[str, Any] | None],
-        topology: Callable[[], dict[str, Any] | None],
-        estimate: bool = True,
+        pacing_state: Callable[[], PacingState | None] | None = None,
+        topology: Callable[[], dict[str, Any] | None] | None = None,
+        on_drained: Callable[[list[tuple], list[tuple], int], None] | None = None,
+        on_reply: Callable[[bytes], None] | None = None,
     ) -> None:
         self.identity = identity
-        # The local arrival estimator feeds pacing (its DDP baseline) and the record file (each
-        # step's wait); the exporter runs its own, node-wide. Without either it would be a
-        # quarter of a flush's CPU spent on nothing (bench_agent_overhead.py), so it is skipped.
-        self.estimate = estimate or record_path is not None
         self.url = url
         self.token = token
         self.steps = steps
@@ -133,9 +140,8 @@ class Reporter:
         self.dropped_elsewhere = dropped_elsewhere
         self.pacing_state = pacing_state
         self.topology = topology
-        self.estimator = ArrivalEstimator()
-        self._keys: dict[tuple, tuple] = {}  # (op, group, bytes) -> estimator key, memoised
-        self.ddp_baseline_s = 0.0  # read by the pacing hook on the training thread
+        self.on_drained = on_drained
+        self.on_reply = on_reply
         self.send_dropped = 0
         self.sent_records = 0
         self.sent_batches = 0
@@ -146,7 +152,6 @@ class Reporter:
         self._conn: http.client.HTTPConnection | None = None
         self._retry_at = 0.0
         self._backoff = self.MIN_BACKOFF_S
-        self._record = open(record_path, "a", buffering=1) if record_path else None  # noqa: SIM115
         self._stop = threading.Event()
         self._lock = threading.Lock()  # flush() from close() and from the thread
         self._thread = threading.Thread(target=self._run, name="syncscope-reporter", daemon=True)
@@ -160,9 +165,6 @@ class Reporter:
         self.flush()
         if self._conn is not None:
             self._conn.close()
-        if self._record is not None:
-            self._record.close()
-            self._record = None
 
     @property
     def dropped_total(self) -> int:
@@ -187,16 +189,15 @@ class Reporter:
                 log.warning("syncscope reporter error (records dropped): %r", exc)
 
     def _flush(self) -> None:
-        raw_steps = drain(self.steps, 4096)
-        raw_colls = drain(self.collectives, 16384)
+        raw_steps = drain(self.steps, MAX_STEPS_PER_BATCH)
+        raw_colls = drain(self.collectives, MAX_COLLECTIVES_PER_BATCH)
         self._in_flight = len(raw_steps) + len(raw_colls)
         self.drained_records += self._in_flight
         if not raw_steps and not raw_colls and self.url is None:
             return
-        wait_by_step = self._observe(raw_colls) if self.estimate else {}
         offset_ns = time.time_ns() - time.perf_counter_ns()  # the queues' clock -> unix time
-        if self._record is not None:
-            self._write_record(raw_steps, wait_by_step, offset_ns)
+        if self.on_drained is not None:
+            self.on_drained(raw_steps, raw_colls, offset_ns)
         if self.url is not None:
             # The queued tuples go out as they are (wire schema 2): no object per record.
             # While backing off, _send counts them as dropped without building a body.
@@ -205,46 +206,6 @@ class Reporter:
         else:
             self._in_flight = 0  # kept locally, or nowhere: nothing was meant to be sent
 
-    def _observe(self, raw_colls: list[tuple]) -> dict[int, float]:
-        """Feed the local estimator (also while the exporter is away: pacing reads its
-        baseline); return each step's estimated wait at its collectives."""
-        keys = self._keys
-        if len(keys) > 4096:  # bounded: keys are (op, group, size) and groups are capped
-            keys.clear()
-        calls = []
-        for op, group, nbytes, dur, step in raw_colls:
-            key = keys.get((op, group, nbytes))
-            if key is None:
-                key = keys[(op, group, nbytes)] = collective_key(op, group, float(nbytes))
-            calls.append((key, dur / 1e9, step))
-        waits = self.estimator.observe("self", calls)
-        wait_by_step: dict[int, float] = {}
-        for (op, _group, _nbytes, dur, step), wait in zip(raw_colls, waits, strict=True):
-            wait_by_step[step] = wait_by_step.get(step, 0.0) + wait
-            if op == DDP_GRAD_SYNC:
-                self.ddp_baseline_s = dur / 1e9 - wait
-        return wait_by_step
-
-    def _write_record(
-        self, raw_steps: list[tuple], wait_by_step: dict[int, float], offset_ns: int
-    ) -> None:
-        """One JSON line per step, in seconds (`record_path`: the local recording mode)."""
-        assert self._record is not None
-        rank, world = self.identity["rank"], self.identity["world_size"]
-        for step, end_ns, total, *phase_ns in raw_steps:
-            phases = dict(zip(PHASES, (ns / 1e9 for ns in phase_ns), strict=False))
-            phases["other"] = max(0, total - sum(phase_ns)) / 1e9
-            line = {
-                "rank": rank,
-                "world_size": world,
-                "step": step,
-                "step_s": total / 1e9,
-                "phases": phases,
-                "wait_s": wait_by_step.get(step, 0.0),
-                "end_unix_s": (end_ns + offset_ns) / 1e9,
-            }
-            self._record.write(json.dumps(line) + "\n")
-
     def _send(self, steps: list[tuple], colls: list[tuple], clock_offset_ns: int) -> None:
         count = len(steps) + len(colls)
         now = time.monotonic()
@@ -252,6 +213,7 @@ class Reporter:
             self.send_dropped += count
             self._in_flight -= count
             return
+        pacing = self.pacing_state() if self.pacing_state is not None else None
         batch = {
             "schema_version": SCHEMA_VERSION,
             "agent": self.identity,
@@ -259,8 +221,8 @@ class Reporter:
             "dropped_total": self.dropped_total,
             "steps": steps,
             "collectives": colls,
-            "pacing": self.pacing_state(),
-            "topology": self.topology(),
+            "pacing": asdict(pacing) if pacing is not None else None,
+            "topology": self.topology() if self.topology is not None else None,
         }
         body = json.dumps(batch).encode()
         headers = {"Content-Type": "application/json"}
@@ -302,26 +264,9 @@ class Reporter:
         self.sent_records += count
         self._in_flight -= count
         self.sent_batches += 1
-        self._apply_reply(payload)
+        if self.on_reply is not None:
+            self.on_reply(payload)
 
     def _back_off(self, now: float) -> None:
         self._retry_at = now + self._backoff
         self._backoff = min(self.MAX_BACKOFF_S, self._backoff * 2)
-
-    def _apply_reply(self, payload: bytes) -> None:
-        if not self.estimate:
-            return  # the node-wide baselines only feed the local estimator
-        reply = json.loads(payload)
-        external = {}
-        for text, value in (reply.get("baselines") or {}).items():
-            key = parse_key_text(text)
-            if key is not None and isinstance(value, (int, float)):
-                external[key] = float(value)
-        if external:
-            self.estimator.merge_baselines(external)
-            for key, value in external.items():
-                if key[0] == DDP_GRAD_SYNC:
-                    self.ddp_baseline_s = min(self.ddp_baseline_s or value, value)
-
-    def baselines_text(self) -> dict[str, float]:
-        return {key_text(k): v for k, v in self.estimator.baselines().items()}

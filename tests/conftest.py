@@ -190,7 +190,6 @@ def make_reporter(url: str | None, steps: Any, colls: Any, **overrides: Any) -> 
         "collectives": colls,
         "flush_interval_s": 1.0,
         "send_timeout_s": 1.0,
-        "record_path": None,
         "dropped_elsewhere": lambda: 0,
         "pacing_state": lambda: None,
         "topology": lambda: None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from syncscope.agent import attach
+from syncscope.agent import RankAgent, attach
 
 try:
     from transformers import TrainerCallback as _TrainerCallback
@@ -46,7 +46,7 @@ class SyncscopeCallback(_TrainerCallback or object):  # type: ignore[misc]
         self.trainer = trainer
         self.exporter = exporter
         self.config = config
-        self.agent: Any = None
+        self.agent: RankAgent | None = None
 
     def on_train_begin(
         self,

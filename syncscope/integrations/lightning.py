@@ -12,9 +12,10 @@ steps the optimizer. Works with both `lightning` and the older `pytorch_lightnin
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
-from syncscope.agent import attach
+from syncscope.agent import RankAgent, attach
 
 try:
     from lightning.pytorch.callbacks import Callback as _Callback
@@ -43,8 +44,8 @@ class SyncscopeCallback(_Callback or object):  # type: ignore[misc]
         super().__init__()
         self.exporter = exporter
         self.config = config
-        self.agent: Any = None
-        self._step: Any = None
+        self.agent: RankAgent | None = None
+        self._step: AbstractContextManager[None] | None = None
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         # After the strategy's setup: under DDP, strategy.model is the DDP wrapper.

@@ -31,7 +31,7 @@ import runpy
 import sys
 from typing import Any
 
-from syncscope.agent import attach
+from syncscope.agent import RankAgent, attach
 
 log = logging.getLogger("syncscope.integrations.run")
 USAGE = "usage: python -m syncscope.integrations.run (script.py | -m module) [args ...]"
@@ -46,7 +46,7 @@ class AutoAttach:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self.config = config
-        self.agent: Any = None
+        self.agent: RankAgent | None = None
         self.model: Any = None
         self._ddp = DistributedDataParallel
         self._forward = register_module_forward_pre_hook(self._on_forward)

@@ -13,6 +13,7 @@ from collections import deque
 from types import SimpleNamespace
 
 import pytest
+from syncscope.agent.local_arrival import LocalArrival
 from syncscope.agent.nccl_trace import (
     ENABLE_TIMING_ENV,
     FlightRecorderReader,
@@ -244,10 +245,13 @@ def test_timeline_places_entries_in_their_step():
 def test_records_feed_the_same_estimator_as_the_gloo_path(tmp_path):
     colls: deque = deque(maxlen=1000)
     reader_for(load_fr_dump(), sink=colls).poll()
-    reporter = make_reporter(None, deque(), colls, identity={"rank": 0, "world_size": 2})
+    arrival = LocalArrival()
+    reporter = make_reporter(
+        None, deque(), colls, identity={"rank": 0, "world_size": 2}, on_drained=arrival.drained
+    )
     reporter.flush()
     assert not colls
-    baselines = reporter.baselines_text()
+    baselines = arrival.baselines_text()
     # the two 13 MB buckets share a key; the rolling minimum of 2.05 ms and 1.31 ms, 1.97 ms
     assert baselines["all_reduce|default_pg|23"] == pytest.approx(1.31e-3)
     assert "broadcast|default_pg|21" in baselines

@@ -13,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from syncscope.agent.pacing import PacingConfig, PacingController
 
+from syncscope.wire import PacingState
+
 MS = 1e-3
 
 
@@ -235,7 +237,9 @@ def test_counters_and_state() -> None:
     delays = [controller.update(30 * MS) for _ in range(100)]
     assert controller.total_delay_s == pytest.approx(sum(delays))
     state = controller.state()
-    assert state["active"] is True and state["engagements"] == 1
+    assert isinstance(state, PacingState)
+    assert state.active is True and state.engagements == 1 and state.enabled is True
+    assert state.total_delay_s == controller.total_delay_s
     assert isinstance(controller.current_delay_s, float)
     assert isinstance(controller.threshold_s, float)
 

@@ -20,7 +20,6 @@ from syncscope.agent.topology import (
     NvmlProvider,
     PciDevice,
     PynvmlDevice,
-    RecordedNvmlDevice,
     SysfsReader,
     TopologySampler,
     format_cpus,
@@ -28,12 +27,13 @@ from syncscope.agent.topology import (
     nic_distance,
     normalize_bus_id,
     parse_cpulist,
-    record_answers,
     static_topology,
 )
 
+from syncscope.wire import MAX_LABEL_LEN, MAX_TOPOLOGY_ENTRIES
 from tests.fixtures.gpu import HERE, cases, load_case, materialize_sysfs
 from tests.fixtures.gpu.capture import capture_sysfs
+from tests.fixtures.gpu.replay import RecordedNvmlDevice, record_answers
 
 pynvml = pytest.importorskip("pynvml")
 
@@ -95,10 +95,10 @@ def test_the_exporters_diagnosis_reads_the_degraded_case_as_a_locality_fault(tmp
 @pytest.mark.parametrize("case", cases())
 def test_every_case_is_flat_bounded_and_typed(case, tmp_path):
     topo = sampler_for(case, tmp_path)()
-    assert set(topo) <= set(KEYS) and len(topo) <= 64
+    assert set(topo) <= set(KEYS) and len(KEYS) <= MAX_TOPOLOGY_ENTRIES == 64
     for key, value in topo.items():
         assert value is None or isinstance(value, (str, int, float)), key
-        assert not isinstance(value, str) or len(value) <= 64, key
+        assert not isinstance(value, str) or len(value) <= MAX_LABEL_LEN == 64, key
     json.dumps(topo, allow_nan=False)  # what the reporter will do with it
 
 

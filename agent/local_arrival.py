@@ -1,0 +1,78 @@
+"""This rank's own arrival estimate: each step's wait at its collectives, and DDP's transfer baseline.
+
+The exporter estimates arrival node-wide (syncscope.arrival); a rank runs its own single-rank
+estimator only for readers on the rank itself: pacing subtracts `ddp_baseline_s` from each step's
+exposed sync, and the record file writes each step's wait. Without either it would be a quarter
+of a flush's CPU spent on nothing (bench/bench_agent_overhead.py), so the agent builds none.
+It runs on the reporter's thread, once per flush, also while the exporter is away, and folds in
+the node-wide baselines the exporter replies with: a steady straggler's peers never see a
+wait-free call of their own, so only the node-wide view knows the transfer time.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from syncscope.arrival import ArrivalEstimator, Key, collective_key, key_text, parse_key_text
+from syncscope.wire import DDP_GRAD_SYNC
+
+if TYPE_CHECKING:
+    from syncscope.agent.recording import RecordWriter
+
+MAX_MEMO_KEYS = 4096
+
+
+class LocalArrival:
+    """Feeds the estimator from the drained collective rows; hands each flush's waits on to the
+    record file when there is one (its `wait_s` column is this estimate)."""
+
+    def __init__(self, record: RecordWriter | None = None) -> None:
+        self.estimator = ArrivalEstimator()
+        self.record = record
+        # Read by the pacing hook on the training thread: one float, replaced whole.
+        self.ddp_baseline_s = 0.0
+        self._keys: dict[tuple[str, str, int], Key] = {}  # (op, group, bytes) -> key, memoised
+
+    def drained(self, steps: list[tuple], collectives: list[tuple], clock_offset_ns: int) -> None:
+        """The reporter's hook for each flush's rows, as queued."""
+        wait_by_step = self.observe(collectives)
+        if self.record is not None:
+            self.record.write(steps, wait_by_step, clock_offset_ns)
+
+    def observe(self, collectives: list[tuple]) -> dict[int, float]:
+        """Feed collective rows (op, group, bytes, duration_ns, step); return each step's
+        estimated wait at its collectives, in seconds."""
+        keys = self._keys
+        if len(keys) > MAX_MEMO_KEYS:  # bounded: keys are (op, group, size) and groups are capped
+            keys.clear()
+        calls = []
+        for op, group, nbytes, dur, step in collectives:
+            key = keys.get((op, group, nbytes))
+            if key is None:
+                key = keys[(op, group, nbytes)] = collective_key(op, group, float(nbytes))
+            calls.append((key, dur / 1e9, step))
+        waits = self.estimator.observe("self", calls)
+        wait_by_step: dict[int, float] = {}
+        for (op, _group, _nbytes, dur, step), wait in zip(collectives, waits, strict=True):
+            wait_by_step[step] = wait_by_step.get(step, 0.0) + wait
+            if op == DDP_GRAD_SYNC:
+                self.ddp_baseline_s = dur / 1e9 - wait
+        return wait_by_step
+
+    def merge_reply(self, payload: bytes) -> None:
+        """The reporter's hook for the exporter's answer: `{"baselines": {key text: seconds}}`."""
+        reply = json.loads(payload)
+        external = {}
+        for text, value in (reply.get("baselines") or {}).items():
+            key = parse_key_text(text)
+            if key is not None and isinstance(value, (int, float)):
+                external[key] = float(value)
+        if external:
+            self.estimator.merge_baselines(external)
+            for key, value in external.items():
+                if key[0] == DDP_GRAD_SYNC:
+                    self.ddp_baseline_s = min(self.ddp_baseline_s or value, value)
+
+    def baselines_text(self) -> dict[str, float]:
+        return {key_text(k): v for k, v in self.estimator.baselines().items()}

@@ -1,0 +1,50 @@
+"""The record file (the `record` setting): one JSON line per step, the input of `syncscope project`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+from syncscope.wire import PHASES, Phase
+
+OTHER = Phase.OTHER.label
+
+
+class RecordWriter:
+    """Appends each flush's step rows as JSON lines in seconds; `{rank}` in the path is replaced.
+
+    Line-buffered, so that a rank killed mid-run leaves every flushed step readable.
+    """
+
+    def __init__(self, path: str, identity: Mapping[str, Any]) -> None:
+        self.rank = identity["rank"]
+        self.world_size = identity["world_size"]
+        self.path = path.replace("{rank}", str(self.rank))
+        self._file: TextIO | None = open(self.path, "a", buffering=1)  # noqa: SIM115
+
+    def write(
+        self, steps: list[tuple], wait_by_step: Mapping[int, float], clock_offset_ns: int
+    ) -> None:
+        """Step rows as queued (step, end_ns, total_ns, *phase ns); waits in seconds by step."""
+        if self._file is None:
+            return  # a flush that outlived close(): the records still go to the exporter
+        rank, world, write = self.rank, self.world_size, self._file.write
+        for step, end_ns, total, *phase_ns in steps:
+            phases = dict(zip(PHASES, (ns / 1e9 for ns in phase_ns), strict=False))
+            phases[OTHER] = max(0, total - sum(phase_ns)) / 1e9
+            line = {
+                "rank": rank,
+                "world_size": world,
+                "step": step,
+                "step_s": total / 1e9,
+                "phases": phases,
+                "wait_s": wait_by_step.get(step, 0.0),
+                "end_unix_s": (end_ns + clock_offset_ns) / 1e9,
+            }
+            write(json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,162 @@
+"""What a rank keeps of each flush: the record file, the local arrival estimate, and pacing's use
+of its DDP transfer baseline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from syncscope.agent.local_arrival import MAX_MEMO_KEYS, LocalArrival
+from syncscope.agent.pacing import PacingConfig, PacingController
+from syncscope.agent.recording import RecordWriter
+from syncscope.agent.step_pacing import StepPacer
+
+from syncscope.wire import DDP_GRAD_SYNC, PHASES
+
+MS = 1_000_000  # ns
+
+
+def read_lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# -- the record file ------------------------------------------------------------------------------
+def test_record_lines_carry_every_field_in_seconds(tmp_path):
+    writer = RecordWriter(str(tmp_path / "r{rank}.jsonl"), {"rank": 3, "world_size": 8})
+    offset = 1_700_000_000 * 10**9
+    rows = [
+        (7, 5_000 * MS, 20 * MS, 1 * MS, 2 * MS, 3 * MS, 4 * MS, 5 * MS, 0),
+        (8, 5_030 * MS, 30 * MS, 0, 0, 0, 0, 0, 30 * MS),
+    ]
+    writer.write(rows, {7: 0.004}, offset)
+    writer.close()
+    first, second = read_lines(tmp_path / "r3.jsonl")
+    assert first == {
+        "rank": 3,
+        "world_size": 8,
+        "step": 7,
+        "step_s": 0.020,
+        "phases": dict(zip(PHASES, (0.001, 0.002, 0.003, 0.004, 0.005, 0.0, 0.005), strict=True)),
+        "wait_s": 0.004,
+        "end_unix_s": 1_700_000_005.0,
+    }
+    assert list(first["phases"]) == list(PHASES)  # wire order, `other` last
+    assert second["wait_s"] == 0.0  # a step without collectives waited for no one
+    assert second["phases"]["pacing"] == 0.030 and second["phases"]["other"] == 0.0
+
+
+def test_record_file_appends_and_ignores_writes_after_close(tmp_path):
+    path = tmp_path / "r.jsonl"
+    row = (0, 0, 10 * MS, 0, 0, 0, 0, 0, 0)
+    for _ in range(2):  # two incarnations of the rank: the file grows
+        writer = RecordWriter(str(path), {"rank": 0, "world_size": 1})
+        writer.write([row], {}, 0)
+        writer.close()
+    writer.write([row], {}, 0)  # a flush that outlived close()
+    writer.close()
+    assert len(read_lines(path)) == 2
+
+
+# -- the local arrival estimate -------------------------------------------------------------------
+def coll(op: str, dur_ms: float, step: int, group: str = "g", nbytes: int = 1 << 20) -> tuple:
+    return (op, group, nbytes, int(dur_ms * MS), step)
+
+
+def test_waits_are_summed_per_step_and_the_ddp_baseline_is_its_transfer():
+    arrival = LocalArrival()
+    # Step 0 holds the fastest call of each key (its baseline); later steps wait beyond it.
+    waits = arrival.observe(
+        [
+            coll(DDP_GRAD_SYNC, 3, 0),
+            coll("all_reduce", 1, 0),
+            coll(DDP_GRAD_SYNC, 5, 1),
+            coll("all_reduce", 4, 1),
+            coll(DDP_GRAD_SYNC, 3.5, 2),
+        ]
+    )
+    assert waits == pytest.approx({0: 0.0, 1: 0.002 + 0.003, 2: 0.0005})
+    assert arrival.ddp_baseline_s == pytest.approx(0.003)  # the last sync minus its wait
+    assert arrival.baselines_text() == pytest.approx(
+        {f"{DDP_GRAD_SYNC}|g|20": 0.003, "all_reduce|g|20": 0.001}
+    )
+
+
+def test_the_exporters_baselines_lower_pacings_baseline_and_junk_is_ignored():
+    arrival = LocalArrival()
+    arrival.observe([coll(DDP_GRAD_SYNC, 3, 0)])  # alone, this rank thinks 3 ms is transfer
+    reply = {
+        "baselines": {
+            f"{DDP_GRAD_SYNC}|g|20": 0.001,  # a peer that never waits: the real transfer
+            "all_reduce|g|20": "fast",  # not a number
+            "no-separators": 0.5,  # not a key
+        }
+    }
+    arrival.merge_reply(json.dumps(reply).encode())
+    assert arrival.ddp_baseline_s == pytest.approx(0.001)
+    # ...and the node-wide baseline now sets this rank's waits too
+    assert arrival.observe([coll(DDP_GRAD_SYNC, 3, 1)]) == pytest.approx({1: 0.002})
+    arrival.merge_reply(json.dumps({"baselines": {f"{DDP_GRAD_SYNC}|g|20": 0.002}}).encode())
+    assert arrival.ddp_baseline_s == pytest.approx(0.001)  # the lowest one stays
+    arrival.merge_reply(b'{"accepted": true}')  # nothing to merge
+    assert set(arrival.baselines_text()) == {f"{DDP_GRAD_SYNC}|g|20"}
+
+
+def test_drained_hands_the_waits_to_the_record_file(tmp_path):
+    record = RecordWriter(str(tmp_path / "r.jsonl"), {"rank": 0, "world_size": 2})
+    arrival = LocalArrival(record)
+    steps = [(s, s * 20 * MS, 20 * MS, 0, 0, 0, 0, 0, 0) for s in range(2)]
+    arrival.drained(steps, [coll(DDP_GRAD_SYNC, 2, 0), coll(DDP_GRAD_SYNC, 7, 1)], 0)
+    record.close()
+    assert [r["wait_s"] for r in read_lines(tmp_path / "r.jsonl")] == pytest.approx([0.0, 0.005])
+
+
+def test_the_key_memo_stays_bounded():
+    arrival = LocalArrival()
+    arrival.observe([coll("all_reduce", 1, 0, nbytes=n) for n in range(MAX_MEMO_KEYS + 2)])
+    arrival.observe([coll("all_reduce", 1, 1)])
+    assert len(arrival._keys) == 1  # cleared once past the bound, then refilled
+
+
+# -- pacing's use of the baseline -----------------------------------------------------------------
+class Baseline:
+    ddp_baseline_s = 0.0
+
+
+def engaged_pacer(baseline: Baseline, kill_file: str | None = None) -> StepPacer:
+    return StepPacer(PacingController(PacingConfig(min_samples=4)), baseline, kill_file)
+
+
+def test_nothing_is_fed_until_a_baseline_is_known():
+    baseline = Baseline()
+    pacer = engaged_pacer(baseline)
+    assert all(pacer.pace(40 * MS, 100 * MS) == 0 for _ in range(20))
+    baseline.ddp_baseline_s = 0.010
+    # Had those 20 steps been fed, 4 samples would be in and the first of these would delay.
+    assert [pacer.pace(40 * MS, 100 * MS) for _ in range(3)] == [0, 0, 0]
+    assert pacer.pace(40 * MS, 100 * MS) > 0
+
+
+def test_the_wait_fed_is_the_exposed_sync_less_the_baseline():
+    baseline = Baseline()
+    baseline.ddp_baseline_s = 0.010
+    pacer = engaged_pacer(baseline)
+    reference = PacingController(PacingConfig(min_samples=4))
+    for _ in range(30):
+        delay_ns = pacer.pace(40 * MS, 100 * MS)
+        assert delay_ns == int(reference.update(0.030, 0.100) * 1e9)
+    assert delay_ns > 0 and pacer.controller.active
+    assert pacer.pace(5 * MS, 100 * MS) == int(reference.update(0.0, 0.100) * 1e9)  # clipped at 0
+
+
+def test_the_kill_file_switches_pacing_off_for_good(tmp_path):
+    kill = tmp_path / "stop-pacing"
+    baseline = Baseline()
+    baseline.ddp_baseline_s = 0.010
+    pacer = engaged_pacer(baseline, str(kill))
+    delays = [pacer.pace(40 * MS, 100 * MS) for _ in range(30)]
+    assert delays[-1] > 0
+    kill.touch()
+    assert pacer.pace(40 * MS, 100 * MS) == 0 and not pacer.controller.enabled
+    kill.unlink()
+    assert pacer.pace(40 * MS, 100 * MS) == 0  # stays off after the file is gone
+    assert pacer.controller.state().enabled is False

@@ -1,0 +1,95 @@
+"""How attach() composes the agent: shared queues, the local estimate only when read, and one
+interface (`RankAgent`) whether the agent runs or not."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+from syncscope.agent import Agent, RankAgent, attach  # noqa: E402
+from syncscope.agent.core import InertAgent  # noqa: E402
+
+# What integrations and users may touch: RankAgent's members.
+MEMBERS = {n for n in vars(RankAgent) if not n.startswith("_")} | set(RankAgent.__annotations__)
+
+
+@pytest.fixture
+def agents():
+    made: list = []
+
+    def make(**config) -> Agent:
+        agent = attach(exporter=None, **config)
+        made.append(agent)
+        return agent
+
+    yield make
+    for agent in made:
+        agent.close()
+
+
+def test_producers_and_reporter_share_one_pair_of_queues(agents):
+    agent = agents()
+    q = agent.queues
+    assert agent.clock.steps is q.steps and agent.clock.collectives is q.collectives
+    assert agent.reporter.steps is q.steps and agent.reporter.collectives is q.collectives
+    assert q.collectives.maxlen == 4 * q.steps.maxlen == 4 * agent.config.queue_size
+    assert agent.patch is not None and agent.patch.sink is q.collectives
+    for _ in range(3):
+        with agent.step():
+            pass
+    assert q.current_step() == agent.clock.step == 3
+    # A patched collective is filed under the step the training thread is in.
+    agent.patch._record("all_reduce", None, 8, 1000)
+    assert q.collectives[-1] == ("all_reduce", "unknown", 8, 1000, 3)
+    assert [s[0] for s in q.steps] == [0, 1, 2]
+
+
+def test_no_local_estimate_unless_pacing_or_the_record_file_reads_it(agents, tmp_path):
+    plain = agents()
+    assert plain.arrival is None and plain.record is None and plain.pacer is None
+    assert plain.reporter.on_drained is None and plain.reporter.on_reply is None
+    assert plain.clock.pacer is None and plain.reporter.pacing_state is None
+
+    recorded = agents(record=str(tmp_path / "r{rank}.jsonl"))
+    assert recorded.arrival is not None and recorded.arrival.record is recorded.record
+    assert recorded.reporter.on_drained == recorded.arrival.drained
+    assert recorded.reporter.on_reply == recorded.arrival.merge_reply
+    assert recorded.pacer is None and recorded.clock.pacer is None
+    assert recorded.record.path == str(tmp_path / "r0.jsonl")
+
+    paced = agents(pacing=True)
+    assert paced.arrival is not None and paced.record is None
+    assert paced.reporter.on_drained == paced.arrival.drained
+    step_pacer = paced.clock.pacer.__self__
+    assert step_pacer.controller is paced.pacer and step_pacer.baseline is paced.arrival
+    assert paced.reporter.pacing_state == paced.pacer.state
+
+
+def test_the_inert_agent_has_the_same_interface(monkeypatch, agents):
+    live = agents()
+    monkeypatch.setenv("SYNCSCOPE_DISABLE", "1")
+    inert = attach()
+    assert isinstance(inert, InertAgent)
+    assert {"step", "close", "errors", "last_error", "dropped_total", "stats"} == MEMBERS
+    for name in MEMBERS:
+        assert hasattr(live, name) and hasattr(inert, name), name
+    assert inert.stats.keys() == live.stats.keys()
+    with inert.step():
+        pass
+    inert.close()
+    inert.close()
+    assert (inert.errors, inert.last_error, inert.dropped_total) == (0, None, 0)
+    assert live.dropped_total == live.reporter.dropped_total == 0
+
+
+def test_a_failed_attach_leaves_the_process_as_it_was(tmp_path):
+    before = dist.all_reduce
+    agent = attach(exporter=None, record=str(tmp_path / "missing" / "dir" / "r.jsonl"))
+    assert isinstance(agent, InertAgent)
+    assert dist.all_reduce is before  # the collective patch was never installed
+    with agent.step():
+        time.sleep(0)
