@@ -42,22 +42,25 @@ def _threshold_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fast-for", metavar="DURATION", help="set every alert's for: to this")
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+def _overrides(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The --fast-for and --set overrides, checked against the thresholds file; None: reported."""
     overrides: dict[str, Any] = {}
-    if args.fast_for:
-        overrides.update(fast_for_overrides(load_config(), args.fast_for))
-    overrides.update(parse_overrides(args.set))
-    load_config(overrides)  # a bad path is reported here, before anything is written
+    try:
+        if args.fast_for:
+            overrides.update(fast_for_overrides(load_config(), args.fast_for))
+        overrides.update(parse_overrides(args.set))
+        load_config(overrides)  # a bad path is reported here, before anything is written
+    except (KeyError, ValueError, IndexError) as exc:
+        print(f"syncscope {args.command}: {exc}", file=sys.stderr)
+        return None
     return overrides
 
 
 def _rules(args: argparse.Namespace) -> int:
     from syncscope.monitoring import rules
 
-    try:
-        overrides = _overrides(args)
-    except (KeyError, ValueError, IndexError) as exc:
-        print(f"syncscope rules: {exc}", file=sys.stderr)
+    overrides = _overrides(args)
+    if overrides is None:
         return 2
     if args.out:
         print(rules.write_rules(args.out, overrides))
@@ -69,10 +72,8 @@ def _rules(args: argparse.Namespace) -> int:
 def _dashboards(args: argparse.Namespace) -> int:
     from syncscope.monitoring import dashboards
 
-    try:
-        overrides = _overrides(args)
-    except (KeyError, ValueError, IndexError) as exc:
-        print(f"syncscope dashboards: {exc}", file=sys.stderr)
+    overrides = _overrides(args)
+    if overrides is None:
         return 2
     for path in dashboards.write_dashboards(args.out, overrides):
         print(path)
