@@ -1,6 +1,8 @@
-"""The real servers syncscope starts on this machine, all on 127.0.0.1: its exporter and Prometheus.
+"""The real servers syncscope starts on this machine, all on 127.0.0.1: its exporter, Prometheus
+and Alertmanager.
 
-The demo uses them; so do the tests and benches that need a live exporter or Prometheus.
+The demo uses them; so do the tests and benches that need a live exporter, Prometheus or
+Alertmanager.
 """
 
 from __future__ import annotations
@@ -56,25 +58,18 @@ def start_exporter(port: int, extra: list[str] | None = None, **popen: Any) -> s
     raise RuntimeError("exporter did not come up within 20 s")
 
 
-class Prometheus:
-    """A real Prometheus process on 127.0.0.1 with a temporary TSDB."""
+class _Server:
+    """A server binary on 127.0.0.1 with its config in ``workdir``, stopped by ``stop()``."""
 
-    def __init__(self, config_text: str, workdir: str, port: int | None = None) -> None:
-        binary = shutil.which("prometheus")
-        if binary is None:
-            raise FileNotFoundError("prometheus is not installed (scripts/setup installs it)")
+    ready_path = "/-/ready"
+
+    def __init__(self, binary: str, args: list[str], port: int | None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = os.path.join(workdir, "prometheus.yml")
-        with open(config, "w") as f:
-            f.write(config_text)
+        self.address = f"127.0.0.1:{self.port}"
+        self.name = os.path.basename(binary)
         self.proc = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={os.path.join(workdir, 'tsdb')}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-            ],
+            [binary, *args, f"--web.listen-address={self.address}"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -83,15 +78,45 @@ class Prometheus:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {self.proc.returncode}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
             with (
                 contextlib.suppress(OSError),
-                urllib.request.urlopen(self.url + "/-/ready", timeout=1) as r,
+                urllib.request.urlopen(self.url + self.ready_path, timeout=1) as r,
             ):  # noqa: S310
                 if r.status == 200:
                     return
             time.sleep(0.2)
-        raise RuntimeError("prometheus not ready")
+        raise RuntimeError(f"{self.name} not ready")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _write(workdir: str, name: str, text: str) -> str:
+    path = os.path.join(workdir, name)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+class Prometheus(_Server):
+    """A real Prometheus process on 127.0.0.1 with a temporary TSDB."""
+
+    def __init__(self, config_text: str, workdir: str, port: int | None = None) -> None:
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise FileNotFoundError("prometheus is not installed (scripts/setup installs it)")
+        config = _write(workdir, "prometheus.yml", config_text)
+        storage = os.path.join(workdir, "tsdb")
+        super().__init__(
+            binary, [f"--config.file={config}", f"--storage.tsdb.path={storage}"], port
+        )
 
     def query(self, promql: str) -> list[dict[str, Any]]:
         url = self.url + "/api/v1/query?" + urllib.parse.urlencode({"query": promql})
@@ -103,10 +128,61 @@ class Prometheus:
     def alerts(self) -> list[dict[str, Any]]:
         return get_json(self.url + "/api/v1/alerts")["data"]["alerts"]
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(10)
-            if self.proc.poll() is None:
-                self.proc.kill()
+
+def alertmanager_config(
+    webhook_url: str,
+    group_wait: str = "1s",
+    group_interval: str = "1s",
+    repeat_interval: str = "1m",
+) -> str:
+    """Alertmanager YAML sending every alert, firing and resolved, to one webhook.
+
+    Each alert is its own group (``group_by: [...]``) and the waits are a second, so a test
+    sees a notification within seconds of Prometheus sending the alert.
+    """
+    config = {
+        "route": {
+            "receiver": "webhook",
+            "group_by": ["..."],
+            "group_wait": group_wait,
+            "group_interval": group_interval,
+            "repeat_interval": repeat_interval,
+        },
+        "receivers": [
+            {
+                "name": "webhook",
+                "webhook_configs": [{"url": webhook_url, "send_resolved": True}],
+            }
+        ],
+    }
+    return json.dumps(config, indent=2)  # JSON is YAML
+
+
+class Alertmanager(_Server):
+    """A real Alertmanager on 127.0.0.1 routing every alert to ``webhook_url``.
+
+    Gossip is off (an empty ``--cluster.listen-address``), so it opens nothing on 0.0.0.0:9094;
+    its silences and notification log live in ``workdir``. Give Prometheus ``self.address``
+    (``render_config(..., alertmanager=am.address)``).
+    """
+
+    def __init__(
+        self, webhook_url: str, workdir: str, port: int | None = None, **timing: str
+    ) -> None:
+        binary = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+        if binary is None:
+            raise FileNotFoundError(
+                "prometheus-alertmanager is not installed (scripts/setup test installs it)"
+            )
+        config = _write(workdir, "alertmanager.yml", alertmanager_config(webhook_url, **timing))
+        storage = os.path.join(workdir, "alertmanager-data")
+        super().__init__(
+            binary,
+            [f"--config.file={config}", f"--storage.path={storage}", "--cluster.listen-address="],
+            port,
+        )
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """The alerts Alertmanager holds now (API v2)."""
+        result: list[dict[str, Any]] = get_json(self.url + "/api/v2/alerts")
+        return result

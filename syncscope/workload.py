@@ -24,6 +24,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-ms", type=float, default=30.0)
     p.add_argument("--jitter-prob", type=float, default=0.0, help="chance a rank stalls in a step")
     p.add_argument("--jitter-ms", type=float, default=150.0)
+    p.add_argument(
+        "--jitter-until",
+        type=float,
+        default=0.0,
+        help="stop jittering this many seconds into training (0: never), so a job can go steady",
+    )
     p.add_argument("--data-ms", type=float, default=0.0, help="simulated data loading per step")
     p.add_argument(
         "--big-grad-mb", type=float, default=0.0, help="extra gradient bytes to all-reduce"
@@ -56,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed * 1000 + rank)
     slow_s = args.slow_ms / 1000 if rank == args.slow_rank else 0.0
+    # Set when the loop starts, so that start-up time does not eat into the jittery phase.
+    jitter_end = [float("inf")]
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -75,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if slow_s:
                 time.sleep(slow_s)
-            if args.jitter_prob and rng.random() < args.jitter_prob:
+            if (
+                args.jitter_prob
+                and time.monotonic() < jitter_end[0]
+                and rng.random() < args.jitter_prob
+            ):
                 time.sleep(args.jitter_ms / 1000)
             out = self.head(self.body(x))
             if self.extra is not None:
@@ -94,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     probe = torch.ones(256)
     times: list[float] = []
     deadline = time.monotonic() + args.duration
+    if args.jitter_until > 0:
+        jitter_end[0] = time.monotonic() + args.jitter_until
     step = 0
     last = time.perf_counter()
     # With --duration, only rank 0's clock decides (by broadcast) so that all ranks stop together.

@@ -81,9 +81,14 @@ def compose_config() -> str:
 
 
 def local_config(
-    exporter_port: int, workdir: str, overrides: Mapping[str, Any] | None = None
+    exporter_port: int | Sequence[int],
+    workdir: str,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    alertmanager: str | None = None,
 ) -> str:
-    """A 1 s scrape of a local exporter with syncscope's rules, for a job that lasts a minute.
+    """A 1 s scrape of local exporters (one port, or several) with syncscope's rules, for a
+    job that lasts a minute, optionally sending alerts to ``alertmanager`` (host:port).
 
     The rules (written into ``workdir/rules``) get short ``for:`` and windows
     (config.demo_overrides) and then ``overrides``; the demo and the end-to-end tests use it.
@@ -91,6 +96,12 @@ def local_config(
     from syncscope.monitoring.config import demo_overrides, load_config
     from syncscope.monitoring.rules import write_rules
 
+    ports = [exporter_port] if isinstance(exporter_port, int) else list(exporter_port)
     rules_dir = os.path.join(workdir, "rules")
     write_rules(rules_dir, {**demo_overrides(load_config()), **(overrides or {})})
-    return render_config(f"127.0.0.1:{exporter_port}", "1s", [os.path.join(rules_dir, "*.yml")])
+    return render_config(
+        [f"127.0.0.1:{port}" for port in ports],
+        "1s",
+        [os.path.join(rules_dir, "*.yml")],
+        alertmanager=alertmanager,
+    )

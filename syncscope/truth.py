@@ -1,0 +1,189 @@
+"""The pooled per-step truth of a job from every rank's record file, and how syncscope's exported
+estimates compare with it.
+
+Every rank of a synchronous job leaves the gradient sync at the same moment, so at step k a
+rank's exposed gradient-sync time d(r, k) minus the smallest one of that step is how long it
+waited for the last peer: W(r, k) = d(r, k) − min over ranks of d(·, k). Pooling all ranks'
+records (``SYNCSCOPE_RECORD=dir/rank{rank}.jsonl``) gives that truth job-wide, which no single
+node's exporter can see; `compare` sets it beside what the exporters and Prometheus report.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from syncscope.monitoring.rules import LEAD_AVG, STRAGGLER_LAG, SYNC_AMPLIFICATION
+from syncscope.wire import Phase
+
+EXPOSED = Phase.COMM_EXPOSED.label
+
+
+@dataclass(frozen=True)
+class Truth:
+    """Per-rank means over the steps every rank recorded (seconds)."""
+
+    steps: int  # steps used: recorded by every rank, after the skipped warm-up
+    mean_wait_s: dict[int, float]  # W(r): mean of d(r, k) − min over ranks of d(·, k)
+    mean_exposed_s: dict[int, float]  # mean d(r, k)
+    mean_step_s: dict[int, float]
+    amplification: float  # Σ W / Σ step time, over ranks and steps
+    straggler: int | None  # the rank with the smallest mean d (None with fewer than 2 ranks)
+
+
+def read_records(paths: Iterable[str]) -> dict[int, dict[int, dict[str, Any]]]:
+    """{rank: {step: record}} from record files; a later line for the same step wins."""
+    by_rank: dict[int, dict[int, dict[str, Any]]] = {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                by_rank.setdefault(int(rec["rank"]), {})[int(rec["step"])] = rec
+    return by_rank
+
+
+def record_files(directory: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(directory, "*.jsonl")))
+
+
+def pooled_truth(
+    records: Mapping[int, Mapping[int, Mapping[str, Any]]], skip_steps: int = 0
+) -> Truth:
+    """The truth over the steps all ranks recorded, without the first ``skip_steps`` of them
+    (gloo connects and the allocator warms up there: one such step can outweigh a minute)."""
+    ranks = sorted(records)
+    if not ranks:
+        raise ValueError("no records")
+    common = sorted(set.intersection(*(set(records[r]) for r in ranks)))[skip_steps:]
+    if not common:
+        raise ValueError("no step was recorded by every rank")
+    wait = {r: 0.0 for r in ranks}
+    exposed = {r: 0.0 for r in ranks}
+    step_time = {r: 0.0 for r in ranks}
+    for k in common:
+        d = {r: float(records[r][k]["phases"][EXPOSED]) for r in ranks}
+        floor = min(d.values())
+        for r in ranks:
+            wait[r] += d[r] - floor
+            exposed[r] += d[r]
+            step_time[r] += float(records[r][k]["step_s"])
+    n = len(common)
+    total_step = sum(step_time.values())
+    mean_exposed = {r: exposed[r] / n for r in ranks}
+    return Truth(
+        steps=n,
+        mean_wait_s={r: wait[r] / n for r in ranks},
+        mean_exposed_s=mean_exposed,
+        mean_step_s={r: step_time[r] / n for r in ranks},
+        amplification=sum(wait.values()) / total_step if total_step > 0 else 0.0,
+        straggler=min(ranks, key=mean_exposed.__getitem__) if len(ranks) > 1 else None,
+    )
+
+
+def truth_from_dir(directory: str, skip_steps: int = 0) -> Truth:
+    return pooled_truth(read_records(record_files(directory)), skip_steps)
+
+
+def _value(result: Sequence[Mapping[str, Any]]) -> float | None:
+    return float(result[0]["value"][1]) if result else None
+
+
+def compare(
+    prom: Any, states: Sequence[Mapping[str, Any]], truth: Truth, job: str
+) -> dict[str, Any]:
+    """syncscope's estimates beside the truth, per rank and job-wide.
+
+    ``prom``: a `syncscope.servers.Prometheus` with syncscope's rules (or None); ``states``:
+    each node's exporter ``/v1/state``, in node order. The exported lead of a rank is the
+    ``syncscope_arrival_lead_seconds`` gauge's value (the state's ``arrival_lead_s``).
+    """
+    ranks: dict[int, dict[str, Any]] = {
+        r: {
+            "node": None,
+            "exported_lead_s": None,
+            "rule_lead_avg_s": None,
+            "truth_wait_s": truth.mean_wait_s[r],
+            "truth_exposed_s": truth.mean_exposed_s[r],
+        }
+        for r in truth.mean_wait_s
+    }
+    nodes = []
+    for node, state in enumerate(states):
+        data = state.get("jobs", {}).get(job) or {}
+        diag = data.get("diagnosis") or {}
+        modes = diag.get("modes") or {}
+        for r in data.get("ranks", []):
+            row = ranks.setdefault(r["rank"], {"truth_wait_s": None, "truth_exposed_s": None})
+            row.update(node=node, exported_lead_s=r["arrival_lead_s"])
+        contention = modes.get("fabric_contention") or {}
+        amplification = modes.get("sync_amplification") or {}
+        nodes.append(
+            {
+                "node": node,
+                "ranks": sorted(r["rank"] for r in data.get("ranks", [])),
+                "straggler": (diag.get("straggler") or {}).get("rank"),
+                "fabric_contention": contention.get("verdict"),
+                "fabric_contention_score": contention.get("score"),
+                "sync_amplification_score": amplification.get("score"),
+            }
+        )
+    out: dict[str, Any] = {
+        "job": job,
+        "steps": truth.steps,
+        "ranks": ranks,
+        "nodes": nodes,
+        "amplification": {"truth": truth.amplification, "rule": None},
+        "straggler": {"truth": truth.straggler, "rule": None},
+    }
+    if prom is not None:
+        sel = f'{{job="{job}"}}'
+        for row in prom.query(LEAD_AVG + sel):
+            ranks.setdefault(int(row["metric"]["rank"]), {})["rule_lead_avg_s"] = float(
+                row["value"][1]
+            )
+        out["amplification"]["rule"] = _value(prom.query(SYNC_AMPLIFICATION + sel))
+        named = prom.query(STRAGGLER_LAG + sel)
+        out["straggler"]["rule"] = int(named[0]["metric"]["rank"]) if named else None
+    return out
+
+
+def _ms(value: float | None) -> str:
+    return f"{value * 1e3:8.1f}" if value is not None else f"{'-':>8}"
+
+
+def format_comparison(c: Mapping[str, Any]) -> str:
+    """The comparison as a table: exported and rule values beside the truth, in ms."""
+    lines = [
+        f"job {c['job']}: truth over {c['steps']} steps every rank recorded; in ms: lead = "
+        f"exported syncscope_arrival_lead_seconds, rule avg = {LEAD_AVG},",
+        "truth W = mean wait for the last rank, truth d = mean exposed gradient sync",
+        f"{'rank':>4} {'node':>4} {'lead':>8} {'rule avg':>8} {'truth W':>8} {'truth d':>8}",
+    ]
+    for rank, row in sorted(c["ranks"].items()):
+        node = row.get("node")
+        lines.append(
+            f"{rank:>4} {node if node is not None else '-':>4} {_ms(row.get('exported_lead_s'))} "
+            f"{_ms(row.get('rule_lead_avg_s'))} {_ms(row.get('truth_wait_s'))} "
+            f"{_ms(row.get('truth_exposed_s'))}"
+        )
+    amp = c["amplification"]
+    rule_amp = f"{amp['rule']:.3f}" if amp["rule"] is not None else "-"
+    lines.append(f"amplification: rule {rule_amp}, truth {amp['truth']:.3f} (Σ W / Σ step time)")
+    lines.append(
+        f"straggler: rule {c['straggler']['rule']}, truth {c['straggler']['truth']}, "
+        + ", ".join(f"exporter of node {n['node']} {n['straggler']}" for n in c["nodes"])
+    )
+    for n in c["nodes"]:
+        score = n["fabric_contention_score"]
+        lines.append(
+            f"node {n['node']} (ranks {n['ranks']}): fabric_contention verdict "
+            f"{n['fabric_contention']} (score {score if score is not None else '-'}), "
+            f"sync_amplification score {n['sync_amplification_score']}"
+        )
+    return "\n".join(lines)

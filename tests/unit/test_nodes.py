@@ -1,0 +1,159 @@
+"""The pure parts of the multi-node harness: the pooled truth, the comparison, launch's per-rank
+prefix and environment, Alertmanager's config, and which namespaces count as stale."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from syncscope.launch import launch, wait_all
+from syncscope.nodes import _STALE, EmulatedNodes
+from syncscope.servers import alertmanager_config
+from syncscope.truth import compare, format_comparison, pooled_truth, truth_from_dir
+
+
+def _rec(rank: int, step: int, d: float, step_s: float = 0.1) -> dict:
+    return {
+        "rank": rank,
+        "world_size": 3,
+        "step": step,
+        "step_s": step_s,
+        "phases": {"forward": 0.01, "comm_exposed": d},
+        "wait_s": 0.0,
+        "end_unix_s": 1.0 + step,
+    }
+
+
+def _write(directory, records: list[dict]) -> None:
+    for rec in records:
+        with open(os.path.join(directory, f"rank{rec['rank']}.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def test_pooled_truth_is_each_ranks_wait_for_the_last_arrival_over_common_steps(tmp_path):
+    # Step 1: rank 2 is last (smallest d); step 2: rank 0 is. Step 3 is missing on rank 1 and
+    # step 0 is warm-up, so both are left out.
+    d = {0: [9.0, 0.04, 0.00], 1: [9.0, 0.03, 0.02], 2: [0.0, 0.00, 0.05]}
+    records = [_rec(r, k, d[r][k]) for r in d for k in range(3)]
+    records += [_rec(0, 3, 0.5), _rec(2, 3, 0.0)]
+    _write(tmp_path, records)
+    truth = truth_from_dir(str(tmp_path), skip_steps=1)
+    assert truth.steps == 2
+    assert truth.mean_wait_s == pytest.approx({0: 0.02, 1: 0.025, 2: 0.025})
+    assert truth.mean_exposed_s == pytest.approx({0: 0.02, 1: 0.025, 2: 0.025})
+    assert truth.amplification == pytest.approx((0.04 + 0.03 + 0.02 + 0.05) / (6 * 0.1))
+    assert truth.straggler == 0  # smallest mean d
+
+
+def test_a_steady_straggler_is_named_and_waits_are_relative_to_it():
+    records = {
+        r: {k: _rec(r, k, 0.001 if r == 3 else 0.031 + 0.001 * r) for k in range(10)}
+        for r in range(4)
+    }
+    truth = pooled_truth(records)
+    assert truth.straggler == 3
+    assert truth.mean_wait_s[3] == pytest.approx(0.0)
+    assert truth.mean_wait_s[0] == pytest.approx(0.030)
+
+
+def test_truth_refuses_records_without_a_common_step():
+    with pytest.raises(ValueError, match="every rank"):
+        pooled_truth({0: {1: _rec(0, 1, 0.0)}, 1: {2: _rec(1, 2, 0.0)}})
+    with pytest.raises(ValueError, match="no records"):
+        pooled_truth({})
+
+
+class FakeProm:
+    def query(self, promql: str) -> list[dict]:
+        if promql.startswith("job_rank:syncscope_arrival_lead_seconds:avg"):
+            return [{"metric": {"rank": str(r)}, "value": [0, str(0.01 * r)]} for r in range(2)]
+        if promql.startswith("job:syncscope_sync_amplification:ratio"):
+            return [{"metric": {}, "value": [0, "0.5"]}]
+        if promql.startswith("job_rank:syncscope_straggler_lag_seconds:argmin_lead"):
+            return [{"metric": {"rank": "0"}, "value": [0, "0.01"]}]
+        raise AssertionError(promql)
+
+
+def test_compare_sets_exporters_and_rules_beside_the_truth():
+    truth = pooled_truth({r: {k: _rec(r, k, 0.02 * (1 - r)) for k in range(4)} for r in range(2)})
+    states = [
+        {
+            "jobs": {
+                "j": {
+                    "ranks": [{"rank": r, "arrival_lead_s": 0.005 * r}],
+                    "diagnosis": {
+                        "straggler": {"rank": r},
+                        "modes": {"fabric_contention": {"verdict": r == 0, "score": 0.6}},
+                    },
+                }
+            }
+        }
+        for r in range(2)
+    ]
+    c = compare(FakeProm(), states, truth, "j")
+    assert c["ranks"][1]["node"] == 1
+    assert c["ranks"][1]["exported_lead_s"] == pytest.approx(0.005)
+    assert c["ranks"][1]["rule_lead_avg_s"] == pytest.approx(0.01)
+    assert c["ranks"][0]["truth_wait_s"] == pytest.approx(0.02)
+    assert c["straggler"] == {"truth": 1, "rule": 0}
+    assert [n["fabric_contention"] for n in c["nodes"]] == [True, False]
+    assert c["amplification"]["rule"] == 0.5
+    text = format_comparison(c)
+    assert "straggler: rule 0, truth 1" in text
+    assert format_comparison(compare(None, states, truth, "j"))  # without Prometheus too
+
+
+def test_launch_gives_each_rank_its_prefix_environment_and_local_rank(tmp_path):
+    # The prefix runs instead of python here: it writes what the rank would have seen.
+    script = 'echo "$RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $GLOO_SOCKET_IFNAME" > "$0"'
+    procs = launch(
+        4,
+        [],
+        local_world_size=2,
+        prefix=lambda rank: ["sh", "-c", script, str(tmp_path / f"r{rank}")],
+        rank_env=lambda rank: {"GLOO_SOCKET_IFNAME": f"node{rank // 2}"},
+    )
+    assert wait_all(procs, 30) == [0, 0, 0, 0]
+    seen = [(tmp_path / f"r{rank}").read_text().split() for rank in range(4)]
+    assert seen == [
+        ["0", "0", "4", "2", "node0"],
+        ["1", "1", "4", "2", "node0"],
+        ["2", "0", "4", "2", "node1"],
+        ["3", "1", "4", "2", "node1"],
+    ]
+
+
+def test_alertmanager_config_sends_firing_and_resolved_to_the_webhook(tmp_path):
+    text = alertmanager_config("http://127.0.0.1:1/hook")
+    config = yaml.safe_load(text)
+    assert config["receivers"][0]["webhook_configs"] == [
+        {"url": "http://127.0.0.1:1/hook", "send_resolved": True}
+    ]
+    assert config["route"]["group_wait"] == "1s"
+    amtool = shutil.which("amtool")
+    if amtool:
+        (tmp_path / "am.yml").write_text(text)
+        done = subprocess.run(
+            [amtool, "check-config", str(tmp_path / "am.yml")], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_only_this_schemes_namespaces_count_as_stale_and_names_are_unique():
+    assert _STALE.match("syncscope-123-0-node4")
+    assert _STALE.match("syncscope-123-7-switch")
+    assert not _STALE.match("syncscope-123-0-node4-extra")
+    assert not _STALE.match("other-123-0-node4")
+    a, b = EmulatedNodes(2, 1), EmulatedNodes(2, 1)  # not entered: nothing exists yet
+    try:
+        assert a.name != b.name
+        assert {n.netns for n in a.nodes}.isdisjoint(n.netns for n in b.nodes)
+        assert a.node_of(1).index == 1 and a.world_size == 2
+    finally:
+        a.close()
+        b.close()
