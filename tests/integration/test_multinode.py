@@ -24,7 +24,7 @@ import pytest
 from syncscope.launch import wait_all
 from syncscope.monitoring.prometheus_config import local_config
 from syncscope.nodes import EmulatedNodes, NodesUnavailable, iproute, list_netns
-from syncscope.servers import Alertmanager, Prometheus
+from syncscope.servers import Alertmanager, Prometheus, free_port
 from syncscope.truth import compare, format_comparison
 from tests.conftest import torch_available, wait_until
 
@@ -110,25 +110,42 @@ def test_one_gloo_job_spans_two_emulated_nodes_and_leaves_nothing_behind(tmp_pat
 
 
 @needs_prometheus
-def test_remote_straggler_exported_estimates_beside_the_pooled_truth(tmp_path):
+def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(tmp_path):
+    """Rank 3 (node 1) slowed 30 ms: Prometheus's job-wide rules and every exporter reading
+    them back (--prometheus-url) name it; leads and amplification agree with the truth pooled
+    per step from all four ranks' records (issue 15)."""
     job = "remote-straggler"
-    with emulated(2, 2, workdir=str(tmp_path)) as cluster:
-        prom = Prometheus(local_config(cluster.exporter_ports, str(tmp_path)), str(tmp_path))
+    prom_port = free_port()
+    readback = ["--prometheus-url", f"http://127.0.0.1:{prom_port}", "--prometheus-interval", "2"]
+    ports = [free_port(), free_port()]
+    with emulated(
+        2, 2, workdir=str(tmp_path), exporter_ports=ports, exporter_args=readback
+    ) as cluster:
+        prom = Prometheus(local_config(ports, str(tmp_path)), str(tmp_path), port=prom_port)
         try:
             prom.wait_ready()
             cluster.run(["--duration", "30", "--slow-rank", "3", "--slow-ms", "30"], job)
-            # The final flush scraped and the rules evaluated (1 s each); the 10 s rate windows
-            # still cover the run.
-            time.sleep(3)
+            # The final flush scraped, the rules evaluated (1 s each) and the exporters read
+            # them back (2 s); the 10 s rate windows still cover the run.
+            time.sleep(4)
             truth = cluster.truth(SKIP_STEPS)
             comparison = compare(prom, cluster.states(), truth, job)
         finally:
             prom.stop()
     print("\n" + format_comparison(comparison))
-    # Only what holds today; the estimators' own assertions come with their fix.
     assert truth.straggler == 3
     assert all(truth.mean_wait_s[r] >= 0.020 for r in (0, 1, 2)), truth.mean_wait_s
-    assert {r for r, row in comparison["ranks"].items() if row["node"] is not None} == {0, 1, 2, 3}
+    assert comparison["straggler"]["rule"] == 3
+    for rank, row in comparison["ranks"].items():
+        tolerance = max(0.003, 0.15 * row["truth_wait_s"])
+        for estimate in ("rule_lead_avg_s", "exported_lead_s"):
+            assert row[estimate] is not None, (rank, estimate)
+            assert abs(row[estimate] - row["truth_wait_s"]) <= tolerance, (rank, estimate, row)
+    amplification = comparison["amplification"]
+    assert abs(amplification["rule"] - amplification["truth"]) <= 0.05, amplification
+    for node in comparison["nodes"]:
+        assert node["straggler"] == 3, node  # both exporters, the straggler's and the other
+        assert node["fabric_contention"] is False, node
 
 
 class Webhook:
