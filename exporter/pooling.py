@@ -18,13 +18,13 @@ is complete for a rank once it has reported that step or a later one.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from syncscope.arrival import Key
 
-Rank = Hashable
+Rank = int
 
 
 class WaitSink(Protocol):
@@ -138,6 +138,3 @@ class JobPool:
             entries.pop(rank, None)
         for step in [s for s, entries in self._pending.items() if not entries]:
             del self._pending[step]
-
-    def ranks(self) -> set[Rank]:
-        return set(self._latest) | set(self._open)

@@ -387,7 +387,7 @@ class Store:
         stale = self.settings.stale_after_s
         live = [r for r, s in ranks.items() if now - s.last_report_unix_s <= stale]
         for done in pool.complete(live):
-            state = ranks.get(done.rank)  # type: ignore[call-overload]
+            state = ranks.get(done.rank)
             if state is not None:
                 state.recent.append(RecentStep(done.step, done.step_s, done.phases, done.wait_s))
 

@@ -7,9 +7,7 @@ metric catalog, the rule and dashboard generators.
 
 from __future__ import annotations
 
-import functools
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from syncscope import catalog
@@ -36,8 +34,8 @@ def readme_with_table(text: str) -> str:
     return f"{head}{TABLE_BEGIN}\n{catalog.markdown_table()}{TABLE_END}{tail}"
 
 
-def checked_in_files(root: Path) -> dict[Path, Callable[[str], str]]:
-    """Each generated file -> a function from its current text to what it must be."""
+def checked_in_files(root: Path) -> dict[Path, str]:
+    """Each generated file of the checkout -> the text it must have."""
     cfg = load_config()
     files: dict[str, str] = {
         RULES_PATH: rules.render_rules_yaml(cfg),
@@ -47,36 +45,18 @@ def checked_in_files(root: Path) -> dict[Path, Callable[[str], str]]:
     }
     for name, text in dashboards.render_files(cfg).items():
         files[f"{DASHBOARDS_DIR}/{name}"] = text
-    out: dict[Path, Callable[[str], str]] = {
-        root / rel: functools.partial(_replace, text) for rel, text in files.items()
+    readme = root / README_PATH
+    files[README_PATH] = readme_with_table(readme.read_text() if readme.exists() else "")
+    return {root / rel: text for rel, text in files.items()}
+
+
+def stale_files(root: Path) -> dict[Path, str]:
+    """The generated files whose checked-in text differs (or that are missing), with the new text."""
+    return {
+        path: text
+        for path, text in checked_in_files(root).items()
+        if not path.exists() or path.read_text() != text
     }
-    out[root / README_PATH] = readme_with_table
-    return out
-
-
-def _replace(text: str, _old: str) -> str:
-    return text
-
-
-def stale_files(root: Path) -> list[Path]:
-    stale = []
-    for path, render in checked_in_files(root).items():
-        old = path.read_text() if path.exists() else ""
-        if render(old) != old or not path.exists():
-            stale.append(path)
-    return stale
-
-
-def write_files(root: Path) -> list[Path]:
-    written = []
-    for path, render in checked_in_files(root).items():
-        old = path.read_text() if path.exists() else ""
-        new = render(old)
-        if new != old:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(new)
-            written.append(path)
-    return written
 
 
 def main(root: Path, check: bool) -> int:
@@ -90,6 +70,8 @@ def main(root: Path, check: bool) -> int:
         for path in stale:
             print(f"stale: {path.relative_to(root)} (run: syncscope generate)", file=sys.stderr)
         return 1 if stale else 0
-    for path in write_files(root):
+    for path, text in stale_files(root).items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
         print(f"wrote {path.relative_to(root)}")
     return 0
