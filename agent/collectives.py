@@ -93,6 +93,30 @@ class CollectivePatch:
         self.originals: dict[tuple[Any, str], Any] = {}
         self.dropped = 0
         self._local = threading.local()
+        self._backends: dict[int | None, str] = {}  # id(group) -> its backend, asked once
+
+    def timed_by_flight_recorder(self, group: Any, target: Any) -> bool:
+        """NCCL calls return before the GPU runs them: a CPU timer would time the enqueue, and
+        Flight Recorder (agent/nccl_trace.py) reports them with their GPU duration. attach()
+        leaves this patch out when the NCCL group exists; when attach() ran first, this is
+        where NCCL groups are told apart."""
+        key = None if group is None else id(group)
+        backend = self._backends.get(key)
+        if backend is None:
+            try:
+                import torch.distributed as dist
+
+                backend = str(dist.get_backend(group)).lower()
+            except Exception:  # noqa: BLE001 - not initialised yet, or an unknown group
+                return False
+            self._backends[key] = backend
+        if "nccl" not in backend:
+            return False
+        if backend == "nccl":
+            return True
+        # a group with a backend per device ("cpu:gloo,cuda:nccl"): the tensor's device decides
+        first = target[0] if isinstance(target, (list, tuple)) and target else target
+        return bool(getattr(first, "is_cuda", True))
 
     def install(self) -> None:
         import torch.distributed as dist
@@ -134,6 +158,21 @@ class CollectivePatch:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if getattr(local, "busy", False):  # a collective built from another one
                 return original(*args, **kwargs)
+            try:
+                group = (
+                    kwargs["group"]
+                    if "group" in kwargs
+                    else (args[group_pos] if len(args) > group_pos else None)
+                )
+                target = (
+                    kwargs.get(size_name, args[size_arg] if len(args) > size_arg else None)
+                    if sizer is not None
+                    else None
+                )
+                if patch.timed_by_flight_recorder(group, target):
+                    return original(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - timing must never break the collective
+                return original(*args, **kwargs)
             local.busy = True
             try:
                 t0 = _now()
@@ -142,18 +181,10 @@ class CollectivePatch:
             finally:
                 local.busy = False
             try:
-                group = (
-                    kwargs["group"]
-                    if "group" in kwargs
-                    else (args[group_pos] if len(args) > group_pos else None)
-                )
                 async_op = kwargs.get(
                     "async_op", args[async_pos] if len(args) > async_pos else False
                 )
-                nbytes = 0
-                if sizer is not None:
-                    target = kwargs[size_name] if size_name in kwargs else args[size_arg]
-                    nbytes = sizer(target)
+                nbytes = sizer(target) if sizer is not None else 0
                 if async_op and result is not None:
                     fut = result.get_future()
                     fut.then(lambda _f: patch._record(op, group, nbytes, _now() - t0))

@@ -103,7 +103,9 @@ class Agent:
         # Recorder, GPU topology from NVML/sysfs; all resolved or read off the training thread.
         cuda_index = _cuda_device(torch, model, optimizer)
         timeline = _step_timeline() if cuda_index is not None else None
-        self.clock = self._make_clock(torch, model, ddp_model, ddp_group, ddp_bytes, timeline)
+        self.clock = self._make_clock(
+            torch, model, ddp_model, ddp_group, ddp_bytes, timeline, cuda_index
+        )
         self.queues.clock = self.clock
         self.nccl_reader: FlightRecorderReader | None = None
         self.topology: TopologySampler | None = None
@@ -189,6 +191,7 @@ class Agent:
         ddp_group: str | None,
         ddp_bytes: float,
         timeline: StepTimeline | None,
+        cuda_index: int | None,
     ) -> PhaseClock:
         """The CPU phase clock, or with a step timeline (CUDA) the one that also records CUDA
         events at each boundary and resolves them into GPU-side phases on a thread of its own."""
@@ -203,11 +206,16 @@ class Agent:
             ddp_bytes,
             self._on_error,
         )
-        if timeline is None:
+        if timeline is None or cuda_index is None:
             return PhaseClock(*args, ddp_model=ddp_model)
-        from syncscope.agent.cuda_timing import CudaPhaseClock
+        from syncscope.agent.cuda_timing import CudaPhaseClock, torch_stream_of
 
-        return CudaPhaseClock(*args, ddp_model=ddp_model, timeline=timeline)
+        return CudaPhaseClock(
+            *args,
+            ddp_model=ddp_model,
+            timeline=timeline,
+            stream_of=torch_stream_of(torch, cuda_index),
+        )
 
     def _flight_recorder_reader(
         self, torch: Any, timeline: StepTimeline | None

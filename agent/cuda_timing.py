@@ -19,8 +19,19 @@ Where the GPU's time goes between two consecutive events (k = this step):
 The phases of a step add up to the GPU's step time (step end k-1 -> step end k). A step reaches
 the reporter as the same tuple the CPU clock emits, GPU phases in place of CPU ones (pacing
 stays the CPU delay the controller inserted); DDP's `ddp_grad_sync` records carry the GPU's
-exposed communication. If the queue of unresolved steps is full, or an event cannot be had, a
-step goes out with its CPU phases instead, and the next step starts a new chain.
+exposed communication. If the queue of unresolved steps is full, an event cannot be had or
+queried, or the stream is capturing a CUDA graph, a step goes out with its CPU phases instead,
+and the next step starts a new chain.
+
+Events go on the current stream *of the model's device* (`stream_of`), not of whatever device
+is current: a model on cuda:3 without torch.cuda.set_device(3) would otherwise be timed on
+device 0's idle stream. The resolver thread puts itself in thread-local capture mode before its
+first query (agent/capture_mode.py), so a user's global-mode graph capture survives it.
+
+Pacing on CUDA: the CPU sees almost no exposed communication (DDP only makes the stream wait),
+so the pacer is fed from each resolved GPU step's exposed communication, on the resolver thread,
+and the training thread sleeps the latest delay it decided (a few steps behind: the controller
+adapts over many steps).
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from syncscope.agent.capture_mode import thread_local_capture_mode
 from syncscope.agent.phases import (
     BACKWARD,
     COMM,
@@ -50,6 +62,18 @@ def torch_event_factory() -> Callable[[], Any]:
     import torch
 
     return lambda: torch.cuda.Event(enable_timing=True)
+
+
+def torch_stream_of(torch: Any, device_index: int) -> Callable[[], Any]:
+    """The current stream of the model's device, or None while it is capturing a CUDA graph
+    (an event recorded then would be a node of the graph, not a point in the stream)."""
+    current_stream = torch.cuda.current_stream
+    capturing = torch.cuda.is_current_stream_capturing  # a capture runs on the current device
+
+    def stream_of() -> Any:
+        return None if capturing() else current_stream(device_index)
+
+    return stream_of
 
 
 def gpu_phases(start: Any, marks: list[tuple[int, Any]]) -> tuple[int, list[int], list[int]]:
@@ -95,6 +119,8 @@ class CudaPhaseClock(PhaseClock):
         ddp_model: Any = None,
         *,
         event_factory: Callable[[], Any] | None = None,
+        stream_of: Callable[[], Any] | None = None,
+        thread_guard: Callable[[], object] = thread_local_capture_mode,
         timeline: Any = None,
         max_pending: int = 64,
         max_events: int = 2048,
@@ -112,6 +138,8 @@ class CudaPhaseClock(PhaseClock):
         self.out_steps = steps
         self.out_collectives = collectives
         self.event_factory = event_factory or torch_event_factory()
+        self.stream_of = stream_of  # None: record on the current stream (tests, one device)
+        self.thread_guard = thread_guard
         self.timeline = timeline  # StepTimeline (agent.nccl_trace) or None
         self.max_pending = max_pending
         self.max_events = max_events
@@ -123,6 +151,9 @@ class CudaPhaseClock(PhaseClock):
         self.chain_broken = False
         self.cpu_steps = 0  # steps that went out with CPU phases
         self.gpu_steps = 0
+        self.capture_skips = 0  # marks not recorded because the stream was capturing
+        self.query_errors = 0
+        self.gpu_delay_ns = 0  # pacing's latest decision from a GPU step (resolver writes)
         self._prev_end: Any = None  # resolver side only (under _lock)
         self._lock = threading.Lock()  # the resolver thread vs. stop() at close
         self._stop = threading.Event()
@@ -134,6 +165,13 @@ class CudaPhaseClock(PhaseClock):
         if marks is None:
             return
         try:
+            stream = None
+            if self.stream_of is not None:
+                stream = self.stream_of()
+                if stream is None:  # capturing: leave the graph alone, time this step on CPU
+                    self.capture_skips += 1
+                    self._abandon_step()
+                    return
             try:
                 event = self.free.pop()
             except IndexError:
@@ -142,7 +180,10 @@ class CudaPhaseClock(PhaseClock):
                     return
                 event = self.event_factory()
                 self.events_created += 1
-            event.record()
+            if stream is None:
+                event.record()
+            else:
+                event.record(stream)
             marks.append((kind, event))
         except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
             self._abandon_step()
@@ -190,6 +231,10 @@ class CudaPhaseClock(PhaseClock):
             self._mark(OPT_POST)
         else:
             super().optimizer_post(opt, args, kwargs)  # -> end_step -> STEP_END
+
+    def _pace(self, comm_ns: int, step_ns: int) -> int:
+        # The CPU's comm_ns is only DDP's enqueue here: sleep what the GPU's steps decided.
+        return self.gpu_delay_ns
 
     def end_step(self, t: int) -> None:
         step = self.step
@@ -244,6 +289,7 @@ class CudaPhaseClock(PhaseClock):
         """Turn every leading pending step whose events have completed into a report."""
         done = 0
         try:
+            self.thread_guard()  # before this thread's first query: see agent/capture_mode.py
             with self._lock:
                 done = self._resolve_locked()
         except BaseException as exc:  # noqa: BLE001 - a CUDA error must not kill the thread
@@ -254,8 +300,20 @@ class CudaPhaseClock(PhaseClock):
         done = 0
         while self.pending:
             cpu, marks, ddp, chain_break = self.pending[0]
-            if marks and not all(event.query() for _, event in marks):
-                break  # in stream order: nothing after this step has completed either
+            try:
+                if marks and not all(event.query() for _, event in marks):
+                    break  # in stream order: nothing after this step has completed either
+            except Exception as exc:  # noqa: BLE001 - this step's events are unusable
+                # Out of the queue with CPU phases, its events dropped (their state is unknown),
+                # and the chain restarts: the steps behind it still resolve.
+                self.pending.popleft()
+                self.query_errors += 1
+                self._prev_end = None
+                self._emit(cpu, ddp)
+                self.cpu_steps += 1
+                done += 1
+                self.on_error(exc)
+                continue
             self.pending.popleft()
             done += 1
             start = self._prev_end
@@ -285,6 +343,9 @@ class CudaPhaseClock(PhaseClock):
         phases[DATA] = max(0, phases[DATA] - pacing)
         phases[PACING] = pacing
         self.gpu_steps += 1
+        pacer = self.pacer
+        if pacer is not None:
+            self.gpu_delay_ns = pacer(phases[COMM], total)
         gpu_ddp = []
         for i, record in enumerate(ddp):
             if i < len(comm):

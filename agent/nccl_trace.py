@@ -11,10 +11,23 @@ and appends them to the same queue.
 Costs and bounds (the dump is `torch._C._distributed_c10d._dump_nccl_trace`, which returns a
 pickle and holds the GIL while it builds it: 42–51 ms for 2000 entries on the H100):
   * never with stack traces (6.9 s for the same 2000 entries);
-  * from a daemon thread, at most every `min_interval_s`, and stretched so that dumping takes
-    at most `budget` of wall time (0.1 % by default: a 45 ms dump runs every 45 s);
+  * at steps every rank agrees on. A dump stalls its rank's training thread, and in synchronous
+    training one rank's stall delays every rank: N ranks dumping at their own times cost the job
+    N stalls, N ranks dumping at the same step cost it one. So the reader's thread dumps right
+    after step k ends, for k + 1 a multiple of `StepTimeline.dump_every`, a power of two chosen
+    so that dumping takes at most `budget` of wall time (0.1 % by default: a 45 ms dump every
+    45 s) within [min_interval_s, max_interval_s]. Ranks of one job see the same step time and
+    similar dump costs, so they pick the same power; where two differ, the multiples of the
+    larger are multiples of the smaller, and those dumps still coincide
+    (bench/bench_dump_alignment.py measures aligned against unaligned dumps);
+  * from a thread in thread-local CUDA capture mode: the dump queries the events of collectives
+    still in flight, which would otherwise break a user's global-mode CUDA-graph capture
+    (agent/capture_mode.py);
   * at most `max_records_per_poll` records per dump; entries de-duplicated by `record_id`
-    (monotonic per process; a Flight Recorder reset starts it again at 0, which is detected).
+    (monotonic per process; a Flight Recorder reset starts it again at 0, which is detected by
+    the id going backwards or by a known id now carrying another creation time).
+An entry is done once it has a duration, or once the watchdog retired it without one (timing
+off); a completed entry not yet retired has no duration *yet* and is read again next dump.
 Entries that complete between dumps and fall out of the ring buffer before the next one are
 simply not seen: the estimator works on whatever sample of calls it gets.
 """
@@ -23,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import os
 import pickle
 import sys
@@ -32,12 +46,16 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from syncscope.agent.capture_mode import thread_local_capture_mode
 from syncscope.agent.collectives import MAX_GROUP_LABELS, group_label
 
 log = logging.getLogger("syncscope.agent")
 
 ENABLE_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 BUFFER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
+LEGACY_BUFFER_SIZE_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"  # the name before torch 2.6
+# torch >= 2.6 keeps 2000 entries by default; before 2.6 the default is 0: nothing is recorded.
+DEFAULT_BUFFER_SIZE = "2000"
 
 # profiling_name after "nccl:" -> the op label the gloo path uses (syncscope.wire.OPS).
 _OPS = {
@@ -101,15 +119,41 @@ _DTYPE_BYTES = {
 
 
 def prepare_environment(env: Any = os.environ) -> bool:
-    """Ask ProcessGroupNCCL to time collectives; only works before the group is created.
+    """Ask ProcessGroupNCCL to time collectives, and Flight Recorder to keep entries (its buffer
+    is 0 by default before torch 2.6); read when a group is created, so set for groups to come.
 
     Returns True if this call turned timing on. Costs one more CUDA event per collective on
-    NCCL's own path (FIELD-NOTES: Event.record 2.2 µs).
+    NCCL's own path (FIELD-NOTES: Event.record 2.2 µs). A user's own setting is respected.
     """
+    if not (env.get(BUFFER_SIZE_ENV, "").strip() or env.get(LEGACY_BUFFER_SIZE_ENV, "").strip()):
+        env[BUFFER_SIZE_ENV] = env[LEGACY_BUFFER_SIZE_ENV] = DEFAULT_BUFFER_SIZE
     if env.get(ENABLE_TIMING_ENV, "").strip() == "":
         env[ENABLE_TIMING_ENV] = "1"
         return True
     return False
+
+
+def enable_timing_on_existing_groups(torch: Any) -> bool:
+    """`ProcessGroup._enable_collectives_timing()` on every group that exists (attach() after
+    init_process_group, the usual order). True if the default group's timing is on now."""
+    dist = torch.distributed
+    try:
+        c10d = dist.distributed_c10d
+        default = c10d._get_default_group()
+        groups = [
+            default,
+            *(g for g in list(getattr(c10d._world, "pg_map", {})) if g is not default),
+        ]
+    except Exception:  # noqa: BLE001
+        return False
+    ok = False
+    for i, group in enumerate(groups):
+        try:
+            group._enable_collectives_timing()
+            ok = ok or i == 0
+        except Exception:  # noqa: BLE001 - a backend without timing (gloo), or an old torch
+            continue
+    return ok
 
 
 def nccl_group_exists(torch: Any) -> bool:
@@ -132,22 +176,36 @@ def flight_recorder_available(torch: Any) -> bool:
 
 
 def timing_requested(env: Any = os.environ) -> bool:
+    """True if the environment already makes ProcessGroupNCCL time its collectives."""
     for name in (ENABLE_TIMING_ENV, "TORCH_NCCL_DESYNC_DEBUG"):
         if env.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
             return True
-    return False
+    # DETAIL wraps every group in a ProcessGroupWrapper and turns collective timing on too
+    return env.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL"
 
 
 class StepTimeline:
     """Wall-clock step ends, so a Flight Recorder entry (stamped CLOCK_REALTIME at creation)
-    can be placed in the step it belongs to. `mark` is one append: cheap enough for the
-    training thread's step end; `step_at` runs on the reader's thread."""
+    can be placed in the step it belongs to, and the agreed steps at which the reader dumps.
+    `mark` is one append and one modulo: cheap enough for the training thread's step end;
+    `step_at` and `step_seconds` run on the reader's thread, which also sets `dump_every`."""
 
-    def __init__(self, maxlen: int = 4096) -> None:
+    def __init__(self, maxlen: int = 4096, dump_every: int = 16) -> None:
         self.ends: deque[tuple[int, int]] = deque(maxlen=maxlen)  # (end_wall_ns, step)
+        self.dump_every = dump_every  # a power of two; replaced whole by the reader's thread
+        self.due = threading.Event()  # set at the end of step k when k + 1 % dump_every == 0
 
     def mark(self, step: int, wall_ns: int | None = None) -> None:
         self.ends.append((time.time_ns() if wall_ns is None else wall_ns, step))
+        if (step + 1) % self.dump_every == 0:
+            self.due.set()
+
+    def step_seconds(self, last: int = 64) -> float:
+        """Mean wall time per step over the last `last` steps marked; 0.0 before two."""
+        ends = list(self.ends)[-last:]
+        if len(ends) < 2 or ends[-1][1] <= ends[0][1]:
+            return 0.0
+        return (ends[-1][0] - ends[0][0]) / 1e9 / (ends[-1][1] - ends[0][1])
 
     def step_at(self, wall_ns: int, current: int) -> int:
         """The step in progress at wall_ns: the first step that ended after it, else `current`."""
@@ -205,15 +263,29 @@ def entry_bytes(entry: dict[str, Any], op: str) -> float:
     return float(total)
 
 
+def dump_every_steps(
+    cost_s: float, step_s: float, budget: float, min_interval_s: float, max_interval_s: float
+) -> int:
+    """The power of two k such that dumping every k steps holds the GIL for at most `budget` of
+    wall time, k steps lasting between min_interval_s and max_interval_s where they can."""
+    if step_s <= 0.0:
+        return 1
+    want_s = min(max_interval_s, max(min_interval_s, cost_s / budget))
+    k = max(1.0, want_s / step_s)
+    return 1 << max(0, math.ceil(math.log2(k) - 1e-9))
+
+
 class FlightRecorderReader:
-    """Polls Flight Recorder and appends (op, group, bytes, duration_ns, step) to `sink`.
+    """Reads Flight Recorder at agreed steps and appends (op, group, bytes, duration_ns, step)
+    to `sink`.
 
     `dump` returns the pickle `_dump_nccl_trace(includeCollectives=True,
-    includeStackTraces=False, onlyActive=False)` returns (injected for tests); `step_at` maps
-    an entry's creation time (wall ns) to a step; `current_step` is the training step now.
+    includeStackTraces=False, onlyActive=False)` returns (injected for tests); `timeline` is the
+    phase clock's StepTimeline: its step ends place entries in steps, and its `due` event wakes
+    the thread at the agreed steps; `current_step` is the training step now.
     """
 
-    PROBE_DUMPS = 3  # dumps with completed entries but no duration before falling back
+    PROBE_DUMPS = 3  # dumps with completed entries but no duration (or none) before falling back
 
     def __init__(
         self,
@@ -226,9 +298,9 @@ class FlightRecorderReader:
         max_interval_s: float = 120.0,
         budget: float = 0.001,
         max_records_per_poll: int = 4096,
-        clock: Callable[[], float] = time.monotonic,
         attached_after_group: bool = False,
         ready: Callable[[], bool] | None = None,
+        thread_guard: Callable[[], object] = thread_local_capture_mode,
     ) -> None:
         self.sink = sink
         self.dump = dump or _torch_dump
@@ -241,15 +313,15 @@ class FlightRecorderReader:
         self.max_interval_s = max_interval_s
         self.budget = budget
         self.max_records_per_poll = max_records_per_poll
-        self.clock = clock
         self.attached_after_group = attached_after_group
+        self.thread_guard = thread_guard
         self.labels = GroupLabels()
-        self.interval_s = min_interval_s
         self.active = True
         self.fallback_reason: str | None = None
         # de-duplication: every id below `floor` is done; `done` holds the ids at or above it
         self.floor = 0
         self.newest = -1
+        self.anchor: tuple[int, Any] | None = None  # (record_id, time_created_ns) of the newest
         self.done: set[int] = set()
         self.stats = {
             "dumps": 0,
@@ -263,7 +335,9 @@ class FlightRecorderReader:
             "resets": 0,
             "errors": 0,
         }
+        self.dump_steps: deque[int] = deque(maxlen=64)  # the steps the last dumps came after
         self._probes_without_duration = 0
+        self._empty_dumps = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -274,12 +348,33 @@ class FlightRecorderReader:
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
+        self.timeline.due.set()  # wake the thread
         if self._thread is not None:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        while self.active and not self._stop.wait(self.interval_s):
+        self.thread_guard()  # before the first dump: see agent/capture_mode.py
+        due = self.timeline.due
+        while self.active:
+            due.wait()
+            due.clear()
+            if self._stop.is_set():
+                return
+            self.dump_steps.append(self.current_step())
             self.poll()
+            self.reschedule()
+
+    def reschedule(self) -> None:
+        """Pick the next power-of-two period from this dump's cost and the job's step time."""
+        step_s = self.timeline.step_seconds()
+        if step_s > 0.0:
+            self.timeline.dump_every = dump_every_steps(
+                self.stats["last_dump_seconds"],
+                step_s,
+                self.budget,
+                self.min_interval_s,
+                self.max_interval_s,
+            )
 
     def poll(self) -> int:
         """One dump: parse, de-duplicate, append. Returns records appended; never raises."""
@@ -301,11 +396,29 @@ class FlightRecorderReader:
         s["dumps"] += 1
         s["last_dump_seconds"] = cost
         s["dump_seconds_total"] += cost
-        # Stretch the period so that dumping holds the GIL for at most `budget` of wall time.
-        self.interval_s = min(self.max_interval_s, max(self.min_interval_s, cost / self.budget))
+        self._empty_dumps = 0 if entries else self._empty_dumps + 1
+        if self._empty_dumps >= self.PROBE_DUMPS:
+            self._fall_back(
+                "Flight Recorder records no entries: its buffer is 0 (the default before torch "
+                f"2.6). Set {BUFFER_SIZE_ENV}={DEFAULT_BUFFER_SIZE} (before torch 2.6: "
+                f"{LEGACY_BUFFER_SIZE_ENV}) before init_process_group, or call syncscope's "
+                "attach() before it. Falling back to DDP's exposed communication from CUDA "
+                "events; per-collective NCCL timing is disabled for this run."
+            )
         return added
 
     # -- parsing ---------------------------------------------------------------------------------
+    def _reset_seen(self, entries: list[dict[str, Any]], newest: int) -> bool:
+        if newest < self.newest:
+            return True  # ids went backwards: Flight Recorder was reset (reset_all)
+        if self.anchor is None:
+            return False
+        rid, created = self.anchor
+        for e in entries:  # reset and refilled past the old newest: the same id, another entry
+            if e["record_id"] == rid:
+                return e.get("time_created_ns") != created
+        return False
+
     def ingest(self, entries: Iterable[dict[str, Any]]) -> int:
         """Fold one dump's entries in; returns how many records were appended to the sink."""
         entries = sorted(
@@ -315,13 +428,14 @@ class FlightRecorderReader:
         if not entries:
             return 0
         newest = entries[-1]["record_id"]
-        if newest < self.newest:
-            # ids went backwards: Flight Recorder was reset (reset_all) and counts from 0 again
+        if self._reset_seen(entries, newest):
             self.stats["resets"] += 1
             self.floor, self.done = 0, set()
         self.newest = newest
+        self.anchor = (newest, entries[-1].get("time_created_ns"))
         self.floor = max(self.floor, entries[0]["record_id"])  # older ids left the ring buffer
         self.stats["entries_seen"] += len(entries)
+        members = _coalesced_members(entries)
 
         current = self.current_step()
         fresh: list[tuple[str, str, float, int, int]] = []
@@ -331,7 +445,13 @@ class FlightRecorderReader:
             rid = e["record_id"]
             if rid < self.floor or rid in self.done:
                 continue
-            if e.get("state") != "completed":
+            if id(e) in members.covered:  # an op inside a coalesced group: its entry reports
+                self.done.add(rid)
+                continue
+            duration_ms = e.get("duration_ms")
+            timed = isinstance(duration_ms, (int, float)) and duration_ms >= 0
+            if e.get("state") != "completed" or (not timed and e.get("retired") is False):
+                # not finished, or finished but not retired yet: the duration comes later
                 if lowest_pending is None:
                     lowest_pending = rid
                 continue
@@ -339,12 +459,13 @@ class FlightRecorderReader:
             if e.get("is_p2p"):
                 self.stats["p2p_skipped"] += 1
                 continue
-            op = op_label(str(e.get("profiling_name", "")))
+            op, nbytes = members.sized.get(id(e), (None, None))
+            if op is None:
+                op = op_label(str(e.get("profiling_name", "")))
             if op is None:
                 self.stats["p2p_skipped"] += 1
                 continue
-            duration_ms = e.get("duration_ms")
-            if not isinstance(duration_ms, (int, float)) or duration_ms < 0:
+            if not timed:
                 self.stats["no_duration"] += 1
                 completed_without_duration += 1
                 continue
@@ -359,8 +480,8 @@ class FlightRecorderReader:
                 (
                     op,
                     self.labels(e.get("process_group")),
-                    entry_bytes(e, op),
-                    round(duration_ms * 1e6),
+                    entry_bytes(e, op) if nbytes is None else nbytes,
+                    round(duration_ms * 1e6),  # type: ignore[operator]
                     step,
                 )
             )
@@ -408,6 +529,51 @@ class FlightRecorderReader:
             (log.warning if warn else log.info)("syncscope: %s", reason)
 
 
+class _Coalesced:
+    __slots__ = ("covered", "sized")
+
+    def __init__(self) -> None:
+        self.covered: set[int] = set()  # id() of member entries, reported by their group's
+        self.sized: dict[int, tuple[str, float]] = {}  # id() of a group entry -> (op, bytes)
+
+
+def _coalesced_members(entries: list[dict[str, Any]]) -> _Coalesced:
+    """Torch versions that record a coalesced group as one untyped `nccl:coalesced` entry (no
+    sizes; it holds the CUDA events and the duration) also record each op inside the group,
+    typed and sized but without events, under the same collective_seq_id. The group's entry is
+    given their op and summed bytes, and the members are not reported on their own. (torch 2.11
+    records `nccl:allreduce_coalesced` etc. with sizes instead: nothing to do there.)"""
+    found = _Coalesced()
+    groups = [
+        e
+        for e in entries
+        if str(e.get("profiling_name", "")).split(":", 1)[-1] == "coalesced" and not e.get("is_p2p")
+    ]
+    for group in groups:
+        key = (_pg_key(group), group.get("collective_seq_id"))
+        members = [
+            e
+            for e in entries
+            if e is not group
+            and not e.get("is_p2p")
+            and (_pg_key(e), e.get("collective_seq_id")) == key
+            and e["record_id"] < group["record_id"]
+        ]
+        ops = {op_label(str(e.get("profiling_name", ""))) for e in members}
+        ops.discard(None)
+        if not members or len(ops) != 1:
+            continue
+        op = ops.pop()
+        assert op is not None
+        found.sized[id(group)] = (op, sum(entry_bytes(e, op) for e in members))
+        found.covered.update(id(e) for e in members)
+    return found
+
+
+def _pg_key(entry: dict[str, Any]) -> str:
+    return str(entry.get("process_group"))
+
+
 def _nccl_group_now() -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and nccl_group_exists(torch)
@@ -422,11 +588,15 @@ def _torch_dump() -> bytes:
 
 def check_timing_at_attach(torch: Any, env: Any = os.environ) -> tuple[bool, bool]:
     """(attached_after_group, timing_on) at attach(): turns timing on if it still can, and
-    warns once, clearly, if the NCCL group already exists without it."""
+    warns once, clearly, if the NCCL group already exists and timing cannot be had."""
     if not nccl_group_exists(torch):
         prepare_environment(env)
         return False, True
     if timing_requested(env):
+        return True, True
+    if enable_timing_on_existing_groups(torch):
+        prepare_environment(env)  # and for the groups created from now on
+        log.info("syncscope: NCCL collective timing turned on for the existing process groups")
         return True, True
     log.warning(
         "syncscope: attach() ran after the NCCL process group was created without %s=1, so "

@@ -318,14 +318,18 @@ class PhaseClock:
         self.acc = [0, 0, 0, 0, 0, 0]
         self.step_start = t
         self.idle_since = t
+        delay = self._pace(acc[COMM], total)
+        if delay > 0:
+            time.sleep(delay / 1e9)
+            after = _now()
+            self.acc[PACING] = after - t
+            self.idle_since = after
+
+    def _pace(self, comm_ns: int, step_ns: int) -> int:
+        """The delay (ns) to insert before the next step: the pacer's answer to this step's
+        exposed communication. CudaPhaseClock answers from the GPU's steps instead."""
         pacer = self.pacer
-        if pacer is not None:
-            delay = pacer(acc[COMM], total)
-            if delay > 0:
-                time.sleep(delay / 1e9)
-                after = _now()
-                self.acc[PACING] = after - t
-                self.idle_since = after
+        return pacer(comm_ns, step_ns) if pacer is not None else 0
 
 
 class _ForwardWrapper:

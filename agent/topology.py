@@ -510,16 +510,25 @@ def static_topology(
     nodes = sysfs.node_cpus()
     gpu_cpus = set(a["cpu_affinity"] or ()) or set(pci.local_cpus if pci else ())
 
-    gpu_node, source = _node_or_none(a["numa_node_id"]), "nvml"
-    if gpu_node is None and pci is not None and pci.numa_node is not None:
-        gpu_node, source = pci.numa_node, "sysfs"
+    def has_cpus(node: int | None) -> bool:
+        # Grace-Hopper / GB200: NVML's NUMA id is the node of the GPU's own memory, a node with
+        # no CPUs (empty cpulist). It says nothing of CPU locality and would flag a false
+        # mismatch. Where sysfs lists no nodes at all, nothing says a node is CPU-less.
+        return node is not None and (not nodes or bool(nodes.get(node)))
+
+    gpu_node, source = None, UNKNOWN
+    for candidate, origin in (
+        (_node_or_none(a["numa_node_id"]), "nvml"),
+        (pci.numa_node if pci is not None else None, "sysfs"),
+    ):
+        if has_cpus(candidate):
+            gpu_node, source = candidate, origin
+            break
     if gpu_node is None and gpu_cpus:
         # NVML in VMs says "not supported"; the node holding all the GPU's local CPUs is it.
         holding = [n for n, cpus in nodes.items() if gpu_cpus <= cpus]
         if len(holding) == 1:
             gpu_node, source = holding[0], "cpu_affinity"
-    if gpu_node is None:
-        source = UNKNOWN
 
     proc_cpus = sysfs.process_cpus()
     proc_nodes = sorted(n for n, cpus in nodes.items() if cpus & proc_cpus)

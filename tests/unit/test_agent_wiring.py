@@ -93,3 +93,28 @@ def test_a_failed_attach_leaves_the_process_as_it_was(tmp_path):
     assert dist.all_reduce is before  # the collective patch was never installed
     with agent.step():
         time.sleep(0)
+
+
+def test_attach_before_an_nccl_group_leaves_its_collectives_to_flight_recorder(
+    agents, monkeypatch, tmp_path
+):
+    # attach() before init_process_group cannot know the group will be NCCL: the patch goes in,
+    # and must then stay out of NCCL calls (timed on the GPU by Flight Recorder, not twice).
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    agent = agents()
+    assert agent.patch is not None
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        q = agent.queues.collectives
+        t = torch.ones(256)
+        for backend, recorded in (("gloo", 1), ("nccl", 0), ("cpu:gloo,cuda:nccl", 1)):
+            agent.patch._backends.clear()
+            monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+            before = len(q)
+            dist.all_reduce(t)
+            assert len(q) - before == recorded, backend
+    finally:
+        dist.destroy_process_group()

@@ -9,7 +9,11 @@ import time
 from collections import deque
 
 import pytest
-from syncscope.agent.cuda_timing import CudaPhaseClock
+from syncscope.agent.capture_mode import (
+    CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+    thread_local_capture_mode,
+)
+from syncscope.agent.cuda_timing import CudaPhaseClock, torch_stream_of
 from syncscope.agent.nccl_trace import StepTimeline
 
 from syncscope.wire import DDP_GRAD_SYNC
@@ -38,15 +42,20 @@ class FakeEvent:
         self.stream = stream
         self.t: float | None = None
         self.fail = fail
+        self.fail_query = False
+        self.recorded_on: list = []
 
-    def record(self) -> None:
+    def record(self, stream=None) -> None:
         if self.fail:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         self.stream.record_threads.add(threading.current_thread().name)
+        self.recorded_on.append(stream)
         self.t = self.stream.tail
 
     def query(self) -> bool:
         self.stream.query_threads.add(threading.current_thread().name)
+        if self.fail_query:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return self.t is not None and self.stream.executed >= self.t
 
     def elapsed_time(self, end: FakeEvent) -> float:
@@ -205,16 +214,142 @@ def test_running_out_of_events_or_a_cuda_error_never_reaches_the_loop():
     assert len(failing.steps) == 3 and len(failing.errors) == 3  # one per step, then untimed
 
 
-def test_pacing_stays_the_cpu_delay_and_is_not_counted_as_data():
+def test_pacing_is_fed_the_gpus_exposed_communication_and_sleeps_on_the_cpu():
+    # On CUDA the CPU sees ~0 exposed communication (DDP only makes the stream wait): the
+    # pacer must be fed each GPU step's, and its delay slept on the training thread.
     loop = Loop()
-    loop.clock.pacer = lambda _comm, _total: 2 * MS  # 2 ms before every next iteration
+    fed: list[tuple[int, int]] = []
+
+    def pacer(comm_ns: int, step_ns: int) -> int:
+        fed.append((comm_ns, step_ns))
+        return 2 * MS  # 2 ms before every next iteration
+
+    loop.clock.pacer = pacer
     for _ in range(3):
-        loop.step(data=3.0)
+        loop.step(data=3.0, comm=7.0)
+    loop.stream.run_all()
+    loop.clock.resolve()
+    assert [c for c, _ in fed] == [7 * MS, 7 * MS]  # steps 1 and 2 (step 0 has no start)
+    assert [t for _, t in fed] == [27.5 * MS, 27.5 * MS]
+    assert all(r[3 + 5] == 0 for r in loop.steps)  # nothing decided before a GPU step resolved
+    loop.step(data=3.0, comm=7.0)
+    loop.step(data=3.0, comm=7.0)
     loop.stream.run_all()
     loop.clock.resolve()
     last = phases_ms(loop.steps[-1])
     assert last["pacing"] >= 2.0  # a real time.sleep: at least what was asked
     assert last["data"] == pytest.approx(max(0.0, 3.0 - last["pacing"]))
+
+
+def test_a_query_that_raises_drops_that_step_and_the_rest_still_resolve():
+    loop = Loop()
+    for _ in range(4):
+        loop.step()
+    for _kind, event in loop.clock.pending[1][1]:
+        event.fail_query = True  # e.g. a sticky CUDA error seen through this step's events
+    loop.stream.run_all()
+    assert loop.clock.resolve() == 4
+    assert [r[0] for r in loop.steps] == [0, 1, 2, 3]
+    assert len(loop.errors) == 1 and loop.clock.query_errors == 1
+    assert loop.clock.gpu_steps == 1  # step 3; step 2 starts the new chain
+    loop.step()
+    loop.stream.run_all()
+    assert loop.clock.resolve() == 1 and loop.clock.gpu_steps == 2
+    assert len(loop.errors) == 1  # said once, not at every poll
+
+
+def test_nothing_is_recorded_while_the_stream_is_capturing_a_cuda_graph():
+    capturing = [False]
+    loop = Loop(stream_of=lambda: None if capturing[0] else "model-stream")
+    recorded: list[FakeEvent] = []
+    factory = loop.clock.event_factory
+    loop.clock.event_factory = lambda: recorded.append(factory()) or recorded[-1]
+    loop.step()
+    capturing[0] = True  # e.g. torch.cuda.graph() around the next step
+    loop.step()
+    during = sum(len(e.recorded_on) for e in recorded)
+    capturing[0] = False
+    loop.step()
+    loop.step()
+    loop.stream.run_all()
+    loop.clock.resolve()
+    assert loop.clock.capture_skips == 1 and during == 7  # only step 0's 7 marks
+    assert [r[0] for r in loop.steps] == [0, 1, 2, 3]
+    assert loop.clock.gpu_steps == 1  # step 3 (1 untimed, 2 restarts the chain)
+
+
+def test_events_go_on_the_model_devices_stream_not_the_current_devices():
+    class FakeCuda:
+        def current_stream(self, device=None):
+            return f"stream-of-{device}"
+
+        def is_current_stream_capturing(self):
+            return False
+
+    fake_torch = type("T", (), {"cuda": FakeCuda()})()
+    loop = Loop(stream_of=torch_stream_of(fake_torch, 3))  # the model is on cuda:3
+    loop.step()
+    loop.step()
+    streams = {s for _, e in loop.clock.pending[1][1] for s in e.recorded_on}
+    assert streams == {"stream-of-3"}
+
+
+def test_the_resolver_thread_leaves_global_capture_mode_before_its_first_query():
+    entered = threading.local()
+    guard_threads: list[str] = []
+
+    def guard() -> bool:
+        entered.yes = True
+        guard_threads.append(threading.current_thread().name)
+        return True
+
+    unguarded: list[str] = []
+
+    class GuardedEvent(FakeEvent):
+        def query(self) -> bool:
+            if not getattr(entered, "yes", False):
+                unguarded.append(threading.current_thread().name)
+            return super().query()
+
+    loop = Loop(poll_interval_s=0.01, thread_guard=guard)
+    loop.clock.event_factory = lambda: GuardedEvent(loop.stream)
+    loop.clock.start()
+    for _ in range(3):
+        loop.step()
+    loop.stream.run_all()
+    deadline = time.monotonic() + 5
+    while len(loop.steps) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.clock.stop()
+    assert len(loop.steps) == 3 and loop.stream.query_threads == {"syncscope-cuda-events"}
+    assert unguarded == [] and "syncscope-cuda-events" in guard_threads
+
+
+def test_thread_local_capture_mode_is_asked_once_per_thread_and_never_raises():
+    calls: list[int] = []
+
+    def exchange(mode: int) -> bool:
+        calls.append(mode)
+        return True
+
+    def broken(mode: int) -> bool:
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    results: list[bool] = []
+
+    def run() -> None:
+        results.append(thread_local_capture_mode(exchange))
+        results.append(thread_local_capture_mode(exchange))
+
+    def run_broken() -> None:
+        results.append(thread_local_capture_mode(broken))
+
+    for target in (run, run_broken):
+        t = threading.Thread(target=target)
+        t.start()
+        t.join()
+    assert calls == [CU_STREAM_CAPTURE_MODE_THREAD_LOCAL]  # once for the thread, thread-local
+    assert results == [True, True, False]
 
 
 def test_stop_flushes_what_the_gpu_never_finished_as_cpu_steps():

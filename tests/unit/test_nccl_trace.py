@@ -4,21 +4,27 @@ from torch on this machine (same entry schema, no durations), de-duplication, bo
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import math
 import os
 import pickle
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from syncscope.agent.local_arrival import LocalArrival
 from syncscope.agent.nccl_trace import (
+    BUFFER_SIZE_ENV,
     ENABLE_TIMING_ENV,
+    LEGACY_BUFFER_SIZE_ENV,
     FlightRecorderReader,
     StepTimeline,
     check_timing_at_attach,
+    dump_every_steps,
     entry_bytes,
     op_label,
 )
@@ -150,29 +156,78 @@ def test_records_per_dump_are_capped_and_overflow_is_counted():
     assert [r[3] for r in small.sink] == [0, 1_000_000, 2_000_000, 3_000_000]  # tail drop
 
 
-def test_polling_period_stretches_with_the_cost_of_a_dump():
-    def slow_dump():
-        time.sleep(0.02)
-        return pickle.dumps({"entries": []})
+def test_the_dump_period_is_a_power_of_two_of_steps_within_budget():
+    # 45 ms dumps, 0.1 % budget -> 45 s between dumps; 100 ms steps -> 450 -> 512 steps
+    assert dump_every_steps(0.045, 0.1, 0.001, 5.0, 120.0) == 512
+    # ranks of one job: same step time; dump costs 40 and 45 ms -> the same period. At 55 ms
+    # a rank doubles it: every dump of that rank still falls on a step the others dump at too.
+    assert dump_every_steps(0.040, 0.1, 0.001, 5.0, 120.0) == 512
+    assert dump_every_steps(0.055, 0.1, 0.001, 5.0, 120.0) == 1024
+    # cheap dumps on slow steps: never more often than min_interval_s (5 s / 2 s -> 4 steps)
+    assert dump_every_steps(0.001, 2.0, 0.001, 5.0, 120.0) == 4
+    assert dump_every_steps(0.045, 0.0, 0.001, 5.0, 120.0) == 1  # no step time yet
+
+
+def test_dumps_happen_only_right_after_the_agreed_steps():
+    timeline = StepTimeline(dump_every=4)
+    now = {"step": 0}
+    dumped_at: list[int] = []
+
+    def dump() -> bytes:
+        dumped_at.append(now["step"])
+        return dump_bytes(load_fr_dump())
 
     reader = FlightRecorderReader(
-        deque(), dump=slow_dump, min_interval_s=0.5, max_interval_s=60.0, budget=0.01
+        deque(maxlen=1000),
+        dump=dump,
+        timeline=timeline,
+        current_step=lambda: now["step"],
+        thread_guard=lambda: True,
     )
-    reader.poll()
-    cost = reader.stats["last_dump_seconds"]
-    assert cost >= 0.02
-    assert reader.interval_s == pytest.approx(max(0.5, cost / 0.01))
-    assert reader.interval_s <= 60.0
-
-
-def test_the_thread_polls_and_stops():
-    reader = reader_for(load_fr_dump(), min_interval_s=0.01, budget=1.0)
+    reader.reschedule = lambda: None  # keep the period at 4 for the test
     reader.start()
-    deadline = time.monotonic() + 5
-    while reader.stats["dumps"] < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    for step in range(12):
+        timeline.mark(step)
+        now["step"] = step + 1
+        deadline = time.monotonic() + 2
+        while (step + 1) % 4 == 0 and len(dumped_at) < (step + 1) // 4:
+            assert time.monotonic() < deadline, "no dump after an agreed step"
+            time.sleep(0.001)
+        time.sleep(0.005)  # between agreed steps: room for an unwanted dump to show
     reader.stop()
-    assert reader.stats["dumps"] >= 3 and reader.stats["records"] == 7
+    assert dumped_at == [4, 8, 12]  # right after steps 3, 7 and 11 ended, nowhere else
+    assert reader.stats["records"] == 7
+
+
+def test_the_period_adapts_to_the_measured_cost_and_step_time():
+    timeline = StepTimeline()
+    for step in range(10):
+        timeline.mark(step, T0 + step * 100_000_000)  # 100 ms steps
+    reader = reader_for({"entries": []}, timeline=timeline, budget=0.001)
+    reader.stats["last_dump_seconds"] = 0.045
+    reader.reschedule()
+    assert timeline.step_seconds() == pytest.approx(0.1)
+    assert timeline.dump_every == 512
+
+
+def test_the_dump_thread_leaves_global_capture_mode_before_its_first_dump():
+    order: list[str] = []
+    timeline = StepTimeline(dump_every=1)
+
+    def dump() -> bytes:
+        order.append("dump")
+        return dump_bytes({"entries": []})
+
+    reader = FlightRecorderReader(
+        deque(), dump=dump, timeline=timeline, thread_guard=lambda: order.append("guard")
+    )
+    reader.start()
+    timeline.mark(0)
+    deadline = time.monotonic() + 2
+    while "dump" not in order and time.monotonic() < deadline:
+        time.sleep(0.005)
+    reader.stop()
+    assert order[:2] == ["guard", "dump"]
 
 
 # -- timing off: warn once, fall back --------------------------------------------------------------
@@ -323,3 +378,158 @@ def test_no_dumps_before_the_nccl_group_exists():
     for _ in range(5):
         assert reader.poll() == 0
     assert calls == [] and reader.active and reader.stats["errors"] == 0
+
+
+# -- the captured H100 dumps (tests/fixtures/gpu/captured-h100, torch 2.11, NCCL 2.28) ----------
+CAPTURED = Path(__file__).resolve().parents[1] / "fixtures" / "gpu" / "captured-h100"
+# Written out here, not taken from the module: profiling name -> op, dtype -> bytes.
+OWN_OPS = {
+    "all_reduce": "all_reduce",
+    "allreduce_coalesced": "all_reduce",
+    "broadcast": "broadcast",
+    "_all_gather_base": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base": "reduce_scatter",
+}
+OWN_BYTES = {"Float": 4, "BFloat16": 2}
+
+
+def own_parse(path: Path) -> Counter:
+    """(op, group description, bytes, duration ns) of every timed entry, parsed from the JSON."""
+    out: Counter = Counter()
+    for e in json.loads(path.read_text())["entries"]:
+        if e["state"] != "completed" or e.get("duration_ms") is None:
+            continue
+        op = OWN_OPS[e["profiling_name"].removeprefix("nccl:")]
+        sizes = e["output_sizes"] if op == "all_gather" else e["input_sizes"]
+        dtypes = e["output_dtypes"] if op == "all_gather" else e["input_dtypes"]
+        nbytes = sum(
+            math.prod(shape) * OWN_BYTES[dt] for shape, dt in zip(sizes, dtypes, strict=True)
+        )
+        out[(op, e["process_group"][1], float(nbytes), round(e["duration_ms"] * 1e6))] += 1
+    return out
+
+
+def test_the_captured_dump_reads_as_an_independent_parse_of_it():
+    reader = reader_for(load_fr_dump(CAPTURED / "fr-dump.json"))
+    reader.poll()
+    ours = Counter((r[0], r[1], r[2], r[3]) for r in reader.sink)
+    expected = own_parse(CAPTURED / "fr-dump.json")
+    assert sum(expected.values()) == 59
+    assert ours == expected
+    assert ("all_reduce", "tp", 1_048_576.0) in {k[:3] for k in ours}  # the described subgroup
+    assert ("all_reduce", "default_pg", 120.0) in {k[:3] for k in ours}  # coalesced 10 + 20
+
+
+def test_completed_entries_without_a_duration_yet_are_read_again():
+    # right after the GPU finished, 53 entries are completed but not retired: no duration yet
+    reader = reader_for(load_fr_dump(CAPTURED / "fr-dump-synced.json"))
+    assert reader.poll() == 6
+    assert reader.stats["no_duration"] == 0 and reader.active
+    reader.box["dump"] = load_fr_dump(CAPTURED / "fr-dump.json")  # the watchdog retired them
+    assert reader.poll() == 53
+    ours = Counter((r[0], r[1], r[2], r[3]) for r in reader.sink)
+    assert ours == own_parse(CAPTURED / "fr-dump.json")  # nothing lost, nothing twice
+
+
+def test_a_reset_that_refills_past_the_old_newest_is_detected():
+    base = load_fr_dump()["entries"][1]
+
+    def entries(n: int, t0: int) -> list[dict]:
+        return [
+            completed(dict(base, record_id=i, time_created_ns=t0 + i * 1000), 1.0) for i in range(n)
+        ]
+
+    reader = reader_for({"entries": entries(50, T0)})
+    assert reader.poll() == 50
+    reader.box["dump"] = {"entries": entries(80, T0 + 10**12)}  # reset_all, then 80 new calls
+    assert reader.poll() == 80
+    assert reader.stats["resets"] == 1
+    assert reader.poll() == 0 and reader.stats["resets"] == 1  # the same dump again: no reset
+
+
+def test_an_empty_flight_recorder_falls_back_with_one_warning(caplog):
+    reader = reader_for({"entries": []})
+    with caplog.at_level(logging.WARNING, logger="syncscope.agent"):
+        for _ in range(reader.PROBE_DUMPS + 2):
+            reader.poll()
+    assert not reader.active and "buffer is 0" in reader.fallback_reason
+    assert len(caplog.records) == 1 and BUFFER_SIZE_ENV in caplog.text
+
+
+def test_attach_before_the_group_keeps_flight_recorder_entries_on_old_torch():
+    env: dict[str, str] = {}
+    check_timing_at_attach(fake_torch(False), env)
+    assert env[BUFFER_SIZE_ENV] == env[LEGACY_BUFFER_SIZE_ENV] == "2000"
+    env = {LEGACY_BUFFER_SIZE_ENV: "500"}  # the user's own size: respected
+    check_timing_at_attach(fake_torch(False), env)
+    assert env == {LEGACY_BUFFER_SIZE_ENV: "500", ENABLE_TIMING_ENV: "1"}
+
+
+def test_attach_after_the_group_turns_timing_on_for_the_groups_that_exist(caplog):
+    enabled: list[str] = []
+
+    class Group:  # hashable, as ProcessGroup is (pg_map's keys)
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def _enable_collectives_timing(self) -> None:
+            enabled.append(self.name)
+
+    default, tp = Group("default"), Group("tp")
+    torch = fake_torch(True)
+    torch.distributed.distributed_c10d = SimpleNamespace(
+        _get_default_group=lambda: default, _world=SimpleNamespace(pg_map={default: 0, tp: 1})
+    )
+    env: dict[str, str] = {}
+    with caplog.at_level(logging.WARNING, logger="syncscope.agent"):
+        assert check_timing_at_attach(torch, env) == (True, True)
+    assert enabled == ["default", "tp"] and caplog.records == []
+    assert env[ENABLE_TIMING_ENV] == "1"  # groups created later are timed too
+
+
+def test_distributed_debug_detail_counts_as_timing_on(caplog):
+    with caplog.at_level(logging.WARNING, logger="syncscope.agent"):
+        assert check_timing_at_attach(fake_torch(True), {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}) == (
+            True,
+            True,
+        )
+    assert caplog.records == []
+
+
+def test_an_untyped_coalesced_group_takes_its_members_op_and_bytes():
+    # Older torch: the ops inside a coalescing manager are recorded typed and sized but without
+    # events (never completed); the group's `nccl:coalesced` entry, unsized, holds the duration.
+    base = load_fr_dump()["entries"][1]
+    members = [
+        dict(
+            base,
+            record_id=i,
+            profiling_name="nccl:all_reduce",
+            state="scheduled",
+            collective_seq_id=7,
+            input_sizes=[[n]],
+            input_dtypes=["Float"],
+            duration_ms=None,
+        )
+        for i, n in ((10, 100), (11, 300))
+    ]
+    group = completed(
+        dict(
+            base,
+            record_id=12,
+            profiling_name="nccl:coalesced",
+            collective_seq_id=7,
+            input_sizes=[],
+            input_dtypes=[],
+            output_sizes=[],
+            output_dtypes=[],
+        ),
+        0.5,
+    )
+    after = completed(dict(base, record_id=13, collective_seq_id=8), 0.25)
+    reader = reader_for({"entries": [*members, group, after]})
+    assert reader.poll() == 2
+    first = reader.sink[0]
+    assert (first[0], first[2], first[3]) == ("all_reduce", 1600.0, 500_000)
+    assert reader.floor == 14  # the members, never completed, do not hold the floor back

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import types
+from pathlib import Path
 
 import pytest
 from syncscope.agent.topology import (
@@ -41,18 +43,21 @@ pynvml = pytest.importorskip("pynvml")
 def sampler_for(case: str, tmp_path, **kw) -> TopologySampler:
     device, sysfs = load_case(case, tmp_path)
     return TopologySampler(
-        DeviceLocator(pci_bus_id="0000:00:05.0"), open_nvml=lambda _loc: device, sysfs=sysfs, **kw
+        DeviceLocator(pci_bus_id="0000:00:06.0"), open_nvml=lambda _loc: device, sysfs=sysfs, **kw
     )
 
 
-# -- the two constructed cases --------------------------------------------------------------------
-def test_h100_vm_case_matches_the_field_notes(tmp_path):
-    topo = sampler_for("h100-vm", tmp_path)()
-    assert topo is not None
+# -- the captured H100 and the constructed degraded case ------------------------------------------
+def test_captured_h100_case_replays_to_what_the_device_reported(tmp_path):
+    topo = sampler_for("captured-h100", tmp_path)()
+    # the replay of the recorded answers and sysfs tree is what the live sampler sent
+    assert topo == json.loads((HERE / "captured-h100" / "topology.json").read_text())
     assert topo["gpu_name"] == "NVIDIA H100 80GB HBM3"
-    assert topo["pci_bus_id"] == "0000:00:05.0"  # NVML's 8-digit domain, normalised
-    assert (topo["pcie_link_width"], topo["pcie_link_max_width"]) == (16, 16)
-    assert (topo["pcie_link_generation"], topo["pcie_link_max_generation"]) == (5, 5)
+    assert topo["pci_bus_id"] == "0000:00:06.0"  # NVML's 8-digit domain, normalised
+    assert (topo["pcie_link_max_width"], topo["pcie_link_max_generation"]) == (16, 5)
+    # captured idle (clocks-event reason 0x1, 345 MHz): the current link is not trusted yet
+    assert topo["throttle_reasons"] == 0x1 and topo["sm_clock_hertz"] == 345_000_000
+    assert (topo["pcie_link_width"], topo["pcie_link_generation"]) == (None, None)
     assert topo["nvlink_active_links"] is None  # "not supported" is unknown, not 0 links
     # NVML NUMA "not supported", sysfs says -1: the node holding the GPU's CPUs (0-15) is it
     assert (topo["gpu_numa_node"], topo["gpu_numa_source"]) == (0, "cpu_affinity")
@@ -60,12 +65,20 @@ def test_h100_vm_case_matches_the_field_notes(tmp_path):
     assert topo["cpu_affinity"] == "0-15"
     assert topo["process_numa_nodes"] == "0"
     assert topo["numa_mismatch"] == 0
-    # eth0 is a virtio NIC on a flat VM bus with no NUMA node: found, distance unknown
+    # eth0 is a virtio NIC on a flat VM bus with no NUMA node: found, distance unknown; lo,
+    # ifb0 and ifb1 sit on no PCI device and are not NICs
     assert (topo["nic"], topo["nic_distance"], topo["nic_numa_node"]) == ("eth0", UNKNOWN, None)
-    assert topo["sm_clock_hertz"] == 1_980_000_000
-    assert topo["throttle_reasons"] == 0
-    assert topo["power_watts"] == pytest.approx(312.0)
+    assert topo["temperature_celsius"] == 37
+    assert topo["power_watts"] == pytest.approx(72.305)
     assert topo["topology_source"] == "nvml+sysfs"
+
+
+def test_captured_h100_case_lists_only_eth0_as_a_nic(tmp_path):
+    _device, sysfs = load_case("captured-h100", tmp_path)
+    assert sysfs.listdir("/sys/class/net") == ["eth0", "ifb0", "ifb1", "lo"]
+    assert [(n.name, n.kind, n.pci.bus_id) for n in sysfs.nics()] == [
+        ("eth0", "net", "0000:00:03.0")
+    ]
 
 
 def test_degraded_case_shows_the_narrow_link_and_the_wrong_socket(tmp_path):
@@ -88,7 +101,7 @@ def test_degraded_case_shows_the_narrow_link_and_the_wrong_socket(tmp_path):
 def test_the_exporters_diagnosis_reads_the_degraded_case_as_a_locality_fault(tmp_path):
     from syncscope.exporter.diagnosis import locality_fault
 
-    assert locality_fault(sampler_for("h100-vm", tmp_path / "a")()) is None
+    assert locality_fault(sampler_for("captured-h100", tmp_path / "a")()) is None
     assert locality_fault(sampler_for("degraded", tmp_path / "b")()) == "PCIe link x8 of x16"
 
 
@@ -100,6 +113,56 @@ def test_every_case_is_flat_bounded_and_typed(case, tmp_path):
         assert value is None or isinstance(value, (str, int, float)), key
         assert not isinstance(value, str) or len(value) <= MAX_LABEL_LEN == 64, key
     json.dumps(topo, allow_nan=False)  # what the reporter will do with it
+
+
+def grace_hopper(tmp_path, pci_numa_node: str, cpulist: str | None = "\n"):
+    """The captured H100 as a Grace-Hopper / GB200 node shows it: NVML's NUMA id is the node of
+    the GPU's *own memory* (node 1), a node with no CPUs (sysfs writes an empty cpulist, or
+    `cpulist=None`: none at all), while the process and the GPU's PCI function are on node 0."""
+    device, sysfs = load_case("captured-h100", tmp_path)
+    root = Path(sysfs.root)
+    node1 = root / "sys/devices/system/node/node1"
+    node1.mkdir(parents=True)
+    if cpulist is not None:
+        (node1 / "cpulist").write_text(cpulist)
+    (root / "sys/devices/pci0000:00/0000:00:06.0/numa_node").write_text(pci_numa_node + "\n")
+    device.answers["numa_node_id"] = 1
+    return device, sysfs
+
+
+@pytest.mark.parametrize(
+    ("pci_numa_node", "cpulist", "expected"),
+    [
+        ("0", "\n", (0, "sysfs")),  # the GPU's PCI function knows its CPUs' node
+        ("-1", "\n", (0, "cpu_affinity")),  # it doesn't: the node holding the GPU's CPUs
+        ("0", None, (0, "sysfs")),  # the CPU-less node has no cpulist at all
+    ],
+    ids=["pci-numa-node", "gpu-cpu-affinity", "no-cpulist"],
+)
+def test_a_cpu_less_nvml_numa_node_is_not_the_gpus_cpu_node(
+    pci_numa_node, cpulist, expected, tmp_path
+):
+    device, sysfs = grace_hopper(tmp_path, pci_numa_node, cpulist)
+    sampler = TopologySampler(
+        DeviceLocator(pci_bus_id="0000:00:06.0"), open_nvml=lambda _l: device, sysfs=sysfs
+    )
+    topo = sampler()
+    # and no false "process on another NUMA node than its GPU"
+    assert (topo["gpu_numa_node"], topo["gpu_numa_source"], topo["numa_mismatch"]) == (
+        *expected,
+        0,
+    )
+    assert topo["process_numa_nodes"] == "0"
+
+
+def test_an_nvml_numa_node_is_kept_where_sysfs_lists_no_nodes(tmp_path):
+    # Without /sys/devices/system/node nothing says node 1 has no CPUs: NVML is believed, and
+    # with no process node known there is no mismatch to flag either way.
+    device, sysfs = grace_hopper(tmp_path, "-1")
+    shutil.rmtree(Path(sysfs.root) / "sys/devices/system/node")
+    topo = static_topology(NvmlProvider(device), sysfs, None)
+    assert (topo["gpu_numa_node"], topo["gpu_numa_source"]) == (1, "nvml")
+    assert topo["process_numa_nodes"] == UNKNOWN and topo["numa_mismatch"] is None
 
 
 def test_without_nvml_sysfs_still_gives_links_and_numa(tmp_path):
@@ -115,9 +178,9 @@ def test_without_nvml_sysfs_still_gives_links_and_numa(tmp_path):
 
 def test_every_nvml_answer_failing_is_all_unknown_never_an_error(tmp_path):
     broken = RecordedNvmlDevice({name: {"error": "GpuIsLost"} for name in ANSWERS})
-    _device, sysfs = load_case("h100-vm", tmp_path)
+    _device, sysfs = load_case("captured-h100", tmp_path)
     sampler = TopologySampler(
-        DeviceLocator(pci_bus_id="0000:00:05.0"), open_nvml=lambda _l: broken, sysfs=sysfs
+        DeviceLocator(pci_bus_id="0000:00:06.0"), open_nvml=lambda _l: broken, sysfs=sysfs
     )
     topo = sampler()
     assert topo["gpu_uuid"] == UNKNOWN and topo["sm_clock_hertz"] is None
@@ -153,29 +216,29 @@ class Clock:
 
 
 def test_dynamic_fields_are_resampled_every_interval_only(tmp_path):
-    device, sysfs = load_case("h100-vm", tmp_path)
+    device, sysfs = load_case("captured-h100", tmp_path)
     clock = Clock()
     sampler = TopologySampler(
-        DeviceLocator(pci_bus_id="0000:00:05.0"),
+        DeviceLocator(pci_bus_id="0000:00:06.0"),
         open_nvml=lambda _l: device,
         sysfs=sysfs,
         interval_s=10.0,
         clock=clock,
     )
-    assert sampler()["temperature_celsius"] == 41
+    assert sampler()["temperature_celsius"] == 37
     device.answers["temperature_c"] = 80
     clock.now = 9.9
-    assert sampler()["temperature_celsius"] == 41 and sampler.samples == 1
+    assert sampler()["temperature_celsius"] == 37 and sampler.samples == 1
     clock.now = 10.0
     assert sampler()["temperature_celsius"] == 80 and sampler.samples == 2
 
 
 def test_an_idle_gpu_does_not_report_a_downtrained_link(tmp_path):
-    device, sysfs = load_case("h100-vm", tmp_path)
+    device, sysfs = load_case("captured-h100", tmp_path)
     device.answers.update(curr_pcie_link_generation=1, clocks_event_reasons=0x1)  # idle
     clock = Clock()
     sampler = TopologySampler(
-        DeviceLocator(pci_bus_id="0000:00:05.0"),
+        DeviceLocator(pci_bus_id="0000:00:06.0"),
         open_nvml=lambda _l: device,
         sysfs=sysfs,
         clock=clock,
@@ -305,8 +368,8 @@ def test_real_pynvml_without_a_driver_is_reported_not_raised(caplog, tmp_path):
     else:
         pynvml.nvmlShutdown()
         pytest.skip("this machine has an NVIDIA driver; covered by tests/gpu")
-    _device, sysfs = load_case("h100-vm", tmp_path)
-    sampler = TopologySampler(DeviceLocator(pci_bus_id="0000:00:05.0"), sysfs=sysfs)
+    _device, sysfs = load_case("captured-h100", tmp_path)
+    sampler = TopologySampler(DeviceLocator(pci_bus_id="0000:00:06.0"), sysfs=sysfs)
     with caplog.at_level(logging.INFO, logger="syncscope.agent"):
         topo = sampler()
     assert sampler.nvml is None and sampler.nvml_error in ("LibraryNotFound", "DriverNotLoaded")
@@ -350,11 +413,16 @@ def test_locator_from_torch_properties():
     assert loc.uuid == "GPU-c0ffee00-0000-4000-8000-1"
 
 
-def test_fixture_readme_marks_constructed_cases():
+def test_fixture_readme_says_which_cases_are_captured_and_which_constructed():
     readme = (HERE / "README.md").read_text()
-    for case in ("h100-vm", "degraded"):
-        assert case in readme
-    assert "constructed from field notes, to be replaced by a capture from the device" in readme
+    rows = {
+        line.split("|")[1].strip(" `/"): line.split("|")[3].strip()
+        for line in readme.splitlines()
+        if line.startswith("| `")
+    }
+    assert set(cases()) <= set(rows)  # every case is described
+    assert rows["captured-h100"].startswith("captured on the device")
+    assert rows["degraded"].startswith("constructed")
 
 
 def test_a_failed_first_sample_is_retried_after_an_interval_not_every_call(tmp_path):
