@@ -85,7 +85,11 @@ def agent_parts(agent) -> dict:
         "nccl_reader": None
         if reader is None
         else {k: reader.stats[k] for k in ("dumps", "last_dump_seconds", "records", "dropped")}
-        | {"interval_s": reader.interval_s, "fallback": reader.fallback_reason},
+        | {
+            "dump_every_steps": reader.timeline.dump_every,
+            "dump_steps": list(reader.dump_steps),
+            "fallback": reader.fallback_reason,
+        },
         "topology": getattr(agent, "topology", None) is not None,
         "errors": agent.stats.get("errors"),
     }
@@ -117,12 +121,21 @@ def ab(args) -> int:
     run_steps(model, opt, x, args.warmup)
     times: dict[bool, list[float]] = {False: [], True: []}
     parts = None
+    dumps_per_round: list[int] = []  # Flight Recorder dumps inside each attached round
     for i in range(args.rounds):
         for attached in (False, True) if i % 2 == 0 else (True, False):
             agent = attach(model=model, optimizer=opt, exporter=url) if attached else None
+            reader = getattr(agent, "nccl_reader", None)
+            if reader is not None and args.dump_every:
+                # dumps inside every measured round, far more often than the budget allows
+                reader.timeline.dump_every = args.dump_every
+                reader.reschedule = lambda: None
             run_steps(model, opt, x, args.warmup)
+            before = reader.stats["dumps"] if reader is not None else 0
             times[attached] += run_steps(model, opt, x, args.steps)
             if agent is not None:
+                if reader is not None:
+                    dumps_per_round.append(reader.stats["dumps"] - before)
                 parts = agent_parts(agent)
                 agent.close()
     dist.destroy_process_group()
@@ -141,6 +154,7 @@ def ab(args) -> int:
         "median_ratio": m1 / m0,
         "p99_ratio": q1 / q0,
         "agent": parts,
+        "dumps_per_attached_round": dumps_per_round,
         "exporter": url,
     }
     print(json.dumps(result, indent=1, default=str))
@@ -205,6 +219,13 @@ def main() -> int:
         help="auto (start a real exporter, the default), none, or an http:// URL",
     )
     p.add_argument("--no-fail", action="store_true", help="exit 0 even above the target")
+    p.add_argument(
+        "--dump-every",
+        type=int,
+        default=0,
+        help="force a Flight Recorder dump every N steps (a power of two; default: the "
+        "agent's own period, from the dump's cost and its 0.1 %% budget: rarely inside a round)",
+    )
     p.add_argument("--nccl-timing-ab", action="store_true")
     p.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

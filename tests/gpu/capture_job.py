@@ -5,8 +5,11 @@
 compile  a DDP model under torch.compile(mode="reduce-overhead") trains with syncscope attached:
          the same losses as without the agent, CUDA-graph replays happening, no cudagraph skips.
 global   a user's own torch.cuda.graph capture (default capture_error_mode="global") while the
-         agent's background threads work: its Flight Recorder dumps and CUDA-event queries run
-         in a loop through the whole capture, which must still succeed and replay correctly.
+         agent's background work runs in a loop through the whole capture: Flight Recorder
+         dumps and CUDA-event queries, with a training step and its all-reduce still in flight
+         on the GPU (behind a torch.cuda._sleep), so both really query unfinished events. The
+         capture must succeed and replay. `--no-guard` runs the same without the thread-local
+         capture mode (agent/capture_mode.py): what the agent did before.
 One process per case (a failed capture can leave the CUDA context unusable).
 """
 
@@ -72,7 +75,7 @@ def compile_case(torch, attach_agent: bool, steps: int) -> dict:
     }
 
 
-def global_case(torch, seconds: float) -> dict:
+def global_case(torch, seconds: float, guard: bool) -> dict:
     """A global-mode capture while the agent's dump and event resolution loop on a thread."""
     from syncscope.agent import attach
 
@@ -85,10 +88,14 @@ def global_case(torch, seconds: float) -> dict:
         ddp(x).pow(2).mean().backward()
         opt.step()
     reader, clock = agent.nccl_reader, agent.clock
+    if not guard:
+        clock.thread_guard = lambda: False
     stop = threading.Event()
-    loops = {"polls": 0, "resolves": 0, "errors": []}
+    loops = {"polls": 0, "resolves": 0, "errors": [], "pending_at_capture": 0}
 
     def background() -> None:  # what the agent's own threads do, as fast as they can
+        if guard and reader is not None:
+            reader.thread_guard()  # as the reader's own thread does first (_run)
         while not stop.is_set():
             try:
                 if reader is not None:
@@ -103,17 +110,24 @@ def global_case(torch, seconds: float) -> dict:
 
     a = torch.randn(2048, 2048, device="cuda")
     static_out = torch.empty_like(a)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        static_out.copy_(a @ a)  # warm-up outside the capture (cuBLAS workspace)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    # Work still in flight during the capture: ~1 s of GPU sleep, then a step and its all-reduce
+    torch.cuda._sleep(2_000_000_000)
+    opt.zero_grad(set_to_none=True)
+    ddp(x).pow(2).mean().backward()
+    opt.step()
+    loops["pending_at_capture"] = len(clock.pending)
     thread = threading.Thread(target=background, daemon=True)
     thread.start()
-    time.sleep(0.2)
+    time.sleep(0.05)
     graph = torch.cuda.CUDAGraph()
     captured, error = True, None
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            static_out.copy_(a @ a)  # warm-up outside the capture (cuBLAS workspace)
-        torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(graph):  # capture_error_mode="global", the default
             b = a
             for _ in range(100):  # keep the capture open while the thread works
@@ -142,6 +156,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--case", choices=("compile", "global"), required=True)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--no-guard", action="store_true", help="without thread-local capture mode")
     args = p.parse_args()
     os.environ.setdefault("SYNCSCOPE_EXPORTER", "http://127.0.0.1:9")  # nothing listening
     import torch
@@ -164,7 +179,7 @@ def main() -> int:
             with_agent = compile_case(torch, True, args.steps)
             result = {"without": without, "with": with_agent}
         else:
-            result = global_case(torch, seconds=1.0)
+            result = global_case(torch, seconds=0.5, guard=not args.no_guard)
     finally:
         dist.destroy_process_group()
     with open(args.out, "w") as f:

@@ -56,20 +56,44 @@ def fr_entries(torch) -> list[dict]:
     return pickle.loads(raw)["entries"]
 
 
-def compare_with_flight_recorder(torch, records: list[tuple]) -> dict:
-    from syncscope.agent.nccl_trace import entry_bytes, op_label
+# Parsed here from the dump's documented fields, not with syncscope.agent.nccl_trace's helpers.
+OWN_OPS = {
+    "all_reduce": "all_reduce",
+    "allreduce_coalesced": "all_reduce",
+    "broadcast": "broadcast",
+    "_broadcast_oop": "broadcast",
+    "all_gather": "all_gather",  # DDP's constructor checks parameter shapes with one
+    "_all_gather_base": "all_gather",
+    "_reduce_scatter_base": "reduce_scatter",
+}
+OWN_DTYPE_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2, "Double": 8, "Long": 8, "Int": 4}
 
+
+def compare_with_flight_recorder(torch, records: list[tuple]) -> dict:
     own: Counter[tuple] = Counter()
+    names: Counter[str] = Counter()
     for e in fr_entries(torch):
-        op = op_label(str(e.get("profiling_name", "")))
-        if e.get("state") != "completed" or e.get("is_p2p") or op is None:
+        if e["state"] != "completed" or e["is_p2p"] or e.get("duration_ms") is None:
             continue
-        if "duration_ms" not in e:
-            continue
-        own[(op, entry_bytes(e, op), round(e["duration_ms"] * 1e6))] += 1
+        name = e["profiling_name"].split(":", 1)[1]
+        names[name] += 1
+        op = OWN_OPS.get(name, "unknown:" + name)
+        sizes, dtypes = (
+            (e["output_sizes"], e["output_dtypes"])
+            if op == "all_gather"
+            else (e["input_sizes"], e["input_dtypes"])
+        )
+        nbytes = 0
+        for shape, dtype in zip(sizes, dtypes, strict=True):
+            numel = 1
+            for dim in shape:
+                numel *= dim
+            nbytes += numel * OWN_DTYPE_BYTES[dtype]
+        own[(op, float(nbytes), round(e["duration_ms"] * 1e6))] += 1
     ours = Counter((r[0], r[2], r[3]) for r in records)
     return {
         "fr_completed_timed": sum(own.values()),
+        "fr_names": dict(names),
         "reader_records": sum(ours.values()),
         "missing_from_reader": sum((own - ours).values()),
         "extra_in_reader": sum((ours - own).values()),
@@ -117,7 +141,7 @@ def via_modules(torch, args) -> dict:
     fr_sink: deque = deque(maxlen=100_000)
     reader = FlightRecorderReader(
         fr_sink, timeline=timeline, current_step=lambda: clock.step, min_interval_s=1.0
-    )
+    )  # dumps after agreed steps (StepTimeline), as in the agent
     clock.start()
     reader.start()
     sampler = TopologySampler(locator_from_torch(torch, 0))
