@@ -124,7 +124,11 @@ def ab(args) -> int:
     dumps_per_round: list[int] = []  # Flight Recorder dumps inside each attached round
     for i in range(args.rounds):
         for attached in (False, True) if i % 2 == 0 else (True, False):
-            agent = attach(model=model, optimizer=opt, exporter=url) if attached else None
+            agent = (
+                attach(model=model, optimizer=opt, exporter=url, **args.attach_option)
+                if attached
+                else None
+            )
             reader = getattr(agent, "nccl_reader", None)
             if reader is not None and args.dump_every:
                 # dumps inside every measured round, far more often than the budget allows
@@ -204,6 +208,16 @@ def baseline_only(args) -> int:
     return 0
 
 
+def attach_option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=8)
@@ -220,6 +234,14 @@ def main() -> int:
     )
     p.add_argument("--no-fail", action="store_true", help="exit 0 even above the target")
     p.add_argument(
+        "--attach-option",
+        type=attach_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an attach() keyword for the attached arm, e.g. flush_interval_s=10 (repeatable)",
+    )
+    p.add_argument(
         "--dump-every",
         type=int,
         default=0,
@@ -229,6 +251,7 @@ def main() -> int:
     p.add_argument("--nccl-timing-ab", action="store_true")
     p.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.attach_option = dict(args.attach_option)
     if args.baseline_only:
         return baseline_only(args)
     if args.nccl_timing_ab:
