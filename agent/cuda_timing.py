@@ -255,8 +255,7 @@ class CudaPhaseClock(PhaseClock):
             if marks:
                 self.free.extend(event for _, event in marks)
             self.chain_broken = True
-            self._emit(cpu, ddp)
-            self.cpu_steps += 1
+            self._emit_cpu(cpu, ddp)
             return
         self.pending.append((cpu, marks if timed else None, ddp, self.chain_broken))
         self.chain_broken = False
@@ -278,8 +277,7 @@ class CudaPhaseClock(PhaseClock):
         with self._lock:
             while self.pending:
                 cpu, _marks, ddp, _ = self.pending.popleft()
-                self._emit(cpu, ddp)
-                self.cpu_steps += 1
+                self._emit_cpu(cpu, ddp)
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_interval_s):
@@ -309,8 +307,7 @@ class CudaPhaseClock(PhaseClock):
                 self.pending.popleft()
                 self.query_errors += 1
                 self._prev_end = None
-                self._emit(cpu, ddp)
-                self.cpu_steps += 1
+                self._emit_cpu(cpu, ddp)
                 done += 1
                 self.on_error(exc)
                 continue
@@ -322,12 +319,10 @@ class CudaPhaseClock(PhaseClock):
                     self.free.append(start)
                 start = self._prev_end = None
             if not marks:
-                self._emit(cpu, ddp)
-                self.cpu_steps += 1
+                self._emit_cpu(cpu, ddp)
                 continue
             if start is None:  # the first step of a chain has no start event
-                self._emit(cpu, ddp)
-                self.cpu_steps += 1
+                self._emit_cpu(cpu, ddp)
             else:
                 self._emit_gpu(cpu, ddp, start, marks)
                 self.free.append(start)
@@ -353,6 +348,11 @@ class CudaPhaseClock(PhaseClock):
                 record = (op, group, nbytes, comm[i], rec_step)
             gpu_ddp.append(record)
         self._emit((step, end_ns, total, *phases), gpu_ddp)
+
+    def _emit_cpu(self, cpu: tuple, ddp: list) -> None:
+        """A step that goes out with its CPU phases (no usable events)."""
+        self._emit(cpu, ddp)
+        self.cpu_steps += 1
 
     def _emit(self, step_tuple: tuple, ddp: list) -> None:
         # Tail drop, as PhaseClock does: a full queue refuses the new record and counts it.

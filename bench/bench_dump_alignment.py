@@ -30,6 +30,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -141,8 +142,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> list[dict]:
         if proc.returncode != 0:
             sys.exit(f"{arm}: a rank exited with {proc.returncode}")
         results.append(json.loads(out.strip().splitlines()[-1]))
-    os.unlink(init) if os.path.exists(init) else None
-    os.rmdir(os.path.dirname(init))
+    shutil.rmtree(os.path.dirname(init), ignore_errors=True)
     return results
 
 

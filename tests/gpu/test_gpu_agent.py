@@ -19,14 +19,13 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.gpu
-JOB = Path(__file__).with_name("nccl_ddp_job.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_job(tmp_path: Path, *args: str) -> dict:
+def run_script(tmp_path: Path, script: str, *args: str) -> dict:
     out = tmp_path / "result.json"
     proc = subprocess.run(
-        [sys.executable, str(JOB), "--out", str(out), *args],
+        [sys.executable, str(Path(__file__).with_name(script)), "--out", str(out), *args],
         capture_output=True,
         text=True,
         timeout=540,
@@ -35,6 +34,10 @@ def run_job(tmp_path: Path, *args: str) -> dict:
     print(proc.stdout[-6000:], proc.stderr[-4000:])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+def run_job(tmp_path: Path, *args: str) -> dict:
+    return run_script(tmp_path, "nccl_ddp_job.py", *args)
 
 
 def test_topology_shows_the_real_gpu():
@@ -111,20 +114,6 @@ def test_nccl_ddp_job_through_attach_and_a_real_exporter(tmp_path):
     )
     assert r["topology"]["gpu_name"] == r["torch_device_name"]
     assert any('op="all_reduce"' in ln for ln in r["collective_lines"])
-
-
-def run_script(tmp_path: Path, script: str, *args: str) -> dict:
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name(script)), "--out", str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        cwd=ROOT,
-    )
-    print(proc.stdout[-6000:], proc.stderr[-4000:])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
 
 
 def test_a_reduce_overhead_compiled_model_trains_with_the_agent_attached(tmp_path):
