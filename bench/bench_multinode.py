@@ -4,8 +4,16 @@ exporter per node, one Prometheus with syncscope's rules scraping them all).
 Scenarios on 2 nodes × 2 ranks: a straggler on node A (rank 1), a straggler on node B (rank 3),
 and no straggler. Rounds interleave the scenarios so that drift in the machine's load hits
 each alike; every run prints its comparison table (syncscope.truth.format_comparison), and the
-end a summary per scenario (medians over runs). Needs root and iproute2.
+end a summary per scenario (medians over runs). Every exporter reads the job-wide view back
+from Prometheus (--prometheus-url); the rules are compared with the truth over the steps their
+windows covered. Needs root and iproute2.
+
+--onset instead: rank 3 turns straggler 20 s into training; the time from that onset until the
+recording rule names it for good, until SyncscopeStraggler is pending and until it fires, with
+the demo's windows and for: (10 s, 2 s) and with the shipped ones (firing there is pending +
+the shipped for:, which the run does not wait out).
 Run: .venv/bin/python bench/bench_multinode.py [--runs 3] [--duration 30] [--json out.json]
+     .venv/bin/python bench/bench_multinode.py --onset [--runs 3]
 """
 
 from __future__ import annotations
@@ -20,9 +28,11 @@ import tempfile
 import time
 from typing import Any
 
-from syncscope.monitoring.prometheus_config import local_config
+from syncscope.monitoring.config import load_config
+from syncscope.monitoring.prometheus_config import duration_seconds, local_config, local_window_s
+from syncscope.monitoring.rules import STRAGGLER_LAG
 from syncscope.nodes import EmulatedNodes, NodesUnavailable
-from syncscope.servers import Prometheus
+from syncscope.servers import Prometheus, free_port
 from syncscope.truth import compare, format_comparison
 
 SKIP_STEPS = 10  # warm-up steps left out of the truth
@@ -42,19 +52,137 @@ def scenarios(slow_ms: float, per_node: int) -> dict[str, tuple[int | None, list
 def one_run(
     args: list[str], job: str, duration: float, nodes: int, per_node: int
 ) -> dict[str, Any]:
-    """One job on fresh emulated nodes with a fresh Prometheus; its comparison."""
+    """One job on fresh emulated nodes with a fresh Prometheus, which every exporter reads the
+    job-wide view back from (--prometheus-url); its comparison, over the rules' window."""
     with contextlib.ExitStack() as stack:
         workdir = tempfile.mkdtemp(prefix="syncscope-bench-nodes-")
         stack.callback(shutil.rmtree, workdir, True)
-        cluster = stack.enter_context(EmulatedNodes(nodes, per_node, workdir=workdir))
+        have_prom = shutil.which("prometheus") is not None
+        prom_port = free_port()
+        readback = ["--prometheus-url", f"http://127.0.0.1:{prom_port}"] if have_prom else []
+        cluster = stack.enter_context(
+            EmulatedNodes(
+                nodes,
+                per_node,
+                workdir=workdir,
+                exporter_args=[*readback, "--prometheus-interval", "2"] if readback else [],
+            )
+        )
         prom = None
-        if shutil.which("prometheus"):
-            prom = Prometheus(local_config(cluster.exporter_ports, workdir), workdir)
+        if have_prom:
+            prom = Prometheus(
+                local_config(cluster.exporter_ports, workdir), workdir, port=prom_port
+            )
             stack.callback(prom.stop)
             prom.wait_ready()
+        started = time.time()
         cluster.run(["--duration", str(duration), *args], job)
-        time.sleep(3)  # the final flush scraped and the rules evaluated (1 s each)
-        return compare(prom, cluster.states(), cluster.truth(SKIP_STEPS), job)
+        # The final flush scraped, the rules evaluated (1 s each), the exporters read them back.
+        time.sleep(4)
+        truth = cluster.truth(SKIP_STEPS, local_window_s() if prom else None)
+        c = compare(prom, cluster.states(), truth, job)
+        if prom is not None:
+            c["evaluations"] = evaluations(prom, job, started + WARM_UP_S, time.time())
+        return c
+
+
+WARM_UP_S = 15.0  # start-up (gloo, first steps) and the rules' first full window
+
+
+def evaluations(prom: Prometheus, job: str, t0: float, t1: float) -> dict[str, Any]:
+    """Every rule evaluation (1 s) from t0 to t1: how often each rank was the one named by the
+    straggler rule, and which ranks SyncscopeStraggler was pending or firing for."""
+    named: dict[str, int] = {}
+    alerted: set[str] = set()
+    n = 0
+    t = t0
+    while t <= t1:
+        n += 1
+        for r in prom.query(f'{STRAGGLER_LAG}{{job="{job}"}}', at=t):
+            named[r["metric"]["rank"]] = named.get(r["metric"]["rank"], 0) + 1
+        for a in prom.query(f'ALERTS{{alertname="SyncscopeStraggler",job="{job}"}}', at=t):
+            alerted.add(a["metric"]["rank"])
+        t += 1.0
+    return {"n": n, "named_share": {r: k / n for r, k in named.items()}, "alerted": alerted}
+
+
+ONSET_S = 20.0  # seconds of training before rank 3 turns straggler
+
+
+def onset_run(shipped: bool, after_s: float, job: str) -> dict[str, float | None]:
+    """Rank 3 slowed 30 ms from ONSET_S on; seconds from the onset to the rule naming it for
+    good (every later evaluation), to SyncscopeStraggler pending, and to firing."""
+    cfg = load_config()
+    alert = "SyncscopeStraggler"
+    overrides: dict[str, Any] = {}
+    if shipped:
+        overrides = {f"windows.{w}": v for w, v in cfg["windows"].items()}
+        overrides[f"alerts.{alert}.for"] = cfg["alerts"][alert]["for"]
+    with contextlib.ExitStack() as stack:
+        workdir = tempfile.mkdtemp(prefix="syncscope-bench-onset-")
+        stack.callback(shutil.rmtree, workdir, True)
+        cluster = stack.enter_context(EmulatedNodes(2, 2, workdir=workdir))
+        prom = Prometheus(local_config(cluster.exporter_ports, workdir, overrides), workdir)
+        stack.callback(prom.stop)
+        prom.wait_ready()
+        duration = ONSET_S + after_s
+        args = ["--duration", str(duration), "--slow-rank", "3", "--slow-after", str(ONSET_S)]
+        cluster.run(args, job, record=False)
+        time.sleep(2)
+        with open(f"{workdir}/{job}.log") as log:
+            onset = next(float(line.split()[-1]) for line in log if "slow from unix" in line)
+        end = time.time()
+        named, pending, firing = [], [], []
+        t = onset - 5.0
+        while t <= end:  # every evaluation (1 s) from just before the onset on
+            sel = f'{{job="{job}"}}'
+            names = {r["metric"]["rank"] for r in prom.query(STRAGGLER_LAG + sel, at=t)}
+            named.append((t, names == {"3"}))
+            states = {
+                a["metric"]["alertstate"]
+                for a in prom.query(f'ALERTS{{alertname="{alert}",job="{job}",rank="3"}}', at=t)
+            }
+            pending.append((t, bool(states)))
+            firing.append((t, "firing" in states))
+            t += 1.0
+    for_s = duration_seconds(cfg["alerts"][alert]["for"]) if shipped else 2.0
+
+    def first_for_good(series: list[tuple[float, bool]]) -> float | None:
+        since = None
+        for t, ok in series:
+            since = (since if since is not None else t) if ok else None
+        return None if since is None else max(0.0, since - onset)
+
+    def first(series: list[tuple[float, bool]]) -> float | None:
+        return next((max(0.0, t - onset) for t, ok in series if ok and t >= onset), None)
+
+    fired = first(firing)
+    pend = first(pending)
+    return {
+        "named_s": first_for_good(named),
+        "pending_s": pend,
+        "firing_s": fired,
+        "firing_by_for_s": fired if fired is not None else (pend + for_s if pend else None),
+        "for_s": for_s,
+    }
+
+
+def onset_main(runs: int) -> int:
+    rows: dict[str, list[dict[str, float | None]]] = {"demo": [], "shipped": []}
+    for run in range(runs):
+        for kind, after in (("demo", 25.0), ("shipped", 100.0)):
+            r = onset_run(kind == "shipped", after, f"onset-{kind}-{run}")
+            rows[kind].append(r)
+            print(f"{kind} windows, run {run + 1}/{runs}: {r}", flush=True)
+    print("\n=== onset of a straggler (rank 3, 30 ms) → seconds, medians over runs ===")
+    for kind, rs in rows.items():
+        med = {k: _median([r[k] for r in rs]) for k in rs[0]}
+        print(
+            f"{kind:>8}: named for good {med['named_s']}, pending {med['pending_s']}, "
+            f"firing {med['firing_s']} (firing = pending + for: {med['firing_by_for_s']}, "
+            f"for: {med['for_s']} s)"
+        )
+    return 0
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -85,6 +213,16 @@ def summary(name: str, slowed: int | None, runs: list[dict[str, Any]]) -> list[s
         f"truth {truth_amp if truth_amp is None else round(truth_amp, 3)}"
     )
     n = len(runs)
+    none: dict[str, Any] = {"named_share": {}, "alerted": set()}
+    shares = [c.get("evaluations", none)["named_share"].get(str(slowed), 0.0) for c in runs]
+    alerted = [sorted(c.get("evaluations", none)["alerted"]) for c in runs]
+    if slowed is not None:
+        lines.append(
+            f"rank {slowed} named in {', '.join(f'{x:.1%}' for x in shares)} of the rule's "
+            f"evaluations after warm-up; SyncscopeStraggler raised for ranks {alerted}"
+        )
+    else:
+        lines.append(f"SyncscopeStraggler raised for ranks {alerted}")
     if slowed is not None:
         by_rule = sum(c["straggler"]["rule"] == slowed for c in runs)
         by_truth = sum(c["straggler"]["truth"] == slowed for c in runs)
@@ -109,18 +247,17 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--json", default=None, help="also write every comparison here")
+    p.add_argument("--onset", action="store_true", help="time a straggler's onset to its name")
     a = p.parse_args()
+    if a.onset:
+        return onset_main(a.runs)
     if a.nodes < 2:
         p.error("the scenarios need node A and node B: --nodes 2 or more")
     cases = scenarios(a.slow_ms, a.ranks_per_node)
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
     for run in range(a.runs):
         for i, (name, (_, args)) in enumerate(cases.items()):
-            try:
-                c = one_run(args, f"bench-{i}-{run}", a.duration, a.nodes, a.ranks_per_node)
-            except NodesUnavailable as exc:
-                print(f"cannot emulate nodes here: {exc}", file=sys.stderr)
-                return 2
+            c = one_run(args, f"bench-{i}-{run}", a.duration, a.nodes, a.ranks_per_node)
             results[name].append(c)
             print(f"\n=== {name}, run {run + 1}/{a.runs} ===\n{format_comparison(c)}", flush=True)
     print("\n=== summary ===")
@@ -133,4 +270,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except NodesUnavailable as exc:
+        print(f"cannot emulate nodes here: {exc}", file=sys.stderr)
+        sys.exit(2)

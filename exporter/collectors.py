@@ -119,6 +119,8 @@ def collect_diagnosis(view: StoreView) -> Iterable[Metric]:
     skew = gauge(M.ARRIVAL_SKEW_SECONDS)
     pooled = counter(M.NODE_POOLED_STEPS_TOTAL)
     transfer = counter(M.NODE_TRANSFER_SECONDS_TOTAL)
+    sampled_step = gauge(M.NODE_SAMPLED_STEP)
+    sampled = gauge(M.NODE_SAMPLED_TRANSFER_SECONDS)
     for job, data in view.jobs.items():
         d = data.diagnosis
         for mode, m in d.modes.items():
@@ -129,7 +131,11 @@ def collect_diagnosis(view: StoreView) -> Iterable[Metric]:
             skew.add_metric([job], d.skew_s)
         pooled.add_metric([job], data.pooled_steps_total)
         transfer.add_metric([job], data.transfer_seconds_total)
-    return [diag, cause, skew, pooled, transfer]
+        for sample in data.samples:
+            labels = [job, str(sample.stride), str(sample.slot)]
+            sampled_step.add_metric(labels, sample.step)
+            sampled.add_metric(labels, sample.transfer_s)
+    return [diag, cause, skew, pooled, transfer, sampled_step, sampled]
 
 
 def collect_exporter(view: StoreView) -> Iterable[Metric]:

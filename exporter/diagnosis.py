@@ -93,6 +93,9 @@ class Thresholds:
     cause_share: float  # one signal must explain this share of the straggler's lateness
     idle_share_full: float  # sync_amplification scores 1 at this idle share of a step
     transfer_share_full: float  # fabric_contention scores 1 at this transfer share
+    # job-wide fabric_contention scores 1 where the job's transfer per step exceeds its own
+    # baseline by this fraction of it (0.5 of it is the verdict at the default verdict_score)
+    transfer_inflation_full: float
     spike_share_full: float  # runtime_jitter scores 1 at this share lost to spikes
     clock_ratio: float  # a throttling GPU's SM clock is below this × its peers' median
     min_aligned_steps: int  # fewer steps reported by every rank: per-step rules abstain
@@ -433,11 +436,18 @@ def _job_wide(
             f"ranks of the job sit idle at collectives {job_wide.amplification:.0%} of each step "
             f"waiting for a later peer{blame} (job-wide, from Prometheus)",
         )
-    if job_wide.transfer_s is not None and step > 0:
-        share = job_wide.transfer_s / step
+    if job_wide.transfer_inflation is not None and job_wide.transfer_s is not None:
+        # Contention is transfer inflated against the job's own baseline; a share of the step
+        # is not (a small model on a fast fabric has a large one and nothing contended).
+        excess = job_wide.transfer_inflation - 1.0
         modes["fabric_contention"] = verdict(
-            min(1.0, share / t.transfer_share_full),
-            f"the job's transfer (after its last rank arrives) is {share:.0%} of each step "
-            f"({job_wide.transfer_s * 1e3:.1f} ms; job-wide, from Prometheus)",
+            min(1.0, max(0.0, excess) / t.transfer_inflation_full),
+            f"the job's transfer per step (after its last rank arrives) is "
+            f"{job_wide.transfer_s * 1e3:.1f} ms, {job_wide.transfer_inflation:.2f}× its own "
+            "baseline (job-wide, from Prometheus)",
+        )
+    else:
+        modes["fabric_contention"] = verdict(
+            0.0, "no job-wide transfer baseline from Prometheus yet"
         )
     return dataclasses.replace(local, modes=modes, straggler=straggler, skew_s=skew)

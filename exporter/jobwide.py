@@ -36,13 +36,15 @@ class JobWide:
     transfer_s: float | None = None  # the job's transfer per step
     amplification: float | None = None  # idle share of rank-time at collectives
     read_unix_s: float = 0.0
+    transfer_inflation: float | None = None  # transfer per step ÷ its own baseline
 
 
 def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, JobWide]:
-    """Instant-query results of the three rules -> one JobWide per job."""
+    """Instant-query results of the rules -> one JobWide per job."""
     leads: dict[str, dict[int, float]] = {}
     transfer: dict[str, float] = {}
     amplification: dict[str, float] = {}
+    inflation: dict[str, float] = {}
     for sample in replies.get(rules.LEAD_AVG, []):
         job, rank = sample["metric"].get("job"), sample["metric"].get("rank")
         value = _number(sample)
@@ -51,13 +53,20 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
     for name, into in (
         (rules.TRANSFER_PER_STEP, transfer),
         (rules.SYNC_AMPLIFICATION, amplification),
+        (rules.TRANSFER_INFLATION, inflation),
     ):
         for sample in replies.get(name, []):
             job, value = sample["metric"].get("job"), _number(sample)
             if job and value is not None:
                 into[job] = value
     return {
-        job: JobWide(leads.get(job, {}), transfer.get(job), amplification.get(job), now)
+        job: JobWide(
+            leads.get(job, {}),
+            transfer.get(job),
+            amplification.get(job),
+            now,
+            inflation.get(job),
+        )
         for job in set(leads) | set(transfer) | set(amplification)
     }
 
@@ -73,7 +82,12 @@ def _number(sample: dict[str, Any]) -> float | None:
 class PrometheusReader:
     """Polls Prometheus for the job-wide rules; `get(job)` is the latest fresh reading or None."""
 
-    QUERIES = (rules.LEAD_AVG, rules.TRANSFER_PER_STEP, rules.SYNC_AMPLIFICATION)
+    QUERIES = (
+        rules.LEAD_AVG,
+        rules.TRANSFER_PER_STEP,
+        rules.SYNC_AMPLIFICATION,
+        rules.TRANSFER_INFLATION,
+    )
 
     def __init__(self, url: str, interval_s: float = 15.0, timeout_s: float = 2.0) -> None:
         self.url = url.rstrip("/")

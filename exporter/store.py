@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from syncscope.exporter.jobwide import JobWide
-from syncscope.exporter.pooling import JobPool
+from syncscope.exporter.pooling import JobPool, Sample
 from syncscope.exporter.settings import STEP_WINDOW, Settings
 
 from syncscope.arrival import collective_key, key_text
@@ -167,6 +167,7 @@ class JobView:
     name: str
     pooled_steps_total: int = 0  # steps every rank here delivered (exporter.pooling)
     transfer_seconds_total: float = 0.0  # the sum over them of the node's per-step minimum
+    samples: tuple[Sample, ...] = ()  # the node's minimum at sampled steps (exporter.pooling)
     # Prometheus's job-wide figures, read back (exporter.jobwide); None: a node-local view.
     job_wide: JobWide | None = None
 
@@ -420,8 +421,12 @@ class Store:
         by_job: dict[str, list[RankView]] = {}
         with self.lock:
             self._expire(now)
-            pooled: dict[str, tuple[int, float]] = {
-                job: (pool.pooled_steps_total, pool.transfer_seconds_total)
+            pooled: dict[str, tuple[int, float, tuple[Sample, ...]]] = {
+                job: (
+                    pool.pooled_steps_total,
+                    pool.transfer_seconds_total,
+                    tuple(v for _, v in sorted(pool.samples.items())),
+                )
                 for job, pool in self.pools.items()
             }
             for state in sorted(self.ranks.values(), key=lambda s: (s.job, s.rank)):
@@ -451,7 +456,7 @@ class Store:
                     for r in ranks
                 ]
             jobs[name] = JobView(
-                tuple(ranks), diagnosis, name, *pooled.get(name, (0, 0.0)), job_wide=job_wide
+                tuple(ranks), diagnosis, name, *pooled.get(name, (0, 0.0, ())), job_wide=job_wide
             )
         return StoreView(started, now, ingested, rejected, jobs)
 

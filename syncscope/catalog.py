@@ -13,7 +13,16 @@ from dataclasses import dataclass
 from syncscope.exporter.settings import STEP_WINDOW
 
 TYPES = ("counter", "gauge", "histogram", "info")
-CONDITIONS = ("always", "gpu", "pacing", "straggler", "rejections", "process", "prometheus")
+CONDITIONS = (
+    "always",
+    "gpu",
+    "pacing",
+    "straggler",
+    "sampled",
+    "rejections",
+    "process",
+    "prometheus",
+)
 
 
 @dataclass(frozen=True)
@@ -252,6 +261,24 @@ NODE_TRANSFER_SECONDS_TOTAL = MetricSpec(
     "always",
     "seconds",
 )
+# The same minimum at sampled steps (exporter/pooling.py's rings): Prometheus takes the minimum
+# over nodes per slot where every node holds the same step, the job's transfer in that step.
+NODE_SAMPLED_STEP = MetricSpec(
+    "syncscope_node_sampled_step",
+    "gauge",
+    "The step held in this ring slot (sampled every `stride` steps, slot = step / stride mod "
+    "slots, alike on every exporter).",
+    ("job", "stride", "slot"),
+    "sampled",
+)
+NODE_SAMPLED_TRANSFER_SECONDS = MetricSpec(
+    "syncscope_node_sampled_transfer_seconds",
+    "gauge",
+    "The smallest collective time of any rank here in the step this slot holds.",
+    ("job", "stride", "slot"),
+    "sampled",
+    "seconds",
+)
 # -- exporter self-metrics
 EXPORTER_COLLECTOR_DURATION_SECONDS = MetricSpec(
     "syncscope_exporter_collector_duration_seconds",
@@ -385,6 +412,8 @@ SECTIONS = (
             ARRIVAL_SKEW_SECONDS,
             NODE_POOLED_STEPS_TOTAL,
             NODE_TRANSFER_SECONDS_TOTAL,
+            NODE_SAMPLED_STEP,
+            NODE_SAMPLED_TRANSFER_SECONDS,
         ),
     ),
     Section(
@@ -427,6 +456,7 @@ CONTRACT_HEADER = """\
 #              Prometheus), "-" for none
 #   CONDITION  always | gpu (only where the rank has a GPU) | pacing (only where the agent
 #              runs the pacing controller) | straggler (only while the exporter names one)
+#              | sampled (once the job has pooled a step its rings sample: exporter/pooling.py)
 #              | rejections (no series before the exporter's first rejected record)
 #              | process (prometheus_client's process collector; Linux only)
 #              | prometheus (synthesised by Prometheus)

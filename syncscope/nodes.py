@@ -368,8 +368,9 @@ class EmulatedNodes:
         s64 = stats[0]["stats64"]
         return int(s64["rx"]["bytes"]), int(s64["tx"]["bytes"])
 
-    def truth(self, skip_steps: int = 0) -> Truth:
-        """The pooled per-step truth of the latest launch (see syncscope.truth)."""
+    def truth(self, skip_steps: int = 0, window_s: float | None = None) -> Truth:
+        """The pooled per-step truth of the latest launch (see syncscope.truth), over the
+        last ``window_s`` of the job when given."""
         if self.records_dir is None:
             raise RuntimeError("no launch with record=True yet")
-        return truth_from_dir(self.records_dir, skip_steps)
+        return truth_from_dir(self.records_dir, skip_steps, window_s)

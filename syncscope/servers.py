@@ -118,8 +118,12 @@ class Prometheus(_Server):
             binary, [f"--config.file={config}", f"--storage.tsdb.path={storage}"], port
         )
 
-    def query(self, promql: str) -> list[dict[str, Any]]:
-        url = self.url + "/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    def query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
+        """An instant query, now or at unix time ``at``."""
+        params: dict[str, Any] = {"query": promql}
+        if at is not None:
+            params["time"] = f"{at:.3f}"
+        url = self.url + "/api/v1/query?" + urllib.parse.urlencode(params)
         reply = get_json(url)
         if reply.get("status") != "success":
             raise RuntimeError(f"query failed: {promql}: {reply}")

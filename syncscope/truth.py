@@ -33,6 +33,9 @@ class Truth:
     mean_step_s: dict[int, float]
     amplification: float  # Σ W / Σ step time, over ranks and steps
     straggler: int | None  # the rank with the smallest mean d (None with fewer than 2 ranks)
+    # With a window: the steps that ended in the last `window_s` before the job's end, and the
+    # time to read Prometheus's rules at so that their windows cover the same steps.
+    at_unix_s: float | None = None
 
 
 def read_records(paths: Iterable[str]) -> dict[int, dict[int, dict[str, Any]]]:
@@ -53,14 +56,33 @@ def record_files(directory: str) -> list[str]:
 
 
 def pooled_truth(
-    records: Mapping[int, Mapping[int, Mapping[str, Any]]], skip_steps: int = 0
+    records: Mapping[int, Mapping[int, Mapping[str, Any]]],
+    skip_steps: int = 0,
+    window_s: float | None = None,
+    settle_s: float = 2.0,
 ) -> Truth:
     """The truth over the steps all ranks recorded, without the first ``skip_steps`` of them
-    (gloo connects and the allocator warms up there: one such step can outweigh a minute)."""
+    (gloo connects and the allocator warms up there: one such step can outweigh a minute).
+
+    ``window_s``: only the steps that ended in the last ``window_s`` seconds of the job, i.e.
+    what a rule with that rate window covers when read ``settle_s`` after the job's end (the
+    final reports scraped, the rules evaluated) at ``at_unix_s`` minus ``settle_s``. A rule's
+    window and a whole run differ by more than the estimators do (the end of a run is not its
+    middle), so the rules are judged against the steps they saw.
+    """
     ranks = sorted(records)
     if not ranks:
         raise ValueError("no records")
     common = sorted(set.intersection(*(set(records[r]) for r in ranks)))[skip_steps:]
+    at = None
+    if window_s is not None and common:
+
+        def end(k: int) -> float:
+            return max(float(records[r][k]["end_unix_s"]) for r in ranks)
+
+        job_end = end(common[-1])
+        at = job_end + settle_s
+        common = [k for k in common if end(k) > at - window_s]
     if not common:
         raise ValueError("no step was recorded by every rank")
     wait = {r: 0.0 for r in ranks}
@@ -83,11 +105,12 @@ def pooled_truth(
         mean_step_s={r: step_time[r] / n for r in ranks},
         amplification=sum(wait.values()) / total_step if total_step > 0 else 0.0,
         straggler=min(ranks, key=mean_exposed.__getitem__) if len(ranks) > 1 else None,
+        at_unix_s=at,
     )
 
 
-def truth_from_dir(directory: str, skip_steps: int = 0) -> Truth:
-    return pooled_truth(read_records(record_files(directory)), skip_steps)
+def truth_from_dir(directory: str, skip_steps: int = 0, window_s: float | None = None) -> Truth:
+    return pooled_truth(read_records(record_files(directory)), skip_steps, window_s)
 
 
 def _value(result: Sequence[Mapping[str, Any]]) -> float | None:
@@ -101,7 +124,8 @@ def compare(
 
     ``prom``: a `syncscope.servers.Prometheus` with syncscope's rules (or None); ``states``:
     each node's exporter ``/v1/state``, in node order. The exported lead of a rank is the
-    ``syncscope_arrival_lead_seconds`` gauge's value (the state's ``arrival_lead_s``).
+    ``syncscope_arrival_lead_seconds`` gauge's value (the state's ``arrival_lead_s``). The
+    rules are read at ``truth.at_unix_s`` where the truth has a window, else now.
     """
     ranks: dict[int, dict[str, Any]] = {
         r: {
@@ -138,17 +162,26 @@ def compare(
         "steps": truth.steps,
         "ranks": ranks,
         "nodes": nodes,
+        "window": (
+            f" (those the rules read at {truth.at_unix_s:.1f} cover)"
+            if truth.at_unix_s is not None
+            else ""
+        ),
         "amplification": {"truth": truth.amplification, "rule": None},
         "straggler": {"truth": truth.straggler, "rule": None},
     }
     if prom is not None:
         sel = f'{{job="{job}"}}'
-        for row in prom.query(LEAD_AVG + sel):
+
+        def query(promql: str) -> list[dict[str, Any]]:
+            return prom.query(promql, at=truth.at_unix_s)
+
+        for row in query(LEAD_AVG + sel):
             ranks.setdefault(int(row["metric"]["rank"]), {})["rule_lead_avg_s"] = float(
                 row["value"][1]
             )
-        out["amplification"]["rule"] = _value(prom.query(SYNC_AMPLIFICATION + sel))
-        named = prom.query(STRAGGLER_LAG + sel)
+        out["amplification"]["rule"] = _value(query(SYNC_AMPLIFICATION + sel))
+        named = query(STRAGGLER_LAG + sel)
         out["straggler"]["rule"] = int(named[0]["metric"]["rank"]) if named else None
     return out
 
@@ -160,7 +193,8 @@ def _ms(value: float | None) -> str:
 def format_comparison(c: Mapping[str, Any]) -> str:
     """The comparison as a table: exported and rule values beside the truth, in ms."""
     lines = [
-        f"job {c['job']}: truth over {c['steps']} steps every rank recorded; in ms: lead = "
+        f"job {c['job']}: truth over {c['steps']} steps every rank recorded{c.get('window', '')}; "
+        "in ms: lead = "
         f"exported syncscope_arrival_lead_seconds, rule avg = {LEAD_AVG},",
         "truth W = mean wait for the last rank, truth d = mean exposed gradient sync",
         f"{'rank':>4} {'node':>4} {'lead':>8} {'rule avg':>8} {'truth W':>8} {'truth d':>8}",

@@ -22,6 +22,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps in every forward")
     p.add_argument("--slow-ms", type=float, default=30.0)
+    p.add_argument(
+        "--slow-after",
+        type=float,
+        default=0.0,
+        help="the slow rank starts sleeping this many seconds into training (an onset)",
+    )
     p.add_argument("--jitter-prob", type=float, default=0.0, help="chance a rank stalls in a step")
     p.add_argument("--jitter-ms", type=float, default=150.0)
     p.add_argument(
@@ -64,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     slow_s = args.slow_ms / 1000 if rank == args.slow_rank else 0.0
     # Set when the loop starts, so that start-up time does not eat into the jittery phase.
     jitter_end = [float("inf")]
+    slow_from = [float("inf")]
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -81,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             self.extra = nn.Parameter(torch.zeros(n_extra)) if n_extra else None
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if slow_s:
+            if slow_s and time.monotonic() >= slow_from[0]:
                 time.sleep(slow_s)
             if (
                 args.jitter_prob
@@ -108,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.duration
     if args.jitter_until > 0:
         jitter_end[0] = time.monotonic() + args.jitter_until
+    if slow_s:
+        slow_from[0] = time.monotonic() + args.slow_after
+        onset = time.time() + args.slow_after
+        print(f"syncscope-workload: rank {rank} slow from unix {onset:.3f}", flush=True)
     step = 0
     last = time.perf_counter()
     # With --duration, only rank 0's clock decides (by broadcast) so that all ranks stop together.

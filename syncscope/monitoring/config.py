@@ -82,4 +82,5 @@ def demo_overrides(cfg: Mapping[str, Any]) -> dict[str, str]:
         **fast_for_overrides(cfg, "2s"),
         "windows.rate": "10s",
         "windows.straggler": "10s",
+        "windows.transfer": "30s",
     }

@@ -105,3 +105,12 @@ def local_config(
         [os.path.join(rules_dir, "*.yml")],
         alertmanager=alertmanager,
     )
+
+
+def local_window_s() -> float:
+    """The windows (rate and straggler, seconds) of `local_config`'s rules: what a job-wide rule
+    read there covers (syncscope.truth's windowed truth compares over the same steps)."""
+    from syncscope.monitoring.config import demo_overrides, load_config
+
+    windows = demo_overrides(load_config())
+    return max(duration_seconds(windows[f"windows.{w}"]) for w in ("rate", "straggler"))

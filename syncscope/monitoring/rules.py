@@ -43,7 +43,9 @@ STEP_CV = "job:syncscope_step_time_cv:max"
 PHASE_RATIO = "job_phase:syncscope_phase_seconds:ratio"
 COMM_EXPOSED_RATIO = "job:syncscope_comm_exposed:ratio"
 SYNC_AMPLIFICATION = "job:syncscope_sync_amplification:ratio"
+TRANSFER_SAMPLED = "job_stride_slot:syncscope_sampled_transfer_seconds:min"
 TRANSFER_PER_STEP = "job:syncscope_collective_transfer_seconds_per_step:min"
+TRANSFER_INFLATION = "job:syncscope_collective_transfer_seconds_per_step:ratio_to_baseline"
 SYNC_PER_STEP = "job_rank:syncscope_collective_seconds_per_step:ratio"
 # Job-wide: each rank's collective time per step beyond the rank that waits least.
 LEAD_AVG = "job_rank:syncscope_arrival_lead_seconds:avg"
@@ -142,19 +144,64 @@ def recording_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
 """,
         ),
         _record(COMM_EXPOSED_RATIO, f'sum without (phase) ({PHASE_RATIO}{{phase="comm_exposed"}})'),
-        # Job-wide truth from counters of every node (issue 15). At step k a rank's collective
-        # time is d(r,k) = T(k) + W(r,k), transfer plus wait for the last rank. Each exporter
-        # pools its own ranks per step and exports the sum of its per-step minimum; the
-        # smallest of those per step, over nodes, is the job's transfer T (exact on one node,
-        # and whenever the last rank of most steps sits on one node).
+        # Job-wide truth from every node (issue 15). At step k a rank's collective time is
+        # d(r,k) = T(k) + W(r,k), transfer plus wait for the last rank; the job's T(k) is the
+        # minimum over nodes of each node's minimum in step k. Each exporter keeps its minimum
+        # at sampled steps in rings indexed alike everywhere (exporter/pooling.py); a slot
+        # counts where every node of the job holds the same step in it.
+        _record(
+            TRANSFER_SAMPLED,
+            f"""
+  min by (job, stride, slot) ({_sel(cfg, M.NODE_SAMPLED_TRANSFER_SECONDS.name)})
+and on (job, stride, slot)
+  (
+      min by (job, stride, slot) ({_sel(cfg, M.NODE_SAMPLED_STEP.name)})
+    ==
+      max by (job, stride, slot) ({_sel(cfg, M.NODE_SAMPLED_STEP.name)})
+  )
+and on (job, stride, slot)
+  (
+      count by (job, stride, slot) ({_sel(cfg, M.NODE_SAMPLED_STEP.name)})
+    == on (job) group_left ()
+      count by (job) (count by (job, instance) ({_sel(cfg, M.NODE_POOLED_STEPS_TOTAL.name)}))
+  )
+""",
+        ),
+        # The job's transfer per step: the mean over the agreed samples of the transfer window
+        # (longer than the rate window: the rings yield about slots × window / (scrape +
+        # report lag) samples whatever the step time, and the transfer drifts slowly). A slot
+        # holds one step over many evaluations, so each slot's mean weighs as the steps it
+        # held (its changes + 1), not as its evaluations. Until a slot agrees, the smallest of
+        # the nodes' mean minima stands in: exact on one node, high on many when the last
+        # rank moves between nodes (the waits then read low).
         _record(
             TRANSFER_PER_STEP,
             f"""
-min by (job) (
-    sum by (job, instance) ({_rate(cfg, M.NODE_TRANSFER_SECONDS_TOTAL.name)})
-  /
-    (sum by (job, instance) ({_rate(cfg, M.NODE_POOLED_STEPS_TOTAL.name)}) > 0)
-)
+  (
+      sum by (job) (
+          avg_over_time({TRANSFER_SAMPLED}[{w["transfer"]}])
+        *
+          (changes({TRANSFER_SAMPLED}[{w["transfer"]}]) + 1)
+      )
+    /
+      sum by (job) (changes({TRANSFER_SAMPLED}[{w["transfer"]}]) + 1)
+  )
+or
+  min by (job) (
+      sum by (job, instance) ({_rate(cfg, M.NODE_TRANSFER_SECONDS_TOTAL.name)})
+    /
+      (sum by (job, instance) ({_rate(cfg, M.NODE_POOLED_STEPS_TOTAL.name)}) > 0)
+  )
+""",
+        ),
+        # The transfer per step against its own baseline (its 10th percentile over the
+        # contention-baseline window): what contention inflates, unlike its share of a step.
+        _record(
+            TRANSFER_INFLATION,
+            f"""
+  {TRANSFER_PER_STEP}
+/
+  (quantile_over_time(0.1, {TRANSFER_PER_STEP}[{w["contention_baseline"]}]) > 0)
 """,
         ),
         # Rank-seconds spent waiting per rank-second of stepping: the synchronization-

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from syncscope.launch import wait_all
-from syncscope.monitoring.prometheus_config import local_config
+from syncscope.monitoring.prometheus_config import local_config, local_window_s
 from syncscope.nodes import EmulatedNodes, NodesUnavailable, iproute, list_netns
 from syncscope.servers import Alertmanager, Prometheus, free_port
 from syncscope.truth import compare, format_comparison
@@ -128,7 +128,7 @@ def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(tmp
             # The final flush scraped, the rules evaluated (1 s each) and the exporters read
             # them back (2 s); the 10 s rate windows still cover the run.
             time.sleep(4)
-            truth = cluster.truth(SKIP_STEPS)
+            truth = cluster.truth(SKIP_STEPS, local_window_s())
             comparison = compare(prom, cluster.states(), truth, job)
         finally:
             prom.stop()
@@ -146,6 +146,38 @@ def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(tmp
     for node in comparison["nodes"]:
         assert node["straggler"] == 3, node  # both exporters, the straggler's and the other
         assert node["fabric_contention"] is False, node
+
+
+@needs_prometheus
+def test_pacing_paces_the_early_ranks_on_both_nodes_and_never_the_straggler(tmp_path):
+    """Rank 3 (node 1) slowed 30 ms, pacing on, both exporters reading the job-wide view back:
+    ranks 0 and 1 wait for a rank on another node, which their node alone cannot see (its
+    minimum is their own wait); with the job's transfer from Prometheus their baselines come
+    down and they are paced like rank 2, while rank 3, which waits for nobody, never is."""
+    job = "paced-remote-straggler"
+    prom_port = free_port()
+    readback = ["--prometheus-url", f"http://127.0.0.1:{prom_port}", "--prometheus-interval", "2"]
+    with emulated(2, 2, workdir=str(tmp_path), exporter_args=readback) as cluster:
+        prom = Prometheus(
+            local_config(cluster.exporter_ports, str(tmp_path)), str(tmp_path), port=prom_port
+        )
+        try:
+            prom.wait_ready()
+            cluster.run(["--duration", "30", "--slow-rank", "3", "--pacing"], job)
+            time.sleep(2)
+            states = cluster.states()
+        finally:
+            prom.stop()
+    pacing = {r["rank"]: r["pacing"] for state in states for r in state["jobs"][job]["ranks"]}
+    print("\n" + "\n".join(f"rank {r}: {p}" for r, p in sorted(pacing.items())))
+    assert sorted(pacing) == [0, 1, 2, 3]
+    for rank in (0, 1, 2):
+        assert pacing[rank]["enabled"] and pacing[rank]["engagements"] >= 1, (rank, pacing)
+        assert pacing[rank]["total_delay_s"] > 0.1, (rank, pacing)
+    assert pacing[3]["enabled"] and pacing[3]["engagements"] == 0, pacing
+    assert pacing[3]["total_delay_s"] == 0.0, pacing
+    for state in states:  # both nodes saw the job-wide view, not a node-local one
+        assert state["jobs"][job]["job_wide"], state["jobs"][job].get("job_wide")
 
 
 class Webhook:

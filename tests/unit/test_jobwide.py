@@ -27,7 +27,7 @@ def two_of_four(name: str) -> list:
     return [r for r in ranks_of(name) if r.rank in (0, 1)]
 
 
-def test_parse_groups_the_three_rules_by_job():
+def test_parse_groups_the_rules_by_job():
     def sample(value: str, **labels: str) -> dict:
         return {"metric": labels, "value": [1.0, value]}
 
@@ -40,9 +40,10 @@ def test_parse_groups_the_three_rules_by_job():
         ],
         rules.TRANSFER_PER_STEP: [sample("0.005", job="a")],
         rules.SYNC_AMPLIFICATION: [sample("0.4", job="a"), sample("+Inf", job="b")],
+        rules.TRANSFER_INFLATION: [sample("1.25", job="a")],
     }
     jobs = parse(replies, now=100.0)
-    assert jobs["a"] == JobWide({0: 0.03, 3: 0.0}, 0.005, 0.4, 100.0)
+    assert jobs["a"] == JobWide({0: 0.03, 3: 0.0}, 0.005, 0.4, 100.0, 1.25)
     assert jobs["b"] == JobWide({1: 0.01}, None, None, 100.0)
 
 
@@ -81,8 +82,22 @@ def test_job_wide_view_names_a_straggler_on_another_node():
     assert abs(out.skew_s - 0.031) < 1e-9
     assert out.modes["sync_amplification"].verdict  # 45 % idle
     assert "job-wide" in out.modes["sync_amplification"].reason
+    # No baseline read yet: no fabric verdict, whatever share of the step the transfer is.
+    assert 0.004 / step > 0.25
     fabric = out.modes["fabric_contention"]
-    assert abs(fabric.score - min(1.0, 0.004 / step / 0.5)) < 1e-3
+    assert fabric.score == 0 and not fabric.verdict and "baseline" in fabric.reason
+
+
+def test_job_wide_fabric_contention_is_transfer_inflated_against_its_own_baseline():
+    ranks = two_of_four("balanced")
+    leads = {0: 0.001, 1: 0.0, 2: 0.0015, 3: 0.0005}
+    steady = JobWide(leads, 0.004, 0.05, time.time(), transfer_inflation=1.1)
+    contended = JobWide(leads, 0.008, 0.05, time.time(), transfer_inflation=1.8)
+    calm = diagnose_job(ranks, SETTINGS, job_wide=steady).modes["fabric_contention"]
+    assert not calm.verdict and abs(calm.score - 0.1) < 1e-9
+    hot = diagnose_job(ranks, SETTINGS, job_wide=contended).modes["fabric_contention"]
+    assert hot.verdict and abs(hot.score - 0.8) < 1e-9
+    assert "1.80× its own baseline" in hot.reason
 
 
 def test_job_wide_view_of_a_balanced_job_names_nobody():

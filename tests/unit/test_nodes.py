@@ -68,8 +68,26 @@ def test_truth_refuses_records_without_a_common_step():
         pooled_truth({})
 
 
+def test_a_windowed_truth_covers_the_steps_the_rules_window_saw():
+    # Steps end at 1 + k s; the job ends at 10 s. A 3 s window read 2 s after the end covers
+    # the steps that ended after 9 s: only step 9, where rank 1 waited 0.05 s.
+    records = {
+        r: {k: _rec(r, k, 0.01 if k < 9 or r == 0 else 0.06) for k in range(10)} for r in (0, 1)
+    }
+    truth = pooled_truth(records, window_s=3.0, settle_s=2.0)
+    assert truth.at_unix_s == pytest.approx(12.0)
+    assert truth.steps == 1
+    assert truth.mean_wait_s == pytest.approx({0: 0.0, 1: 0.05})
+    whole = pooled_truth(records)
+    assert whole.at_unix_s is None and whole.mean_wait_s[1] == pytest.approx(0.005)
+
+
 class FakeProm:
-    def query(self, promql: str) -> list[dict]:
+    def __init__(self) -> None:
+        self.at: list[float | None] = []
+
+    def query(self, promql: str, at: float | None = None) -> list[dict]:
+        self.at.append(at)
         if promql.startswith("job_rank:syncscope_arrival_lead_seconds:avg"):
             return [{"metric": {"rank": str(r)}, "value": [0, str(0.01 * r)]} for r in range(2)]
         if promql.startswith("job:syncscope_sync_amplification:ratio"):
@@ -95,7 +113,9 @@ def test_compare_sets_exporters_and_rules_beside_the_truth():
         }
         for r in range(2)
     ]
-    c = compare(FakeProm(), states, truth, "j")
+    prom = FakeProm()
+    c = compare(prom, states, truth, "j")
+    assert set(prom.at) == {None}  # a truth without a window: the rules as they are now
     assert c["ranks"][1]["node"] == 1
     assert c["ranks"][1]["exported_lead_s"] == pytest.approx(0.005)
     assert c["ranks"][1]["rule_lead_avg_s"] == pytest.approx(0.01)

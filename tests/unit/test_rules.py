@@ -146,7 +146,9 @@ def test_recording_rule_names_follow_level_metric_operations():
         assert metric.startswith("syncscope_") and re.fullmatch(r"[a-z0-9_]+", ops), rule["record"]
         # The level names the labels the result keeps.
         for label in level.split("_"):
-            assert label in {"job", "rank", "op", "group", "phase", "fault"}, rule["record"]
+            assert label in {"job", "rank", "op", "group", "phase", "fault", "stride", "slot"}, (
+                rule["record"]
+            )
 
 
 def test_rules_only_use_contract_metrics_and_their_own_records():
