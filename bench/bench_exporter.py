@@ -11,14 +11,25 @@ Prints:
              reporting at the agent's rate. Target: p99 <= 20 ms.
   rss        exporter RSS while 1,000,000 records go in: after warm-up (first 100k), at the
              end, and the growth in between. Target: flat within 10 %, <= 150 MB.
+  scaling    with --ranks-scaling 8,64,512 (instead of the above): ingest CPU per record of the
+             real Store, in-process, for one job of 8, 64 and 512 ranks on one exporter, side by
+             side in one run. Each rank sends agent-sized batches (50 steps, a ddp_grad_sync per
+             step), all ranks once per round in a shuffled order, steps advancing. Batches are
+             parsed as the app parses them (app.parse_batch) before timing; the thread CPU time
+             of Store.ingest alone is measured, sizes interleaved over several rounds, medians
+             printed. Target: flat within 2x (largest / smallest).
 Run: .venv/bin/python bench/bench_exporter.py [--records 1000000] [--scrapes 500]
+     .venv/bin/python bench/bench_exporter.py --ranks-scaling 8,64,512 [--scaling-rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import http.client
 import json
+import multiprocessing
 import os
 import random
 import socket
@@ -26,6 +37,7 @@ import statistics
 import subprocess
 import threading
 import time
+from typing import Any
 
 from syncscope import servers
 
@@ -46,7 +58,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def batch(rank: int, step0: int, rng: random.Random, wire: int = 2) -> bytes:
+def batch(
+    rank: int,
+    step0: int,
+    rng: random.Random,
+    wire: int = 2,
+    world_size: int = RANKS,
+    job: str = "bench",
+) -> bytes:
     """One agent-sized batch in wire schema `wire` (2: rows of ns, what the agent sends)."""
     steps, colls = [], []
     for s in range(step0, step0 + STEPS_PER_BATCH):
@@ -82,10 +101,10 @@ def batch(rank: int, step0: int, rng: random.Random, wire: int = 2) -> bytes:
     body = {
         "schema_version": wire,
         "agent": {
-            "job": "bench",
+            "job": job,
             "rank": rank,
             "local_rank": rank,
-            "world_size": RANKS,
+            "world_size": world_size,
             "incarnation": f"inc-{rank}",
             "hostname": "node-0",
             "pid": 1000 + rank,
@@ -256,12 +275,148 @@ def bench_in_process(bodies: list[list[bytes]], seconds: float) -> float:
     return sent / (time.thread_time() - t0)
 
 
+class ScalingJob:
+    """One Store with one job of `ranks` ranks, fed round after round with wire batches."""
+
+    def __init__(self, ranks: int, rng: random.Random) -> None:
+        from syncscope.exporter.settings import Settings
+        from syncscope.exporter.store import Store
+
+        self.ranks = ranks
+        self.store = Store(Settings(max_ranks=max(4096, ranks)))
+        self.rng = rng
+        self.round = 0
+
+    def next_round(self) -> list[bytes]:
+        """Every rank's next batch (steps advancing by STEPS_PER_BATCH), in a shuffled order."""
+        step0 = self.round * STEPS_PER_BATCH
+        order = list(range(self.ranks))
+        self.rng.shuffle(order)
+        self.round += 1
+        job = f"scaling-{self.ranks}"
+        return [batch(r, step0, self.rng, world_size=self.ranks, job=job) for r in order]
+
+    def run(self, rounds: int) -> tuple[int, float, float]:
+        """Feed `rounds` rounds as the app does (parse_batch, then Store.ingest); return the
+        records and the thread CPU seconds spent in each."""
+        from syncscope.exporter.app import parse_batch
+
+        records, parse_s, store_s = 0, 0.0, 0.0
+        clock, ingest = time.thread_time, self.store.ingest
+        for _ in range(rounds):
+            for body in self.next_round():
+                t0 = clock()
+                parsed = parse_batch(body)
+                t1 = clock()
+                if not ingest(parsed)["accepted"]:
+                    raise RuntimeError("ingest refused")
+                t2 = clock()
+                parse_s += t1 - t0
+                store_s += t2 - t1
+                records += len(parsed.steps) + len(parsed.collectives)
+        return records, parse_s, store_s
+
+
+def _scaling_worker(ranks: int, chunk: int, seed: int, conn: Any) -> None:
+    """One exporter's Store with `ranks` ranks, in a process of its own (its own heap, as on a
+    node): set up and warmed, then one chunk of `chunk` rounds per request from the parent."""
+    job = ScalingJob(ranks, random.Random(seed))
+    gc.collect()
+    gc.freeze()  # as the exporter's app does once started (exporter/app.py)
+    # Warm-up: every rank known, its recent steps full (they are kept, not evicted, until then).
+    job.run(max(chunk, -(-job.store.settings.recent_steps // STEPS_PER_BATCH) + 2))
+    gc_s, started = [0.0, 0], [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.thread_time()
+        else:
+            gc_s[0] += time.thread_time() - started[0]
+            gc_s[1] += info["generation"] == 2
+
+    gc.callbacks.append(on_gc)
+    conn.send("ready")
+    while conn.recv():
+        gc_s[:] = [0.0, 0]
+        records, parse_s, store_s = job.run(chunk)
+        conn.send((records, parse_s, store_s, gc_s[0], gc_s[1]))
+    conn.close()
+
+
+def bench_ranks_scaling(sizes: list[int], rounds: int, records: int) -> None:
+    """Ingest CPU per record at each size: a worker process per size, driven one at a time in
+    interleaved rounds (alternating order). Per record: total CPU over total records, so that
+    full collections, one every few rounds at 512 ranks, count at their amortised cost."""
+    ctx = multiprocessing.get_context("fork")
+    per_batch = records_in(batch(0, 0, random.Random(1)))
+    chunk = {n: max(1, round(records / (n * per_batch))) for n in sizes}
+    workers = {}
+    for n in sizes:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_scaling_worker, args=(n, chunk[n], 11, child), daemon=True)
+        proc.start()
+        workers[n] = (proc, parent)
+    # Per size: records, then CPU seconds in parse_batch, Store.ingest and the collector (which
+    # runs inside either), full collections; and Store.ingest per record in each round.
+    totals = {n: [0, 0.0, 0.0, 0.0, 0] for n in sizes}
+    rounds_store: dict[int, list[float]] = {n: [] for n in sizes}
+    try:
+        for n in sizes:
+            if workers[n][1].recv() != "ready":
+                raise RuntimeError(f"scaling worker for {n} ranks failed")
+        for k in range(rounds):
+            for n in sizes if k % 2 == 0 else sizes[::-1]:
+                conn = workers[n][1]
+                conn.send(True)
+                got = conn.recv()
+                totals[n] = [a + b for a, b in zip(totals[n], got, strict=True)]
+                rounds_store[n].append(got[2] / got[0])
+    finally:
+        for proc, conn in workers.values():
+            with contextlib.suppress(OSError):
+                conn.send(False)
+            proc.join(10)
+    store = {n: t[2] / t[0] for n, t in totals.items()}
+    both = {n: (t[1] + t[2]) / t[0] for n, t in totals.items()}
+    print(
+        f"ingest CPU per record (thread CPU time; a process per size, each one exporter's Store; "
+        f"{rounds} interleaved rounds of ~{records:,} records per size; batches of {per_batch} "
+        f"records, {STEPS_PER_BATCH} steps, every rank once a round in a shuffled order)"
+    )
+    print(
+        f"{'ranks':>6} {'store us/rec':>13} {'rounds min':>11} {'max':>6} {'parse+store':>12} "
+        f"{'of which gc':>12} {'full gcs':>9} {'records':>10}"
+    )
+    for n in sizes:
+        t, v = totals[n], rounds_store[n]
+        print(
+            f"{n:>6} {store[n] * 1e6:>13.2f} {min(v) * 1e6:>11.2f} {max(v) * 1e6:>6.2f} "
+            f"{both[n] * 1e6:>12.2f} {t[3] / t[0] * 1e6:>12.2f} {t[4]:>9} {t[0]:>10,}"
+        )
+    lo, hi = sizes[0], sizes[-1]
+    for name, m in (("Store.ingest", store), ("parse_batch + Store.ingest", both)):
+        print(
+            f"{name}: ratio {hi}/{lo} {m[hi] / m[lo]:.2f}, max/min over sizes "
+            f"{max(m.values()) / min(m.values()):.2f} (target <= 2)"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--records", type=int, default=1_000_000)
     p.add_argument("--scrapes", type=int, default=500)
     p.add_argument("--ingest-seconds", type=float, default=10.0)
+    p.add_argument(
+        "--ranks-scaling",
+        help="comma-separated rank counts (e.g. 8,64,512): run only the ingest-cost scaling bench",
+    )
+    p.add_argument("--scaling-rounds", type=int, default=5)
+    p.add_argument("--scaling-records", type=int, default=40_000, help="per size and round")
     a = p.parse_args()
+    if a.ranks_scaling:
+        sizes = sorted(int(n) for n in a.ranks_scaling.split(","))
+        bench_ranks_scaling(sizes, a.scaling_rounds, a.scaling_records)
+        return
     cpus = sorted(os.sched_getaffinity(0))
     server_cpu, client_cpu = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
     if client_cpu is not None:

@@ -24,14 +24,23 @@ several standard deviations of the transfer below its typical value, and every r
 the amplification read that bias as waiting (3× the true amplification on a clean run).
 Nothing here compares clocks across processes; ranks' reports arrive in step order, so a step
 is complete for a rank once it has reported that step or a later one.
+
+Cost (issue 20): what each call does is proportional to what it receives or pools, never to the
+number of ranks. `complete` reads the lowest newest step over the reporting ranks, kept as counts
+per step, rather than asking every rank about every pending step; pending steps sit in a heap;
+each kind's transfer mean is recomputed only when a pooled step changed it. Pending rows hold
+numbers and interned keys only, which the garbage collector stops tracking while they are young
+(or never tracks): with hundreds of ranks a step stays pending for hundreds of ingests, and rows
+the collector tracked would be promoted and make every full collection walk them.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, KeysView
 from dataclasses import dataclass, field
-from typing import Protocol
+from heapq import heapify, heappop, heappush
+from typing import Any, Protocol
 
 from syncscope.arrival import Key
 
@@ -39,6 +48,7 @@ Rank = int
 SAMPLE_STRIDES = (8, 64, 512, 4096)  # steps between samples, a ring each; alike everywhere
 SAMPLE_SLOTS = 8  # samples each ring keeps: slot = (step // stride) % SAMPLE_SLOTS
 SAMPLE_FROM_STEP = 16  # the first steps connect, rebuild DDP's buckets and warm allocators
+NO_STEP = -1  # the newest step of a rank that has delivered none
 
 
 class WaitSink(Protocol):
@@ -47,13 +57,12 @@ class WaitSink(Protocol):
     wait_seconds: float
 
 
-@dataclass
-class _RankStep:
-    """One rank's step k, once its step row has arrived: its time per collective kind."""
-
-    step_s: float
-    phases: tuple[float, ...]
-    by_key: dict[Key, tuple[float, WaitSink]]
+# One rank's step k, once its step row has arrived: (step_s, phases), and apart from it its time
+# per collective kind, {key: seconds}. Neither holds anything the garbage collector must follow
+# (numbers, and keys interned long since): the dict is never tracked, the tuple no longer once
+# the collector has seen it, before it would promote it (see the module's docstring).
+_RankStep = tuple[float, tuple[float, ...]]
+_NO_COLLECTIVES: dict[Key, float] = {}  # shared, never written to
 
 
 @dataclass
@@ -77,57 +86,196 @@ class Sample:
     transfer_s: float
 
 
+def _push(heap: list[int], step: int, live: dict[int, Any]) -> None:
+    """Push `step`, just added to `live`, onto a heap whose entries not in `live` are skipped
+    when they come up; rebuilt from `live` once those outnumber the rest (amortised O(1))."""
+    if len(heap) > 2 * len(live) + 64:
+        heap[:] = live
+        heapify(heap)
+    else:
+        heappush(heap, step)
+
+
 @dataclass
 class JobPool:
-    """One job's ranks on this node, pooled per step."""
+    """One job's ranks on this node, pooled per step.
+
+    The reporting ranks (those a pending step waits for) are given to `complete`, or kept here
+    by `join` and `leave` as they come and go, which the exporter's store does.
+    """
 
     transfer_window: int = 64  # pooled steps each kind's transfer estimate averages over
     max_open_steps: int = 512  # per rank: collectives of steps whose row never came are dropped
     max_pending_steps: int = 4096  # beyond it the oldest step is pooled without a silent rank
     pooled_steps_total: int = 0  # steps every reporting rank delivered
     transfer_seconds_total: float = 0.0  # the sum over those steps of the node's minima
-    _open: dict[Rank, dict[int, dict[Key, tuple[float, WaitSink]]]] = field(default_factory=dict)
+    # rank -> step -> key -> seconds: collectives of steps whose row has not come yet.
+    _open: dict[Rank, dict[int, dict[Key, float]]] = field(default_factory=dict)
+    # rank -> key -> (the key, interned, and the sink its waits go to). A rank's sink per kind
+    # stays the same object until forget(): its (op, group) totals in the store.
+    _sinks: dict[Rank, dict[Key, tuple[Key, WaitSink]]] = field(default_factory=dict)
     _pending: dict[int, dict[Rank, _RankStep]] = field(default_factory=dict)
+    # step -> rank -> key -> seconds: the same steps and ranks, in the same order.
+    _pending_seconds: dict[int, dict[Rank, dict[Key, float]]] = field(default_factory=dict)
+    _pending_order: list[int] = field(default_factory=list)  # heap of steps, some not pending
     _latest: dict[Rank, int] = field(default_factory=dict)  # newest step row per rank
+    # The reporting ranks, each with the newest step it is counted at in _at_latest; ranks
+    # whose newest step moved since are in _moved until complete() counts them again.
+    _reporting: dict[Rank, int] = field(default_factory=dict)
+    _at_latest: dict[int, int] = field(default_factory=dict)  # newest step -> reporting ranks
+    _latest_order: list[int] = field(default_factory=list)  # heap of _at_latest's steps, + gone
+    _moved: set[Rank] = field(default_factory=set)
     _transfer: dict[Key, deque[float]] = field(default_factory=dict)
+    _transfer_mean: dict[Key, float] = field(default_factory=dict)  # _transfer's keys, in order
+    _changed: dict[Key, None] = field(default_factory=dict)  # kinds whose mean is out of date
     samples: dict[tuple[int, int], Sample] = field(default_factory=dict)  # by (stride, slot)
 
     def add_collective(
         self, rank: Rank, key: Key, step: int, duration: float, sink: WaitSink
     ) -> None:
-        """A collective of `rank` in `step`, before or with that step's row."""
-        by_step = self._open.setdefault(rank, {})
+        """A collective of `rank` in `step`, before or with that step's row.
+
+        `sink` is the same object for a rank and kind until forget(rank) (the store's totals for
+        the rank's (op, group)); given another, the rank's steps not yet pooled add to it.
+        """
+        by_step = self._open.get(rank)
+        if by_step is None:
+            by_step = self._open[rank] = {}
+            self._sinks[rank] = {}
+        sinks = self._sinks[rank]
+        known = sinks.get(key)
+        if known is None or known[1] is not sink:
+            known = sinks[key] = (known[0] if known is not None else key, sink)
+        key = known[0]
         by_key = by_step.get(step)
         if by_key is None:
             if len(by_step) >= self.max_open_steps:
                 del by_step[min(by_step)]
             by_key = by_step[step] = {}
-        seconds, _ = by_key.get(key, (0.0, sink))
-        by_key[key] = (seconds + duration, sink)
+        by_key[key] = by_key.get(key, 0.0) + duration
 
     def add_step(self, rank: Rank, step: int, step_s: float, phases: tuple[float, ...]) -> None:
-        by_key = self._open.get(rank, {}).pop(step, {})
-        self._pending.setdefault(step, {})[rank] = _RankStep(step_s, phases, by_key)
-        if step > self._latest.get(rank, -1):
+        by_step = self._open.get(rank)
+        by_key = by_step.pop(step, None) if by_step else None
+        entries = self._pending.get(step)
+        if entries is None:
+            entries = self._pending[step] = {}
+            self._pending_seconds[step] = {}
+            _push(self._pending_order, step, self._pending)
+        entries[rank] = (step_s, phases)
+        self._pending_seconds[step][rank] = by_key or _NO_COLLECTIVES
+        if step > self._latest.get(rank, NO_STEP):
             self._latest[rank] = step
+            if rank in self._reporting:
+                self._moved.add(rank)
 
-    def complete(self, reporting: Iterable[Rank]) -> list[Pooled]:
-        """Pool every step that each of `reporting` has delivered or passed; oldest first."""
-        ranks = set(reporting)
-        done: list[Pooled] = []
-        for step in sorted(self._pending):
-            entries = self._pending[step]
-            waiting = any(r not in entries and self._latest.get(r, -1) <= step for r in ranks)
-            if waiting and len(self._pending) <= self.max_pending_steps:
+    def join(self, rank: Rank) -> None:
+        """`rank` reports: pending steps wait for it until it has delivered or passed them."""
+        if rank not in self._reporting:
+            at = self._reporting[rank] = self._latest.get(rank, NO_STEP)
+            self._count(at, 1)
+
+    def leave(self, rank: Rank) -> None:
+        """`rank` went silent: steps no longer wait for it."""
+        at = self._reporting.pop(rank, None)
+        if at is not None:
+            self._count(at, -1)
+            self._moved.discard(rank)
+
+    @property
+    def reporting(self) -> KeysView[Rank]:
+        """The ranks pending steps wait for (as of the last join, leave or complete)."""
+        return self._reporting.keys()
+
+    def complete(self, reporting: Iterable[Rank] | None = None) -> list[Pooled]:
+        """Pool every step that each reporting rank has delivered or passed; oldest first.
+
+        `reporting`: the ranks to wait for, replacing those joined; None keeps them.
+        """
+        return list(self.completed(reporting))
+
+    def completed(self, reporting: Iterable[Rank] | None = None) -> Iterator[Pooled]:
+        """`complete`, one pooled rank-step at a time (a step's ranks together, in order).
+
+        Consume it whole: each rank's wait goes to its sinks as its rank-step is yielded.
+        """
+        if reporting is not None:
+            ranks = set(reporting)
+            for rank in [r for r in self._reporting if r not in ranks]:
+                self.leave(rank)
+            for rank in ranks:
+                self.join(rank)
+        self._recount()
+        pending, order = self._pending, self._pending_order
+        while order:
+            step = order[0]
+            entries = pending.get(step)
+            if entries is None:  # pooled or forgotten already
+                heappop(order)
+                continue
+            if len(pending) <= self.max_pending_steps and self._waiting(step, entries):
                 break  # a rank may still deliver this step; later steps wait, in order
-            del self._pending[step]
-            done.extend(self._pool(step, entries, complete=ranks <= entries.keys()))
-        return done
+            heappop(order)
+            del pending[step]
+            seconds = self._pending_seconds.pop(step)
+            yield from self._pool(step, entries, seconds, complete=self._covers(entries))
 
-    def _pool(self, step: int, entries: dict[Rank, _RankStep], complete: bool) -> list[Pooled]:
+    def _count(self, at: int, delta: int) -> None:
+        n = self._at_latest.get(at, 0) + delta
+        if n:
+            self._at_latest[at] = n
+            if delta > 0 and n == 1:  # new here: a step the heap may not hold
+                _push(self._latest_order, at, self._at_latest)
+        else:
+            del self._at_latest[at]
+
+    def _recount(self) -> None:
+        """Count the reporting ranks whose newest step moved (or was forgotten) at the new one."""
+        for rank in self._moved:
+            at = self._reporting.get(rank)
+            now = self._latest.get(rank, NO_STEP)
+            if at is not None and at != now:
+                self._count(at, -1)
+                self._count(now, 1)
+                self._reporting[rank] = now
+        self._moved.clear()
+
+    def _waiting(self, step: int, entries: dict[Rank, _RankStep]) -> bool:
+        """Whether a reporting rank has neither delivered `step` nor passed it.
+
+        A rank that delivered a step is counted at it or a later one, so with `low` the lowest
+        newest step over the reporting ranks: steps below it wait for no one, steps above it wait
+        for the ranks at `low`, and step `low` waits only for one of those missing from it (it
+        delivered the step, which was pooled and delivered again by a rank not waited for then).
+        """
+        order, counts = self._latest_order, self._at_latest
+        while order and order[0] not in counts:
+            heappop(order)
+        if not order or step < order[0]:
+            return False
+        low = order[0]
+        if step > low:
+            return True
+        at_low = counts[low]
+        if at_low > len(entries):
+            return True
+        reporting = self._reporting
+        return sum(1 for r in entries if reporting.get(r) == low) < at_low
+
+    def _covers(self, entries: dict[Rank, _RankStep]) -> bool:
+        """Whether every reporting rank delivered this step."""
+        return self._reporting.keys() <= entries.keys()  # False at once if more are reporting
+
+    def _pool(
+        self,
+        step: int,
+        entries: dict[Rank, _RankStep],
+        by_rank: dict[Rank, dict[Key, float]],
+        complete: bool,
+    ) -> list[Pooled]:
         minima: dict[Key, float] = {}
-        for entry in entries.values():
-            for key, (seconds, _) in entry.by_key.items():
+        for by_key in by_rank.values():
+            for key, seconds in by_key.items():
                 if seconds < minima.get(key, float("inf")):
                     minima[key] = seconds
         if complete:
@@ -144,27 +292,42 @@ class JobPool:
                 series = self._transfer.get(key)
                 if series is None:
                     series = self._transfer[key] = deque(maxlen=self.transfer_window)
+                    self._transfer_mean[key] = low
                 series.append(low)
+                self._changed[key] = None
+        alone = len(entries) <= 1
         out = []
-        for rank, entry in entries.items():
+        for (rank, (step_s, phases)), by_key in zip(entries.items(), by_rank.values(), strict=True):
             wait = 0.0
-            if len(entries) > 1:
-                for key, (seconds, sink) in entry.by_key.items():
+            if not alone and by_key:
+                sinks = self._sinks[rank]
+                for key, seconds in by_key.items():
                     extra = seconds - minima[key]
-                    sink.wait_seconds += extra
+                    sinks[key][1].wait_seconds += extra
                     wait += extra
-            out.append(Pooled(rank, step, entry.step_s, entry.phases, wait))
+            out.append(Pooled(rank, step, step_s, phases, wait))
         return out
 
     def transfers(self) -> dict[Key, float]:
         """Each collective kind's transfer: the mean of its recent per-step node minima."""
-        return {key: sum(s) / len(s) for key, s in self._transfer.items() if s}
+        if self._changed:
+            for key in self._changed:
+                series = self._transfer[key]
+                self._transfer_mean[key] = sum(series) / len(series)
+            self._changed.clear()
+        return dict(self._transfer_mean)
 
     def forget(self, rank: Rank) -> None:
         """A rank restarted or expired: drop what it had not finished."""
         self._open.pop(rank, None)
+        self._sinks.pop(rank, None)
         self._latest.pop(rank, None)
+        if rank in self._reporting:
+            self._moved.add(rank)
         for entries in self._pending.values():
             entries.pop(rank, None)
+        for by_rank in self._pending_seconds.values():
+            by_rank.pop(rank, None)
         for step in [s for s, entries in self._pending.items() if not entries]:
             del self._pending[step]
+            del self._pending_seconds[step]

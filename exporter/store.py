@@ -14,10 +14,10 @@ import math
 import statistics
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.pooling import JobPool, Sample
@@ -273,8 +273,58 @@ class RankState:
         return math.sqrt(var) / mean
 
 
+K = TypeVar("K", bound=Hashable)
+
+
+class ByLastReport(Generic[K]):
+    """Keys in the order of their last report's time, oldest first.
+
+    Who is silent for longer than some limit is then a prefix, popped without scanning every
+    rank on every ingest. Reports come in time order; if the wall clock steps back, the keys are
+    sorted again, so the prefix stays exactly the keys older than the limit.
+    """
+
+    __slots__ = ("_at",)
+
+    def __init__(self) -> None:
+        self._at: OrderedDict[K, float] = OrderedDict()
+
+    def touch(self, key: K, at: float) -> None:
+        order = self._at
+        order.pop(key, None)
+        back = bool(order) and order[next(reversed(order))] > at
+        order[key] = at
+        if back:
+            self._at = OrderedDict(sorted(order.items(), key=lambda item: item[1]))
+
+    def pop_silent(self, now: float, limit: float) -> list[K]:
+        """Remove and return the keys whose last report is more than `limit` before `now`."""
+        order, out = self._at, []
+        while order:
+            key, at = next(iter(order.items()))
+            if not now - at > limit:  # the readers' own test of staleness, rounding alike
+                break
+            order.popitem(last=False)
+            out.append(key)
+        return out
+
+    def discard(self, key: K) -> None:
+        self._at.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._at
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+
 class Store:
-    """Thread-safe: ingest runs in the server's threads, scrapes in others."""
+    """Thread-safe: ingest runs in the server's threads, scrapes in others.
+
+    What an ingest costs is proportional to the records it brings and the steps they complete,
+    not to the ranks there are (issue 20): expiry and staleness pop the ranks silent too long
+    from orders by last report (`ByLastReport`), and each job's pool keeps its reporting ranks.
+    """
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -282,6 +332,9 @@ class Store:
         self.ranks: dict[tuple[str, int], RankState] = {}
         self.job_ranks: dict[str, dict[int, RankState]] = {}  # the same states, by job
         self.pools: dict[str, JobPool] = {}
+        self._by_report: ByLastReport[tuple[str, int]] = ByLastReport()  # expiry
+        # Per job, its live ranks (reported within stale_after_s), the ones its pool waits for.
+        self._live: dict[str, ByLastReport[int]] = {}
         # job -> the job-wide view read back from Prometheus, if the exporter was given one.
         self.job_wide: Callable[[str], JobWide | None] | None = None
         self.started_unix_s = time.time()
@@ -311,7 +364,9 @@ class Store:
                     return {"accepted": False, "reason": "too many jobs"}
                 state = self.ranks[key] = RankState(job=job, rank=a.rank)
                 self.job_ranks.setdefault(job, {})[a.rank] = state
-            pool = self.pools.setdefault(job, JobPool())
+            pool = self.pools.get(job)
+            if pool is None:
+                pool = self.pools[job] = JobPool()
             if state.incarnation != clean_label(a.incarnation):
                 self._new_incarnation(state, pool)
             state.local_rank, state.world_size = a.local_rank, a.world_size
@@ -319,6 +374,12 @@ class Store:
             state.incarnation = clean_label(a.incarnation)
             state.started_unix_s = a.started_unix_s
             state.last_report_unix_s = now
+            self._by_report.touch(key, now)
+            live = self._live.get(job)
+            if live is None:
+                live = self._live[job] = ByLastReport()
+            live.touch(a.rank, now)
+            pool.join(a.rank)
             state.dropped_current = max(state.dropped_current, batch.dropped_total)
             if batch.pacing is not None:
                 state.pacing = batch.pacing
@@ -383,27 +444,37 @@ class Store:
             pool.add_step(state.rank, step, d, values)
 
     def _pool(self, job: str, pool: JobPool, now: float) -> None:
-        """Pool the steps every live rank of the job has delivered into the ranks' recent steps."""
+        """Pool the steps every live rank of the job has delivered into the ranks' recent steps.
+
+        Live: reported within stale_after_s. Those that went silent since stop being waited for
+        until they report again (even should the wall clock step back meanwhile).
+        """
         ranks = self.job_ranks.get(job, {})
-        stale = self.settings.stale_after_s
-        live = [r for r, s in ranks.items() if now - s.last_report_unix_s <= stale]
-        for done in pool.complete(live):
+        live = self._live.get(job)
+        if live is not None:
+            for rank in live.pop_silent(now, self.settings.stale_after_s):
+                pool.leave(rank)
+        for done in pool.completed():
             state = ranks.get(done.rank)
             if state is not None:
                 state.recent.append(RecentStep(done.step, done.step_s, done.phases, done.wait_s))
 
     def _expire(self, now: float) -> None:
-        limit = self.settings.expire_after_s
-        for key in [k for k, s in self.ranks.items() if now - s.last_report_unix_s > limit]:
+        for key in self._by_report.pop_silent(now, self.settings.expire_after_s):
             state = self.ranks.pop(key)
             job_ranks = self.job_ranks.get(state.job, {})
             job_ranks.pop(state.rank, None)
+            live = self._live.get(state.job)
+            if live is not None:
+                live.discard(state.rank)
             pool = self.pools.get(state.job)
             if pool is not None:
+                pool.leave(state.rank)
                 pool.forget(state.rank)
             if not job_ranks:
                 self.job_ranks.pop(state.job, None)
                 self.pools.pop(state.job, None)
+                self._live.pop(state.job, None)
 
     # -- read side (callers hold no lock; this takes it) ------------------------------------------
     def view(self, recent: int | None = None) -> StoreView:
