@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from syncscope.agent.collectives import CollectivePatch, GroupLabels, bucket_timing_hook
 from syncscope.agent.config import AgentConfig, process_identity
+from syncscope.agent.link import LinkSampler, with_link
 from syncscope.agent.local_arrival import LocalArrival
 from syncscope.agent.nccl_trace import nccl_group_exists
 from syncscope.agent.phases import PhaseClock
@@ -118,6 +119,7 @@ class Agent:
         self.pacer: PacingController | None = None
         if config.pacing and self.arrival is not None:
             self.pacer = self._enable_pacing(self.arrival)
+        self.link = LinkSampler()
         self.reporter = Reporter(
             identity=self.identity,
             url=config.exporter,
@@ -128,7 +130,7 @@ class Agent:
             send_timeout_s=config.send_timeout_s,
             dropped_elsewhere=self._dropped_on_training_thread,
             pacing_state=self.pacer.state if self.pacer is not None else None,
-            topology=self.topology,
+            topology=with_link(self.topology, self.link),
             on_drained=self.arrival.drained if self.arrival is not None else None,
             on_reply=self.arrival.merge_reply if self.arrival is not None else None,
         )

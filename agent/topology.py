@@ -62,6 +62,13 @@ KEYS = (
     "temperature_celsius",
     "power_watts",
     "topology_source",
+    # the network link of the rank's collectives (agent/link.py), GPU or not
+    "link_interface",
+    "link_speed_bytes_per_second",
+    "link_shaped_bytes_per_second",
+    "link_capacity_bytes_per_second",
+    "link_tx_bytes",
+    "link_rx_bytes",
 )
 # NVML clocks-event reason "GPU idle": the PCIe link may have trained down to save power, so a
 # current link generation/width read now says nothing about the link under load.

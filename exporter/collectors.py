@@ -138,6 +138,35 @@ def collect_diagnosis(view: StoreView) -> Iterable[Metric]:
     return [diag, cause, skew, pooled, transfer, sampled_step, sampled]
 
 
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def collect_links(view: StoreView) -> Iterable[Metric]:
+    """Each node's link, as its ranks report it (agent/link.py): the node is the ranks'
+    hostname, so a job's nodes are told apart even where one exporter serves several."""
+    capacity = gauge(M.NODE_LINK_CAPACITY_BYTES_PER_SECOND)
+    moved = counter(M.NODE_LINK_BYTES_TOTAL)
+    links: dict[tuple[str, str, str], dict[str, float]] = {}
+    for job, r in view.ranks():
+        topology = r.topology or {}
+        interface = topology.get("link_interface")
+        if not isinstance(interface, str) or not interface:
+            continue
+        seen = links.setdefault((job, r.hostname, interface), {})
+        for key in ("link_capacity_bytes_per_second", "link_tx_bytes", "link_rx_bytes"):
+            value = _number(topology.get(key))
+            if value is not None:  # the ranks of a node read one interface: take the newest
+                seen[key] = max(value, seen.get(key, 0.0))
+    for (job, node, interface), seen in sorted(links.items()):
+        if "link_capacity_bytes_per_second" in seen:
+            capacity.add_metric([job, node, interface], seen["link_capacity_bytes_per_second"])
+        for direction in ("tx", "rx"):
+            if f"link_{direction}_bytes" in seen:
+                moved.add_metric([job, node, interface, direction], seen[f"link_{direction}_bytes"])
+    return [capacity, moved]
+
+
 def collect_exporter(view: StoreView) -> Iterable[Metric]:
     start = gauge(M.EXPORTER_START_TIME_SECONDS)
     start.add_metric([], view.started_unix_s)
@@ -159,6 +188,7 @@ COLLECTORS: dict[str, Callable[[StoreView], Iterable[Metric]]] = {
     "collectives": collect_collectives,
     "pacing": collect_pacing,
     "diagnosis": collect_diagnosis,
+    "links": collect_links,
     "exporter": collect_exporter,
     "gpu": collect_gpu,
 }

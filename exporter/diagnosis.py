@@ -11,8 +11,13 @@ The rules (docs/diagnosis.md gives the reasoning and the recorded scenarios they
                       rotate the last arrival and so are runtime jitter, not a straggler.
   sync_amplification  the share of each step that ranks sit idle at the sync waiting for a
                       later peer; 50 % scores 1 (verdict from 25 %).
-  fabric_contention   the exposed transfer — the exposed communication of the rank that arrived
-                      last, who waited for nobody — as a share of each step; 50 % scores 1.
+  fabric_contention   the transfer per step (the exposed communication of the rank that arrived
+                      last, who waited for nobody) against its own uncontended baseline (its
+                      10th percentile): the verdict at SyncscopeFabricContention's line (1.5×).
+                      A large share of the step is not contention, nor is a link slow from
+                      the start (no faster baseline); neither is waiting for a late rank.
+  slow_link           (job-wide view only) the node whose link is known to carry less than
+                      SyncscopeSlowLink's line (50 %) of the job's median node's link.
   runtime_jitter      the share of step time lost to irregular spikes in the ranks' own work
                       (step minus exposed communication and pacing, above that rank's median),
                       median over ranks; 30 % scores 1.
@@ -44,7 +49,14 @@ from syncscope.wire import Phase
 
 CAUSE_PHASES = (Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 COMPUTE_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
-MODES = ("straggler", "sync_amplification", "fabric_contention", "runtime_jitter", "locality")
+MODES = (
+    "straggler",
+    "sync_amplification",
+    "fabric_contention",
+    "slow_link",
+    "runtime_jitter",
+    "locality",
+)
 CAUSES = (*(p.label for p in CAUSE_PHASES), "gpu_throttle", "locality", "unknown")
 
 # The NVML clock-event ("throttle") reasons that mean the GPU is being slowed down.
@@ -93,9 +105,11 @@ class Thresholds:
     cause_share: float  # one signal must explain this share of the straggler's lateness
     idle_share_full: float  # sync_amplification scores 1 at this idle share of a step
     transfer_share_full: float  # fabric_contention scores 1 at this transfer share
-    # job-wide fabric_contention scores 1 where the job's transfer per step exceeds its own
-    # baseline by this fraction of it (0.5 of it is the verdict at the default verdict_score)
-    transfer_inflation_full: float
+    # The fabric verdicts share their lines with the Prometheus alerts (one definition): the
+    # transfer per step over its own baseline at which contention is the verdict, and a
+    # node's link capacity over the job's median below which it is the slow link.
+    contention_inflation: float
+    slow_link_ratio: float
     spike_share_full: float  # runtime_jitter scores 1 at this share lost to spikes
     clock_ratio: float  # a throttling GPU's SM clock is below this × its peers' median
     min_aligned_steps: int  # fewer steps reported by every rank: per-step rules abstain
@@ -103,7 +117,12 @@ class Thresholds:
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Thresholds:
-        section = cfg["diagnosis"]
+        section = dict(cfg["diagnosis"])
+        alerts = cfg["alerts"]
+        section["contention_inflation"] = alerts["SyncscopeFabricContention"]["levels"][0][
+            "threshold"
+        ]
+        section["slow_link_ratio"] = alerts["SyncscopeSlowLink"]["levels"][0]["threshold"]
         names = [f.name for f in fields(cls) if f.name != "window"]
         return cls(**{name: section[name] for name in names})
 
@@ -374,6 +393,26 @@ def _diagnose(ranks: Sequence[RankView], settings: Settings, t: Thresholds) -> D
     return Diagnosis(verdicts, straggler, skew, len(aligned))
 
 
+def _below_score(ratio: float, line: float, t: Thresholds) -> float:
+    """0 at a ratio of 1, the verdict score at `line`, linear in the shortfall, at most 1."""
+    return min(1.0, t.verdict_score * max(0.0, 1.0 - ratio) / max(1.0 - line, 1e-9))
+
+
+def contention_verdict(
+    inflation: float, transfer_s: float, t: Thresholds, source: str
+) -> ModeVerdict:
+    """fabric_contention: the transfer per step against its own uncontended baseline (the same
+    line as SyncscopeFabricContention): the verdict score where it reaches the line."""
+    excess = max(0.0, inflation - 1.0) / max(t.contention_inflation - 1.0, 1e-9)
+    score = min(1.0, excess * t.verdict_score)
+    return ModeVerdict(
+        round(score, 4),
+        score >= t.verdict_score,
+        f"the transfer per step (after the last rank arrives) is {transfer_s * 1e3:.1f} ms, "
+        f"{inflation:.2f}× its own baseline (line {t.contention_inflation:g}×; {source})",
+    )
+
+
 def _job_wide(
     local: Diagnosis,
     ranks: Sequence[RankView],
@@ -437,17 +476,18 @@ def _job_wide(
             f"waiting for a later peer{blame} (job-wide, from Prometheus)",
         )
     if job_wide.transfer_inflation is not None and job_wide.transfer_s is not None:
-        # Contention is transfer inflated against the job's own baseline; a share of the step
-        # is not (a small model on a fast fabric has a large one and nothing contended).
-        excess = job_wide.transfer_inflation - 1.0
-        modes["fabric_contention"] = verdict(
-            min(1.0, max(0.0, excess) / t.transfer_inflation_full),
-            f"the job's transfer per step (after its last rank arrives) is "
-            f"{job_wide.transfer_s * 1e3:.1f} ms, {job_wide.transfer_inflation:.2f}× its own "
-            "baseline (job-wide, from Prometheus)",
+        modes["fabric_contention"] = contention_verdict(
+            job_wide.transfer_inflation, job_wide.transfer_s, t, "job-wide, from Prometheus"
         )
     else:
         modes["fabric_contention"] = verdict(
             0.0, "no job-wide transfer baseline from Prometheus yet"
+        )
+    if job_wide.link_ratios:
+        node, ratio = min(job_wide.link_ratios.items(), key=lambda kv: kv[1])
+        modes["slow_link"] = verdict(
+            _below_score(ratio, t.slow_link_ratio, t),
+            f"node {node}'s link is known to carry {ratio:.0%} of what the job's median node's "
+            f"does (line {t.slow_link_ratio:.0%}; job-wide, from Prometheus)",
         )
     return dataclasses.replace(local, modes=modes, straggler=straggler, skew_s=skew)

@@ -37,6 +37,7 @@ class JobWide:
     amplification: float | None = None  # idle share of rank-time at collectives
     read_unix_s: float = 0.0
     transfer_inflation: float | None = None  # transfer per step ÷ its own baseline
+    link_ratios: Mapping[str, float] = field(default_factory=dict)  # node -> capacity ÷ median
 
 
 def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, JobWide]:
@@ -45,11 +46,20 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
     transfer: dict[str, float] = {}
     amplification: dict[str, float] = {}
     inflation: dict[str, float] = {}
+    links: dict[str, dict[str, float]] = {}
     for sample in replies.get(rules.LEAD_AVG, []):
         job, rank = sample["metric"].get("job"), sample["metric"].get("rank")
         value = _number(sample)
         if job and rank is not None and rank.isdigit() and value is not None:
             leads.setdefault(job, {})[int(rank)] = value
+    for sample in replies.get(rules.LINK_CAPACITY_RATIO, []):
+        job, node, value = (
+            sample["metric"].get("job"),
+            sample["metric"].get("node"),
+            _number(sample),
+        )
+        if job and node and value is not None:
+            links.setdefault(job, {})[node] = value
     for name, into in (
         (rules.TRANSFER_PER_STEP, transfer),
         (rules.SYNC_AMPLIFICATION, amplification),
@@ -66,6 +76,7 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
             amplification.get(job),
             now,
             inflation.get(job),
+            links.get(job, {}),
         )
         for job in set(leads) | set(transfer) | set(amplification)
     }
@@ -87,6 +98,7 @@ class PrometheusReader:
         rules.TRANSFER_PER_STEP,
         rules.SYNC_AMPLIFICATION,
         rules.TRANSFER_INFLATION,
+        rules.LINK_CAPACITY_RATIO,
     )
 
     def __init__(self, url: str, interval_s: float = 15.0, timeout_s: float = 2.0) -> None:

@@ -41,6 +41,7 @@ MODE_NAMES = {
     "straggler": "Straggler",
     "sync_amplification": "Synchronization amplification",
     "fabric_contention": "Fabric contention",
+    "slow_link": "Slow link",
     "runtime_jitter": "Runtime jitter",
     "locality": "GPU locality",
 }
@@ -48,6 +49,7 @@ MODE_MISSING = {
     "straggler": "needs arrival leads from at least two ranks",
     "sync_amplification": "needs steps reported by every rank",
     "fabric_contention": "needs DDP's exposed communication from every rank",
+    "slow_link": "needs the job-wide view (--prometheus-url) and the ranks' link facts",
     "runtime_jitter": "needs a few steps",
     "locality": "no GPU topology reported (CPU ranks, or NVML unavailable)",
 }

@@ -19,6 +19,7 @@ CONDITIONS = (
     "pacing",
     "straggler",
     "sampled",
+    "link",
     "rejections",
     "process",
     "prometheus",
@@ -279,6 +280,24 @@ NODE_SAMPLED_TRANSFER_SECONDS = MetricSpec(
     "sampled",
     "seconds",
 )
+# The network link of each node's ranks (agent/link.py), for the slow-link rules.
+NODE_LINK_CAPACITY_BYTES_PER_SECOND = MetricSpec(
+    "syncscope_node_link_capacity_bytes_per_second",
+    "gauge",
+    "What the link the node's ranks communicate over is known to carry, each way: the least "
+    "of its negotiated speed and a token-bucket shaping of it.",
+    ("job", "node", "interface"),
+    "link",
+    "bytes",
+)
+NODE_LINK_BYTES_TOTAL = MetricSpec(
+    "syncscope_node_link_bytes_total",
+    "counter",
+    "Bytes through that link, as its ranks last read the interface's counters.",
+    ("job", "node", "interface", "direction"),
+    "link",
+    "bytes",
+)
 # -- exporter self-metrics
 EXPORTER_COLLECTOR_DURATION_SECONDS = MetricSpec(
     "syncscope_exporter_collector_duration_seconds",
@@ -414,6 +433,8 @@ SECTIONS = (
             NODE_TRANSFER_SECONDS_TOTAL,
             NODE_SAMPLED_STEP,
             NODE_SAMPLED_TRANSFER_SECONDS,
+            NODE_LINK_CAPACITY_BYTES_PER_SECOND,
+            NODE_LINK_BYTES_TOTAL,
         ),
     ),
     Section(
@@ -457,6 +478,7 @@ CONTRACT_HEADER = """\
 #   CONDITION  always | gpu (only where the rank has a GPU) | pacing (only where the agent
 #              runs the pacing controller) | straggler (only while the exporter names one)
 #              | sampled (once the job has pooled a step its rings sample: exporter/pooling.py)
+#              | link (where the ranks report the interface they communicate over)
 #              | rejections (no series before the exporter's first rejected record)
 #              | process (prometheus_client's process collector; Linux only)
 #              | prometheus (synthesised by Prometheus)

@@ -30,8 +30,9 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -44,6 +45,34 @@ SUBNET = "10.213.0"
 _STALE = re.compile(rf"^{NAME_PREFIX}(\d+)-\d+-(?:node\d+|switch)$")
 # tbf's queue bound: packets that would wait longer than this are dropped, as on a real port.
 TBF_LATENCY = "50ms"
+FLOW_PORT = 5201  # a competing flow's receiver, on a node's address inside its namespace
+# A bulk TCP flow (competing_flow): the receiver drains, the sender writes as fast as it may.
+_RECEIVER = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen(1)
+c, _ = s.accept()
+while c.recv(1 << 20):
+    pass
+"""
+_SENDER = """
+import socket, sys, time
+deadline = time.monotonic() + 10
+while True:
+    try:
+        c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1)
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+c.settimeout(None)
+block = bytes(1 << 20)
+while True:
+    c.sendall(block)
+"""
 
 
 class NodesUnavailable(RuntimeError):
@@ -180,6 +209,7 @@ class EmulatedNodes:
         self.records_dir: str | None = None
         self._made: list[str] = []  # namespaces created, deleted in reverse order
         self.ranks: list[subprocess.Popen] = []  # every rank launched, all stopped on exit
+        self._flows: list[subprocess.Popen] = []  # competing flows' ends, stopped on exit
         self._launches = 0
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -238,7 +268,7 @@ class EmulatedNodes:
 
     def close(self) -> None:
         """Stop ranks and exporters, delete the namespaces (and with them the veths)."""
-        for proc in self.ranks:
+        for proc in [*self.ranks, *self._flows]:
             _stop(proc, grace=2.0)
         for node in self.nodes:
             if node.exporter is not None:
@@ -348,6 +378,28 @@ class EmulatedNodes:
                 "tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", "tbf",
                 "rate", f"{mbit}mbit", "burst", str(burst), "latency", TBF_LATENCY,
             )  # fmt: skip
+
+    @contextlib.contextmanager
+    def competing_flow(self, src: int, dst: int) -> Iterator[None]:
+        """A bulk TCP flow from node ``src`` to node ``dst`` while the context lasts: it
+        queues on src's link out and dst's link in (both ends through the one bridge), as
+        another job's traffic on shared links would."""
+        to = self.nodes[dst]
+        ends = []
+        for node, code in ((to, _RECEIVER), (self.nodes[src], _SENDER)):
+            cmd = ["ip", "netns", "exec", node.netns, sys.executable, "-c", code]
+            proc = subprocess.Popen(
+                [*cmd, to.address, str(FLOW_PORT)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            self._flows.append(proc)
+            ends.append(proc)
+        try:
+            yield
+        finally:
+            for proc in reversed(ends):
+                _stop(proc, grace=1.0)
 
     # -- reading it -------------------------------------------------------------------------
 

@@ -17,7 +17,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from syncscope.monitoring.rules import LEAD_AVG, STRAGGLER_LAG, SYNC_AMPLIFICATION
+from syncscope.monitoring.rules import (
+    LEAD_AVG,
+    STRAGGLER_LAG,
+    SYNC_AMPLIFICATION,
+    TRANSFER_PER_STEP,
+)
 from syncscope.wire import Phase
 
 EXPOSED = Phase.COMM_EXPOSED.label
@@ -32,6 +37,7 @@ class Truth:
     mean_exposed_s: dict[int, float]  # mean d(r, k)
     mean_step_s: dict[int, float]
     amplification: float  # Σ W / Σ step time, over ranks and steps
+    mean_transfer_s: float  # T: mean over steps of the smallest d(·, k)
     straggler: int | None  # the rank with the smallest mean d (None with fewer than 2 ranks)
     # With a window: the steps that ended in the last `window_s` before the job's end, and the
     # time to read Prometheus's rules at so that their windows cover the same steps.
@@ -85,12 +91,14 @@ def pooled_truth(
         common = [k for k in common if end(k) > at - window_s]
     if not common:
         raise ValueError("no step was recorded by every rank")
+    transfer = 0.0
     wait = {r: 0.0 for r in ranks}
     exposed = {r: 0.0 for r in ranks}
     step_time = {r: 0.0 for r in ranks}
     for k in common:
         d = {r: float(records[r][k]["phases"][EXPOSED]) for r in ranks}
         floor = min(d.values())
+        transfer += floor
         for r in ranks:
             wait[r] += d[r] - floor
             exposed[r] += d[r]
@@ -104,6 +112,7 @@ def pooled_truth(
         mean_exposed_s=mean_exposed,
         mean_step_s={r: step_time[r] / n for r in ranks},
         amplification=sum(wait.values()) / total_step if total_step > 0 else 0.0,
+        mean_transfer_s=transfer / n,
         straggler=min(ranks, key=mean_exposed.__getitem__) if len(ranks) > 1 else None,
         at_unix_s=at,
     )
@@ -168,6 +177,7 @@ def compare(
             else ""
         ),
         "amplification": {"truth": truth.amplification, "rule": None},
+        "transfer": {"truth": truth.mean_transfer_s, "rule": None},
         "straggler": {"truth": truth.straggler, "rule": None},
     }
     if prom is not None:
@@ -181,6 +191,7 @@ def compare(
                 row["value"][1]
             )
         out["amplification"]["rule"] = _value(query(SYNC_AMPLIFICATION + sel))
+        out["transfer"]["rule"] = _value(query(TRANSFER_PER_STEP + sel))
         named = query(STRAGGLER_LAG + sel)
         out["straggler"]["rule"] = int(named[0]["metric"]["rank"]) if named else None
     return out
@@ -209,6 +220,12 @@ def format_comparison(c: Mapping[str, Any]) -> str:
     amp = c["amplification"]
     rule_amp = f"{amp['rule']:.3f}" if amp["rule"] is not None else "-"
     lines.append(f"amplification: rule {rule_amp}, truth {amp['truth']:.3f} (Σ W / Σ step time)")
+    transfer = c.get("transfer") or {}
+    if transfer:
+        lines.append(
+            f"transfer per step (ms): rule {_ms(transfer['rule']).strip()}, "
+            f"truth {_ms(transfer['truth']).strip()}"
+        )
     lines.append(
         f"straggler: rule {c['straggler']['rule']}, truth {c['straggler']['truth']}, "
         + ", ".join(f"exporter of node {n['node']} {n['straggler']}" for n in c["nodes"])

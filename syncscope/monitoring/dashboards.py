@@ -601,6 +601,84 @@ def fabric_locality(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int,
     step_sum = coll(R.STEP_SECONDS_SUM)
     return [
         (
+            "Fabric: slow link and contention",
+            [
+                (
+                    8,
+                    8,
+                    ts(
+                        "Link capacity by node",
+                        "What each node's link is known to carry each way (negotiated speed, "
+                        "or a shaping of it), as its ranks read it at start. In a synchronous "
+                        "collective the job moves at the pace of the lowest.",
+                        [q(rec(R.LINK_CAPACITY), "{{node}}")],
+                        "Bps",
+                    ),
+                ),
+                (
+                    8,
+                    8,
+                    ts(
+                        "Slow link: capacity against the job's median node",
+                        "Each node's link capacity over the median node's. Dashed line: the "
+                        "SyncscopeSlowLink threshold; a node under it is the slow link.",
+                        [q(rec(R.LINK_CAPACITY_RATIO), "{{node}}")],
+                        "percentunit",
+                        thresholds=steps((0.0, "red"), (0.5, "green"), base="red"),
+                    ),
+                ),
+                (
+                    8,
+                    8,
+                    ts(
+                        "Link utilisation while the job transfers",
+                        "Each node's link throughput over the time the job spends in its "
+                        "transfer, as a share of the link's capacity: the slow link sits near "
+                        "100 % while the others idle.",
+                        [q(rec(R.LINK_UTILIZATION), "{{node}}")],
+                        "percentunit",
+                    ),
+                ),
+                (
+                    8,
+                    8,
+                    ts(
+                        "DDP bus bandwidth",
+                        "Gradient bytes per step over the job's transfer per step (the exposed "
+                        "sync after the last rank arrives), with nccl-tests' all-reduce factor "
+                        "2(n−1)/n.",
+                        [q(rec(R.DDP_BUS_BANDWIDTH), "{{job}}")],
+                        "Bps",
+                    ),
+                ),
+                (
+                    8,
+                    8,
+                    ts(
+                        "Transfer per step",
+                        "The job's transfer per step (after its last rank arrives), from the "
+                        "steps every node samples alike.",
+                        [q(rec(R.TRANSFER_PER_STEP), "{{job}}")],
+                        "s",
+                    ),
+                ),
+                (
+                    8,
+                    8,
+                    ts(
+                        "Transfer inflation (contention window)",
+                        "The recent transfer per step over its own 10th percentile in the "
+                        "baseline window: contention while it is above the dashed "
+                        "SyncscopeFabricContention threshold. A link slow from the start stays "
+                        "near 1 here and shows as the slow link instead.",
+                        [q(rec(R.TRANSFER_INFLATION), "{{job}}")],
+                        "none",
+                        thresholds=alert_steps(cfg, "SyncscopeFabricContention"),
+                    ),
+                ),
+            ],
+        ),
+        (
             "Collectives",
             [
                 (
@@ -648,8 +726,10 @@ def fabric_locality(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[int, int,
                     8,
                     ts(
                         "Contention index",
-                        "Transfer time per call over its best in the baseline window, "
-                        "only while arrival skew is low. Dashed line: the SyncscopeFabricContention threshold.",
+                        "Transfer per call (per step for DDP's gradient sync) over its own "
+                        "10th percentile in the baseline window; calls other than DDP's only "
+                        "while arrival skew is low. Dashed line: the SyncscopeFabricContention "
+                        "threshold.",
                         [q(rec(R.CONTENTION), "{{op}} {{group}}")],
                         "none",
                         thresholds=alert_steps(cfg, "SyncscopeFabricContention"),
@@ -901,10 +981,9 @@ def rule_dependencies(cfg: dict[str, Any]) -> dict[str, set[str]]:
 
 
 # Recorded series that exclude DDP's gradient sync: empty for a job whose only collective is
-# DDP's own, and the contention index also only exists while arrival skew is low.
-NEEDS_COLLECTIVES = {R.BUS_BANDWIDTH, R.TRANSFER_PER_CALL, R.CONTENTION}
-NEEDS_LOW_SKEW = {R.CONTENTION}
-NEEDS = ("gpu", "pacing", "straggler", "rejections", "alerts", "collectives", "low_skew")
+# DDP's own (the contention index has DDP's part too).
+NEEDS_COLLECTIVES = {R.BUS_BANDWIDTH, R.TRANSFER_PER_CALL}
+NEEDS = ("gpu", "pacing", "straggler", "rejections", "alerts", "collectives", "link")
 
 
 def needs(expr: str, cfg: dict[str, Any]) -> list[str]:
@@ -913,8 +992,7 @@ def needs(expr: str, cfg: dict[str, Any]) -> list[str]:
     gpu / pacing / straggler / rejections: contract series that exist only with a GPU, with
     the pacing controller on, while the exporter names a straggler, or once it has rejected a
     record; alerts: ALERTS, only while an alert is pending or firing; collectives: collectives
-    other than DDP's gradient sync; low_skew: the contention index, only while arrival skew is
-    below its gate.
+    other than DDP's gradient sync; link: the ranks' link facts (agent/link.py).
     """
     conditions = R.series_conditions()
     deps = rule_dependencies(cfg)
@@ -925,8 +1003,6 @@ def needs(expr: str, cfg: dict[str, Any]) -> list[str]:
         found.add("alerts")
     if names & NEEDS_COLLECTIVES:
         found.add("collectives")
-    if names & NEEDS_LOW_SKEW:
-        found.add("low_skew")
     return [flag for flag in NEEDS if flag in found]
 
 
@@ -1004,8 +1080,8 @@ def evaluable_queries(
     ``expected_data`` is true when every flag in ``needs`` is in ``have``: gpu, pacing,
     straggler, rejections (series that exist only with a GPU, the pacing controller, a
     diagnosed straggler, or after a rejected record), alerts (ALERTS: only while an alert is
-    pending or firing), collectives (collectives other than DDP's gradient sync), low_skew (the
-    contention index exists only while arrival skew is below its gate).
+    pending or firing), collectives (collectives other than DDP's gradient sync), link (the
+    ranks' link facts, agent/link.py).
     """
     cfg = load_config() if cfg is None else cfg
     values = {"job": job, "rank": rank, "__rate_interval": rate_interval}

@@ -46,6 +46,10 @@ SYNC_AMPLIFICATION = "job:syncscope_sync_amplification:ratio"
 TRANSFER_SAMPLED = "job_stride_slot:syncscope_sampled_transfer_seconds:min"
 TRANSFER_PER_STEP = "job:syncscope_collective_transfer_seconds_per_step:min"
 TRANSFER_INFLATION = "job:syncscope_collective_transfer_seconds_per_step:ratio_to_baseline"
+DDP_BUS_BANDWIDTH = "job:syncscope_ddp_bus_bandwidth_bytes_per_second:ratio"
+LINK_CAPACITY = "job_node:syncscope_link_capacity_bytes_per_second:max"
+LINK_CAPACITY_RATIO = "job_node:syncscope_link_capacity:ratio_to_median"
+LINK_UTILIZATION = "job_node:syncscope_link_utilization_while_transferring:ratio"
 SYNC_PER_STEP = "job_rank:syncscope_collective_seconds_per_step:ratio"
 # Job-wide: each rank's collective time per step beyond the rank that waits least.
 LEAD_AVG = "job_rank:syncscope_arrival_lead_seconds:avg"
@@ -194,12 +198,27 @@ or
   )
 """,
         ),
-        # The transfer per step against its own baseline (its 10th percentile over the
-        # contention-baseline window): what contention inflates, unlike its share of a step.
+        # Contention (paper §3.3: queueing on shared links) is the transfer inflated against
+        # its own uncontended baseline: the agreed samples of the rate window over the 10th
+        # percentile of the transfer per step over the contention-baseline window. A share of
+        # the step is not contention (a small model on a fast fabric has a large one), nor is
+        # a link slow from the start (no uncontended baseline to beat: see the slow link).
         _record(
             TRANSFER_INFLATION,
             f"""
-  {TRANSFER_PER_STEP}
+  (
+      (
+          sum by (job) (
+              avg_over_time({TRANSFER_SAMPLED}[{w["rate"]}])
+            *
+              (changes({TRANSFER_SAMPLED}[{w["rate"]}]) + 1)
+          )
+        /
+          sum by (job) (changes({TRANSFER_SAMPLED}[{w["rate"]}]) + 1)
+      )
+    or
+      {TRANSFER_PER_STEP}
+  )
 /
   (quantile_over_time(0.1, {TRANSFER_PER_STEP}[{w["contention_baseline"]}]) > 0)
 """,
@@ -290,16 +309,69 @@ clamp_min(
   (sum by (job, op, group) ({_rate(cfg, M.COLLECTIVE_CALLS_TOTAL.name, no_ddp)}) > 0)
 """,
         ),
-        # Transfer per call against its own best in the baseline window, only while arrival
-        # skew is low: with a straggler, the wait estimate absorbs too much to judge the fabric.
+        # Transfer per call against its own 10th percentile over the baseline window, only
+        # while arrival skew is low (the wait estimate absorbs too much with a straggler), and
+        # the DDP path's transfer per step (which excludes waiting by construction).
         _record(
             CONTENTION,
             f"""
-  {TRANSFER_PER_CALL}
+  (
+      {TRANSFER_PER_CALL}
+    /
+      (quantile_over_time(0.1, {TRANSFER_PER_CALL}[{w["contention_baseline"]}]) > 0)
+    and on (job)
+      ({SKEW_RATIO} < {cfg["contention_max_skew_ratio"]})
+  )
+or
+  label_replace(
+    label_replace({TRANSFER_INFLATION}, "op", "{NOT_A_TRANSFER}", "", ""),
+    "group", "ddp", "", ""
+  )
+""",
+        ),
+        # DDP's bus bandwidth (nccl-tests' all-reduce factor): gradient bytes per step over
+        # the job's transfer per step, the exposed sync after the last rank arrives. Where
+        # DDP overlaps part of the transfer with backward this reads high: a lower bound on
+        # the transfer time, an upper bound on the bandwidth.
+        _record(
+            DDP_BUS_BANDWIDTH,
+            f"""
+  (
+      sum by (job) ({_rate(cfg, M.COLLECTIVE_BYTES_TOTAL.name, f'op="{NOT_A_TRANSFER}"')})
+    /
+      (sum by (job) ({_rate(cfg, M.STEPS_TOTAL.name)}) > 0)
+  )
+* on (job)
+  (2 * ({WORLD_SIZE} - 1) / {WORLD_SIZE})
+/ on (job)
+  ({TRANSFER_PER_STEP} > 0)
+""",
+        ),
+        # The slow link: what each node's link is known to carry (negotiated speed, shaping)
+        # against the median node of the job, and how busy it is while the job transfers.
+        # In a synchronous ring every node moves the same bytes in the same time, so the
+        # bandwidth achieved is one figure for the job; a link known to carry less than its
+        # peers', and near saturation while the job transfers, is where it is lost.
+        _record(
+            LINK_CAPACITY,
+            f"max by (job, node) ({_sel(cfg, M.NODE_LINK_CAPACITY_BYTES_PER_SECOND.name)})",
+        ),
+        _record(
+            LINK_CAPACITY_RATIO,
+            f"""
+  {LINK_CAPACITY}
+/ on (job) group_left ()
+  (quantile by (job) (0.5, {LINK_CAPACITY}) > 0)
+""",
+        ),
+        _record(
+            LINK_UTILIZATION,
+            f"""
+  max by (job, node) ({_rate(cfg, M.NODE_LINK_BYTES_TOTAL.name)})
+/ on (job) group_left ()
+  ({STEPS_RATE} * {TRANSFER_PER_STEP} > 0)
 /
-  min_over_time({TRANSFER_PER_CALL}[{w["contention_baseline"]}])
-and on (job)
-  ({SKEW_RATIO} < {cfg["contention_max_skew_ratio"]})
+  ({LINK_CAPACITY} > 0)
 """,
         ),
         _record(PACING_ACTIVE, f"sum by (job) ({_sel(cfg, M.PACING_ACTIVE.name)})"),
@@ -415,13 +487,26 @@ def _alert_texts(cfg: Mapping[str, Any], name: str, level: Mapping[str, Any]) ->
             "expr": f"{CONTENTION} > {thr}",
             "summary": (
                 "{{ $labels.op }} on group {{ $labels.group }} of job {{ $labels.job }} "
-                "is slower than its own best."
+                "transfers slower than its own baseline."
             ),
             "description": (
-                "Each {{ $labels.op }} call on group {{ $labels.group }} of job {{ $labels.job }} "
-                'takes {{ printf "%.2f" $value }} times its best transfer time of the last '
-                f"{w['contention_baseline']} (threshold {thr}) while arrival skew is low: the "
-                "time goes to the fabric, not to waiting for peers."
+                "The transfer of {{ $labels.op }} on group {{ $labels.group }} of job "
+                "{{ $labels.job }} (after the last rank arrives) takes "
+                '{{ printf "%.2f" $value }} times its 10th percentile of the last '
+                f"{w['contention_baseline']} (threshold {thr}): the time goes to the fabric "
+                "(queueing on shared links), not to waiting for peers."
+            ),
+        }
+    if name == "SyncscopeSlowLink":
+        return {
+            "expr": f"{LINK_CAPACITY_RATIO} < {thr}",
+            "summary": "The link of node {{ $labels.node }} is slow for job {{ $labels.job }}.",
+            "description": (
+                "Node {{ $labels.node }} of job {{ $labels.job }} has a link known to carry "
+                "{{ $value | humanizePercentage }} of what the job's median node's does "
+                f"(threshold {_pct(thr)}; negotiated speed or shaping, "
+                f"{M.NODE_LINK_CAPACITY_BYTES_PER_SECOND.name}). Every collective of the job "
+                "moves at the pace of its slowest link."
             ),
         }
     if name == "SyncscopeLocalityFault":

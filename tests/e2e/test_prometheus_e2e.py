@@ -92,7 +92,8 @@ def test_rules_alerts_and_every_dashboard_query_against_real_prometheus(
         for q in evaluable_queries(job="steady", rate_interval="10s", have=have):
             if q["expected_data"] and not prom.query(q["promql"]):
                 empty.append(f"{q['dashboard']} / {q['panel']}: {q['promql']}")
-        # gpu, low_skew (contention needs skew below its gate) and rejections are not produced here
+        # gpu and rejections are not produced here; link depends on this machine's default
+        # interface (the multi-node harness, which shapes its links, checks those queries)
         assert not empty, "dashboard queries with no data:\n" + "\n".join(empty)
         assert not firing(prom, "SyncscopeStepTimeCVHigh", "steady"), (
             "CV alert fired on a steady job"

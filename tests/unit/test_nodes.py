@@ -57,6 +57,7 @@ def test_a_steady_straggler_is_named_and_waits_are_relative_to_it():
     }
     truth = pooled_truth(records)
     assert truth.straggler == 3
+    assert truth.mean_transfer_s == pytest.approx(0.001)  # the straggler's d: it waits for nobody
     assert truth.mean_wait_s[3] == pytest.approx(0.0)
     assert truth.mean_wait_s[0] == pytest.approx(0.030)
 
@@ -92,6 +93,8 @@ class FakeProm:
             return [{"metric": {"rank": str(r)}, "value": [0, str(0.01 * r)]} for r in range(2)]
         if promql.startswith("job:syncscope_sync_amplification:ratio"):
             return [{"metric": {}, "value": [0, "0.5"]}]
+        if promql.startswith("job:syncscope_collective_transfer_seconds_per_step:min"):
+            return [{"metric": {}, "value": [0, "0.004"]}]
         if promql.startswith("job_rank:syncscope_straggler_lag_seconds:argmin_lead"):
             return [{"metric": {"rank": "0"}, "value": [0, "0.01"]}]
         raise AssertionError(promql)
@@ -123,6 +126,7 @@ def test_compare_sets_exporters_and_rules_beside_the_truth():
     assert c["straggler"] == {"truth": 1, "rule": 0}
     assert [n["fabric_contention"] for n in c["nodes"]] == [True, False]
     assert c["amplification"]["rule"] == 0.5
+    assert c["transfer"] == {"truth": pytest.approx(0.0), "rule": 0.004}
     text = format_comparison(c)
     assert "straggler: rule 0, truth 1" in text
     assert format_comparison(compare(None, states, truth, "j"))  # without Prometheus too

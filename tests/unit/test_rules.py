@@ -122,6 +122,7 @@ def test_alerts_have_severity_for_annotations_and_a_runbook_anchor():
         "SyncscopeStraggler",
         "SyncscopeSyncAmplification",
         "SyncscopeFabricContention",
+        "SyncscopeSlowLink",
         "SyncscopeLocalityFault",
         "SyncscopePacingEngagedLong",
         "SyncscopeAgentDroppingRecords",
@@ -146,7 +147,7 @@ def test_recording_rule_names_follow_level_metric_operations():
         assert metric.startswith("syncscope_") and re.fullmatch(r"[a-z0-9_]+", ops), rule["record"]
         # The level names the labels the result keeps.
         for label in level.split("_"):
-            assert label in {"job", "rank", "op", "group", "phase", "fault", "stride", "slot"}, (
+            assert label in {"job", "rank", "op", "group", "phase", "fault", "stride", "slot", "node"}, (
                 rule["record"]
             )
 
