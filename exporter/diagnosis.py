@@ -104,7 +104,6 @@ class Thresholds:
     last_arrival_share: float  # ... and the rank must be last in this share of steps
     cause_share: float  # one signal must explain this share of the straggler's lateness
     idle_share_full: float  # sync_amplification scores 1 at this idle share of a step
-    transfer_share_full: float  # fabric_contention scores 1 at this transfer share
     # The fabric verdicts share their lines with the Prometheus alerts (one definition): the
     # transfer per step over its own baseline at which contention is the verdict, and a
     # node's link capacity over the job's median below which it is the slow link.
@@ -261,23 +260,31 @@ def diagnose_job(
     settings: Settings,
     thresholds: Thresholds = DEFAULT_THRESHOLDS,
     job_wide: JobWide | None = None,
+    node_transfer: tuple[float, float] | None = None,
 ) -> Diagnosis:
     """Scores, verdicts and reasons for one job's ranks on this node.
 
     With `job_wide` (Prometheus's view of every node, exporter.jobwide) the straggler, the
     amplification and the fabric's share are the job's; without it, and with ranks of the job
     on other nodes, the reasons say the view is node-local and fabric contention abstains.
+    `node_transfer`: (the node's transfer per step, it ÷ its own baseline) from the exporter's
+    pooling, the contention verdict where every rank of the job reports here.
     Never raises: the snapshot it is part of also serves /metrics and the page, so on a rule's
     failure it returns no verdicts and the error in `error`.
     """
     try:
-        diagnosis = _diagnose(ranks, settings, thresholds)
+        diagnosis = _diagnose(ranks, settings, thresholds, node_transfer)
         return _job_wide(diagnosis, ranks, settings, thresholds, job_wide)
     except Exception as exc:  # noqa: BLE001 - a diagnosis bug must not take /metrics down
         return Diagnosis({}, None, None, 0, error=f"{type(exc).__name__}: {exc}"[:200])
 
 
-def _diagnose(ranks: Sequence[RankView], settings: Settings, t: Thresholds) -> Diagnosis:
+def _diagnose(
+    ranks: Sequence[RankView],
+    settings: Settings,
+    t: Thresholds,
+    node_transfer: tuple[float, float] | None = None,
+) -> Diagnosis:
     live = [r for r in ranks if not r.stale and r.steps_total > 0]
     if not live:
         return Diagnosis({}, None, None, 0)
@@ -347,14 +354,16 @@ def _diagnose(ranks: Sequence[RankView], settings: Settings, t: Thresholds) -> D
             f"ranks sit idle at the sync {idle:.0%} of each step waiting for a later peer{blame}",
         )
         if signal == "comm_exposed":
-            transfer = statistics.mean(transfers) / mean_step
-            p50 = statistics.median(transfers)
-            p90 = sorted(transfers)[int(0.9 * (len(transfers) - 1))]
-            modes["fabric_contention"] = (
-                min(1.0, transfer / t.transfer_share_full),
-                f"exposed transfer (after the last rank arrives) is {transfer:.0%} of each step "
-                f"(median {p50 * 1e3:.1f} ms, p90 {p90 * 1e3:.1f} ms)",
-            )
+            if node_transfer is not None:
+                v = contention_verdict(node_transfer[1], node_transfer[0], t, "this node's ranks")
+                modes["fabric_contention"] = (v.score, v.reason)
+            else:
+                share = statistics.mean(transfers) / mean_step
+                modes["fabric_contention"] = (
+                    0.0,
+                    f"no baseline yet for the transfer (after the last rank arrives; "
+                    f"{share:.0%} of each step): contention is its inflation against it",
+                )
     else:
         waits = [r.wait_mean_s for r in live if r.wait_mean_s is not None]
         if waits and step > 0:

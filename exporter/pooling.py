@@ -36,6 +36,7 @@ the collector tracked would be promoted and make every full collection walk them
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, KeysView
 from dataclasses import dataclass, field
@@ -129,6 +130,12 @@ class JobPool:
     _transfer_mean: dict[Key, float] = field(default_factory=dict)  # _transfer's keys, in order
     _changed: dict[Key, None] = field(default_factory=dict)  # kinds whose mean is out of date
     samples: dict[tuple[int, int], Sample] = field(default_factory=dict)  # by (stride, slot)
+    # The node's transfer per step over blocks of `transfer_window` pooled steps, for the
+    # node-local contention verdict: (monotonic time the block closed, its mean), the blocks of
+    # the last `baseline_window_s` (the rules' contention-baseline window).
+    baseline_window_s: float = 3600.0
+    history: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=8192))
+    _block: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [sum, steps]
 
     def add_collective(
         self, rank: Rank, key: Key, step: int, duration: float, sink: WaitSink
@@ -284,10 +291,12 @@ class JobPool:
             transfer = sum(minima.values())
             self.pooled_steps_total += 1
             self.transfer_seconds_total += transfer
-            for stride in SAMPLE_STRIDES:
-                if step % stride == 0 and step >= SAMPLE_FROM_STEP:
-                    slot = step // stride % SAMPLE_SLOTS
-                    self.samples[(stride, slot)] = Sample(stride, slot, step, transfer)
+            if step >= SAMPLE_FROM_STEP:
+                for stride in SAMPLE_STRIDES:
+                    if step % stride == 0:
+                        slot = step // stride % SAMPLE_SLOTS
+                        self.samples[(stride, slot)] = Sample(stride, slot, step, transfer)
+                self._close_block(transfer)
             for key, low in minima.items():
                 series = self._transfer.get(key)
                 if series is None:
@@ -307,6 +316,27 @@ class JobPool:
                     wait += extra
             out.append(Pooled(rank, step, step_s, phases, wait))
         return out
+
+    def _close_block(self, transfer: float) -> None:
+        block = self._block
+        block[0] += transfer
+        block[1] += 1
+        if block[1] >= self.transfer_window:
+            now = time.monotonic()
+            self.history.append((now, block[0] / block[1]))
+            block[0] = block[1] = 0.0
+            while self.history and self.history[0][0] < now - self.baseline_window_s:
+                self.history.popleft()
+
+    def inflation(self) -> tuple[float, float] | None:
+        """(the node's transfer per step over the latest block, it ÷ its own baseline: the 10th
+        percentile of the blocks in the baseline window), or None before two blocks."""
+        if len(self.history) < 2:
+            return None
+        values = sorted(v for _, v in self.history)
+        baseline = values[int(0.1 * (len(values) - 1))]
+        recent = self.history[-1][1]
+        return (recent, recent / baseline) if baseline > 0 else None
 
     def transfers(self) -> dict[Key, float]:
         """Each collective kind's transfer: the mean of its recent per-step node minima."""

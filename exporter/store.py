@@ -24,6 +24,8 @@ from syncscope.exporter.pooling import JobPool, Sample
 from syncscope.exporter.settings import STEP_WINDOW, Settings
 
 from syncscope.arrival import collective_key, key_text
+from syncscope.monitoring.config import load_config
+from syncscope.monitoring.prometheus_config import duration_seconds
 from syncscope.wire import (
     MAX_LABEL_LEN,
     MAX_TOPOLOGY_ENTRIES,
@@ -61,6 +63,9 @@ STEP_BUCKETS = (
 # tuple is empty). OMIT_IF_NONE: the key is left out of the JSON while the field is None.
 BY_PHASE = {"json": "by_phase"}
 OMIT_IF_NONE = {"json": "omit_if_none"}
+
+# The node-local contention baseline covers the same window as the rules' (thresholds file).
+CONTENTION_BASELINE_S = duration_seconds(load_config()["windows"]["contention_baseline"])
 
 
 @dataclass
@@ -366,7 +371,7 @@ class Store:
                 self.job_ranks.setdefault(job, {})[a.rank] = state
             pool = self.pools.get(job)
             if pool is None:
-                pool = self.pools[job] = JobPool()
+                pool = self.pools[job] = JobPool(baseline_window_s=CONTENTION_BASELINE_S)
             if state.incarnation != clean_label(a.incarnation):
                 self._new_incarnation(state, pool)
             state.local_rank, state.world_size = a.local_rank, a.world_size
@@ -500,6 +505,7 @@ class Store:
                 )
                 for job, pool in self.pools.items()
             }
+            inflation = {job: pool.inflation() for job, pool in self.pools.items()}
             for state in sorted(self.ranks.values(), key=lambda s: (s.job, s.rank)):
                 by_job.setdefault(state.job, []).append(
                     _rank_view(state, now, self.settings.stale_after_s, shown)
@@ -520,7 +526,9 @@ class Store:
                     else r
                     for r in ranks
                 ]
-            diagnosis = diagnose_job(ranks, self.settings, job_wide=job_wide)
+            diagnosis = diagnose_job(
+                ranks, self.settings, job_wide=job_wide, node_transfer=inflation.get(name)
+            )
             if recent is not None and recent != shown:
                 ranks = [
                     dataclasses.replace(r, recent_steps=r.recent_steps[-recent:] if recent else ())

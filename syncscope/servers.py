@@ -132,7 +132,8 @@ class Prometheus(_Server):
     def query_range(
         self, promql: str, start: float, end: float, step: float = 1.0
     ) -> dict[float, dict[str, float]]:
-        """{evaluation time: {the series' labels as text: value}} from ``start`` to ``end``;
+        """{evaluation time: {the series' labels as text ("k=v,…", sorted, no __name__):
+        value}} from ``start`` to ``end``;
         with ``step`` the rules' evaluation interval, every evaluation the rules made."""
         params = {"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": step}
         reply = get_json(self.url + "/api/v1/query_range?" + urllib.parse.urlencode(params))
@@ -141,7 +142,8 @@ class Prometheus(_Server):
         times = [start + i * step for i in range(int((end - start) // step) + 1)]
         out: dict[float, dict[str, float]] = {round(t, 3): {} for t in times}
         for series in reply["data"]["result"]:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(series["metric"].items()))
+            metric = sorted(series["metric"].items())
+            labels = ",".join(f"{k}={v}" for k, v in metric if k != "__name__")
             for t, value in series["values"]:
                 out.setdefault(round(float(t), 3), {})[labels] = float(value)
         return out

@@ -97,3 +97,28 @@ def test_min_over_nodes_of_agreed_samples_is_the_jobs_transfer_at_those_steps():
     means = [pool.transfer_seconds_total / pool.pooled_steps_total for pool, _ in nodes]
     true_mean = sum(min(d.values()) for d in steps) / len(steps)
     assert min(means) > true_mean + 0.001  # E[last of 4] − E[last of 2] ≈ 1.3 ms here
+
+
+def test_the_nodes_transfer_history_gives_its_inflation_against_its_own_baseline():
+    pool, sinks = JobPool(transfer_window=8), {0: Sink(), 1: Sink()}
+    for step, seconds in enumerate([0.02] * (SAMPLE_FROM_STEP + 8 * 4) + [0.05] * 8):
+        feed(pool, {0: seconds, 1: seconds + 0.01}, step, sinks)
+        pool.complete([0, 1])
+    got = pool.inflation()
+    assert got is not None
+    recent, inflation = got
+    assert abs(recent - 0.05) < 1e-12 and abs(inflation - 2.5) < 1e-9
+    assert JobPool().inflation() is None  # no blocks yet: no baseline
+
+
+def test_node_local_contention_is_the_inflation_not_the_share_of_the_step():
+    from syncscope.exporter.diagnosis import diagnose_job
+    from syncscope.exporter.settings import Settings
+
+    from tests.unit.test_diagnosis import ranks_of
+
+    ranks = ranks_of("balanced")  # the whole job on this node; transfer half of each step
+    calm = diagnose_job(ranks, Settings(), node_transfer=(0.02, 1.1)).modes["fabric_contention"]
+    assert not calm.verdict and "1.10× its own baseline" in calm.reason
+    hot = diagnose_job(ranks, Settings(), node_transfer=(0.05, 2.5)).modes["fabric_contention"]
+    assert hot.verdict and hot.score == 1.0
