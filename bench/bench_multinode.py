@@ -2,7 +2,7 @@
 exporter per node, one Prometheus with syncscope's rules scraping them all).
 
 Scenarios on 2 nodes × 2 ranks: a straggler on node A (rank 1), a straggler on node B (rank 3),
-and no straggler. Rounds interleave the scenarios so that drift in the machine's load hits
+no straggler, and the straggler on node B with pacing on. Rounds interleave the scenarios so that drift in the machine's load hits
 each alike; every run prints its comparison table (syncscope.truth.format_comparison), and the
 end a summary per scenario (medians over runs). Every exporter reads the job-wide view back
 from Prometheus (--prometheus-url); the rules are compared with the truth over the steps their
@@ -14,8 +14,11 @@ ones, as in a job that has run for a while); the time from that onset until the 
 names it for good, until SyncscopeStraggler is pending and until it fires, with the demo's
 windows and for: (10 s, 2 s) and with the shipped ones (firing there is pending + the shipped
 for: of 10 min, which the run does not wait out).
+--fabric instead: the fabric scenarios of syncscope.scenarios (a node's link throttled to a
+quarter of the other's; a competing bulk flow between the nodes for 25 s of a 110 s job).
 Run: .venv/bin/python bench/bench_multinode.py [--runs 3] [--duration 30] [--json out.json]
      .venv/bin/python bench/bench_multinode.py --onset [--runs 3]
+     .venv/bin/python bench/bench_multinode.py --fabric [--runs 3]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import tempfile
 import time
 from typing import Any
 
+from syncscope import scenarios as fabric
 from syncscope.monitoring.config import load_config
 from syncscope.monitoring.prometheus_config import duration_seconds, local_config, local_window_s
 from syncscope.monitoring.rules import STRAGGLER_LAG
@@ -48,6 +52,7 @@ def scenarios(slow_ms: float, per_node: int) -> dict[str, tuple[int | None, list
         f"straggler on node A (rank {a})": (a, [*slow, str(a)]),
         f"straggler on node B (rank {b})": (b, [*slow, str(b)]),
         "no straggler": (None, []),
+        f"straggler on node B (rank {b}), pacing on": (b, [*slow, str(b), "--pacing"]),
     }
 
 
@@ -186,6 +191,38 @@ def onset_main(runs: int) -> int:
     return 0
 
 
+def fabric_main(runs: int) -> int:
+    """The fabric scenarios (syncscope.scenarios), `runs` times each, interleaved."""
+    slow, contended = [], []
+    for run in range(runs):
+        with tempfile.TemporaryDirectory(prefix="syncscope-bench-fabric-") as workdir:
+            slow.append(fabric.slow_link(workdir, f"throttled-{run}"))
+        print(f"throttled node, run {run + 1}/{runs}: {slow[-1]}", flush=True)
+        with tempfile.TemporaryDirectory(prefix="syncscope-bench-fabric-") as workdir:
+            contended.append(fabric.contention_window(workdir, f"contended-{run}"))
+        print(f"competing flow, run {run + 1}/{runs}: {contended[-1]}", flush=True)
+    print("\n=== fabric scenarios ===")
+    for r in slow:
+        u = r["utilisation"]
+        verdicts = [bool((e["slow_link"] or {}).get("verdict")) for e in r["exporters"]]
+        print(
+            f"throttled node: node1 named the slow link in {r['named_share']:.1%} of "
+            f"{r['evaluations']} evaluations; utilisation while transferring node1 "
+            f"{u.get('node1', 0):.2f} vs node0 {u.get('node0', 0):.2f} "
+            f"(ratio {u.get('node1', 0) / max(u.get('node0', 0), 1e-9):.1f}); exporters' "
+            f"slow_link {verdicts}; straggler alerts {r['straggler_alerts']}; "
+            f"fabric panels without data {len(r['empty_fabric_panels'])}"
+        )
+    for r in contended:
+        print(
+            f"competing flow: flagged {r['flagged_before']} of {r['evaluations_before']} "
+            f"evaluations before, {r['flagged_while_on_share']:.0%} while on (after 10 s), "
+            f"detected after {r['detected_s']} s, cleared {r['cleared_s']} s after, peak index "
+            f"{r['peak_index']:.2f}"
+        )
+    return 0
+
+
 def _median(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
@@ -206,6 +243,15 @@ def summary(name: str, slowed: int | None, runs: list[dict[str, Any]]) -> list[s
         lines.append(
             f"{r:>4} {_ms(col['exported_lead_s'])}   {_ms(col['rule_lead_avg_s'])}  "
             f"{_ms(col['truth_wait_s'])}"
+        )
+    paced = {r: [c["ranks"][r].get("paced_s") for c in runs] for r in ranks}
+    if any(v is not None for vs in paced.values() for v in vs):
+        lines.append(
+            "pacing delay per rank over the run (s): "
+            + "; ".join(
+                f"rank {r} " + "/".join(f"{v:.1f}" if v is not None else "-" for v in vs)
+                for r, vs in paced.items()
+            )
         )
     rule_amp = _median([c["amplification"]["rule"] for c in runs])
     truth_amp = _median([c["amplification"]["truth"] for c in runs])
@@ -235,8 +281,9 @@ def summary(name: str, slowed: int | None, runs: list[dict[str, Any]]) -> list[s
     else:  # the rule's argmin and the truth's smallest d always name some rank: noise here
         named = sum(any(x["straggler"] is not None for x in c["nodes"]) for c in runs)
         lines.append(f"an exporter named a straggler anyway in {named}/{n} runs")
-    contention = sum(any(x["fabric_contention"] for x in c["nodes"]) for c in runs)
-    lines.append(f"an exporter said fabric_contention in {contention}/{n} runs")
+    for verdict in ("fabric_contention", "slow_link"):
+        said = sum(any(x.get(verdict) for x in c["nodes"]) for c in runs)
+        lines.append(f"an exporter said {verdict} in {said}/{n} runs")
     return lines
 
 
@@ -250,9 +297,12 @@ def main() -> int:
     p.add_argument("--json", default=None, help="also write every comparison here")
     p.add_argument("--onset", action="store_true", help="time a straggler's onset to its name")
     p.add_argument("--only", default="", help="only the scenarios whose name contains this")
+    p.add_argument("--fabric", action="store_true", help="a throttled node, a competing flow")
     a = p.parse_args()
     if a.onset:
         return onset_main(a.runs)
+    if a.fabric:
+        return fabric_main(a.runs)
     if a.nodes < 2:
         p.error("the scenarios need node A and node B: --nodes 2 or more")
     cases = {

@@ -154,7 +154,10 @@ def compare(
         for r in data.get("ranks", []):
             row = ranks.setdefault(r["rank"], {"truth_wait_s": None, "truth_exposed_s": None})
             row.update(node=node, exported_lead_s=r["arrival_lead_s"])
+            if r.get("pacing"):
+                row["paced_s"] = r["pacing"]["total_delay_s"]
         contention = modes.get("fabric_contention") or {}
+        slow_link = modes.get("slow_link") or {}
         amplification = modes.get("sync_amplification") or {}
         nodes.append(
             {
@@ -163,6 +166,7 @@ def compare(
                 "straggler": (diag.get("straggler") or {}).get("rank"),
                 "fabric_contention": contention.get("verdict"),
                 "fabric_contention_score": contention.get("score"),
+                "slow_link": slow_link.get("verdict"),
                 "sync_amplification_score": amplification.get("score"),
             }
         )

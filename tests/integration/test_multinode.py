@@ -21,13 +21,11 @@ from typing import Any
 
 import pytest
 
+from syncscope import scenarios
 from syncscope.launch import wait_all
-from syncscope.monitoring import rules as R
-from syncscope.monitoring.config import load_config
-from syncscope.monitoring.dashboards import FABRIC_UID, evaluable_queries
 from syncscope.monitoring.prometheus_config import local_config, local_window_s
 from syncscope.nodes import EmulatedNodes, NodesUnavailable, iproute, list_netns
-from syncscope.servers import Alertmanager, Prometheus, free_port
+from syncscope.servers import Alertmanager, Prometheus
 from syncscope.truth import compare, format_comparison
 from tests.conftest import torch_available, wait_until
 
@@ -56,20 +54,20 @@ def emulated(nodes: int, ranks_per_node: int, **kw: Any) -> Iterator[EmulatedNod
 
 
 @contextlib.contextmanager
-def job_wide_nodes(tmp_path, **kw: Any) -> Iterator[tuple[EmulatedNodes, Prometheus]]:
-    """2 emulated nodes × 2 ranks whose exporters read the job-wide view back from a real
-    Prometheus (--prometheus-url) that scrapes them with the shipped rules."""
-    prom_port = free_port()
-    readback = ["--prometheus-url", f"http://127.0.0.1:{prom_port}", "--prometheus-interval", "2"]
-    with emulated(2, 2, workdir=str(tmp_path), exporter_args=readback, **kw) as cluster:
-        prom = Prometheus(
-            local_config(cluster.exporter_ports, str(tmp_path)), str(tmp_path), port=prom_port
-        )
-        try:
-            prom.wait_ready()
-            yield cluster, prom
-        finally:
-            prom.stop()
+def job_wide_nodes(tmp_path) -> Iterator[tuple[EmulatedNodes, Prometheus]]:
+    """syncscope.scenarios.job_wide_nodes, skipped with the kernel's reason where refused."""
+    try:
+        with scenarios.job_wide_nodes(str(tmp_path)) as both:
+            yield both
+    except NodesUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def scenario(run: Any, *args: Any) -> dict[str, Any]:
+    try:
+        return dict(run(*args))
+    except NodesUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 def dead_pid() -> int:
@@ -181,56 +179,21 @@ def test_pacing_paces_the_early_ranks_on_both_nodes_and_never_the_straggler(tmp_
         assert state["jobs"][job]["job_wide"], state["jobs"][job].get("job_wide")
 
 
-WARM_UP_S = 15.0  # gloo connects, the first steps, the rules' first full windows
-SLOW_LINK_LINE = load_config()["alerts"]["SyncscopeSlowLink"]["levels"][0]["threshold"]
-CONTENTION_LINE = load_config()["alerts"]["SyncscopeFabricContention"]["levels"][0]["threshold"]
-
-
-def modes(state: dict[str, Any], job: str) -> dict[str, Any]:
-    return state["jobs"][job]["diagnosis"]["modes"]
-
-
 @needs_prometheus
 def test_a_throttled_node_is_the_slow_link_and_no_rank_a_straggler(tmp_path):
     """Node 1's link shaped to a quarter of node 0's (tbf, both ends): the rule names node 1 the
     slow link in nearly every evaluation, both exporters say so, nobody is a straggler and
     nothing is contention (the link was slow from the start), and every fabric panel has data."""
-    job = "throttled"
-    with job_wide_nodes(tmp_path, link_mbit={0: 400, 1: 100}) as (cluster, prom):
-        started = time.time()
-        cluster.run(["--duration", "30"], job)
-        time.sleep(3)
-        states = cluster.states()
-        end = time.time()
-        sel = f'{{job="{job}"}}'
-        slow = prom.query_range(
-            f"{R.LINK_CAPACITY_RATIO}{sel} < {SLOW_LINK_LINE}", started + WARM_UP_S, end
-        )
-        straggler_alerts = prom.query_range(
-            f'ALERTS{{alertname="SyncscopeStraggler",job="{job}"}}', started, end
-        )
-        utilisation = {
-            r["metric"]["node"]: float(r["value"][1])
-            for r in prom.query(f"{R.LINK_UTILIZATION}{sel}", at=end - 4)
-        }
-        empty = [
-            f"{q['panel']}: {q['promql']}"
-            for q in evaluable_queries(job=job, rate_interval="10s", have={"link"})
-            if q["dashboard"] == FABRIC_UID
-            and q["expected_data"]
-            and not prom.query(q["promql"], at=end - 4)
-        ]
-    named = [t for t, found in slow.items() if set(found) == {f"job={job},node=node1"}]
-    print(f"\nslow link named in {len(named)}/{len(slow)} evaluations; utilisation {utilisation}")
-    assert len(named) >= 0.95 * len(slow) and len(slow) >= 10, slow
-    assert utilisation["node1"] > 2 * utilisation["node0"], utilisation
-    assert not any(straggler_alerts.values()), straggler_alerts
-    for state in states:
-        m = modes(state, job)
-        assert m["slow_link"]["verdict"] and "node node1" in m["slow_link"]["reason"], m
-        assert state["jobs"][job]["diagnosis"]["straggler"] is None, state["jobs"][job]
-        assert not m["fabric_contention"]["verdict"], m["fabric_contention"]
-    assert not empty, "fabric panels with no data:\n" + "\n".join(empty)
+    out = scenario(scenarios.slow_link, str(tmp_path), "throttled")
+    print(f"\n{out}")
+    assert out["evaluations"] >= 10 and out["named_share"] >= 0.95, out
+    assert out["utilisation"]["node1"] > 2 * out["utilisation"]["node0"], out
+    assert out["straggler_alerts"] == [], out
+    for node in out["exporters"]:
+        assert node["slow_link"]["verdict"] and "node node1" in node["slow_link"]["reason"], node
+        assert node["straggler"] is None, node
+        assert not node["fabric_contention"]["verdict"], node
+    assert not out["empty_fabric_panels"], "\n".join(out["empty_fabric_panels"])
 
 
 @needs_prometheus
@@ -238,45 +201,15 @@ def test_a_competing_flow_is_contention_only_while_it_runs(tmp_path):
     """Every link shaped alike (200 Mbit/s); 50 s into the job a bulk TCP flow from node 0 to
     node 1 runs for 25 s. The DDP transfer's contention index is under its line for the 30 s
     before, over it while the flow runs, and back under it within 30 s after."""
-    job = "contended"
-    with job_wide_nodes(tmp_path, link_mbit={0: 200, 1: 200}) as (cluster, prom):
-        with open(tmp_path / "ranks.log", "wb") as log:
-            ranks = cluster.launch(
-                ["--duration", "110"],
-                env=dict(os.environ, SYNCSCOPE_JOB=job),
-                stdout=log,
-                stderr=log,
-            )
-            started = time.time()
-            time.sleep(50)
-            flow_start = time.time()
-            with cluster.competing_flow(0, 1):
-                time.sleep(20)
-                during = cluster.states()
-                time.sleep(5)
-            flow_end = time.time()
-            codes = wait_all(ranks, 120)
-        assert codes == [0, 0, 0, 0], (tmp_path / "ranks.log").read_text()[-4000:]
-        time.sleep(2)
-        index = prom.query_range(
-            f'{R.CONTENTION}{{job="{job}",op="ddp_grad_sync"}}', started + 20, time.time()
-        )
-    flagged = {t: max(v.values(), default=0.0) > CONTENTION_LINE for t, v in index.items()}
-    before = [t for t in flagged if t < flow_start]
-    while_on = [t for t in flagged if flow_start + 10 <= t <= flow_end]
-    after = sorted(t for t in flagged if t > flow_end)
-    detected = next(
-        (t - flow_start for t in sorted(flagged) if t >= flow_start and flagged[t]), None
-    )
-    cleared = next((t - flow_end for t in after if not flagged[t]), None)
-    print(f"\ncontention detected after {detected} s, cleared {cleared} s after the flow")
-    assert len(before) >= 25 and not any(flagged[t] for t in before), index
-    assert sum(flagged[t] for t in while_on) >= 0.8 * len(while_on), index
-    assert cleared is not None and cleared <= 30, index
-    assert all(not flagged[t] for t in after if t - flow_end > 30), index
-    for state in during:  # both exporters said so while the flow ran
-        assert modes(state, job)["fabric_contention"]["verdict"], modes(state, job)
-        assert state["jobs"][job]["diagnosis"]["straggler"] is None
+    out = scenario(scenarios.contention_window, str(tmp_path), "contended")
+    print(f"\n{out}")
+    assert out["evaluations_before"] >= 25 and out["flagged_before"] == 0, out
+    assert out["flagged_while_on_share"] >= 0.8, out
+    assert out["cleared_s"] is not None and out["cleared_s"] <= 30, out
+    assert out["flagged_30s_after"] == 0, out
+    for node in out["exporters_during"]:  # both exporters said so while the flow ran
+        assert node["fabric_contention"]["verdict"], node
+        assert node["straggler"] is None, node
 
 
 class Webhook:

@@ -1,0 +1,152 @@
+"""Fabric scenarios on emulated nodes, shared by the tests (one run each) and the bench (many):
+a throttled node's link, and a competing flow between nodes for part of a run (issue 16).
+
+Each runs one gloo job on 2 emulated nodes × 2 ranks (syncscope.nodes) whose exporters read the
+job-wide view back from a real Prometheus with syncscope's rules, and returns what the rules,
+the exporters and the dashboards said, evaluation by evaluation where it matters. Needs root,
+iproute2 (with tc) and Prometheus; entering raises syncscope.nodes.NodesUnavailable where the
+kernel refuses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from syncscope.launch import wait_all
+from syncscope.monitoring import rules as R
+from syncscope.monitoring.config import load_config
+from syncscope.monitoring.dashboards import FABRIC_UID, evaluable_queries
+from syncscope.monitoring.prometheus_config import local_config
+from syncscope.nodes import EmulatedNodes
+from syncscope.servers import Prometheus, free_port
+
+WARM_UP_S = 15.0  # gloo connects, the first steps, the rules' first full windows
+_ALERTS = load_config()["alerts"]
+SLOW_LINK_LINE = _ALERTS["SyncscopeSlowLink"]["levels"][0]["threshold"]
+CONTENTION_LINE = _ALERTS["SyncscopeFabricContention"]["levels"][0]["threshold"]
+
+
+@contextlib.contextmanager
+def job_wide_nodes(workdir: str, **kw: Any) -> Iterator[tuple[EmulatedNodes, Prometheus]]:
+    """2 emulated nodes × 2 ranks whose exporters read the job-wide view back from a real
+    Prometheus (--prometheus-url) that scrapes them with syncscope's rules."""
+    prom_port = free_port()
+    readback = ["--prometheus-url", f"http://127.0.0.1:{prom_port}", "--prometheus-interval", "2"]
+    with EmulatedNodes(2, 2, workdir=workdir, exporter_args=readback, **kw) as cluster:
+        prom = Prometheus(local_config(cluster.exporter_ports, workdir), workdir, port=prom_port)
+        try:
+            prom.wait_ready()
+            yield cluster, prom
+        finally:
+            prom.stop()
+
+
+def modes(state: dict[str, Any], job: str) -> dict[str, Any]:
+    return dict(state["jobs"][job]["diagnosis"]["modes"])
+
+
+def slow_link(workdir: str, job: str, duration: float = 30.0) -> dict[str, Any]:
+    """Node 1's link shaped to a quarter of node 0's (400 and 100 Mbit/s, tbf at both ends)."""
+    with job_wide_nodes(workdir, link_mbit={0: 400, 1: 100}) as (cluster, prom):
+        started = time.time()
+        cluster.run(["--duration", str(duration)], job)
+        time.sleep(3)
+        states = cluster.states()
+        end = time.time()
+        sel = f'{{job="{job}"}}'
+        slow = prom.query_range(
+            f"{R.LINK_CAPACITY_RATIO}{sel} < {SLOW_LINK_LINE}", started + WARM_UP_S, end
+        )
+        straggler_alerts = prom.query_range(
+            f'ALERTS{{alertname="SyncscopeStraggler",job="{job}"}}', started, end
+        )
+        utilisation = {
+            r["metric"]["node"]: float(r["value"][1])
+            for r in prom.query(f"{R.LINK_UTILIZATION}{sel}", at=end - 4)
+        }
+        empty = [
+            f"{q['panel']}: {q['promql']}"
+            for q in evaluable_queries(job=job, rate_interval="10s", have={"link"})
+            if q["dashboard"] == FABRIC_UID
+            and q["expected_data"]
+            and not prom.query(q["promql"], at=end - 4)
+        ]
+    named = sum(1 for found in slow.values() if set(found) == {f"job={job},node=node1"})
+    return {
+        "evaluations": len(slow),
+        "named_share": named / len(slow) if slow else 0.0,
+        "utilisation": utilisation,
+        "straggler_alerts": sorted({k for v in straggler_alerts.values() for k in v}),
+        "exporters": [
+            {
+                "slow_link": modes(s, job).get("slow_link"),
+                "fabric_contention": modes(s, job).get("fabric_contention"),
+                "straggler": s["jobs"][job]["diagnosis"]["straggler"],
+            }
+            for s in states
+        ],
+        "empty_fabric_panels": empty,
+    }
+
+
+def contention_window(
+    workdir: str, job: str, before_s: float = 50.0, flow_s: float = 25.0, after_s: float = 35.0
+) -> dict[str, Any]:
+    """Every link shaped alike (200 Mbit/s); after `before_s` a bulk TCP flow from node 0 to
+    node 1 for `flow_s`. The DDP transfer's contention index, evaluation by evaluation."""
+    with job_wide_nodes(workdir, link_mbit={0: 200, 1: 200}) as (cluster, prom):
+        log_path = os.path.join(workdir, f"{job}.log")
+        with open(log_path, "wb") as log:
+            ranks = cluster.launch(
+                ["--duration", str(before_s + flow_s + after_s)],
+                env=dict(os.environ, SYNCSCOPE_JOB=job),
+                stdout=log,
+                stderr=log,
+            )
+            started = time.time()
+            time.sleep(before_s)
+            flow_start = time.time()
+            with cluster.competing_flow(0, 1):
+                time.sleep(flow_s - 5)
+                during = cluster.states()
+                time.sleep(5)
+            flow_end = time.time()
+            codes = wait_all(ranks, after_s + 120)
+        if codes != [0] * len(codes):
+            with open(log_path, "rb") as log:
+                tail = log.read()[-4000:].decode(errors="replace")
+            raise RuntimeError(f"ranks of {job} exited with {codes}:\n{tail}")
+        time.sleep(2)
+        index = prom.query_range(
+            f'{R.CONTENTION}{{job="{job}",op="ddp_grad_sync"}}',
+            started + WARM_UP_S + 5,
+            time.time(),
+        )
+    flagged = {t: max(v.values(), default=0.0) > CONTENTION_LINE for t, v in index.items()}
+    before = [t for t in flagged if t < flow_start]
+    while_on = [t for t in flagged if flow_start + 10 <= t <= flow_end]
+    after = sorted(t for t in flagged if t > flow_end)
+    return {
+        "evaluations_before": len(before),
+        "flagged_before": sum(flagged[t] for t in before),
+        "flagged_while_on_share": (
+            sum(flagged[t] for t in while_on) / len(while_on) if while_on else 0.0
+        ),
+        "detected_s": next(
+            (t - flow_start for t in sorted(flagged) if t >= flow_start and flagged[t]), None
+        ),
+        "cleared_s": next((t - flow_end for t in after if not flagged[t]), None),
+        "flagged_30s_after": sum(flagged[t] for t in after if t - flow_end > 30),
+        "peak_index": max((max(v.values(), default=0.0) for v in index.values()), default=0.0),
+        "exporters_during": [
+            {
+                "fabric_contention": modes(s, job).get("fabric_contention"),
+                "straggler": s["jobs"][job]["diagnosis"]["straggler"],
+            }
+            for s in during
+        ],
+    }
