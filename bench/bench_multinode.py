@@ -39,7 +39,7 @@ from syncscope.monitoring.prometheus_config import duration_seconds, local_confi
 from syncscope.monitoring.rules import STRAGGLER_LAG
 from syncscope.nodes import EmulatedNodes, NodesUnavailable
 from syncscope.servers import Prometheus, free_port
-from syncscope.truth import compare, format_comparison
+from syncscope.truth import compare, format_comparison, rule_window_steps
 
 SKIP_STEPS = 10  # warm-up steps left out of the truth
 
@@ -86,7 +86,9 @@ def one_run(
         cluster.run(["--duration", str(duration), *args], job)
         # The final flush scraped, the rules evaluated (1 s each), the exporters read them back.
         time.sleep(4)
-        truth = cluster.truth(SKIP_STEPS, local_window_s() if prom else None)
+        window = local_window_s() if prom else None
+        steps = rule_window_steps(prom, job, f"{window:g}s") if prom and window else None
+        truth = cluster.truth(SKIP_STEPS, window, steps)
         c = compare(prom, cluster.states(), truth, job)
         if prom is not None:
             c["evaluations"] = evaluations(prom, job, started + WARM_UP_S, time.time())

@@ -32,7 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -420,9 +420,14 @@ class EmulatedNodes:
         s64 = stats[0]["stats64"]
         return int(s64["rx"]["bytes"]), int(s64["tx"]["bytes"])
 
-    def truth(self, skip_steps: int = 0, window_s: float | None = None) -> Truth:
+    def truth(
+        self,
+        skip_steps: int = 0,
+        window_s: float | None = None,
+        rule_steps: Callable[[float], tuple[int, int] | None] | None = None,
+    ) -> Truth:
         """The pooled per-step truth of the latest launch (see syncscope.truth), over the
-        last ``window_s`` of the job when given."""
+        last ``window_s`` of the job (or the steps ``rule_steps`` says a rule saw) when given."""
         if self.records_dir is None:
             raise RuntimeError("no launch with record=True yet")
-        return truth_from_dir(self.records_dir, skip_steps, window_s)
+        return truth_from_dir(self.records_dir, skip_steps, window_s, rule_steps)

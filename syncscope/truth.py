@@ -13,10 +13,11 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from syncscope import catalog as M
 from syncscope.monitoring.rules import (
     LEAD_AVG,
     STRAGGLER_LAG,
@@ -66,6 +67,7 @@ def pooled_truth(
     skip_steps: int = 0,
     window_s: float | None = None,
     settle_s: float = 2.0,
+    rule_steps: Callable[[float], tuple[int, int] | None] | None = None,
 ) -> Truth:
     """The truth over the steps all ranks recorded, without the first ``skip_steps`` of them
     (gloo connects and the allocator warms up there: one such step can outweigh a minute).
@@ -74,7 +76,9 @@ def pooled_truth(
     what a rule with that rate window covers when read ``settle_s`` after the job's end (the
     final reports scraped, the rules evaluated) at ``at_unix_s`` minus ``settle_s``. A rule's
     window and a whole run differ by more than the estimators do (the end of a run is not its
-    middle), so the rules are judged against the steps they saw.
+    middle), so the rules are judged against the steps they saw. ``rule_steps``: given the
+    time the rules are read at, the steps (first, last + 1) their window's raw samples span
+    (`rule_window_steps`); then exactly those steps, not the ones that ended in the window.
     """
     ranks = sorted(records)
     if not ranks:
@@ -88,7 +92,11 @@ def pooled_truth(
 
         job_end = end(common[-1])
         at = job_end + settle_s
-        common = [k for k in common if end(k) > at - window_s]
+        span = rule_steps(at) if rule_steps is not None else None
+        if span is not None:
+            common = [k for k in common if span[0] <= k < span[1]]
+        else:
+            common = [k for k in common if end(k) > at - window_s]
     if not common:
         raise ValueError("no step was recorded by every rank")
     transfer = 0.0
@@ -118,8 +126,32 @@ def pooled_truth(
     )
 
 
-def truth_from_dir(directory: str, skip_steps: int = 0, window_s: float | None = None) -> Truth:
-    return pooled_truth(read_records(record_files(directory)), skip_steps, window_s)
+def truth_from_dir(
+    directory: str,
+    skip_steps: int = 0,
+    window_s: float | None = None,
+    rule_steps: Callable[[float], tuple[int, int] | None] | None = None,
+) -> Truth:
+    return pooled_truth(
+        read_records(record_files(directory)), skip_steps, window_s, rule_steps=rule_steps
+    )
+
+
+def rule_window_steps(
+    prom: Any, job: str, window: str
+) -> Callable[[float], tuple[int, int] | None]:
+    """For `pooled_truth`: the steps a rule read at time t over ``window`` sees, from the raw
+    samples of rank 0's step counter in that window (rate() takes its first and last sample;
+    every series of one exporter is scraped at the same instants)."""
+
+    def steps(at: float) -> tuple[int, int] | None:
+        found = prom.query(f'{M.STEPS_TOTAL.name}{{job="{job}",rank="0"}}[{window}]', at=at)
+        values = found[0]["values"] if found else []
+        if len(values) < 2:
+            return None
+        return int(float(values[0][1])), int(float(values[-1][1]))
+
+    return steps
 
 
 def _value(result: Sequence[Mapping[str, Any]]) -> float | None:

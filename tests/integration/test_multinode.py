@@ -26,7 +26,7 @@ from syncscope.launch import wait_all
 from syncscope.monitoring.prometheus_config import local_config, local_window_s
 from syncscope.nodes import EmulatedNodes, NodesUnavailable, iproute, list_netns
 from syncscope.servers import Alertmanager, Prometheus
-from syncscope.truth import compare, format_comparison
+from syncscope.truth import compare, format_comparison, rule_window_steps
 from tests.conftest import torch_available, wait_until
 
 pytestmark = [
@@ -138,7 +138,8 @@ def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(tmp
         # The final flush scraped, the rules evaluated (1 s each) and the exporters read them
         # back (2 s); the truth covers the steps the rules' windows saw.
         time.sleep(4)
-        truth = cluster.truth(SKIP_STEPS, local_window_s())
+        window = local_window_s()
+        truth = cluster.truth(SKIP_STEPS, window, rule_window_steps(prom, job, f"{window:g}s"))
         comparison = compare(prom, cluster.states(), truth, job)
     print("\n" + format_comparison(comparison))
     assert truth.straggler == 3

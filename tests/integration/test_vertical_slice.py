@@ -62,18 +62,23 @@ def test_slowed_rank_has_smallest_lead_and_peers_wait(exporter, job_factory):
     state = exporter.state()
     assert state["jobs"]["test"]["diagnosis"]["straggler"]["rank"] == SLOW_RANK
     assert state["jobs"]["test"]["diagnosis"]["straggler"]["cause"] == "forward"
+    modes = state["jobs"]["test"]["diagnosis"]["modes"]  # waiting for a rank is not the fabric
+    assert not modes["fabric_contention"]["verdict"] and "slow_link" not in modes, modes
     job.kill()
 
 
 def test_balanced_job_names_no_rank(exporter, job_factory):
     job = job_factory(4, ["--duration", "25"], exporter.url)
     assert wait_until(lambda: _leads(exporter, 100), timeout=40)
-    spreads = []
+    spreads, fabric = [], []
     for _ in range(8):
         leads = _leads(exporter, 100)
         spreads.append(max(leads.values()) - min(leads.values()))
+        modes = exporter.state()["jobs"]["test"]["diagnosis"]["modes"]
+        fabric += [m for m in ("fabric_contention", "slow_link") if modes.get(m, {}).get("verdict")]
         time.sleep(1)
     job.wait()
+    assert not fabric, fabric  # half of each step is transfer here, and nothing contends
     # 4 ranks on 2 shared cores arrive with a few ms of real jitter; no rank may stand out.
     assert statistics.median(spreads) < 0.005, [f"{s * 1e3:.1f} ms" for s in spreads]
 

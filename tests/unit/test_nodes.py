@@ -14,7 +14,13 @@ import yaml
 from syncscope.launch import launch, wait_all
 from syncscope.nodes import _STALE, EmulatedNodes
 from syncscope.servers import alertmanager_config
-from syncscope.truth import compare, format_comparison, pooled_truth, truth_from_dir
+from syncscope.truth import (
+    compare,
+    format_comparison,
+    pooled_truth,
+    rule_window_steps,
+    truth_from_dir,
+)
 
 
 def _rec(rank: int, step: int, d: float, step_s: float = 0.1) -> dict:
@@ -181,3 +187,19 @@ def test_only_this_schemes_namespaces_count_as_stale_and_names_are_unique():
     finally:
         a.close()
         b.close()
+
+
+def test_the_truth_can_cover_exactly_the_steps_a_rules_window_saw():
+    class RangeProm:
+        def query(self, promql: str, at: float | None = None) -> list[dict]:
+            assert promql == 'syncscope_steps_total{job="j",rank="0"}[10s]' and at == 12.0
+            # rank 0's counter at the window's first and last scrape: steps 5..7 were in it
+            return [{"metric": {}, "values": [[3.0, "5"], [7.0, "6"], [11.0, "8"]]}]
+
+    d = {0: [0.0] * 10, 1: [0.01 * k for k in range(10)]}  # rank 1 waits 10 ms more each step
+    records = {r: {k: _rec(r, k, d[r][k]) for k in range(10)} for r in d}
+    truth = pooled_truth(
+        records, window_s=10.0, rule_steps=rule_window_steps(RangeProm(), "j", "10s")
+    )
+    assert truth.steps == 3 and truth.at_unix_s == pytest.approx(12.0)
+    assert truth.mean_wait_s[1] == pytest.approx(0.06)  # steps 5, 6, 7
