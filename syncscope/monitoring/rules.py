@@ -79,6 +79,7 @@ NOT_A_TRANSFER = "ddp_grad_sync"
 
 
 def runbook_url(cfg: Mapping[str, Any], alert: str) -> str:
+    """The alert's section of the runbook; tests match the ``#alert-name-<lowercase>`` suffix."""
     return f"{cfg['runbook_url_base']}#alert-name-{alert.lower()}"
 
 
@@ -443,27 +444,93 @@ def _pct(x: float) -> str:
     return f"{x * 100:g}%"
 
 
+# Alert annotations may run PromQL of their own (Prometheus' template function `query`): a
+# per-job alert names its worst rank or a few examples there, where labels would split it into
+# one alert per rank. THIS_JOB stands for the alert's own job in such a query.
+THIS_JOB = "job=__this_job__"
+
+
+def _query(promql: str) -> str:
+    """A template pipeline running ``promql`` (``THIS_JOB`` filled in from ``$labels.job``)."""
+    if "`" in promql:
+        raise ValueError("annotation queries are Go raw strings: no backquotes")
+    n = promql.count(THIS_JOB)
+    text = promql.replace("%", "%%").replace(THIS_JOB, "job=%q")
+    return f"query (printf `{text}`{' $labels.job' * n})"
+
+
+def _listing(promql: str, item: str, sort_label: str, limit: int = 5) -> str:
+    """``item`` (a template over ``$s``) for the first ``limit`` series of ``promql``, comma
+    separated, sorted by ``sort_label`` (as text); an ellipsis when there are more."""
+    return (
+        f'{{{{ range $i, $s := {_query(promql)} | sortByLabel "{sort_label}" }}}}'
+        f"{{{{ if lt $i {limit} }}}}{{{{ if $i }}}}, {{{{ end }}}}{item}"
+        f"{{{{ else if eq $i {limit} }}}}, ...{{{{ end }}}}{{{{ end }}}}"
+    )
+
+
+def _seconds(x: float) -> str:
+    """A PromQL duration for ``x`` seconds (whole milliseconds)."""
+    ms = round(float(x) * 1000)
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
 def _alert_texts(cfg: Mapping[str, Any], name: str, level: Mapping[str, Any]) -> dict[str, Any]:
-    """Expression and annotations for one alert at one severity level."""
+    """Expression and annotations for one alert at one severity level.
+
+    Conditions that hold per rank (a fault, pacing, drops, silence) alert once per training
+    job, with the count as the value and the ranks in the annotations: one alert per rank
+    would page a thousand times for one incident.
+    """
     a = cfg["alerts"][name]
     thr: Any = level.get("threshold")
     w = cfg["windows"]
     if name == "SyncscopeStepTimeCVHigh":
+        # The exporter's CV covers its last STEP_WINDOW steps, so one checkpoint (a single
+        # step many times the others) lifts it for as many steps, which at multi-second steps
+        # outlasts any for:. The step-duration histogram over a window of time says whether
+        # the variation is frequent: enough steps far (factor ×) above or below the median.
+        o = a["outliers"]
+        lo, mid, hi = o["quantiles"]
+        factor = o["factor"]
+        buckets = f"sum by (job, le) ({_rate(cfg, STEP_SECONDS_BUCKET, window=o['window'])})"
+
+        def q(p: float) -> str:
+            return f"histogram_quantile({p}, {buckets})"
+
         return {
-            "expr": f"{STEP_CV} > {thr}",
+            "expr": f"""
+  {STEP_CV} > {thr}
+and on (job)
+  (
+        {q(hi)}
+      >
+        {factor} * {q(mid)}
+    or
+        {q(lo)} * {factor}
+      <
+        {q(mid)}
+  )
+""",
             "summary": "Step time is unstable in job {{ $labels.job }}.",
             "description": (
                 f"The coefficient of variation of step time over the last {STEP_WINDOW} steps is "
                 '{{ printf "%.2f" $value }} in job {{ $labels.job }} (threshold '
-                f"{thr}). Synchronous training turns this jitter into idle time on every rank."
+                f"{thr}), and over the last {o['window']} more than {_pct(1 - hi)} of the steps "
+                f"took over {factor} times the median step or more than {_pct(lo)} under 1/"
+                f"{factor} of it: frequent jitter, not a rare long step such as a checkpoint. "
+                "Synchronous training turns this jitter into idle time on every rank."
             ),
         }
     if name == "SyncscopeStraggler":
+        straggler = _listing(
+            f"{STRAGGLER_RATIO}{{{THIS_JOB}}}", "{{ $s.Labels.rank }}", "rank", limit=3
+        )
         return {
-            "expr": f"{STRAGGLER_RATIO} > {thr}",
-            "summary": "Rank {{ $labels.rank }} is the straggler of job {{ $labels.job }}.",
+            "expr": f"max by (job) ({STRAGGLER_RATIO}) > {thr}",
+            "summary": f"Job {{{{ $labels.job }}}} has a straggler: rank {straggler}.",
             "description": (
-                "Rank {{ $labels.rank }} of job {{ $labels.job }} arrives at collectives last, "
+                f"Rank {straggler} of job {{{{ $labels.job }}}} arrives at collectives last, "
                 "{{ $value | humanizePercentage }} of a step after the earliest rank (threshold "
                 f"{_pct(thr)}, averaged over {w['straggler']}). Every other rank waits for it; "
                 f"{M.STRAGGLER_CAUSE.name} names the suspected cause."
@@ -510,84 +577,148 @@ def _alert_texts(cfg: Mapping[str, Any], name: str, level: Mapping[str, Any]) ->
             ),
         }
     if name == "SyncscopeLocalityFault":
+        faults = _listing(
+            f"{LOCALITY_FAULT}{{{THIS_JOB}}} > 0",
+            "rank {{ $s.Labels.rank }} {{ $s.Labels.fault }}",
+            "rank",
+        )
         return {
-            "expr": f"{LOCALITY_FAULT} > 0",
+            "expr": f"count by (job) (max by (job, rank) ({LOCALITY_FAULT}) > 0)",
             "summary": (
-                "The GPU of rank {{ $labels.rank }} in job {{ $labels.job }} has a "
-                "{{ $labels.fault }} fault."
+                "The GPUs of {{ $value }} rank(s) in job {{ $labels.job }} have a locality fault."
             ),
             "description": (
-                "The GPU of rank {{ $labels.rank }} in job {{ $labels.job }} reports "
-                "{{ $labels.fault }}: a PCIe link below its maximum width or generation, or a "
-                "process on another NUMA node than its GPU. Its transfers cost more than its "
-                "peers', which makes it a likely straggler."
+                f"GPUs of job {{{{ $labels.job }}}} report locality faults ({faults}): a PCIe "
+                "link below its maximum width (pcie_width) or generation (pcie_generation), or a "
+                "process on another NUMA node than its GPU (numa_mismatch). Their transfers cost "
+                "more than their peers', which makes those ranks likely stragglers."
             ),
         }
     if name == "SyncscopePacingEngagedLong":
         return {
-            "expr": f"max by (job, rank) ({_sel(cfg, M.PACING_ACTIVE.name)}) > 0",
-            "summary": (
-                "Pacing has been engaged on rank {{ $labels.rank }} of job {{ $labels.job }} "
-                f"for {a['for']}."
-            ),
+            "expr": f"{PACING_ACTIVE} > 0",
+            "summary": f"Pacing has been engaged in job {{{{ $labels.job }}}} for {a['for']}.",
             "description": (
-                "The pacing controller has delayed rank {{ $labels.rank }} of job "
-                f"{{{{ $labels.job }}}} without a break for {a['for']}. Pacing absorbs transient "
-                "imbalance; a persistent one has a structural cause (a straggler, a locality "
-                "fault, contention) that pacing only hides."
+                "The pacing controller has delayed ranks of job {{ $labels.job }} without a "
+                f"break for {a['for']} ({{{{ $value }}}} rank(s) paced now). Pacing absorbs "
+                "transient imbalance; a persistent one has a structural cause (a straggler, a "
+                "locality fault, contention) that pacing only hides."
             ),
         }
     if name == "SyncscopeAgentDroppingRecords":
+
+        def drops(*matchers: str) -> str:
+            return (
+                f"sum by (job, rank) ({_rate(cfg, M.AGENT_RECORDS_DROPPED_TOTAL.name, *matchers)})"
+                f" / sum by (job, rank) ({_rate(cfg, M.STEPS_TOTAL.name, *matchers)})"
+            )
+
+        worst = _listing(
+            f"topk(1, {drops(THIS_JOB)})",
+            "rank {{ $s.Labels.rank }}, {{ $s.Value | humanizePercentage }}",
+            "rank",
+        )
         return {
-            "expr": (
-                f"\n  sum by (job, rank) ({_rate(cfg, M.AGENT_RECORDS_DROPPED_TOTAL.name)})\n"
-                f"/\n  sum by (job, rank) ({_rate(cfg, M.STEPS_TOTAL.name)})\n> {thr}\n"
-            ),
+            "expr": f"\ncount by (job) (\n    {drops()}\n  > {thr}\n)\n",
             "summary": (
-                "The syncscope agent of rank {{ $labels.rank }} in job {{ $labels.job }} "
-                "is dropping records."
+                "The syncscope agents of {{ $value }} rank(s) in job {{ $labels.job }} "
+                "are dropping records."
             ),
             "description": (
-                "Rank {{ $labels.rank }} of job {{ $labels.job }} drops "
-                "{{ $value | humanizePercentage }} as many step records as it delivers "
-                f"(threshold {_pct(thr)}). The agent drops rather than block training when the "
-                "exporter is slow or unreachable, so syncscope's view of this rank is incomplete."
+                "{{ $value }} rank(s) of job {{ $labels.job }} drop more than "
+                f"{_pct(thr)} as many step records as they deliver (worst: {worst}). The agent "
+                "drops rather than block training when the exporter is slow or unreachable, so "
+                "syncscope's view of these ranks is incomplete."
             ),
         }
     if name == "SyncscopeExporterDown":
         exporter = cfg["selectors"]["exporter"]
+
+        def up(*matchers: str) -> str:
+            parts = [m for m in (exporter, *matchers) if m]
+            return f"up{{{', '.join(parts)}}}" if parts else "up"
+
+        # The share of exporters down per scrape job: a rolling restart of many nodes is one
+        # small share at a time, not one alert per node.
+        share = f"count by (job) ({up()} == 0) / count by (job) ({up()})"
+        expr = f"{share} > {thr}"
+        if a.get("none_scraped_severity") == level["severity"]:
+            # No exporter target at all: every exporter gone, or discovery broken.
+            expr = f"\n  {share} > {thr}\nor\n  absent({up()})\n"
+        down = _listing(f"{up(THIS_JOB)} == 0", "{{ $s.Labels.instance }}", "instance")
+        n_down = f"{{{{ {_query(f'count({up(THIS_JOB)} == 0)')} | first | value }}}}"
+        n_all = f"{{{{ {_query(f'count({up(THIS_JOB)})')} | first | value }}}}"
         return {
-            "expr": f"up{{{exporter}}} == 0" if exporter else "up == 0",
-            "summary": "The syncscope exporter {{ $labels.instance }} is down.",
+            "expr": expr,
+            "summary": (
+                "{{ if $labels.job }}{{ $value | humanizePercentage }} of the syncscope "
+                "exporters of scrape job {{ $labels.job }} are down.{{ else }}Prometheus "
+                "scrapes no syncscope exporter at all.{{ end }}"
+            ),
             "description": (
-                "Prometheus has failed to scrape the syncscope exporter at "
-                "{{ $labels.instance }} (scrape job {{ $labels.job }}) for "
-                f"{a['for']}. The ranks on that node are invisible."
+                f"{{{{ if $labels.job }}}}Prometheus has failed to scrape {n_down} of the {n_all} "
+                "syncscope exporters of scrape job {{ $labels.job }} "
+                f"(threshold: more than {_pct(thr)}) for {a['for']}: {down}. The ranks on those "
+                "nodes are invisible.{{ else }}No scrape target matches "
+                f"{up()} for {a['for']}: every exporter is gone, or service discovery no longer "
+                "finds them. syncscope sees no rank at all.{{ end }}"
             ),
         }
     if name == "SyncscopeRankSilent":
         ts = _sel(cfg, M.RANK_LAST_REPORT_TIMESTAMP_SECONDS.name)
+        ts_job = _sel(cfg, M.RANK_LAST_REPORT_TIMESTAMP_SECONDS.name, THIS_JOB)
+        lookback = a["lookback"]
+        # Silent: a rank of the job seen in the lookback (the exporter forgets a rank after
+        # --expire-after, so its series may be gone) that has not reported within the
+        # threshold, while another rank of the job has, and no rank of the job has stepped
+        # within it. A job whose ranks all stop together (its end) has no rank reporting; an
+        # exporter restart hides ranks, but the others keep stepping; a dead or frozen rank
+        # stops its peers at the next collective while their agents keep reporting.
+        silent = (
+            f"max by (rank) (last_over_time({ts_job}[{lookback}]))"
+            f" unless on (rank) (time() - {ts_job} <= {thr})"
+        )
+        ranks = _listing(silent, "{{ $s.Labels.rank }}", "rank")
         return {
-            # The second clause catches ranks the exporter has already expired, whose
-            # timestamp series is gone and cannot trip the first one.
-            "expr": (
-                f"\n  time() - max by (job, rank) ({ts}) > {thr}\nor\n"
-                f"  {WORLD_SIZE} - {RANKS_REPORTING} > 0\n"
-            ),
+            "expr": f"""
+  count by (job) (
+      max by (job, rank) (last_over_time({ts}[{lookback}]))
+    unless on (job, rank)
+      (time() - {ts} <= {thr})
+  )
+and on (job)
+  (time() - max by (job) ({ts}) <= {thr})
+and on (job)
+  (sum by (job) (increase({_sel(cfg, M.STEPS_TOTAL.name)}[{_seconds(thr)}])) == 0)
+""",
             "summary": (
-                "{{ if $labels.rank }}Rank {{ $labels.rank }} of job {{ $labels.job }} "
-                "has stopped reporting.{{ else }}Ranks of job {{ $labels.job }} have stopped "
-                "reporting.{{ end }}"
+                "{{ $value }} rank(s) of job {{ $labels.job }} stopped reporting, "
+                "and the job stopped stepping."
             ),
             "description": (
-                "{{ if $labels.rank }}Rank {{ $labels.rank }} of job {{ $labels.job }} sent its "
-                "last step record {{ $value | humanizeDuration }} ago (threshold "
-                f"{thr}s).{{{{ else }}}}{{{{ $value }}}} rank(s) of job {{{{ $labels.job }}}} are "
-                f"missing: fewer ranks report than {M.WORLD_SIZE.name}.{{{{ end }}}} In synchronous "
-                "training a silent rank is usually a hung or dead process that stalls the job."
+                f"Rank(s) {ranks} of job {{{{ $labels.job }}}} sent no step record or heartbeat "
+                f"for more than {thr}s while the job's other ranks still report but have "
+                f"completed no step in {thr}s: the job waits for the silent ranks (a dead or "
+                "frozen process, or a lost node)."
             ),
         }
     raise KeyError(f"{name}: no expression defined for this alert")
+
+
+# Where each alert's dashboard_url points (monitoring/dashboards.py has the same uids; a unit
+# test keeps the two in step) and whether it can select the alert's training job there.
+OVERVIEW_DASHBOARD = "syncscope-job-overview"
+FABRIC_DASHBOARD = "syncscope-fabric-locality"
+_FABRIC_ALERTS = {"SyncscopeFabricContention", "SyncscopeSlowLink", "SyncscopeLocalityFault"}
+_NOT_A_TRAINING_JOB = {"SyncscopeExporterDown"}  # its job label is the scrape job
+
+
+def dashboard_url(cfg: Mapping[str, Any], alert: str) -> str:
+    uid = FABRIC_DASHBOARD if alert in _FABRIC_ALERTS else OVERVIEW_DASHBOARD
+    url = f"{cfg['dashboard_url_base'].rstrip('/')}/d/{uid}"
+    if alert in _NOT_A_TRAINING_JOB:
+        return url
+    return url + "?var-job={{ $labels.job | urlquery }}"
 
 
 def alerting_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -595,17 +726,17 @@ def alerting_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
     for name, spec in cfg["alerts"].items():
         for level in spec["levels"]:
             t = _alert_texts(cfg, name, level)
-            expr = t["expr"]
             rules.append(
                 {
                     "alert": name,
-                    "expr": _block(expr),
+                    "expr": _block(t["expr"]),
                     "for": spec["for"],
                     "labels": {"severity": level["severity"]},
                     "annotations": {
                         "summary": t["summary"],
                         "description": t["description"],
                         "runbook_url": runbook_url(cfg, name),
+                        "dashboard_url": dashboard_url(cfg, name),
                     },
                 }
             )

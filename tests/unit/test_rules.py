@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from syncscope.cli import main as syncscope
-from syncscope.monitoring import generate, prometheus_config
+from syncscope.monitoring import dashboards, generate, prometheus_config
 from syncscope.monitoring import rules as gen
 from syncscope.monitoring.config import load_config
 
@@ -109,6 +109,7 @@ def test_every_alert_severity_is_tested_on_both_sides_of_its_for_boundary():
                             "summary",
                             "description",
                             "runbook_url",
+                            "dashboard_url",
                         }
     expected = {(r["alert"], r["labels"]["severity"]) for r in rules_doc()["groups"][1]["rules"]}
     assert expected - set(seen) == set()
@@ -129,15 +130,49 @@ def test_alerts_have_severity_for_annotations_and_a_runbook_anchor():
         "SyncscopeExporterDown",
         "SyncscopeRankSilent",
     }
+    cfg = load_config()
     for a in alerts:
         assert a["labels"]["severity"] in {"info", "warning", "critical"}
         assert render.duration_seconds(a["for"]) > 0
         assert a["annotations"]["summary"] and a["annotations"]["description"]
         anchor = f"alert-name-{a['alert'].lower()}"
-        assert a["annotations"]["runbook_url"] == f"docs/runbook.md#{anchor}"
+        # Absolute, so that Alertmanager's and the pager's links work; the e2e tests match
+        # the suffix.
+        assert a["annotations"]["runbook_url"] == (
+            f"https://github.com/syncscope/syncscope/blob/main/docs/runbook.md#{anchor}"
+        )
+        assert a["annotations"]["runbook_url"].startswith(cfg["runbook_url_base"])
         # GitHub derives the anchor from the heading; the explicit id serves other renderers.
         assert f"## Alert Name: {a['alert']}\n" in runbook
         assert f'<a id="{anchor}"></a>' in runbook
+        dashboard = a["annotations"]["dashboard_url"]
+        assert dashboard.startswith("https://grafana.set-dashboard-url-base.invalid/d/")
+        uid = dashboard.split("/d/", 1)[1].split("?", 1)[0]
+        assert uid in {dashboards.OVERVIEW_UID, dashboards.FABRIC_UID}
+        if a["alert"] != "SyncscopeExporterDown":  # its job is the scrape job
+            assert dashboard.endswith("?var-job={{ $labels.job | urlquery }}")
+
+
+def test_urls_follow_the_config():
+    cfg = load_config(
+        {"runbook_url_base": "https://wiki.example/rb", "dashboard_url_base": "https://g.example/"}
+    )
+    (straggler,) = [a for a in gen.alerting_rules(cfg) if a["alert"] == "SyncscopeStraggler"]
+    assert straggler["annotations"]["runbook_url"] == (
+        "https://wiki.example/rb#alert-name-syncscopestraggler"
+    )
+    assert straggler["annotations"]["dashboard_url"] == (
+        "https://g.example/d/syncscope-job-overview?var-job={{ $labels.job | urlquery }}"
+    )
+
+
+def test_alerts_are_one_per_job_not_one_per_rank():
+    """No alert keeps a per-rank label: a thousand ranks must not mean a thousand alerts."""
+    for doc in _test_files():
+        for group in doc["tests"]:
+            for case in group.get("alert_rule_test", []):
+                for exp in case["exp_alerts"]:
+                    assert not {"rank", "local_rank", "fault"} & set(exp["exp_labels"]), exp
 
 
 def test_recording_rule_names_follow_level_metric_operations():
@@ -147,9 +182,17 @@ def test_recording_rule_names_follow_level_metric_operations():
         assert metric.startswith("syncscope_") and re.fullmatch(r"[a-z0-9_]+", ops), rule["record"]
         # The level names the labels the result keeps.
         for label in level.split("_"):
-            assert label in {"job", "rank", "op", "group", "phase", "fault", "stride", "slot", "node"}, (
-                rule["record"]
-            )
+            assert label in {
+                "job",
+                "rank",
+                "op",
+                "group",
+                "phase",
+                "fault",
+                "stride",
+                "slot",
+                "node",
+            }, rule["record"]
 
 
 def test_rules_only_use_contract_metrics_and_their_own_records():
@@ -167,15 +210,30 @@ def test_shipped_thresholds_are_production_values():
     assert [(lv["severity"], lv["threshold"]) for lv in cv] == [("warning", 0.1), ("critical", 0.2)]
 
 
+def _numbers(value: object) -> set[float]:
+    if isinstance(value, bool):
+        return set()
+    if isinstance(value, int | float):
+        return {float(value)}
+    if isinstance(value, dict):
+        return {n for v in value.values() for n in _numbers(v)}
+    if isinstance(value, list):
+        return {n for v in value for n in _numbers(v)}
+    return set()
+
+
 def test_thresholds_live_in_one_place():
-    """An alert expression holds its own level's threshold from the config and no other number."""
+    """An alert expression holds its own level's threshold and its own parameters from the
+    config (other levels' thresholds excluded) and no other number."""
     cfg = load_config()
     for alert in gen.alerting_rules(cfg):
-        levels = cfg["alerts"][alert["alert"]]["levels"]
+        spec = cfg["alerts"][alert["alert"]]
+        levels = spec["levels"]
         level = next(lv for lv in levels if lv["severity"] == alert["labels"]["severity"])
+        params = _numbers({k: v for k, v in spec.items() if k != "levels"})
         # Numbers standing alone: not part of a name, a duration ([1m]) or a decimal.
         numbers = {float(n) for n in re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])", alert["expr"])}
-        allowed = {0.0} | ({float(level["threshold"])} if "threshold" in level else set())
+        allowed = {0.0} | params | ({float(level["threshold"])} if "threshold" in level else set())
         assert numbers <= allowed, (alert["alert"], numbers)
         if "threshold" in level:
             assert float(level["threshold"]) in numbers, alert["alert"]
@@ -223,6 +281,18 @@ MUTATIONS = [
     ("alerts.SyncscopeRankSilent.levels.0.threshold", 600, "health", "SyncscopeRankSilent"),
     ("alerts.SyncscopePacingEngagedLong.for", "20m", "pacing", "SyncscopePacingEngagedLong"),
     ("windows.straggler", "1m", "sync", "straggler"),
+    # The checkpoint gate: a narrower factor lets steady steps across the widest bucket page
+    # ("ckpt10"); a tail quantile beyond the checkpoints' 1% lets the checkpoints page.
+    ("alerts.SyncscopeStepTimeCVHigh.outliers.factor", 2.5, "step", "ckpt10"),
+    ("alerts.SyncscopeStepTimeCVHigh.outliers.quantiles.2", 0.995, "step", "ckpt"),
+    ("alerts.SyncscopeStepTimeCVHigh.outliers.quantiles.2", 0.995, "paging", "ckpt"),
+    ("alerts.SyncscopeStraggler.for", "15m", "paging", "SyncscopeStraggler"),
+    ("alerts.SyncscopeExporterDown.levels.0.threshold", 0.5, "health", "SyncscopeExporterDown"),
+    ("alerts.SyncscopeExporterDown.levels.1.threshold", 0.25, "health", "SyncscopeExporterDown"),
+    ("alerts.SyncscopeExporterDown.levels.1.threshold", 0.1, "paging", "SyncscopeExporterDown"),
+    ("alerts.SyncscopeExporterDown.none_scraped_severity", None, "health", "SyncscopeExporterDown"),
+    ("alerts.SyncscopeRankSilent.lookback", "5m", "health", "SyncscopeRankSilent"),
+    ("alerts.SyncscopeRankSilent.levels.0.threshold", 300, "paging", "SyncscopeRankSilent"),
 ]
 
 
