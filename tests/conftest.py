@@ -7,9 +7,11 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -203,3 +205,43 @@ def promtool() -> str | None:
 
 
 PYTHON = sys.executable
+
+
+class Webhook:
+    """A webhook receiver on 127.0.0.1 keeping every notification with the path it came to."""
+
+    def __init__(self) -> None:
+        self.notifications: list[tuple[str, dict[str, Any]]] = []
+        received = self.notifications
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                received.append((self.path.rsplit("/", 1)[-1], json.loads(body)))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *_args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def to(self, receiver: str) -> list[dict[str, Any]]:
+        """The notifications posted to .../<receiver> (the URL's last path segment)."""
+        return [body for name, body in list(self.notifications) if name == receiver]
+
+    def alerts(self, alertname: str, status: str) -> list[dict[str, Any]]:
+        """Every alert of that name and status in any notification."""
+        return [
+            a
+            for _, n in list(self.notifications)
+            for a in n["alerts"]
+            if a["labels"].get("alertname") == alertname and a["status"] == status
+        ]
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -44,6 +44,8 @@ PHASE_RATIO = "job_phase:syncscope_phase_seconds:ratio"
 COMM_EXPOSED_RATIO = "job:syncscope_comm_exposed:ratio"
 SYNC_AMPLIFICATION = "job:syncscope_sync_amplification:ratio"
 TRANSFER_SAMPLED = "job_stride_slot:syncscope_sampled_transfer_seconds:min"
+TRANSFER_NODE_MIN = "job:syncscope_node_transfer_seconds_per_step:min"
+TRANSFER_SAMPLING_GAP = "job:syncscope_sampled_transfer_seconds:gap_to_node_min"
 TRANSFER_PER_STEP = "job:syncscope_collective_transfer_seconds_per_step:min"
 TRANSFER_INFLATION = "job:syncscope_collective_transfer_seconds_per_step:ratio_to_baseline"
 DDP_BUS_BANDWIDTH = "job:syncscope_ddp_bus_bandwidth_bytes_per_second:ratio"
@@ -172,54 +174,59 @@ and on (job, stride, slot)
   )
 """,
         ),
-        # The job's transfer per step: the mean over the agreed samples of the transfer window
-        # (longer than the rate window: the rings yield about slots × window / (scrape +
-        # report lag) samples whatever the step time, and the transfer drifts slowly). A slot
-        # holds one step over many evaluations, so each slot's mean weighs as the steps it
-        # held (its changes + 1), not as its evaluations. Until a slot agrees, the smallest of
-        # the nodes' mean minima stands in: exact on one node, high on many when the last
-        # rank moves between nodes (the waits then read low).
+        # The job's transfer per step, T. The smallest of the nodes' mean per-step minima over
+        # the rate window has every step in it and no sampling noise, but reads high when the
+        # last rank moves between nodes from step to step (E[min] < min E). The agreed samples
+        # measure that gap: per evaluation, their mean minimum over nodes minus the smallest
+        # node's mean over the same samples. The transfer's own variation, common to every
+        # node, cancels in the difference (a control variate), so the gap, averaged over the
+        # transfer window, is far steadier than the samples themselves. On one node, or with
+        # a persistent straggler, the gap is 0 and T is exact.
+        _record(
+            TRANSFER_NODE_MIN,
+            f"""
+min by (job) (
+    sum by (job, instance) ({_rate(cfg, M.NODE_TRANSFER_SECONDS_TOTAL.name)})
+  /
+    (sum by (job, instance) ({_rate(cfg, M.NODE_POOLED_STEPS_TOTAL.name)}) > 0)
+)
+""",
+        ),
+        _record(
+            TRANSFER_SAMPLING_GAP,
+            f"""
+  avg by (job) ({TRANSFER_SAMPLED})
+-
+  min by (job) (
+    avg by (job, instance) (
+        {_sel(cfg, M.NODE_SAMPLED_TRANSFER_SECONDS.name)}
+      and on (job, stride, slot)
+        {TRANSFER_SAMPLED}
+    )
+  )
+""",
+        ),
         _record(
             TRANSFER_PER_STEP,
             f"""
+  {TRANSFER_NODE_MIN}
++ on (job)
   (
-      sum by (job) (
-          avg_over_time({TRANSFER_SAMPLED}[{w["transfer"]}])
-        *
-          (changes({TRANSFER_SAMPLED}[{w["transfer"]}]) + 1)
-      )
-    /
-      sum by (job) (changes({TRANSFER_SAMPLED}[{w["transfer"]}]) + 1)
-  )
-or
-  min by (job) (
-      sum by (job, instance) ({_rate(cfg, M.NODE_TRANSFER_SECONDS_TOTAL.name)})
-    /
-      (sum by (job, instance) ({_rate(cfg, M.NODE_POOLED_STEPS_TOTAL.name)}) > 0)
+      avg_over_time({TRANSFER_SAMPLING_GAP}[{w["transfer"]}])
+    or
+      0 * {TRANSFER_NODE_MIN}
   )
 """,
         ),
         # Contention (paper §3.3: queueing on shared links) is the transfer inflated against
-        # its own uncontended baseline: the agreed samples of the rate window over the 10th
-        # percentile of the transfer per step over the contention-baseline window. A share of
+        # its own uncontended baseline: the transfer per step over its own 10th percentile over
+        # the contention-baseline window. A share of
         # the step is not contention (a small model on a fast fabric has a large one), nor is
         # a link slow from the start (no uncontended baseline to beat: see the slow link).
         _record(
             TRANSFER_INFLATION,
             f"""
-  (
-      (
-          sum by (job) (
-              avg_over_time({TRANSFER_SAMPLED}[{w["rate"]}])
-            *
-              (changes({TRANSFER_SAMPLED}[{w["rate"]}]) + 1)
-          )
-        /
-          sum by (job) (changes({TRANSFER_SAMPLED}[{w["rate"]}]) + 1)
-      )
-    or
-      {TRANSFER_PER_STEP}
-  )
+  {TRANSFER_PER_STEP}
 /
   (quantile_over_time(0.1, {TRANSFER_PER_STEP}[{w["contention_baseline"]}]) > 0)
 """,

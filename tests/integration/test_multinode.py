@@ -9,14 +9,11 @@ run per scenario, about three minutes in all on a 2-core machine.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -27,7 +24,7 @@ from syncscope.monitoring.prometheus_config import local_config, local_window_s
 from syncscope.nodes import EmulatedNodes, NodesUnavailable, iproute, list_netns
 from syncscope.servers import Alertmanager, Prometheus
 from syncscope.truth import compare, format_comparison, rule_window_steps
-from tests.conftest import torch_available, wait_until
+from tests.conftest import Webhook, torch_available, wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -211,41 +208,6 @@ def test_a_competing_flow_is_contention_only_while_it_runs(tmp_path):
     for node in out["exporters_during"]:  # both exporters said so while the flow ran
         assert node["fabric_contention"]["verdict"], node
         assert node["straggler"] is None, node
-
-
-class Webhook:
-    """A webhook receiver on 127.0.0.1 that keeps every Alertmanager notification."""
-
-    def __init__(self) -> None:
-        self.notifications: list[dict[str, Any]] = []
-        received = self.notifications
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                received.append(json.loads(body))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *_args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def alerts(self, alertname: str, status: str) -> list[dict[str, Any]]:
-        return [
-            a
-            for n in list(self.notifications)
-            for a in n["alerts"]
-            if a["labels"].get("alertname") == alertname and a["status"] == status
-        ]
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @needs_prometheus

@@ -15,11 +15,9 @@ import datetime as dt
 import json
 import shutil
 import subprocess
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ import pytest
 from syncscope.monitoring import generate
 from syncscope.monitoring.prometheus_config import duration_seconds
 from syncscope.servers import _Server
+from tests.conftest import Webhook
 
 yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/install-observability-tools")
 
@@ -50,36 +49,6 @@ needs_promtool = pytest.mark.skipif(
 GROUP_WAIT, GROUP_INTERVAL, SETTLE = "500ms", "1s", 2.5
 
 Labels = dict[str, str]
-
-
-class Webhook:
-    """A webhook receiver on 127.0.0.1 keeping every notification with the path it came to."""
-
-    def __init__(self) -> None:
-        self.notifications: list[tuple[str, dict[str, Any]]] = []
-        received = self.notifications
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                received.append((self.path.rsplit("/", 1)[-1], json.loads(body)))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *_args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def to(self, receiver: str) -> list[dict[str, Any]]:
-        return [body for name, body in list(self.notifications) if name == receiver]
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def shipped_config(hook_url: str) -> dict[str, Any]:
