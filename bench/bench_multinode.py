@@ -36,7 +36,7 @@ from typing import Any
 from syncscope import scenarios as fabric
 from syncscope.monitoring.config import load_config
 from syncscope.monitoring.prometheus_config import duration_seconds, local_config, local_window_s
-from syncscope.monitoring.rules import STRAGGLER_LAG
+from syncscope.monitoring.rules import STRAGGLER_LAG, STRAGGLER_RATIO
 from syncscope.nodes import EmulatedNodes, NodesUnavailable
 from syncscope.servers import Prometheus, free_port
 from syncscope.truth import compare, format_comparison, rule_window_steps
@@ -98,21 +98,29 @@ def one_run(
 WARM_UP_S = 15.0  # start-up (gloo, first steps) and the rules' first full window
 
 
+def _values(found: dict[str, float], label: str) -> set[str]:
+    """The values of `label` in one evaluation of Prometheus.query_range (keys "label=value")."""
+    return {key.removeprefix(f"{label}=") for key in found}
+
+
 def evaluations(prom: Prometheus, job: str, t0: float, t1: float) -> dict[str, Any]:
     """Every rule evaluation (1 s) from t0 to t1: how often each rank was the one named by the
-    straggler rule, and which ranks SyncscopeStraggler was pending or firing for."""
-    named: dict[str, int] = {}
-    alerted: set[str] = set()
-    n = 0
-    t = t0
-    while t <= t1:
-        n += 1
-        for r in prom.query(f'{STRAGGLER_LAG}{{job="{job}"}}', at=t):
-            named[r["metric"]["rank"]] = named.get(r["metric"]["rank"], 0) + 1
-        for a in prom.query(f'ALERTS{{alertname="SyncscopeStraggler",job="{job}"}}', at=t):
-            alerted.add(a["metric"]["rank"])
-        t += 1.0
-    return {"n": n, "named_share": {r: k / n for r, k in named.items()}, "alerted": alerted}
+    straggler rule, and which ranks were over SyncscopeStraggler's line while it was pending or
+    firing (the alert is one per job; the rank is in its summary)."""
+    sel = f'{{job="{job}"}}'
+    line = load_config()["alerts"]["SyncscopeStraggler"]["levels"][0]["threshold"]
+    named = prom.query_range(f"max by (rank) ({STRAGGLER_LAG}{sel})", t0, t1)
+    over = prom.query_range(f"max by (rank) ({STRAGGLER_RATIO}{sel} > {line})", t0, t1)
+    raised = prom.query_range(
+        f'count(ALERTS{{alertname="SyncscopeStraggler",job="{job}"}})', t0, t1
+    )
+    n = len(named)
+    counts: dict[str, int] = {}
+    for found in named.values():
+        for rank in _values(found, "rank"):
+            counts[rank] = counts.get(rank, 0) + 1
+    alerted = {r for t, found in raised.items() if found for r in _values(over.get(t, {}), "rank")}
+    return {"n": n, "named_share": {r: k / n for r, k in counts.items()}, "alerted": alerted}
 
 
 def onset_run(shipped: bool, after_s: float, job: str) -> dict[str, float | None]:
@@ -140,19 +148,17 @@ def onset_run(shipped: bool, after_s: float, job: str) -> dict[str, float | None
         with open(f"{workdir}/{job}.log") as log:
             onset = next(float(line.split()[-1]) for line in log if "slow from unix" in line)
         end = time.time()
-        named, pending, firing = [], [], []
-        t = onset - 5.0
-        while t <= end:  # every evaluation (1 s) from just before the onset on
-            sel = f'{{job="{job}"}}'
-            names = {r["metric"]["rank"] for r in prom.query(STRAGGLER_LAG + sel, at=t)}
-            named.append((t, names == {"3"}))
-            states = {
-                a["metric"]["alertstate"]
-                for a in prom.query(f'ALERTS{{alertname="{alert}",job="{job}",rank="3"}}', at=t)
-            }
-            pending.append((t, bool(states)))
-            firing.append((t, "firing" in states))
-            t += 1.0
+        sel = f'{{job="{job}"}}'
+        t0 = onset - 5.0  # every evaluation (1 s) from just before the onset on
+        names = prom.query_range(f"max by (rank) ({STRAGGLER_LAG}{sel})", t0, end)
+        states = prom.query_range(
+            f'max by (alertstate) (ALERTS{{alertname="{alert}",job="{job}"}})', t0, end
+        )
+        named = [(t, _values(found, "rank") == {"3"}) for t, found in sorted(names.items())]
+        # The alert is one per job: it counts for rank 3 while the rule names rank 3.
+        raised = [(t, _values(states.get(t, {}), "alertstate")) for t, _ in named]
+        pending = [(t, bool(s) and ok) for (t, s), (_, ok) in zip(raised, named, strict=True)]
+        firing = [(t, "firing" in s and ok) for (t, s), (_, ok) in zip(raised, named, strict=True)]
     for_s = duration_seconds(cfg["alerts"][alert]["for"]) if shipped else 2.0
 
     def first_for_good(series: list[tuple[float, bool]]) -> float | None:

@@ -17,7 +17,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-from syncscope.exporter.gpu import collect_gpu
+from syncscope.exporter.gpu import collect_gpu, topology_number
 from syncscope.exporter.settings import STEP_WINDOW
 from syncscope.exporter.store import STEP_BUCKETS, RankView, Store, StoreView
 
@@ -138,10 +138,6 @@ def collect_diagnosis(view: StoreView) -> Iterable[Metric]:
     return [diag, cause, skew, pooled, transfer, sampled_step, sampled]
 
 
-def _number(value: object) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 def collect_links(view: StoreView) -> Iterable[Metric]:
     """Each node's link, as its ranks report it (agent/link.py): the node is the ranks'
     hostname, so a job's nodes are told apart even where one exporter serves several."""
@@ -155,7 +151,7 @@ def collect_links(view: StoreView) -> Iterable[Metric]:
             continue
         seen = links.setdefault((job, r.hostname, interface), {})
         for key in ("link_capacity_bytes_per_second", "link_tx_bytes", "link_rx_bytes"):
-            value = _number(topology.get(key))
+            value = topology_number(topology.get(key))
             if value is not None:  # the ranks of a node read one interface: take the newest
                 seen[key] = max(value, seen.get(key, 0.0))
     for (job, node, interface), seen in sorted(links.items()):

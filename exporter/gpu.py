@@ -33,7 +33,8 @@ def _text(topology: Mapping[str, Any], key: str) -> str:
     return clean_label(str(value))
 
 
-def _number(value: Any) -> float | None:
+def topology_number(value: Any) -> float | None:
+    """A topology field as a gauge value (booleans as 0/1); None where it is not a finite number."""
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, (int, float)) and math.isfinite(value):
@@ -61,7 +62,7 @@ def collect_gpu(view: StoreView) -> Iterable[Metric]:
         try:
             info.add_metric(labels + [_text(topology, k) for k in INFO_KEYS], 1.0)
             for key, family in gauges:
-                value = _number(topology.get(key))
+                value = topology_number(topology.get(key))
                 if value is not None:
                     family.add_metric(labels, value)
         except Exception:  # noqa: BLE001 - one odd rank must not cost the others their series
