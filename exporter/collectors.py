@@ -45,7 +45,19 @@ def histogram(spec: MetricSpec) -> HistogramMetricFamily:
 def rank_views(view: StoreView) -> Iterator[tuple[RankView, list[str]]]:
     """Every rank with its values for the catalog's RANK labels."""
     for job, r in view.ranks():
-        yield r, [job, str(r.rank), str(r.local_rank)]
+        yield r, r.label_values(job)
+
+
+def node_views(view: StoreView) -> Iterator[tuple[list[str], list[RankView]]]:
+    """Every node of every job (its ranks' hostname) with its values for the catalog's NODE
+    labels and its ranks. One exporter usually serves one node; the hostname tells them apart
+    where it serves several (the emulated nodes of the tests share one machine's exporters)."""
+    for job, data in view.jobs.items():
+        by_node: dict[str, list[RankView]] = {}
+        for r in data.ranks:
+            by_node.setdefault(r.hostname, []).append(r)
+        for node, ranks in sorted(by_node.items()):
+            yield [job, node], ranks
 
 
 # The histogram's bucket bounds as exposed: `le` label values, +Inf last.
@@ -53,20 +65,26 @@ BUCKET_BOUNDS = (*(repr(b) for b in STEP_BUCKETS), "+Inf")
 
 
 def collect_steps(view: StoreView) -> Iterable[Metric]:
+    """Per rank: steps, phases and what describes the rank alone; per node: the step-time
+    histogram over every step of the node's ranks (in synchronous training they share one step
+    time, so per-rank buckets would repeat one distribution eight times) and the world size."""
     hist = histogram(M.STEP_DURATION_SECONDS)
+    world = gauge(M.WORLD_SIZE)
+    for labels, ranks in node_views(view):
+        counts = [sum(c) for c in zip(*(r.step_bucket_counts for r in ranks), strict=True)]
+        cumulative, buckets = 0, []
+        for bound, count in zip(BUCKET_BOUNDS, counts, strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        hist.add_metric(labels, buckets, sum(r.step_seconds_sum for r in ranks))
+        world.add_metric(labels, max(r.world_size for r in ranks))
     steps = counter(M.STEPS_TOTAL)
     phases = counter(M.PHASE_SECONDS_TOTAL)
     cv = gauge(M.STEP_TIME_CV)
     lead = gauge(M.ARRIVAL_LEAD_SECONDS)
-    world = gauge(M.WORLD_SIZE)
     last = gauge(M.RANK_LAST_REPORT_TIMESTAMP_SECONDS)
     dropped = counter(M.AGENT_RECORDS_DROPPED_TOTAL)
     for r, labels in rank_views(view):
-        cumulative, buckets = 0, []
-        for bound, count in zip(BUCKET_BOUNDS, r.step_bucket_counts, strict=True):
-            cumulative += count
-            buckets.append((bound, cumulative))
-        hist.add_metric(labels, buckets, r.step_seconds_sum)
         steps.add_metric(labels, r.steps_total)
         for phase in Phase:
             phases.add_metric([*labels, phase.label], r.phase_seconds_total[phase])
@@ -74,25 +92,37 @@ def collect_steps(view: StoreView) -> Iterable[Metric]:
             cv.add_metric(labels, r.step_time_cv)
         if r.arrival_lead_s is not None:
             lead.add_metric(labels, r.arrival_lead_s)
-        world.add_metric(labels, r.world_size)
         last.add_metric(labels, r.last_report_unix_s)
         dropped.add_metric(labels, r.dropped_total)
-    return [hist, steps, phases, cv, lead, world, last, dropped]
+    return [hist, world, steps, phases, cv, lead, last, dropped]
 
 
 def collect_collectives(view: StoreView) -> Iterable[Metric]:
+    """Per rank its collective time (the straggler rules compare ranks by it); per node and
+    (op, group) the sums the fabric rules read (bandwidth, transfer per call)."""
+    per_rank = counter(M.RANK_COLLECTIVE_SECONDS_TOTAL)
+    for r, labels in rank_views(view):
+        per_rank.add_metric(labels, sum(c.seconds for c in r.collectives))
     calls = counter(M.COLLECTIVE_CALLS_TOTAL)
     seconds = counter(M.COLLECTIVE_SECONDS_TOTAL)
     nbytes = counter(M.COLLECTIVE_BYTES_TOTAL)
     wait = counter(M.COLLECTIVE_WAIT_SECONDS_TOTAL)
-    for r, rank_labels in rank_views(view):
-        for c in r.collectives:
-            labels = [*rank_labels, c.op, c.group]
-            calls.add_metric(labels, c.calls)
-            seconds.add_metric(labels, c.seconds)
-            nbytes.add_metric(labels, c.bytes)
-            wait.add_metric(labels, c.wait_seconds)
-    return [calls, seconds, nbytes, wait]
+    for node_labels, ranks in node_views(view):
+        sums: dict[tuple[str, str], list[float]] = {}
+        for r in ranks:
+            for c in r.collectives:
+                total = sums.setdefault((c.op, c.group), [0.0, 0.0, 0.0, 0.0])
+                total[0] += c.calls
+                total[1] += c.seconds
+                total[2] += c.bytes
+                total[3] += c.wait_seconds
+        for (op, group), (n, secs, b, w) in sorted(sums.items()):
+            labels = [*node_labels, op, group]
+            calls.add_metric(labels, n)
+            seconds.add_metric(labels, secs)
+            nbytes.add_metric(labels, b)
+            wait.add_metric(labels, w)
+    return [per_rank, calls, seconds, nbytes, wait]
 
 
 def collect_pacing(view: StoreView) -> Iterable[Metric]:

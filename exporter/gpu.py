@@ -58,7 +58,7 @@ def collect_gpu(view: StoreView) -> Iterable[Metric]:
         topology = rank.topology
         if topology is None or not has_gpu(topology):
             continue
-        labels = [job, str(rank.rank), str(rank.local_rank)]
+        labels = rank.label_values(job)
         try:
             info.add_metric(labels + [_text(topology, k) for k in INFO_KEYS], 1.0)
             for key, family in gauges:

@@ -140,6 +140,10 @@ class RankView:
     topology: Mapping[str, Any] | None
     recent_steps: tuple[RecentStep, ...]
 
+    def label_values(self, job: str) -> list[str]:
+        """Its values for the catalog's RANK labels (job, node, rank, local_rank)."""
+        return [job, self.hostname, str(self.rank), str(self.local_rank)]
+
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> RankView:
         """The inverse of `as_json` for one rank: how recorded /v1/state snapshots are replayed."""

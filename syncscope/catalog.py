@@ -72,8 +72,12 @@ CLOCK_EVENT_REASONS = (
     ClockEventReason(0x80, "power brake", "power brake", slows=True),
 )
 
-RANK = ("job", "rank", "local_rank")
-COLLECTIVE = (*RANK, "op", "group")
+# A rank's series name its node (the hostname its agent reports), so a page names where it is.
+RANK = ("job", "node", "rank", "local_rank")
+# What every rank of a node shares or sums to is exposed once per node (issue 20: series per
+# rank, and what the rules re-read every evaluation, fall 8× on an 8-GPU node).
+NODE = ("job", "node")
+COLLECTIVE = (*NODE, "op", "group")
 GPU_PREFIX = "syncscope_gpu_"  # every GPU gauge is GPU_PREFIX + the topology key it reports
 
 
@@ -91,9 +95,14 @@ def _process(name: str, type_: str, help_: str, unit: str = "") -> MetricSpec:
     return MetricSpec(name, type_, help_, (), "process", unit)
 
 
-# -- per rank: steps and phases
-STEP_DURATION_SECONDS = _rank(
-    "syncscope_step_duration_seconds", "histogram", "Training step wall time.", "seconds"
+# -- per node: steps; per rank: steps and phases
+STEP_DURATION_SECONDS = MetricSpec(
+    "syncscope_step_duration_seconds",
+    "histogram",
+    "Training step wall time, every step of every rank on the node.",
+    NODE,
+    "always",
+    "seconds",
 )
 STEPS_TOTAL = _rank("syncscope_steps_total", "counter", "Training steps completed.")
 PHASE_SECONDS_TOTAL = MetricSpec(
@@ -104,14 +113,18 @@ PHASE_SECONDS_TOTAL = MetricSpec(
     "always",
     "seconds",
 )
-# -- per rank: collectives
+# -- per node: collectives, summed over the node's ranks; per rank: collective time
 COLLECTIVE_CALLS_TOTAL = MetricSpec(
-    "syncscope_collective_calls_total", "counter", "Collective calls.", COLLECTIVE, "always"
+    "syncscope_collective_calls_total",
+    "counter",
+    "Collective calls, summed over the node's ranks.",
+    COLLECTIVE,
+    "always",
 )
 COLLECTIVE_SECONDS_TOTAL = MetricSpec(
     "syncscope_collective_seconds_total",
     "counter",
-    "Collective time on this rank, entry to exit.",
+    "Collective time, entry to exit, summed over the node's ranks.",
     COLLECTIVE,
     "always",
     "seconds",
@@ -119,7 +132,7 @@ COLLECTIVE_SECONDS_TOTAL = MetricSpec(
 COLLECTIVE_BYTES_TOTAL = MetricSpec(
     "syncscope_collective_bytes_total",
     "counter",
-    "Bytes moved by collectives.",
+    "Bytes moved by collectives, summed over the node's ranks.",
     COLLECTIVE,
     "always",
     "bytes",
@@ -127,9 +140,15 @@ COLLECTIVE_BYTES_TOTAL = MetricSpec(
 COLLECTIVE_WAIT_SECONDS_TOTAL = MetricSpec(
     "syncscope_collective_wait_seconds_total",
     "counter",
-    "Part of collective time spent waiting for the last peer.",
+    "Part of collective time spent waiting for the last peer, summed over the node's ranks.",
     COLLECTIVE,
     "always",
+    "seconds",
+)
+RANK_COLLECTIVE_SECONDS_TOTAL = _rank(
+    "syncscope_rank_collective_seconds_total",
+    "counter",
+    "Collective time on this rank, entry to exit, every op and group.",
     "seconds",
 )
 ARRIVAL_LEAD_SECONDS = _rank(
@@ -145,7 +164,9 @@ STEP_TIME_CV = _rank(
     f"Coefficient of variation of step time over the last {STEP_WINDOW} steps.",
 )
 # -- per rank: liveness and transport
-WORLD_SIZE = _rank("syncscope_world_size", "gauge", "World size the rank reports.")
+WORLD_SIZE = MetricSpec(
+    "syncscope_world_size", "gauge", "World size the node's ranks report.", NODE, "always"
+)
 RANK_LAST_REPORT_TIMESTAMP_SECONDS = _rank(
     "syncscope_rank_last_report_timestamp_seconds",
     "gauge",
@@ -379,23 +400,25 @@ ALERTS = MetricSpec(
 )
 
 SECTIONS = (
+    Section("per rank: steps and phases", (STEPS_TOTAL, PHASE_SECONDS_TOTAL)),
     Section(
-        "per rank: steps and phases", (STEP_DURATION_SECONDS, STEPS_TOTAL, PHASE_SECONDS_TOTAL)
+        "per rank: collectives and arrival",
+        (RANK_COLLECTIVE_SECONDS_TOTAL, ARRIVAL_LEAD_SECONDS, STEP_TIME_CV),
     ),
     Section(
-        "per rank: collectives",
+        "per rank: liveness and transport",
+        (RANK_LAST_REPORT_TIMESTAMP_SECONDS, AGENT_RECORDS_DROPPED_TOTAL),
+    ),
+    Section(
+        "per node: steps, collectives and world size, over the node's ranks",
         (
+            STEP_DURATION_SECONDS,
             COLLECTIVE_CALLS_TOTAL,
             COLLECTIVE_SECONDS_TOTAL,
             COLLECTIVE_BYTES_TOTAL,
             COLLECTIVE_WAIT_SECONDS_TOTAL,
-            ARRIVAL_LEAD_SECONDS,
-            STEP_TIME_CV,
+            WORLD_SIZE,
         ),
-    ),
-    Section(
-        "per rank: liveness and transport",
-        (WORLD_SIZE, RANK_LAST_REPORT_TIMESTAMP_SECONDS, AGENT_RECORDS_DROPPED_TOTAL),
     ),
     Section(
         "per rank: pacing controller",

@@ -38,8 +38,10 @@ WORLD_SIZE = "job:syncscope_world_size:max"
 RANKS_REPORTING = "job:syncscope_ranks_reporting:count"
 STEPS_RATE = "job:syncscope_steps:rate"
 STEP_MEAN = "job:syncscope_step_duration_seconds:mean"
+STEP_BUCKET_RATE = "job_le:syncscope_step_duration_seconds_bucket:rate"
 STEP_QUANTILE = "job:syncscope_step_duration_seconds:histogram_quantile"
 STEP_CV = "job:syncscope_step_time_cv:max"
+PHASE_RATE = "job_phase:syncscope_phase_seconds:rate"
 PHASE_RATIO = "job_phase:syncscope_phase_seconds:ratio"
 COMM_EXPOSED_RATIO = "job:syncscope_comm_exposed:ratio"
 SYNC_AMPLIFICATION = "job:syncscope_sync_amplification:ratio"
@@ -129,26 +131,25 @@ def recording_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
 """,
         ),
     ]
+    # Every rule reads the job's buckets once (issue 20: each quantile re-reading every node's
+    # buckets cost three passes over the largest family).
+    rules.append(_record(STEP_BUCKET_RATE, f"sum by (job, le) ({_rate(cfg, STEP_SECONDS_BUCKET)})"))
     for q in cfg["step_quantiles"]:
         rules.append(
             _record(
-                STEP_QUANTILE,
-                f"histogram_quantile({q}, sum by (job, le) ({_rate(cfg, STEP_SECONDS_BUCKET)}))",
-                {"quantile": str(q)},
+                STEP_QUANTILE, f"histogram_quantile({q}, {STEP_BUCKET_RATE})", {"quantile": str(q)}
             )
         )
     rules += [
         # The noisiest rank: in lockstep training every rank sees the same step times, so
         # a max that stands out points at the exporter side, not at the job.
         _record(STEP_CV, f"max by (job) ({_sel(cfg, M.STEP_TIME_CV.name)})"),
-        # Phases add up to the step, so each phase's share is its rate over the sum of all.
+        # Phases add up to the step, so each phase's share is its rate over the sum of all;
+        # every rank's phases are read once.
+        _record(PHASE_RATE, f"sum by (job, phase) ({_rate(cfg, M.PHASE_SECONDS_TOTAL.name)})"),
         _record(
             PHASE_RATIO,
-            f"""
-  sum by (job, phase) ({_rate(cfg, M.PHASE_SECONDS_TOTAL.name)})
-/ ignoring (phase) group_left ()
-  sum by (job) ({_rate(cfg, M.PHASE_SECONDS_TOTAL.name)})
-""",
+            f"{PHASE_RATE}\n/ ignoring (phase) group_left ()\n  sum by (job) ({PHASE_RATE})\n",
         ),
         _record(COMM_EXPOSED_RATIO, f'sum without (phase) ({PHASE_RATIO}{{phase="comm_exposed"}})'),
         # Job-wide truth from every node (issue 15). At step k a rank's collective time is
@@ -255,9 +256,11 @@ clamp_min(
         _record(
             SYNC_PER_STEP,
             f"""
-  sum by (job, rank) ({_rate(cfg, M.COLLECTIVE_SECONDS_TOTAL.name, window=w["straggler"])})
+  sum by (job, node, rank) (
+    {_rate(cfg, M.RANK_COLLECTIVE_SECONDS_TOTAL.name, window=w["straggler"])}
+  )
 /
-  (sum by (job, rank) ({_rate(cfg, M.STEPS_TOTAL.name, window=w["straggler"])}) > 0)
+  (sum by (job, node, rank) ({_rate(cfg, M.STEPS_TOTAL.name, window=w["straggler"])}) > 0)
 """,
         ),
         _record(
@@ -395,7 +398,7 @@ or
         _record(
             LOCALITY_FAULT,
             f"""
-max by (job, rank, fault) (
+max by (job, node, rank, fault) (
     label_replace(
       {_sel(cfg, M.GPU_PCIE_LINK_WIDTH.name)} < bool {_sel(cfg, M.GPU_PCIE_LINK_MAX_WIDTH.name)},
       "fault", "pcie_width", "", ""
@@ -531,7 +534,10 @@ and on (job)
         }
     if name == "SyncscopeStraggler":
         straggler = _listing(
-            f"{STRAGGLER_RATIO}{{{THIS_JOB}}}", "{{ $s.Labels.rank }}", "rank", limit=3
+            f"{STRAGGLER_RATIO}{{{THIS_JOB}}}",
+            "{{ $s.Labels.rank }} (node {{ $s.Labels.node }})",
+            "rank",
+            limit=3,
         )
         return {
             "expr": f"max by (job) ({STRAGGLER_RATIO}) > {thr}",
@@ -586,7 +592,7 @@ and on (job)
     if name == "SyncscopeLocalityFault":
         faults = _listing(
             f"{LOCALITY_FAULT}{{{THIS_JOB}}} > 0",
-            "rank {{ $s.Labels.rank }} {{ $s.Labels.fault }}",
+            "rank {{ $s.Labels.rank }} on {{ $s.Labels.node }} {{ $s.Labels.fault }}",
             "rank",
         )
         return {
@@ -682,10 +688,10 @@ and on (job)
         # exporter restart hides ranks, but the others keep stepping; a dead or frozen rank
         # stops its peers at the next collective while their agents keep reporting.
         silent = (
-            f"max by (rank) (last_over_time({ts_job}[{lookback}]))"
+            f"max by (node, rank) (last_over_time({ts_job}[{lookback}]))"
             f" unless on (rank) (time() - {ts_job} <= {thr})"
         )
-        ranks = _listing(silent, "{{ $s.Labels.rank }}", "rank")
+        ranks = _listing(silent, "{{ $s.Labels.rank }} (node {{ $s.Labels.node }})", "rank")
         return {
             "expr": f"""
   count by (job) (

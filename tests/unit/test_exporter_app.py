@@ -61,25 +61,29 @@ def client():
 
 
 def test_ingest_then_scrape(client):
-    r = client.post("/v1/ingest", json=BATCH)
+    r = client.post("/v1/ingest", json={**BATCH, "agent": {**BATCH["agent"], "hostname": "h"}})
     assert r.status_code == 200, r.text
     assert "all_reduce|default_pg|10" in r.json()["baselines"]
+    # A second rank on the same host: per-rank series name the node, per-node ones sum both.
+    other = {**BATCH, "agent": {**BATCH["agent"], "rank": 1, "local_rank": 1, "hostname": "h"}}
+    assert client.post("/v1/ingest", json=other).status_code == 200
     text = client.get("/metrics").text
-    assert parse_samples(text, "syncscope_steps_total") == {
-        (("job", "j"), ("local_rank", "0"), ("rank", "0")): 10.0
-    }
+    rank0 = (("job", "j"), ("local_rank", "0"), ("node", "h"), ("rank", "0"))
+    rank1 = (("job", "j"), ("local_rank", "1"), ("node", "h"), ("rank", "1"))
+    assert parse_samples(text, "syncscope_steps_total") == {rank0: 10.0, rank1: 10.0}
     phases = parse_samples(text, "syncscope_phase_seconds_total")
-    assert sum(phases.values()) == pytest.approx(1.0)
+    assert sum(phases.values()) == pytest.approx(2.0)
     assert parse_samples(text, "syncscope_agent_records_dropped_total")
-    assert parse_samples(text, "syncscope_collective_bytes_total") == {
-        (
-            ("group", "default_pg"),
-            ("job", "j"),
-            ("local_rank", "0"),
-            ("op", "all_reduce"),
-            ("rank", "0"),
-        ): 10240.0
+    assert parse_samples(text, "syncscope_rank_collective_seconds_total") == {
+        rank0: pytest.approx(0.1),
+        rank1: pytest.approx(0.1),
     }
+    node = (("job", "j"), ("node", "h"))
+    assert parse_samples(text, "syncscope_collective_bytes_total") == {
+        (("group", "default_pg"), *node, ("op", "all_reduce")): 20480.0
+    }
+    assert parse_samples(text, "syncscope_step_duration_seconds_count") == {node: 20.0}
+    assert parse_samples(text, "syncscope_world_size") == {node: 2.0}
     ok = parse_samples(text, "syncscope_exporter_collector_success")
     assert ok and all(v == 1.0 for v in ok.values())
     state = client.get("/v1/state?recent=5").json()

@@ -43,6 +43,7 @@ def batch(rank: int, topo: dict | None) -> bytes:
                 "local_rank": rank,
                 "world_size": 3,
                 "incarnation": f"i{rank}",
+                "hostname": "gpu-node-7",
             },
             "steps": [
                 {"step": 0, "duration_s": 0.03, "end_unix_s": 1.7e9, "phases": {"forward": 0.01}}

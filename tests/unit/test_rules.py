@@ -192,6 +192,7 @@ def test_recording_rule_names_follow_level_metric_operations():
                 "stride",
                 "slot",
                 "node",
+                "le",
             }, rule["record"]
 
 

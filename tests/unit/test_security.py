@@ -164,7 +164,9 @@ def test_metrics_listener_serves_metrics_only_and_unix_ingest_is_0660(tmp_path):
         # the metrics-only listener: /metrics and nothing else, not even with the token
         status, text = _get(metrics_port, "/metrics")
         assert status == 200 and b'syncscope_steps_total{job="sec"' in text
-        assert b"node-1" not in text  # hostnames live in /v1/state, never in metrics
+        # The node label names the host (issue 17: a page says where a rank is); pids and
+        # incarnations stay in /v1/state.
+        assert b'node="node-1"' in text and b"inc-1" not in text
         for method, path in (
             ("POST", INGEST_PATH),
             ("GET", "/v1/state"),
