@@ -756,11 +756,60 @@ def alerting_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rules
 
 
+# The recording rules in groups (issue 20). Prometheus evaluates groups concurrently, each
+# one's rules in order; a rule reading another group's result sees its last evaluation. A chain
+# that must be fresh within one evaluation (the straggler's lead, skew and lag) stays in one
+# group; the order here is also promtool's group_eval_order (deploy/prometheus/tests).
+RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
+    "syncscope.job": (
+        WORLD_SIZE,
+        RANKS_REPORTING,
+        STEPS_RATE,
+        STEP_MEAN,
+        STEP_BUCKET_RATE,
+        STEP_QUANTILE,
+        STEP_CV,
+        PHASE_RATE,
+        PHASE_RATIO,
+        COMM_EXPOSED_RATIO,
+        PACING_ACTIVE,
+        PACING_RATIO,
+    ),
+    "syncscope.straggler": (
+        SYNC_PER_STEP,
+        LEAD_AVG,
+        SKEW,
+        SKEW_RATIO,
+        STRAGGLER_LAG,
+        STRAGGLER_RATIO,
+    ),
+    "syncscope.transfer": (
+        TRANSFER_SAMPLED,
+        TRANSFER_NODE_MIN,
+        TRANSFER_SAMPLING_GAP,
+        TRANSFER_PER_STEP,
+        TRANSFER_INFLATION,
+        SYNC_AMPLIFICATION,
+        DDP_BUS_BANDWIDTH,
+        LINK_CAPACITY,
+        LINK_CAPACITY_RATIO,
+        LINK_UTILIZATION,
+    ),
+    "syncscope.fabric": (BUS_BANDWIDTH, TRANSFER_PER_CALL, CONTENTION, LOCALITY_FAULT),
+}
+ALERTS_GROUP = "syncscope.alerts"
+GROUP_ORDER = (*RECORDING_GROUPS, ALERTS_GROUP)
+
+
 def rule_groups(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    group_of = {name: group for group, names in RECORDING_GROUPS.items() for name in names}
+    grouped: dict[str, list[dict[str, Any]]] = {group: [] for group in RECORDING_GROUPS}
+    for rule in recording_rules(cfg):
+        grouped[group_of[rule["record"]]].append(rule)  # KeyError: a rule with no group
     return {
         "groups": [
-            {"name": "syncscope.rules", "rules": recording_rules(cfg)},
-            {"name": "syncscope.alerts", "rules": alerting_rules(cfg)},
+            *({"name": group, "rules": rules} for group, rules in grouped.items()),
+            {"name": ALERTS_GROUP, "rules": alerting_rules(cfg)},
         ]
     }
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from syncscope.monitoring import generate
+from syncscope.monitoring import generate, rules
 from syncscope.monitoring.prometheus_config import duration_seconds
 from syncscope.servers import _Server
 from tests.conftest import Webhook
@@ -234,7 +234,7 @@ def _rolling_restart(nodes: int, down_min: int = 2, start_min: int = 5) -> tuple
     lines = [
         "rule_files: [../rules/syncscope.rules.yml]",
         "evaluation_interval: 1m",
-        "group_eval_order: [syncscope.rules, syncscope.alerts]",
+        f"group_eval_order: [{', '.join(rules.GROUP_ORDER)}]",
         "tests:",
         "  - name: rolling restart",
         "    interval: 1m",

@@ -44,6 +44,16 @@ def rules_doc() -> dict:
     return yaml.safe_load(RULES_PATH.read_text())
 
 
+def recording_rules(doc: dict) -> list[dict]:
+    """Every recording rule, over the recording groups."""
+    return [r for g in doc["groups"] for r in g["rules"] if "record" in r]
+
+
+def alert_rules(doc: dict) -> list[dict]:
+    (group,) = (g for g in doc["groups"] if g["name"] == gen.ALERTS_GROUP)
+    return group["rules"]
+
+
 def test_generated_files_match_the_package():
     """Rules, PrometheusRule, compose config, dashboards, contract, README table: all current."""
     assert generate.main(ROOT, check=True) == 0, "run: syncscope generate"
@@ -79,7 +89,7 @@ def test_every_recording_rule_has_a_promtool_case():
         for group in doc["tests"]:
             for case in group.get("promql_expr_test", []):
                 used |= gen.metric_names(case["expr"])
-    recorded = {r["record"] for r in rules_doc()["groups"][0]["rules"]}
+    recorded = {r["record"] for r in recording_rules(rules_doc())}
     assert recorded - used == set()
 
 
@@ -88,7 +98,7 @@ def test_every_alert_severity_is_tested_on_both_sides_of_its_for_boundary():
     seen: dict[tuple[str, str], list[int]] = {}
     for doc in _test_files():
         # Without a fixed order promtool runs the groups in random order (flaky for-timing).
-        assert doc["group_eval_order"] == ["syncscope.rules", "syncscope.alerts"]
+        assert doc["group_eval_order"] == list(gen.GROUP_ORDER)
         step = render.duration_seconds(doc["evaluation_interval"])
         for group in doc["tests"]:
             cases = group.get("alert_rule_test", [])
@@ -111,13 +121,13 @@ def test_every_alert_severity_is_tested_on_both_sides_of_its_for_boundary():
                             "runbook_url",
                             "dashboard_url",
                         }
-    expected = {(r["alert"], r["labels"]["severity"]) for r in rules_doc()["groups"][1]["rules"]}
+    expected = {(r["alert"], r["labels"]["severity"]) for r in alert_rules(rules_doc())}
     assert expected - set(seen) == set()
 
 
 def test_alerts_have_severity_for_annotations_and_a_runbook_anchor():
     runbook = RUNBOOK.read_text()
-    alerts = rules_doc()["groups"][1]["rules"]
+    alerts = alert_rules(rules_doc())
     assert {a["alert"] for a in alerts} == {
         "SyncscopeStepTimeCVHigh",
         "SyncscopeStraggler",
@@ -176,7 +186,7 @@ def test_alerts_are_one_per_job_not_one_per_rank():
 
 
 def test_recording_rule_names_follow_level_metric_operations():
-    for rule in rules_doc()["groups"][0]["rules"]:
+    for rule in recording_rules(rules_doc()):
         level, metric, ops = rule["record"].split(":")
         assert re.fullmatch(r"[a-z]+(_[a-z]+)*", level), rule["record"]
         assert metric.startswith("syncscope_") and re.fullmatch(r"[a-z0-9_]+", ops), rule["record"]
@@ -198,7 +208,7 @@ def test_recording_rule_names_follow_level_metric_operations():
 
 def test_rules_only_use_contract_metrics_and_their_own_records():
     contract = gen.series_conditions()
-    recorded = {r["record"] for r in rules_doc()["groups"][0]["rules"]}
+    recorded = {r["record"] for r in recording_rules(rules_doc())}
     for group in rules_doc()["groups"]:
         for rule in group["rules"]:
             unknown = gen.metric_names(rule["expr"]) - contract.keys() - recorded
@@ -251,8 +261,9 @@ def test_overrides_apply_and_typos_fail(tmp_path):
         == 0
     )
     doc = yaml.safe_load((out / "syncscope.rules.yml").read_text())
-    assert {a["for"] for a in doc["groups"][1]["rules"]} == {"2s"}
-    assert "[10s]" in doc["groups"][0]["rules"][2]["expr"]
+    assert {a["for"] for a in alert_rules(doc)} == {"2s"}
+    steps_rate = next(r for r in recording_rules(doc) if r["record"] == gen.STEPS_RATE)
+    assert "[10s]" in steps_rate["expr"]
 
 
 # Each mutation must make the named promtool test file fail, naming the alert or rule.
@@ -359,4 +370,4 @@ def test_thresholds_file_is_plain_json():
     from syncscope.monitoring.config import thresholds_text
 
     data = json.loads(thresholds_text())
-    assert set(data["alerts"]) == {a["alert"] for a in rules_doc()["groups"][1]["rules"]}
+    assert set(data["alerts"]) == {a["alert"] for a in alert_rules(rules_doc())}
