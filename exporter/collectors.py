@@ -19,7 +19,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from syncscope.exporter.gpu import collect_gpu, topology_number
 from syncscope.exporter.settings import STEP_WINDOW
-from syncscope.exporter.store import STEP_BUCKETS, RankView, Store, StoreView
+from syncscope.exporter.store import RATIO_BUCKETS, STEP_BUCKETS, RankView, Store, StoreView
 
 from syncscope import catalog as M
 from syncscope.catalog import MetricSpec
@@ -60,8 +60,18 @@ def node_views(view: StoreView) -> Iterator[tuple[list[str], list[RankView]]]:
             yield [job, node], ranks
 
 
-# The histogram's bucket bounds as exposed: `le` label values, +Inf last.
+# The histograms' bucket bounds as exposed: `le` label values, +Inf last.
 BUCKET_BOUNDS = (*(repr(b) for b in STEP_BUCKETS), "+Inf")
+RATIO_BOUNDS = (*(repr(b) for b in RATIO_BUCKETS), "+Inf")
+
+
+def cumulative(bounds: tuple[str, ...], counts: Iterable[int]) -> list[tuple[str, float]]:
+    """Per-bucket counts (not cumulative) as a histogram's (le, cumulative count) pairs."""
+    total, buckets = 0.0, []
+    for bound, count in zip(bounds, counts, strict=True):
+        total += count
+        buckets.append((bound, total))
+    return buckets
 
 
 def collect_steps(view: StoreView) -> Iterable[Metric]:
@@ -69,14 +79,21 @@ def collect_steps(view: StoreView) -> Iterable[Metric]:
     histogram over every step of the node's ranks (in synchronous training they share one step
     time, so per-rank buckets would repeat one distribution eight times) and the world size."""
     hist = histogram(M.STEP_DURATION_SECONDS)
+    ratio = histogram(M.STEP_DURATION_RATIO)
     world = gauge(M.WORLD_SIZE)
     for labels, ranks in node_views(view):
         counts = [sum(c) for c in zip(*(r.step_bucket_counts for r in ranks), strict=True)]
-        cumulative, buckets = 0, []
-        for bound, count in zip(BUCKET_BOUNDS, counts, strict=True):
-            cumulative += count
-            buckets.append((bound, cumulative))
-        hist.add_metric(labels, buckets, sum(r.step_seconds_sum for r in ranks))
+        hist.add_metric(
+            labels, cumulative(BUCKET_BOUNDS, counts), sum(r.step_seconds_sum for r in ranks)
+        )
+        with_ratios = [r for r in ranks if r.step_ratio_bucket_counts]
+        if with_ratios:
+            counts = [
+                sum(c) for c in zip(*(r.step_ratio_bucket_counts for r in with_ratios), strict=True)
+            ]
+            ratio.add_metric(
+                labels, cumulative(RATIO_BOUNDS, counts), sum(r.step_ratio_sum for r in with_ratios)
+            )
         world.add_metric(labels, max(r.world_size for r in ranks))
     steps = counter(M.STEPS_TOTAL)
     phases = counter(M.PHASE_SECONDS_TOTAL)
@@ -94,7 +111,7 @@ def collect_steps(view: StoreView) -> Iterable[Metric]:
             lead.add_metric(labels, r.arrival_lead_s)
         last.add_metric(labels, r.last_report_unix_s)
         dropped.add_metric(labels, r.dropped_total)
-    return [hist, world, steps, phases, cv, lead, last, dropped]
+    return [hist, ratio, world, steps, phases, cv, lead, last, dropped]
 
 
 def collect_collectives(view: StoreView) -> Iterable[Metric]:

@@ -58,6 +58,11 @@ STEP_BUCKETS = (
     30.0,
     60.0,
 )
+# Each step's duration over its rank's median step (RATIO_MEDIAN_EVERY steps old at most): the
+# jitter histogram, alike at 10 ms and 10 s steps (issue 17: absolute buckets 1, 2.5, 5 s cannot
+# show 10 % jitter on a 1.2 s step). 1 is left out: the median splits steps half and half.
+RATIO_BUCKETS = (0.5, 0.8, 0.9, 0.95, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0, 5.0)
+RATIO_MEDIAN_EVERY = 16
 # Field metadata for `as_json`. BY_PHASE: the field holds one number per wire.Phase, in Phase
 # order (index it with a Phase), and its JSON is an object keyed by phase label ({} when the
 # tuple is empty). OMIT_IF_NONE: the key is left out of the JSON while the field is None.
@@ -139,6 +144,8 @@ class RankView:
     pacing: PacingState | None  # totals include earlier incarnations of the rank
     topology: Mapping[str, Any] | None
     recent_steps: tuple[RecentStep, ...]
+    step_ratio_bucket_counts: tuple[int, ...] = ()  # per RATIO_BUCKETS bound, then +Inf
+    step_ratio_sum: float = 0.0
 
     def label_values(self, job: str) -> list[str]:
         """Its values for the catalog's RANK labels (job, node, rank, local_rank)."""
@@ -155,6 +162,7 @@ class RankView:
             **{
                 **data,
                 "step_bucket_counts": tuple(data["step_bucket_counts"]),
+                "step_ratio_bucket_counts": tuple(data.get("step_ratio_bucket_counts", ())),
                 "phase_seconds_total": by_phase(data["phase_seconds_total"]),
                 "phase_shares": by_phase(data["phase_shares"]),
                 "collectives": tuple(CollectiveView(**c) for c in data["collectives"]),
@@ -255,6 +263,9 @@ class RankState:
     phase_seconds: list[float] = field(default_factory=lambda: [0.0] * len(PHASES))
     step_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
     step_seconds_sum: float = 0.0
+    ratio_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(RATIO_BUCKETS) + 1))
+    ratio_sum: float = 0.0
+    median_s: float = 0.0  # of the window, every RATIO_MEDIAN_EVERY steps; 0: none yet
     collectives: dict[tuple[str, str], CollectiveTotals] = field(default_factory=dict)
     dropped_before: int = 0  # records lost by earlier incarnations of this rank
     dropped_current: int = 0
@@ -447,6 +458,12 @@ class Store:
             state.steps_total += 1
             state.step_seconds_sum += d
             state.step_bucket_counts[bisect.bisect_left(STEP_BUCKETS, d)] += 1
+            if state.steps_total % RATIO_MEDIAN_EVERY == 0 and len(state.window) >= 8:
+                state.median_s = statistics.median(state.window)  # amortised: 1 in 16 steps
+            if state.median_s > 0:
+                ratio = d / state.median_s
+                state.ratio_bucket_counts[bisect.bisect_left(RATIO_BUCKETS, ratio)] += 1
+                state.ratio_sum += ratio
             for i, v in enumerate(values):
                 state.phase_seconds[i] += v
             state.window.append(d)
@@ -612,4 +629,6 @@ def _rank_view(s: RankState, now: float, stale_after: float, keep: int | None) -
         pacing=pacing,
         topology=s.topology,
         recent_steps=recent,
+        step_ratio_bucket_counts=tuple(s.ratio_bucket_counts),
+        step_ratio_sum=s.ratio_sum,
     )

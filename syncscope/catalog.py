@@ -104,6 +104,15 @@ STEP_DURATION_SECONDS = MetricSpec(
     "always",
     "seconds",
 )
+STEP_DURATION_RATIO = MetricSpec(
+    "syncscope_step_duration_ratio",
+    "histogram",
+    "Each step's wall time over its rank's median step (of the last "
+    f"{STEP_WINDOW} steps), every step of every rank on the node: jitter at any step length.",
+    NODE,
+    "always",
+    "ratio",
+)
 STEPS_TOTAL = _rank("syncscope_steps_total", "counter", "Training steps completed.")
 PHASE_SECONDS_TOTAL = MetricSpec(
     "syncscope_phase_seconds_total",
@@ -413,6 +422,7 @@ SECTIONS = (
         "per node: steps, collectives and world size, over the node's ranks",
         (
             STEP_DURATION_SECONDS,
+            STEP_DURATION_RATIO,
             COLLECTIVE_CALLS_TOTAL,
             COLLECTIVE_SECONDS_TOTAL,
             COLLECTIVE_BYTES_TOTAL,

@@ -227,3 +227,38 @@ def test_bad_v2_rows_get_422_and_lose_nothing(client, mutate, where):
     assert r.status_code == 422, r.text
     assert where in r.text and "input" not in r.text
     assert _series(client) == before
+
+
+def _ratio_buckets(client, durations: list[float], job: str) -> dict[str, float]:
+    """{le: non-cumulative count} of the node's step-ratio histogram after these steps."""
+    batch = {
+        **BATCH,
+        "agent": {**BATCH["agent"], "job": job, "hostname": "h"},
+        "steps": [
+            {"step": i, "duration_s": d, "end_unix_s": 1.7e9 + i, "phases": {"forward": d}}
+            for i, d in enumerate(durations)
+        ],
+        "collectives": [],
+    }
+    assert client.post("/v1/ingest", json=batch).status_code == 200
+    text = client.get("/metrics").text
+    cumulative = {
+        dict(k)["le"]: v
+        for k, v in parse_samples(text, "syncscope_step_duration_ratio_bucket").items()
+        if dict(k)["job"] == job
+    }
+    les = sorted(cumulative, key=float)
+    return {le: cumulative[le] - (cumulative[les[i - 1]] if i else 0) for i, le in enumerate(les)}
+
+
+@pytest.mark.parametrize("step_s", [0.012, 1.2])
+def test_jitter_shows_at_any_step_length(client, step_s):
+    """Issue 17: steps 8 % under, at and 8 % over 1.2 s (or 12 ms) land in the ratio buckets
+    either side of the rank's median; steady steps next to it. Absolute buckets (1, 2.5 s) hold
+    all of them in one."""
+    jittery = _ratio_buckets(client, [step_s * (0.92, 1.0, 1.08)[i % 3] for i in range(195)], "j")
+    steady = _ratio_buckets(client, [step_s] * 195, "steady")
+    # A rank's median is first taken at its 16th step, from the 15 before: 180 steps carry one.
+    assert sum(jittery.values()) == sum(steady.values()) == 180
+    assert jittery["0.95"] == jittery["1.05"] == jittery["1.1"] == 60
+    assert steady["1.05"] == 180
