@@ -7,7 +7,9 @@ job opens no port on any other address. A caller that spreads ranks over emulate
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,6 +37,8 @@ def launch(
     """
     local = local_world_size or world_size
     init_dir = tempfile.mkdtemp(prefix="syncscope-init-")
+    # The ranks read the store only while they initialise; the launcher's exit removes it.
+    atexit.register(shutil.rmtree, init_dir, True)
     base = dict(os.environ if env is None else env)
     base.update(
         {
