@@ -16,8 +16,11 @@ steps, in rings every exporter indexes alike (`SAMPLE_STRIDES`, `SAMPLE_SLOTS`):
 per slot, the minimum over nodes where every node holds the same step. Sampling by step number is
 independent of the values, so the mean over slots is an unbiased estimate of the per-step
 transfer. A ring agrees across nodes once it spans more steps than the nodes' reports and
-scrapes lag each other; strides of 8 to 4096 steps keep one ring agreed whether steps take 10 ms
-or 10 s and scrapes come every 1 or 15 s, at 64 series per node and job.
+scrapes lag each other; strides of 8 to 512 steps keep one ring agreed whether steps take 10 ms
+or 10 s and scrapes come every 1 or 15 s, at 36 series per node and job. The number of slots
+sets how long a sample stays visible (slots × stride steps), not how many distinct samples a
+window sees (that is the stride's); issue 20 cut them from 8 rings of 4 strides (64 series) to
+fit 40 series per rank.
 
 Issue 15 replaced a rolling minimum over 256 calls by this: the minimum of many samples sits
 several standard deviations of the transfer below its typical value, and every rank's lead and
@@ -46,8 +49,8 @@ from typing import Any, Protocol
 from syncscope.arrival import Key
 
 Rank = int
-SAMPLE_STRIDES = (8, 64, 512, 4096)  # steps between samples, a ring each; alike everywhere
-SAMPLE_SLOTS = 8  # samples each ring keeps: slot = (step // stride) % SAMPLE_SLOTS
+SAMPLE_STRIDES = (8, 64, 512)  # steps between samples, a ring each; alike everywhere
+SAMPLE_SLOTS = 6  # samples each ring keeps: slot = (step // stride) % SAMPLE_SLOTS
 SAMPLE_FROM_STEP = 16  # the first steps connect, rebuild DDP's buckets and warm allocators
 NO_STEP = -1  # the newest step of a rank that has delivered none
 
