@@ -41,6 +41,7 @@ STEPS_RATE = "job:syncscope_steps:rate"
 STEP_MEAN = "job:syncscope_step_duration_seconds:mean"
 STEP_BUCKET_RATE = "job_le:syncscope_step_duration_seconds_bucket:rate"
 STEP_QUANTILE = "job:syncscope_step_duration_seconds:histogram_quantile"
+STEP_OUTLIER_QUANTILE = "job:syncscope_step_duration_seconds:outlier_quantile"
 STEP_RATIO_BUCKET_RATE = "job_le:syncscope_step_duration_ratio_bucket:rate"
 STEP_JITTER = "job:syncscope_step_duration_ratio:histogram_quantile"
 # The band of step time around each rank's median that the jitter rule records.
@@ -143,6 +144,17 @@ def recording_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
         rules.append(
             _record(
                 STEP_QUANTILE, f"histogram_quantile({q}, {STEP_BUCKET_RATE})", {"quantile": str(q)}
+            )
+        )
+    # The CV alert's quantiles over its own (long) window, recorded once for both severities.
+    o = cfg["alerts"]["SyncscopeStepTimeCVHigh"]["outliers"]
+    for q in o["quantiles"]:
+        rules.append(
+            _record(
+                STEP_OUTLIER_QUANTILE,
+                f"histogram_quantile({q}, sum by (job, le) "
+                f"({_rate(cfg, STEP_SECONDS_BUCKET, window=o['window'])}))",
+                {"quantile": str(q)},
             )
         )
     # Jitter: steps over their rank's median step, so 10 % shows alike at 10 ms and 10 s steps.
@@ -257,7 +269,7 @@ clamp_min(
     (
         sum by (job) ({_rate(cfg, M.COLLECTIVE_SECONDS_TOTAL.name)})
       -
-        {TRANSFER_PER_STEP} * on (job) sum by (job) ({_rate(cfg, M.STEPS_TOTAL.name)})
+        {TRANSFER_PER_STEP} * on (job) sum by (job) ({_rate(cfg, STEP_SECONDS_COUNT)})
     )
   /
     sum by (job) ({_rate(cfg, STEP_SECONDS_SUM)}),
@@ -365,7 +377,7 @@ or
   (
       sum by (job) ({_rate(cfg, M.COLLECTIVE_BYTES_TOTAL.name, f'op="{NOT_A_TRANSFER}"')})
     /
-      (sum by (job) ({_rate(cfg, M.STEPS_TOTAL.name)}) > 0)
+      (sum by (job) ({_rate(cfg, STEP_SECONDS_COUNT)}) > 0)
   )
 * on (job)
   (2 * ({WORLD_SIZE} - 1) / {WORLD_SIZE})
@@ -518,10 +530,9 @@ def _alert_texts(cfg: Mapping[str, Any], name: str, level: Mapping[str, Any]) ->
         o = a["outliers"]
         lo, mid, hi = o["quantiles"]
         factor = o["factor"]
-        buckets = f"sum by (job, le) ({_rate(cfg, STEP_SECONDS_BUCKET, window=o['window'])})"
 
         def q(p: float) -> str:
-            return f"histogram_quantile({p}, {buckets})"
+            return f'{STEP_OUTLIER_QUANTILE}{{quantile="{p}"}}'
 
         return {
             "expr": f"""
@@ -529,11 +540,11 @@ def _alert_texts(cfg: Mapping[str, Any], name: str, level: Mapping[str, Any]) ->
 and on (job)
   (
         {q(hi)}
-      >
+      > ignoring (quantile)
         {factor} * {q(mid)}
     or
         {q(lo)} * {factor}
-      <
+      < ignoring (quantile)
         {q(mid)}
   )
 """,
@@ -634,16 +645,18 @@ and on (job)
             ),
         }
     if name == "SyncscopeAgentDroppingRecords":
-
+        # Over the job's steps per rank (recorded): one pass over the ranks, not two.
         def drops(*matchers: str) -> str:
+            steps = f"{STEPS_RATE}{{{', '.join(matchers)}}}" if matchers else STEPS_RATE
             return (
-                f"sum by (job, rank) ({_rate(cfg, M.AGENT_RECORDS_DROPPED_TOTAL.name, *matchers)})"
-                f" / sum by (job, rank) ({_rate(cfg, M.STEPS_TOTAL.name, *matchers)})"
+                "sum by (job, node, rank) "
+                f"({_rate(cfg, M.AGENT_RECORDS_DROPPED_TOTAL.name, *matchers)})"
+                f" / on (job) group_left () {steps}"
             )
 
         worst = _listing(
             f"topk(1, {drops(THIS_JOB)})",
-            "rank {{ $s.Labels.rank }}, {{ $s.Value | humanizePercentage }}",
+            "rank {{ $s.Labels.rank }} on {{ $s.Labels.node }}, {{ $s.Value | humanizePercentage }}",
             "rank",
         )
         return {
@@ -708,16 +721,18 @@ and on (job)
         )
         ranks = _listing(silent, "{{ $s.Labels.rank }} (node {{ $s.Labels.node }})", "rank")
         return {
+            # Counted, not listed: the ranks seen over the lookback (the recorded count's
+            # maximum, one series per job) minus those reporting now; the job's steps from the
+            # node histograms. Issue 20: per-rank last_over_time over 1h read every rank's
+            # 240 samples every evaluation.
             "expr": f"""
-  count by (job) (
-      max by (job, rank) (last_over_time({ts}[{lookback}]))
-    unless on (job, rank)
-      (time() - {ts} <= {thr})
-  )
+  (
+      max_over_time({RANKS_REPORTING}[{lookback}])
+    - on (job)
+      count by (job) (time() - {ts} <= {thr})
+  ) > 0
 and on (job)
-  (time() - max by (job) ({ts}) <= {thr})
-and on (job)
-  (sum by (job) (increase({_sel(cfg, M.STEPS_TOTAL.name)}[{_seconds(thr)}])) == 0)
+  (sum by (job) (increase({_sel(cfg, STEP_SECONDS_COUNT)}[{_seconds(thr)}])) == 0)
 """,
             "summary": (
                 "{{ $value }} rank(s) of job {{ $labels.job }} stopped reporting, "
@@ -783,6 +798,7 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
         STEP_MEAN,
         STEP_BUCKET_RATE,
         STEP_QUANTILE,
+        STEP_OUTLIER_QUANTILE,
         STEP_RATIO_BUCKET_RATE,
         STEP_JITTER,
         STEP_CV,
