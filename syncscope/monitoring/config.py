@@ -83,4 +83,5 @@ def demo_overrides(cfg: Mapping[str, Any]) -> dict[str, str]:
         "windows.rate": "10s",
         "windows.straggler": "10s",
         "windows.transfer": "30s",
+        "intervals.slow_rules": "1s",
     }

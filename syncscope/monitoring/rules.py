@@ -61,6 +61,7 @@ LINK_CAPACITY = "job_node:syncscope_link_capacity_bytes_per_second:max"
 LINK_CAPACITY_RATIO = "job_node:syncscope_link_capacity:ratio_to_median"
 LINK_UTILIZATION = "job_node:syncscope_link_utilization_while_transferring:ratio"
 SYNC_PER_STEP = "job_rank:syncscope_collective_seconds_per_step:ratio"
+SYNC_PER_STEP_MIN = "job:syncscope_collective_seconds_per_step:min"
 # Job-wide: each rank's collective time per step beyond the rank that waits least.
 LEAD_AVG = "job_rank:syncscope_arrival_lead_seconds:avg"
 SKEW = "job:syncscope_arrival_lead_seconds:max_minus_min"
@@ -190,13 +191,7 @@ def recording_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
   min by (job, stride, slot) ({_sel(cfg, M.NODE_SAMPLED_TRANSFER_SECONDS.name)})
 and on (job, stride, slot)
   (
-      min by (job, stride, slot) ({_sel(cfg, M.NODE_SAMPLED_STEP.name)})
-    ==
-      max by (job, stride, slot) ({_sel(cfg, M.NODE_SAMPLED_STEP.name)})
-  )
-and on (job, stride, slot)
-  (
-      count by (job, stride, slot) ({_sel(cfg, M.NODE_SAMPLED_STEP.name)})
+      count_values by (job, stride, slot) ("step", {_sel(cfg, M.NODE_SAMPLED_STEP.name)})
     == on (job) group_left ()
       count by (job) (count by (job, instance) ({_sel(cfg, M.NODE_POOLED_STEPS_TOTAL.name)}))
   )
@@ -286,22 +281,26 @@ clamp_min(
   sum by (job, node, rank) (
     {_rate(cfg, M.RANK_COLLECTIVE_SECONDS_TOTAL.name, window=w["straggler"])}
   )
-/
-  (sum by (job, node, rank) ({_rate(cfg, M.STEPS_TOTAL.name, window=w["straggler"])}) > 0)
+/ on (job, node) group_left ()
+  (
+      sum by (job, node) ({_rate(cfg, STEP_SECONDS_COUNT, window=w["straggler"])})
+    /
+      count by (job, node) ({_sel(cfg, M.STEPS_TOTAL.name)})
+    > 0
+  )
 """,
         ),
-        _record(
-            LEAD_AVG,
-            f"{SYNC_PER_STEP} - on (job) group_left () min by (job) ({SYNC_PER_STEP})",
-        ),
-        _record(SKEW, f"max by (job) ({LEAD_AVG}) - min by (job) ({LEAD_AVG})"),
+        _record(SYNC_PER_STEP_MIN, f"min by (job) ({SYNC_PER_STEP})"),
+        _record(LEAD_AVG, f"{SYNC_PER_STEP} - on (job) group_left () {SYNC_PER_STEP_MIN}"),
+        # The smallest lead is 0 by construction (x - x), so the skew is the largest lead.
+        _record(SKEW, f"max by (job) ({SYNC_PER_STEP}) - {SYNC_PER_STEP_MIN}"),
         _record(SKEW_RATIO, f"{SKEW} / {STEP_MEAN}"),
         # The straggler is the rank that arrives last, i.e. with the smallest lead; its lag
         # is how much later than the earliest rank it arrives, which is the job's skew.
         _record(
             STRAGGLER_LAG,
             f"""
-  0 * ({LEAD_AVG} == on (job) group_left () min by (job) ({LEAD_AVG}))
+  0 * ({LEAD_AVG} == 0)
 + on (job) group_left ()
   {SKEW}
 """,
@@ -421,22 +420,23 @@ or
   sum by (job) ({_rate(cfg, STEP_SECONDS_SUM)})
 """,
         ),
-        # One 0/1 series per (rank, fault) so a dashboard can list healthy GPUs too.
+        # One series (value 1) per (rank, fault) that has it: healthy GPUs write nothing
+        # (issue 20: three 0/1 series per rank were the costliest rule at 1024 × 8).
         _record(
             LOCALITY_FAULT,
             f"""
 max by (job, node, rank, fault) (
     label_replace(
-      {_sel(cfg, M.GPU_PCIE_LINK_WIDTH.name)} < bool {_sel(cfg, M.GPU_PCIE_LINK_MAX_WIDTH.name)},
+      0 * ({_sel(cfg, M.GPU_PCIE_LINK_WIDTH.name)} < {_sel(cfg, M.GPU_PCIE_LINK_MAX_WIDTH.name)}) + 1,
       "fault", "pcie_width", "", ""
     )
   or
     label_replace(
-      {_sel(cfg, M.GPU_PCIE_LINK_GENERATION.name)} < bool {_sel(cfg, M.GPU_PCIE_LINK_MAX_GENERATION.name)},
+      0 * ({_sel(cfg, M.GPU_PCIE_LINK_GENERATION.name)} < {_sel(cfg, M.GPU_PCIE_LINK_MAX_GENERATION.name)}) + 1,
       "fault", "pcie_generation", "", ""
     )
   or
-    label_replace({_sel(cfg, M.GPU_NUMA_MISMATCH.name)} > bool 0, "fault", "numa_mismatch", "", "")
+    label_replace(0 * ({_sel(cfg, M.GPU_NUMA_MISMATCH.name)} > 0) + 1, "fault", "numa_mismatch", "", "")
 )
 """,
         ),
@@ -617,12 +617,12 @@ and on (job)
         }
     if name == "SyncscopeLocalityFault":
         faults = _listing(
-            f"{LOCALITY_FAULT}{{{THIS_JOB}}} > 0",
+            f"{LOCALITY_FAULT}{{{THIS_JOB}}}",
             "rank {{ $s.Labels.rank }} on {{ $s.Labels.node }} {{ $s.Labels.fault }}",
             "rank",
         )
         return {
-            "expr": f"count by (job) (max by (job, rank) ({LOCALITY_FAULT}) > 0)",
+            "expr": f"count by (job) (max by (job, node, rank) ({LOCALITY_FAULT}))",
             "summary": (
                 "The GPUs of {{ $value }} rank(s) in job {{ $labels.job }} have a locality fault."
             ),
@@ -786,6 +786,7 @@ def alerting_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rules
 
 
+SLOW_GROUP = "syncscope.slow"
 # The recording rules in groups (issue 20). Prometheus evaluates groups concurrently, each
 # one's rules in order; a rule reading another group's result sees its last evaluation. A chain
 # that must be fresh within one evaluation (the straggler's lead, skew and lag) stays in one
@@ -802,14 +803,12 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
         STEP_RATIO_BUCKET_RATE,
         STEP_JITTER,
         STEP_CV,
-        PHASE_RATE,
-        PHASE_RATIO,
-        COMM_EXPOSED_RATIO,
         PACING_ACTIVE,
         PACING_RATIO,
     ),
     "syncscope.straggler": (
         SYNC_PER_STEP,
+        SYNC_PER_STEP_MIN,
         LEAD_AVG,
         SKEW,
         SKEW_RATIO,
@@ -828,7 +827,17 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
         LINK_CAPACITY_RATIO,
         LINK_UTILIZATION,
     ),
-    "syncscope.fabric": (BUS_BANDWIDTH, TRANSFER_PER_CALL, CONTENTION, LOCALITY_FAULT),
+    # Every intervals.slow_rules (1m shipped): what a person reads on a dashboard or an alert
+    # with a for: of 10m needs no fresher, and it holds the largest per-rank family (phases).
+    SLOW_GROUP: (
+        PHASE_RATE,
+        PHASE_RATIO,
+        COMM_EXPOSED_RATIO,
+        BUS_BANDWIDTH,
+        TRANSFER_PER_CALL,
+        CONTENTION,
+        LOCALITY_FAULT,
+    ),
 }
 ALERTS_GROUP = "syncscope.alerts"
 GROUP_ORDER = (*RECORDING_GROUPS, ALERTS_GROUP)
@@ -839,9 +848,13 @@ def rule_groups(cfg: Mapping[str, Any]) -> dict[str, Any]:
     grouped: dict[str, list[dict[str, Any]]] = {group: [] for group in RECORDING_GROUPS}
     for rule in recording_rules(cfg):
         grouped[group_of[rule["record"]]].append(rule)  # KeyError: a rule with no group
+    slow = {"interval": cfg["intervals"]["slow_rules"]}
     return {
         "groups": [
-            *({"name": group, "rules": rules} for group, rules in grouped.items()),
+            *(
+                {"name": group, **(slow if group == SLOW_GROUP else {}), "rules": rules}
+                for group, rules in grouped.items()
+            ),
             {"name": ALERTS_GROUP, "rules": alerting_rules(cfg)},
         ]
     }
