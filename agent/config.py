@@ -22,7 +22,9 @@ def _env_bool(value: str | None) -> bool | None:
 class AgentConfig:
     """Everything a user may set; every field has an env var named SYNCSCOPE_<FIELD>."""
 
-    exporter: str | None = None  # http://host:port or unix:///path; None: keep records local only
+    # http://host:port or unix:///path (HTTP, a reporter thread), shm:///dir (a local exporter
+    # reading a shared-memory ring, no thread: agent/shm_ring.py); None: keep records local only
+    exporter: str | None = None
     job: str = "default"
     # "default": phases + DDP's exposed communication from autograd callbacks (about 15 µs a
     # step). "buckets": also time every DDP bucket through a comm hook (80–200 µs per bucket).
@@ -35,6 +37,11 @@ class AgentConfig:
     flush_interval_s: float = 1.0
     queue_size: int = 8192  # records held between flushes; beyond it they are dropped and counted
     send_timeout_s: float = 1.0
+    ring_slots: int = 16384  # shm:// only: records the ring holds for the exporter (160 B each)
+    # shm:// only: the training thread moves queued rows into the ring at every Nth step, the
+    # same steps on every rank. Its first Python code after a step's kernels runs on cold CPU
+    # caches (~30 µs on a 10 ms CPU step), so once per N steps costs less than every step.
+    ring_every_steps: int = 16
     token: str | None = None  # bearer token for TCP ingest
     record: str | None = None  # also append step records as JSON lines here ({rank} is replaced)
     patch_collectives: bool = True

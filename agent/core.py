@@ -20,6 +20,7 @@ from syncscope.agent.nccl_trace import nccl_group_exists
 from syncscope.agent.phases import PhaseClock
 from syncscope.agent.queues import RecordQueues
 from syncscope.agent.recording import RecordWriter
+from syncscope.agent.shm_ring import ShmTransport
 from syncscope.agent.step_pacing import StepPacer
 from syncscope.agent.transport import Reporter
 
@@ -73,10 +74,14 @@ class _StepContext:
             self.clock.on_error(exc)
 
     def __exit__(self, *_exc: object) -> None:
+        clock = self.clock
         try:
-            self.clock.end_step(time.perf_counter_ns())
+            clock.end_step(time.perf_counter_ns())
+            after = clock.after_step  # the shm transport's pump, as optimizer_post calls it
+            if after is not None and clock.step % clock.after_every == 0:
+                after()
         except BaseException as exc:  # noqa: BLE001
-            self.clock.on_error(exc)
+            clock.on_error(exc)
 
 
 class Agent:
@@ -120,7 +125,31 @@ class Agent:
         if config.pacing and self.arrival is not None:
             self.pacer = self._enable_pacing(self.arrival)
         self.link = LinkSampler()
-        self.reporter = Reporter(
+        self.reporter: Reporter | ShmTransport
+        if config.exporter is not None and config.exporter.startswith("shm:"):
+            # A local exporter reads a shared-memory ring: no reporter thread (shm_ring.py).
+            self.reporter = self._shm_transport(config.exporter)
+        else:
+            self.reporter = self._http_reporter(config)
+        # Hooks and patches go in last, so that a failure above leaves none of them in place.
+        if self.patch is not None:
+            self.patch.install()
+        self.clock.instrument(model, optimizer)
+        if isinstance(self.reporter, ShmTransport):
+            # The rows move into the ring at every `ring_every_steps`-th step boundary: the
+            # same steps on every rank, so the ranks pause together (shm_ring.py).
+            self.clock.after_every = max(1, config.ring_every_steps)
+            self.clock.after_step = self.reporter.pump
+        if model is not None and config.detail == "buckets" and ddp_group is not None:
+            self._time_buckets(model)
+        self.reporter.start()
+        self.clock.start()
+        if self.nccl_reader is not None:
+            self.nccl_reader.start()
+        atexit.register(self.close)
+
+    def _http_reporter(self, config: AgentConfig) -> Reporter:
+        return Reporter(
             identity=self.identity,
             url=config.exporter,
             token=config.token,
@@ -134,17 +163,27 @@ class Agent:
             on_drained=self.arrival.drained if self.arrival is not None else None,
             on_reply=self.arrival.merge_reply if self.arrival is not None else None,
         )
-        # Hooks and patches go in last, so that a failure above leaves none of them in place.
-        if self.patch is not None:
-            self.patch.install()
-        self.clock.instrument(model, optimizer)
-        if model is not None and config.detail == "buckets" and ddp_group is not None:
-            self._time_buckets(model)
-        self.reporter.start()
-        self.clock.start()
-        if self.nccl_reader is not None:
-            self.nccl_reader.start()
-        atexit.register(self.close)
+
+    def _shm_transport(self, url: str) -> ShmTransport:
+        if self.pacer is not None or self.record is not None:
+            # Both read the exporter's replies or the reporter's flushes (local_arrival.py).
+            log.warning(
+                "syncscope: pacing and the record file need the HTTP reporter; with %s they "
+                "see no data",
+                url,
+            )
+        topology = None
+        with contextlib.suppress(Exception):  # static facts, sampled once, off the hot path
+            topology = with_link(self.topology, self.link)()
+        return ShmTransport(
+            identity=self.identity,
+            url=url,
+            steps=self.queues.steps,
+            collectives=self.queues.collectives,
+            dropped_elsewhere=self._dropped_on_training_thread,
+            topology=topology,
+            capacity=self.config.ring_slots,
+        )
 
     # -- public -------------------------------------------------------------------------------
     def step(self) -> _StepContext:
@@ -158,6 +197,7 @@ class Agent:
         self._closed = True
         with contextlib.suppress(Exception):
             self.clock.uninstrument()
+        self.clock.after_step = None
         if self.patch is not None:
             self.patch.uninstall()
         if self.nccl_reader is not None:

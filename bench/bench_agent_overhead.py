@@ -18,7 +18,17 @@ By default the trainer (with its reporter thread) is pinned to CPU 0 and the exp
 as a sidecar has its own core on a real node; --no-pin lets the OS place them. Pinned, the
 reporter shares the trainer's core, so its CPU lands on the step time in full: the worst case.
 Run: .venv/bin/python bench/bench_agent_overhead.py [--rounds 20] [--step-rounds 60]
-         [--against HEAD | --against none] [--no-pin]
+         [--against HEAD | --against none] [--transport http|shm] [--pauses] [--no-pin]
+
+Issue 18 modes (any of them skips the scenarios above unless asked for):
+  --sizes R   cost vs model size: training-thread CPU per step with minus without the agent
+              (hooks only / HTTP reporter / shm ring) for ~0.2, 2, 10 and 50 ms steps, R
+              interleaved rounds, paired differences with quartiles and the slope on step time;
+              first, the same agent code timed cold (right after a step) and warm.
+  --job R     a 4-rank CPU gloo job, arms none / http / shm interleaved in one run: mean and
+              p99 step time, and each rank's flushes (http) or pumps (shm) by step.
+  --project   with --job (or --project-inputs FILE): the measured per-rank pauses fed to
+              syncscope.sim (sim/agent_cost.py), projected to 64, 256 and 1024 ranks.
 """
 
 from __future__ import annotations
@@ -26,9 +36,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import json
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -89,7 +101,15 @@ def make(hidden: int, layers: int):
 
 
 def run(
-    model, opt, x, y, steps: int, attach: Callable[..., Any] | None, exporter: str, warm_s=0.0
+    model,
+    opt,
+    x,
+    y,
+    steps: int,
+    attach: Callable[..., Any] | None,
+    exporter: str,
+    warm_s=0.0,
+    warm_steps: int = 0,
 ) -> tuple[float, float, float]:
     """One arm: (training-thread CPU µs, whole-process CPU µs, wall µs), each per step.
 
@@ -109,6 +129,8 @@ def run(
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
 
+    for _ in range(warm_steps):  # the first steps after attach() learn the hooks' triggers
+        step()
     until = time.perf_counter() + warm_s
     while time.perf_counter() < until:
         step()
@@ -387,35 +409,528 @@ def pauses(url: str, packages: dict[str, ModuleType]) -> None:
     table.row("records sent / dropped", counts)
 
 
+# -- issue 18: cost vs model size, the shm transport's pauses, a 4-rank job, the projection -----
+SIZES = (  # (label, hidden, layers, batch): about 0.2, 2, 10 and 50 ms CPU steps here
+    ("~0.2 ms", 16, 1, 4),
+    ("~2 ms", 256, 3, 160),
+    ("~10 ms", 512, 4, 192),
+    ("~50 ms", 1024, 4, 192),
+)
+
+
+def transports(http_url: str, shm_url: str) -> dict[str, Callable[..., Any]]:
+    """This tree's agent over each transport, as `run()` calls an attach."""
+
+    def over(url: str) -> Callable[..., Any]:
+        def attach(**kw: Any) -> Any:
+            return syncscope.agent.attach(**{**kw, "exporter": url})
+
+        return attach
+
+    def hooks_only(**kw: Any) -> Any:  # no exporter: the reporter thread finds nothing to send
+        return syncscope.agent.attach(**{**kw, "exporter": None})
+
+    return {"hooks": hooks_only, "http": over(http_url), "shm": over(shm_url)}
+
+
+def quartile_cell(d: list[float], rng: random.Random) -> str:
+    q1, _, q3 = statistics.quantiles(d, n=4)
+    lo, hi = median_ci(d, rng)
+    return f"{statistics.median(d):+7.1f} ({q1:+.0f} .. {q3:+.0f}) [{lo:+.1f} .. {hi:+.1f}]"
+
+
+def cost_vs_size(rounds: int, arm_s: float, agents: dict[str, Callable[..., Any]]) -> None:
+    """Training-thread CPU per step with minus without the agent, per step size and transport.
+
+    Interleaved: every round runs every (size, arm) in rotating order; differences are paired
+    per round. Every arm runs 3 untimed steps first (with its agent attached: the first
+    backward after attach() learns which gradients come first); the HTTP arm also untimed
+    steps for a random part of a flush interval (so its flushes fall at a random phase of the
+    timed window).
+    """
+    rng = random.Random(1)
+    interval = AgentConfig().flush_interval_s
+    setups = []
+    for label, hidden, layers, batch in SIZES:
+        model, opt = make(hidden, layers)
+        x, y = torch.randn(batch, hidden), torch.randn(batch, 1)
+        run(model, opt, x, y, 3, None, "")
+        _, _, wall = run(model, opt, x, y, 5, None, "")
+        steps = max(5, round(arm_s * 1e6 / wall))
+        for attach in agents.values():
+            run(model, opt, x, y, 3, attach, "")
+        setups.append((label, model, opt, x, y, steps))
+    arms: list[str | None] = [None, *agents]
+    res = {(s[0], a): [] for s in setups for a in arms}  # type: dict[tuple[str, str | None], list]
+    for i in range(rounds):
+        for label, model, opt, x, y, steps in setups:
+            order = arms[i % len(arms) :] + arms[: i % len(arms)]
+            for arm in order:
+                warm = rng.uniform(0.0, interval) if arm == "http" else 0.0
+                attach = agents.get(arm) if arm is not None else None
+                res[(label, arm)].append(run(model, opt, x, y, steps, attach, "", warm, 3))
+    print(
+        f"cost vs model size: {rounds} rounds, ~{arm_s:.1f} s per arm; cells: median of per-round "
+        "differences (quartiles) [90 % CI of the median], µs per step"
+    )
+    widths = [10, 10, 42, 42, 30]
+    medians: dict[str, list[tuple[float, list[float]]]] = {a: [] for a in agents}
+    step_ms = {
+        label: statistics.median(r[2] for r in res[(label, None)]) / 1e3 for label, *_ in setups
+    }
+    for arm in agents:
+        head = ["step", "steps/arm", "train-thread CPU, µs", "process CPU, µs", "wall ratio"]
+        print(f"  {arm}:")
+        print("    " + "".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip())
+        for label, _m, _o, _x, _y, steps in setups:
+            base, rows = res[(label, None)], res[(label, arm)]
+            d_cpu = [r[0] - b[0] for r, b in zip(rows, base, strict=True)]
+            d_proc = [r[1] - b[1] for r, b in zip(rows, base, strict=True)]
+            ratios = [r[2] / b[2] for r, b in zip(rows, base, strict=True)]
+            lo, hi = median_ci(ratios, rng)
+            cells = [
+                f"{step_ms[label]:.2f} ms",
+                str(steps),
+                quartile_cell(d_cpu, rng),
+                quartile_cell(d_proc, rng),
+                f"{pct(statistics.median(ratios))} [{pct(lo)} .. {pct(hi)}]",
+            ]
+            print("    " + "".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+            medians[arm].append((step_ms[label], d_cpu))
+    for arm, per_size in medians.items():
+        # Does the training thread's extra CPU grow with the step? Least-squares slope of the
+        # median difference on step time, with a bootstrap over rounds (pairs stay paired).
+        xs = [ms for ms, _ in per_size]
+        slopes = []
+        for _ in range(1000):
+            pick = [rng.randrange(rounds) for _ in range(rounds)]
+            ys = [statistics.median(d[j] for j in pick) for _, d in per_size]
+            slopes.append(_slope(xs, ys))
+        slopes.sort()
+        ys = [statistics.median(d) for _, d in per_size]
+        print(
+            f"  {arm}: slope of train-thread Δ on step time {_slope(xs, ys):+.2f} µs per ms "
+            f"(90 % CI {slopes[50]:+.2f} .. {slopes[949]:+.2f}), i.e. "
+            f"{_slope(xs, ys) / 10:+.3f} % of the step"
+        )
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+
+
+def cold_entries(steps: int = 60) -> None:
+    """Why the hooks' cost grows with the model: the same Python code, timed right after a
+    training step of each size (caches as the step's kernels left them) and again at once
+    (warm). A phase-clock hook, and the shm pump moving one step's rows into the ring."""
+    from collections import deque as dq
+
+    from syncscope.agent.phases import PhaseClock
+    from syncscope.agent.shm_ring import ShmTransport
+
+    where = tempfile.mkdtemp(prefix="syncscope-cold-", dir="/dev/shm")
+    steps_q: dq = dq(maxlen=8192)
+    colls_q: dq = dq(maxlen=8192)
+    clock = PhaseClock(steps_q, colls_q, None, None, 0.0, lambda _e: None)
+    ident = {"job": "cold", "rank": 0, "pid": os.getpid(), "incarnation": "c"}
+    tr = ShmTransport(identity=ident, url=f"shm://{where}", steps=steps_q, collectives=colls_q,
+                      dropped_elsewhere=lambda: 0, capacity=1 << 16)  # fmt: skip
+    now = time.perf_counter_ns
+    print("the same agent code after a training step (cold) and at once again (warm), medians µs:")
+    print("  step       hook cold   hook warm   pump cold   pump warm (1 step + 1 collective row)")
+    for label, hidden, layers, batch in SIZES:
+        model, opt = make(hidden, layers)
+        x, y = torch.randn(batch, hidden), torch.randn(batch, 1)
+        out: list[list[int]] = [[], [], [], []]
+        for i in range(steps):
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            first = i % 2 == 0  # alternate which of the two is measured cold
+            for k in (0, 1) if first else (2, 3):
+                if k < 2:
+                    t = now()
+                    clock.optimizer_pre()
+                    out[k].append(now() - t)
+                else:
+                    steps_q.append((i, 1, 2, 3, 4, 5, 6, 7, 8))
+                    colls_q.append(("ddp_grad_sync", "pg0", 4096.0, 5, i))
+                    t = now()
+                    tr.pump()
+                    out[k].append(now() - t)
+        med = [statistics.median(v) / 1e3 for v in out]
+        print(f"  {label:9} {med[0]:9.2f} {med[1]:11.2f} {med[2]:11.2f} {med[3]:11.2f}")
+    tr.stop()
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def shm_pauses(shm_url: str, windows: int = 6, step_ms: float = 10.0) -> dict[str, Any]:
+    """The shm transport's work as a CPU-bound thread sees it: a busy loop stands for a 10 ms
+    step (one step row, two collective rows queued per step, as the phase clock and the patch
+    queue them) and calls the pump every `ring_every_steps` steps, as the phase clock does.
+    A gap > 0.2 ms between two iterations is a pause; the pump's time counts in its gap.
+    Windows of 1 s with and without the agent's work alternate, so scheduler noise from other
+    processes shows in both."""
+    from syncscope.agent.shm_ring import ShmTransport
+
+    steps: deque = deque(maxlen=8192)
+    colls: deque = deque(maxlen=32768)
+    ident = {"job": "pause", "rank": 0, "local_rank": 0, "world_size": 1, "incarnation": "s",
+             "hostname": "h", "pid": os.getpid(), "started_unix_s": time.time()}  # fmt: skip
+    threads = threading.active_count()
+    tr = ShmTransport(
+        identity=ident, url=shm_url, steps=steps, collectives=colls, dropped_elsewhere=lambda: 0
+    )
+    threads = threading.active_count() - threads
+    every = AgentConfig().ring_every_steps
+    pumps: list[float] = []
+    gaps: dict[bool, list[float]] = {False: [], True: []}
+    period = step_ms / 1e3
+    s = 0
+    for w in range(2 * windows):
+        work = w % 2 == 1
+        last = time.perf_counter()
+        end = last + 1.0
+        boundary = last + period
+        while True:
+            now = time.perf_counter()
+            if now > end:
+                break
+            if now - last > 0.0002:
+                gaps[work].append(now - last)
+            last = now
+            if now >= boundary:
+                boundary += period
+                if work:
+                    fill(steps, colls, 1, 2, start=s)
+                    s += 1
+                    if s % every == 0:
+                        t0 = time.perf_counter()
+                        tr.pump()
+                        pumps.append(time.perf_counter() - t0)
+    tr.stop()
+
+    def worst(v: list[float]) -> tuple[float, float]:
+        v = sorted(v)
+        return (v[-1] * 1e3, v[int(0.9999 * (len(v) - 1))] * 1e3) if v else (0.0, 0.0)
+
+    pumps_sorted = sorted(pumps)
+    return {
+        "threads_added": threads,
+        "baseline_ms": worst(gaps[False]),
+        "with_pump_ms": worst(gaps[True]),
+        "pump_p50_us": pumps_sorted[len(pumps) // 2] * 1e6,
+        "pump_p99_us": pumps_sorted[int(0.99 * (len(pumps) - 1))] * 1e6,
+        "pump_max_us": pumps_sorted[-1] * 1e6,
+        "written": tr.sent_records,
+        "dropped": tr.dropped_total,
+    }
+
+
+def print_shm_pauses(shm_url: str) -> None:
+    r = shm_pauses(shm_url)
+    every = AgentConfig().ring_every_steps
+    print(
+        f"shm transport, 10 ms step, 1 step + 2 collective rows per step, pumped every {every} "
+        "steps (warm caches here: the job measures the pump as training leaves the caches):"
+    )
+    base, with_pump = r["baseline_ms"], r["with_pump_ms"]
+    print(
+        f"  longest gap (p99.99 of gaps > 0.2 ms) in 1 s windows, alternating: without the agent "
+        f"{base[0]:.2f} ms ({base[1]:.2f} ms), with the pump {with_pump[0]:.2f} ms "
+        f"({with_pump[1]:.2f} ms); background threads added: {r['threads_added']}"
+    )
+    print(
+        f"  pump (on the step boundary, the same steps on every rank): p50 "
+        f"{r['pump_p50_us']:.1f} µs, p99 {r['pump_p99_us']:.1f} µs, max {r['pump_max_us']:.1f} µs"
+        f"; records written {r['written']}, dropped {r['dropped']}"
+    )
+
+
+JOB_SIZE = (256, 3, 96)  # ~1.2 ms alone; 4 ranks on 2 cores and gloo: a ~10 ms job step
+
+
+def job_worker(a: argparse.Namespace) -> None:
+    """One rank of the 4-rank gloo job: interleaved arms, every step timed, pauses logged."""
+    from syncscope.agent import shm_ring
+    from syncscope.agent import transport as tmod
+
+    rank, world = a.job_worker, a.job_world
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=a.job_init, rank=rank, world_size=world)
+    hidden, layers, batch = JOB_SIZE
+    torch.manual_seed(rank)
+    model, opt = make(hidden, layers)
+    x, y = torch.randn(batch, hidden), torch.randn(batch, 1)
+    agents = transports(a.job_http, a.job_shm)
+    del agents["hooks"]
+    events: list[tuple[str, int, int, int]] = []  # (kind, start ns, wall ns, thread CPU ns)
+    flush0, pump0 = tmod.Reporter.flush, shm_ring.ShmTransport.pump
+
+    def flush(self: Any) -> None:
+        t, c = time.perf_counter_ns(), time.thread_time_ns()
+        flush0(self)
+        # Steady-state flushes run on the reporter's thread; the one in close() does not.
+        kind = "flush" if threading.current_thread() is self._thread else "final"
+        events.append((kind, t, time.perf_counter_ns() - t, time.thread_time_ns() - c))
+
+    def pump(self: Any) -> None:
+        t, c = time.perf_counter_ns(), time.thread_time_ns()
+        pump0(self)
+        events.append(("pump", t, time.perf_counter_ns() - t, time.thread_time_ns() - c))
+
+    tmod.Reporter.flush = flush  # type: ignore[method-assign]
+    shm_ring.ShmTransport.pump = pump  # type: ignore[method-assign]
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    for _ in range(10):
+        step()
+    rng = random.Random(18)  # the same on every rank: they agree on arms and warm-up steps
+    arms: list[str | None] = [None, *agents]
+    out: dict[str, Any] = {"rounds": []}
+    for i in range(a.job_rounds):
+        order = arms[i % len(arms) :] + arms[: i % len(arms)]
+        for arm in order:
+            warm = rng.randrange(3, 3 + a.job_steps) if arm == "http" else 3
+            dist.barrier()
+            agent = agents[arm](model=model, optimizer=opt, job="job") if arm else None
+            for _ in range(warm):
+                step()
+            starts = []
+            t = time.perf_counter_ns()
+            for _ in range(a.job_steps):
+                starts.append(t)
+                step()
+                t = time.perf_counter_ns()
+            starts.append(t)
+            if agent is not None:
+                agent.close()
+            out["rounds"].append({"round": i, "arm": arm or "none", "starts": starts})
+    out["events"] = events
+    with open(a.job_out, "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def job(rounds: int, steps: int, http_url: str, shm_url: str) -> dict[str, Any]:
+    """A 4-rank CPU gloo job, every arm in one run (interleaved); returns what project() needs."""
+    world = 4
+    where = Path(tempfile.mkdtemp(prefix="syncscope-job-"))
+    init = f"file://{where}/store"
+    procs = []
+    for rank in range(world):
+        cmd = [sys.executable, __file__, "--job-worker", str(rank), "--job-world", str(world),
+               "--job-init", init, "--job-out", str(where / f"r{rank}.json"),
+               "--job-rounds", str(rounds), "--job-steps", str(steps),
+               "--job-http", http_url, "--job-shm", shm_url]  # fmt: skip
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
+        procs.append(subprocess.Popen(cmd, env=env))
+    for p in procs:
+        if p.wait() != 0:
+            raise SystemExit(f"job rank failed: {p.returncode}")
+    ranks = [json.loads((where / f"r{r}.json").read_text()) for r in range(world)]
+    rng = random.Random(3)
+    # Step time: the slowest rank's view of each step is the job's; with a collective per step
+    # all ranks agree within microseconds. Per round and arm: mean and p99 of step times.
+    by_arm: dict[str, list[list[float]]] = {}
+    for k, entry in enumerate(ranks[0]["rounds"]):
+        per_rank = [
+            [
+                b - a
+                for a, b in zip(
+                    r["rounds"][k]["starts"], r["rounds"][k]["starts"][1:], strict=False
+                )
+            ]
+            for r in ranks
+        ]
+        job_steps = [max(v) / 1e6 for v in zip(*per_rank, strict=True)]
+        by_arm.setdefault(entry["arm"], []).append(job_steps)
+    base = by_arm["none"]
+    print(
+        f"4-rank gloo job (CPU, model {JOB_SIZE}), {rounds} rounds x {steps} steps per arm, "
+        "arms interleaved in one run:"
+    )
+    print(
+        "  arm     mean step ms   p99 step ms   mean ratio, median of rounds [90 % CI]   ratio of means"
+    )
+    for arm, rounds_ in by_arm.items():
+        flat = sorted(v for r in rounds_ for v in r)
+        mean, p99 = statistics.fmean(flat), flat[int(0.99 * (len(flat) - 1))]
+        if arm == "none":
+            print(f"  {arm:6}  {mean:10.3f}   {p99:11.3f}")
+            continue
+        ratios = [
+            statistics.fmean(r) / statistics.fmean(b) for r, b in zip(rounds_, base, strict=True)
+        ]
+        lo, hi = median_ci(ratios, rng)
+        a_, b_ = [statistics.fmean(r) for r in rounds_], [statistics.fmean(b) for b in base]
+        lo2, hi2 = ratio_of_means_ci(a_, b_, rng)
+        print(
+            f"  {arm:6}  {mean:10.3f}   {p99:11.3f}   {pct(statistics.median(ratios))} "
+            f"[{pct(lo)} .. {pct(hi)}]{'':14}{pct(sum(a_) / sum(b_))} [{pct(lo2)} .. {pct(hi2)}]"
+        )
+    # Pauses by step, per rank: which step of an arm each rank's flush (or pump) fell in.
+    flush_cpu: list[float] = []
+    pump_cpu: list[float] = []
+    for r in ranks:
+        flush_cpu += [e[3] / 1e9 for e in r["events"] if e[0] == "flush"]
+        pump_cpu += [e[3] / 1e9 for e in r["events"] if e[0] == "pump"]
+    for arm in ("http", "shm"):
+        k = next(i for i, e in enumerate(ranks[0]["rounds"]) if e["arm"] == arm)
+        kind = "flush" if arm == "http" else "pump"
+        print(f"  {arm} arm, round {ranks[0]['rounds'][k]['round']}: {kind}es by step, per rank "
+              "(step: wall µs / thread CPU µs)")  # fmt: skip
+        for rk, r in enumerate(ranks):
+            starts = r["rounds"][k]["starts"]
+            hits = []
+            for kind_, t, wall, cpu in r["events"]:
+                if kind_ == kind and starts[0] <= t < starts[-1]:
+                    idx = max(j for j, s0 in enumerate(starts) if s0 <= t)
+                    hits.append(f"{idx}: {wall / 1e3:.0f}/{cpu / 1e3:.0f}")
+            shown = (
+                hits if len(hits) <= 6 else [*hits[:3], f"... {len(hits)} in all ...", *hits[-2:]]
+            )
+            print(f"    rank {rk}: " + ", ".join(shown))
+    return {
+        "flush_cpu_s": flush_cpu,
+        "pump_cpu_s": pump_cpu,
+        "every": AgentConfig().ring_every_steps,
+    }
+
+
+def project_job(inputs: dict[str, Any], hook_us: float, ranks: tuple[int, ...]) -> None:
+    """The measured per-rank pauses fed to the simulator (sim/agent_cost.py)."""
+    from syncscope.sim.agent_cost import PeriodicPauses, PerStepCost, cpu_job, project
+
+    step_s = 0.010
+    flush, pump, every = inputs["flush_cpu_s"], inputs["pump_cpu_s"], inputs["every"]
+    params = cpu_job(step_s)
+
+    def desc(v: list[float]) -> str:
+        v = sorted(v)
+        if not v:
+            return "none seen: run longer arms"
+        return (f"n={len(v)}, p50 {v[len(v) // 2] * 1e6:.0f} µs, p99 "
+                f"{v[int(0.99 * (len(v) - 1))] * 1e6:.0f} µs, max {v[-1] * 1e6:.0f} µs")  # fmt: skip
+
+    print("projection (syncscope.sim, common random numbers, the agent's per-rank cost added to")
+    print("each rank's compute as the model's `hiccup`, engine.py; inputs measured in the job):")
+    c = params.compute
+    print(
+        f"  job: {step_s * 1e3:.0f} ms step (data {c.data_s * 1e3:.1f} fwd {c.forward_s * 1e3:.1f} "
+        f"bwd {c.backward_s * 1e3:.1f} opt {c.optimizer_s * 1e3:.1f} ms), jitter_cv "
+        f"{c.jitter_cv}, persistent_cv {c.persistent_cv}, {params.steps} steps, "
+        f"{params.fabric.gpus_per_node} ranks per node"
+    )
+    print(f"  hooks on every rank, every step: {hook_us:.1f} µs (training-thread CPU, --hook-us)")
+    print(f"  before (HTTP reporter): one pause per rank per 1 s at a random phase, drawn from "
+          f"the reporter's flush CPU ({desc(flush)})")  # fmt: skip
+    print(f"  after (shm ring): every rank at every {every}th step (aligned), drawn from the "
+          f"pump's training-thread CPU ({desc(pump)})")  # fmt: skip
+    before = PeriodicPauses(flush, 1.0, hook_us / 1e6, name="before")
+    after = PerStepCost(pump, every=every, per_step_s=hook_us / 1e6, name="after")
+    rows = project(params, ranks, [before, after])
+    print(
+        "  ranks   base mean ms   before: mean (p99)       after: mean (p99; the sketch bins p99)"
+    )
+    for r in rows:
+        print(
+            f"  {int(r['ranks']):5}   {r['mean_step_s'] * 1e3:10.3f}     "
+            f"{r['before'] * 100:+.3f} % ({r['before p99'] * 100:+.2f} %)     "
+            f"{r['after'] * 100:+.3f} % ({r['after p99'] * 100:+.2f} %)"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--rounds", type=int, default=20, help="rounds of the tiny-model scenario (0 skips it)"
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds of the tiny-model scenario (0 skips it; default 20, or 0 with a mode below)",
     )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument(
         "--step-rounds",
         type=int,
-        default=60,
-        help="rounds of the 10 ms scenario (noisier; 0 skips it)",
+        default=None,
+        help="rounds of the 10 ms scenario (noisier; 0 skips it; default 60, or 0 with a mode)",
     )
     p.add_argument("--step-steps", type=int, default=160, help="steps per arm, 10 ms scenario")
+    p.add_argument(
+        "--transport",
+        choices=("http", "shm"),
+        default="http",
+        help="how this tree's agent reports in the two scenarios (the --against agent: http)",
+    )
     p.add_argument(
         "--against",
         default="HEAD",
         help="git revision whose agent/ package runs beside this tree's ('none': this tree only)",
     )
     p.add_argument("--no-pin", action="store_true", help="let the OS place trainer and exporter")
+    p.add_argument(
+        "--pauses", action="store_true", help="reporter flush cost and GIL pauses (and shm's)"
+    )
+    p.add_argument(
+        "--sizes", type=int, default=0, metavar="ROUNDS", help="cost vs model size, ROUNDS rounds"
+    )
+    p.add_argument("--arm-s", type=float, default=0.6, help="seconds per arm in --sizes")
+    p.add_argument(
+        "--size-arms",
+        default="hooks,http,shm",
+        help="agents in --sizes, besides none: hooks (no exporter), http, shm",
+    )
+    p.add_argument(
+        "--job", type=int, default=0, metavar="ROUNDS", help="4-rank gloo job, ROUNDS rounds"
+    )
+    p.add_argument("--job-steps", type=int, default=150, help="steps per arm in --job")
+    p.add_argument(
+        "--project", action="store_true", help="project --job's pauses to 64/256/1024 ranks"
+    )
+    p.add_argument(
+        "--project-inputs",
+        default=None,
+        metavar="JSON",
+        help="project the pauses a previous --job saved, without running the job again",
+    )
+    p.add_argument(
+        "--hook-us",
+        type=float,
+        default=15.0,
+        help="training-thread CPU of the hooks per step, for --project (from --sizes)",
+    )
+    for hidden in ("--job-worker", "--job-world"):
+        p.add_argument(hidden, type=int, default=None, help=argparse.SUPPRESS)
+    for hidden in ("--job-init", "--job-out", "--job-http", "--job-shm", "--job-rounds"):
+        p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.job_worker is not None:
+        a.job_rounds = int(a.job_rounds)
+        job_worker(a)
+        return
+    modes = a.sizes or a.job or a.project or a.project_inputs
+    a.rounds = a.rounds if a.rounds is not None else (0 if modes else 20)
+    a.step_rounds = a.step_rounds if a.step_rounds is not None else (0 if modes else 60)
+    legacy = a.rounds > 0 or a.step_rounds > 0 or a.pauses or not modes
     packages: dict[str, ModuleType] = {}
-    if a.against.lower() != "none":
+    if a.against.lower() != "none" and legacy:
         baseline = load_agent_at(a.against)
         packages[f"{a.against} ({baseline.__name__.rsplit('_', 1)[-1]})"] = baseline
     packages[TREE] = syncscope.agent
     agents = {name: package.attach for name, package in packages.items()}
     # As on a real node, the sidecar has a core of its own: the trainer (and its reporter
-    # thread, whose cost is what we measure) on CPU 0, the exporter process on CPU 1.
+    # thread, whose cost is what we measure) on CPU 0, the exporter process on CPU 1. Not for
+    # the 4-rank job, whose ranks the OS places.
     pin = not a.no_pin and len(os.sched_getaffinity(0)) >= 2
+    cpus = os.sched_getaffinity(0)
     if pin:
         os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
@@ -423,27 +938,54 @@ def main() -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     port = free_port()
-    exporter = start_exporter(port, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    shm_dir = tempfile.mkdtemp(prefix="syncscope-rings-", dir="/dev/shm")
+    exporter = start_exporter(
+        port, ["--shm-dir", shm_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     if pin:
         os.sched_setaffinity(exporter.pid, {1})
     url = f"http://127.0.0.1:{port}"
+    shm_url = f"shm://{shm_dir}"
+    if a.transport == "shm":
+        agents[TREE] = transports(url, shm_url)["shm"]
     try:
         where = "trainer on CPU 0, exporter on CPU 1" if pin else "unpinned"
         print(
-            f"agents report to a real exporter at {url} ({where}); python "
-            f"{sys.version.split()[0]}, torch {torch.__version__}"
+            f"agents report to a real exporter at {url} / {shm_url} ({where}); python "
+            f"{sys.version.split()[0]}, torch {torch.__version__}; this tree over {a.transport}"
         )
         if a.rounds > 0:
             scenario("tiny model (hooks dominate)", 16, 1, 4, a.rounds, a.steps, url, agents)
         if a.step_rounds > 0:
             # ~2 s arms: about two flushes of the reporter in each
             scenario("~10 ms CPU step", 512, 4, 192, a.step_rounds, a.step_steps, url, agents)
-        flush_cost(url, packages)
-        pauses(url, packages)
+        if a.sizes:
+            cold_entries()
+            chosen = transports(url, shm_url)
+            chosen = {k: v for k, v in chosen.items() if k in a.size_arms.split(",")}
+            cost_vs_size(a.sizes, a.arm_s, chosen)
+        if legacy and (a.pauses or not modes):
+            flush_cost(url, packages)
+            pauses(url, packages)
+            print_shm_pauses(shm_url)
+        if a.job:
+            if pin:
+                os.sched_setaffinity(0, cpus)
+                os.sched_setaffinity(exporter.pid, cpus)
+            inputs = job(a.job, a.job_steps, url, shm_url)
+            saved = Path(tempfile.gettempdir()) / "syncscope-job-pauses.json"
+            saved.write_text(json.dumps(inputs))
+            print(f"  (the measured pauses are saved in {saved}: --project-inputs reads them)")
+            if a.project:
+                project_job(inputs, a.hook_us, (64, 256, 1024))
+        elif a.project_inputs:
+            inputs = json.loads(Path(a.project_inputs).read_text())
+            project_job(inputs, a.hook_us, (64, 256, 1024))
     finally:
         exporter.terminate()
         exporter.wait(10)
         dist.destroy_process_group()
+        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

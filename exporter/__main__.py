@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.prometheus_interval_s,
         help="seconds between reads of the job-wide rules (default %(default)s)",
     )
+    p.add_argument(
+        "--shm-dir",
+        default=None,
+        help="also read agents' shared-memory rings in this directory (agents attached with "
+        "exporter='shm:///that/dir'; default: none)",
+    )
     p.add_argument("--log-level", default=d.log_level)
     return p
 
@@ -123,11 +129,11 @@ def bind_sockets(settings: Settings) -> list[socket.socket]:
     return sockets
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: Settings, shm_dir: str | None = None) -> None:
     import uvicorn
     from syncscope.exporter.app import MetricsOnlyListener, create_app
 
-    app = create_app(settings)
+    app = create_app(settings, shm_dir=shm_dir)
     if settings.metrics_port is not None:
         app = MetricsOnlyListener(app, settings.metrics_port)
     config = uvicorn.Config(
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print("syncscope-exporter: --metrics-port must differ from --port", file=sys.stderr)
         return 2
     try:
-        serve(settings)
+        serve(settings, shm_dir=args.shm_dir)
     except OSError as exc:
         print(
             f"syncscope-exporter: cannot listen on {settings.host}:{settings.port}: {exc}",

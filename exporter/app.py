@@ -150,9 +150,18 @@ class MetricsOnlyListener:
         await self.app(scope, receive, send)
 
 
-def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, store: Store | None = None, shm_dir: str | None = None
+) -> FastAPI:
     settings = settings or Settings()
     store = store or Store(settings)
+    rings = None
+    if shm_dir:  # agents on this node that write shared-memory rings (exporter/shm_reader.py)
+        from syncscope.exporter.shm_reader import ShmPoller
+
+        rings = ShmPoller(
+            shm_dir, store.ingest, store.reject, expire_after_s=settings.expire_after_s
+        )
     reader = None
     if settings.prometheus_url and store.job_wide is None:
         reader = PrometheusReader(settings.prometheus_url, settings.prometheus_interval_s)
@@ -170,15 +179,20 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         gc.freeze()
         if reader is not None:
             reader.start()
+        if rings is not None:
+            rings.start()
         try:
             yield
         finally:
             if reader is not None:
                 reader.stop()
+            if rings is not None:
+                rings.stop()
 
     app = FastAPI(title="syncscope exporter", version=__version__, lifespan=lifespan)
     app.state.store = store
     app.state.settings = settings
+    app.state.rings = rings
 
     @app.exception_handler(BadRequest)
     async def _bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
