@@ -191,7 +191,13 @@ def recording_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
   min by (job, stride, slot) ({_sel(cfg, M.NODE_SAMPLED_TRANSFER_SECONDS.name)})
 and on (job, stride, slot)
   (
-      count_values by (job, stride, slot) ("step", {_sel(cfg, M.NODE_SAMPLED_STEP.name)})
+      min by (job, stride, slot) ({_sel(cfg, M.NODE_SAMPLED_STEP.name)})
+    ==
+      max by (job, stride, slot) ({_sel(cfg, M.NODE_SAMPLED_STEP.name)})
+  )
+and on (job, stride, slot)
+  (
+      count by (job, stride, slot) ({_sel(cfg, M.NODE_SAMPLED_STEP.name)})
     == on (job) group_left ()
       count by (job) (count by (job, instance) ({_sel(cfg, M.NODE_POOLED_STEPS_TOTAL.name)}))
   )
@@ -804,7 +810,6 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
         STEP_JITTER,
         STEP_CV,
         PACING_ACTIVE,
-        PACING_RATIO,
     ),
     "syncscope.straggler": (
         SYNC_PER_STEP,
@@ -830,6 +835,7 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
     # Every intervals.slow_rules (1m shipped): what a person reads on a dashboard or an alert
     # with a for: of 10m needs no fresher, and it holds the largest per-rank family (phases).
     SLOW_GROUP: (
+        PACING_RATIO,
         PHASE_RATE,
         PHASE_RATIO,
         COMM_EXPOSED_RATIO,
