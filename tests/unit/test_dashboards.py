@@ -52,7 +52,7 @@ def test_panel_thresholds_come_from_the_alert_config():
     # Change the config, and the dashboards follow.
     mutated = load_config({"alerts.SyncscopeFabricContention.levels.0.threshold": 3.0})
     fabric = generator.dashboards(mutated)[UIDS[1]]
-    index = next(p for p in fabric["panels"] if p["title"] == "Contention index")
+    index = next(p for p in fabric["panels"] if p["title"].startswith("Contention index"))
     assert index["fieldConfig"]["defaults"]["thresholds"]["steps"][1]["value"] == 3.0
 
 
@@ -64,18 +64,32 @@ def _validator(schema: dict):
     return jsonschema.Draft7Validator(schema)
 
 
+def without_prometheus_annotation_fields(d: dict) -> dict:
+    """The dashboard less the fields a Prometheus annotation query keeps on the annotation
+    itself (Grafana's prometheus annotations.ts reads expr, step, titleFormat, textFormat,
+    tagKeys there), which @grafana/schema's AnnotationQuery type does not list."""
+    d = copy.deepcopy(d)
+    for annotation in d["annotations"]["list"]:
+        extra = set(annotation) - {"datasource", "enable", "hide", "iconColor", "name"}
+        assert extra <= set(generator.ANNOTATION_EXTRAS), extra
+        for key in extra:
+            del annotation[key]
+    return d
+
+
 def test_dashboards_match_grafana_schema():
     validator = _validator(json.loads((SCHEMA_DIR / "dashboard.schema.json").read_text()))
     for uid in UIDS:
         errors = [
-            f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(dashboard(uid))
+            f"{list(e.absolute_path)}: {e.message}"
+            for e in validator.iter_errors(without_prometheus_annotation_fields(dashboard(uid)))
         ]
         assert errors == [], uid
 
 
 def test_the_schema_is_strict_enough_to_catch_a_typo():
     validator = _validator(json.loads((SCHEMA_DIR / "dashboard.schema.json").read_text()))
-    broken = copy.deepcopy(dashboard(UIDS[0]))
+    broken = without_prometheus_annotation_fields(dashboard(UIDS[0]))
     broken["panels"][1]["gridPos"]["width"] = 4  # Grafana's key is "w"
     broken["refresh_interval"] = "30s"
     assert len(list(validator.iter_errors(broken))) == 2
@@ -107,8 +121,16 @@ def test_uids_tags_variables_and_layout():
         d = dashboard(uid)
         assert d["uid"] == uid and d["tags"] == ["syncscope"]
         names = [v["name"] for v in d["templating"]["list"]]
-        assert names == ["datasource", "job", "rank"]
+        assert names == ["datasource", "job", "node", "rank"]
         assert d["templating"]["list"][0]["type"] == "datasource"
+        job, node, rank = d["templating"]["list"][1:]
+        # One training job at a time: All would merge the same rank of several jobs.
+        assert job["multi"] is False and job["includeAll"] is False
+        for v in (node, rank):
+            assert v["multi"] and v["includeAll"] and v["current"]["value"] == ["$__all"]
+            assert v["query"].startswith(f"label_values({rules.SYNC_PER_STEP}{{")
+        assert node["allValue"] == ".*" and rank["allValue"] == ".+"
+        assert 'node=~"$node"' in rank["query"]
         ids = [p["id"] for p in d["panels"]]
         assert len(ids) == len(set(ids))
         cells: set[tuple[int, int]] = set()
@@ -156,7 +178,8 @@ def test_every_series_a_dashboard_reads_is_in_the_contract_or_recorded():
     recorded = {r["record"] for r in rules.recording_rules(load_config())}
     for expr in _all_exprs():
         names = rules.metric_names(expr)
-        assert names, expr
+        # ALERTS_FOR_STATE is Prometheus' own, like ALERTS: when each alert became active.
+        assert names or "ALERTS_FOR_STATE{" in expr, expr
         assert names <= contract.keys() | recorded, (expr, names - contract.keys() - recorded)
 
 
@@ -164,25 +187,29 @@ def test_failure_mode_panels_are_present():
     overview = {p["title"] for p in panels(UIDS[0])}
     fabric = {p["title"] for p in panels(UIDS[1])}
     assert {
+        "Late ranks",
         "Throughput",
         "Step time",
         "Step-time CV",
         "Phase shares",
+        "Phases of the selected ranks",
+        "Phases of the selected ranks against the job's median rank",
         "Sync amplification",
-        "Straggler",
-        "Pacing engaged",
+        "Ranks paced",
         "Active syncscope alerts",
     } <= overview
     assert {
-        "Bus bandwidth by op",
+        "Bus bandwidth by op: the slowest groups",
         "Transfer vs wait by op",
-        "Arrival lead by rank",
+        "Arrival lead: the 20 latest ranks",
         "Topology",
         "Locality faults",
-        "Contention index",
+        "Contention index: the most contended groups",
     } <= fabric
-    heat = next(p for p in panels(UIDS[1]) if p["title"] == "Arrival lead by rank")
+    heat = next(p for p in panels(UIDS[1]) if p["title"] == "Arrival lead: the 20 latest ranks")
     assert heat["type"] == "heatmap"
+    # Grafana's default filter (le 1e-9) would hide the straggler's own row: its lead is 0.
+    assert heat["options"]["filterValues"]["le"] < 0
 
 
 def test_queries_json_lists_every_panel_target_with_flags():
@@ -215,18 +242,156 @@ def test_evaluable_queries_fill_in_every_variable():
         generator.substitute("rate(x[$__range])", {"job": ".+"})
 
 
+def test_panel_queries_select_one_job_and_optionally_a_rank():
+    everything = generator.panel_queries(job="train.v2", range_="30m")
+    assert everything == generator.evaluable_queries(job=r"train\.v2", range_="30m")
+    texts = [q["promql"] for q in everything]
+    assert all("$" not in t for t in texts)
+    assert any('rank=~".+"' in t for t in texts) and any('node=~".*"' in t for t in texts)
+    assert any("[30m] @ end()" in t for t in texts)
+    one = generator.panel_queries(job="train.v2", rank="17", node="host-3")
+    assert any('rank=~"17"' in t["promql"] and 'node=~"host\\-3"' in t["promql"] for t in one)
+    for a in generator.annotation_queries(job="j"):
+        assert "$" not in a["promql"] and a["step"]
+
+
+PER_RANK_BOUNDS = ("topk(", "bottomk(", "quantile by (")
+
+
+def _per_rank_series() -> set[str]:
+    from syncscope import catalog
+
+    raw = {m.name for m in catalog.CATALOG if "rank" in m.labels}
+    raw |= {
+        m.name + s
+        for m in catalog.CATALOG
+        if "rank" in m.labels
+        for s in ("_bucket", "_sum", "_count")
+    }
+    recorded = {r["record"] for r in rules.recording_rules(load_config())}
+    return raw | {name for name in recorded if name.startswith("job_rank")}
+
+
+def test_no_panel_draws_one_series_per_rank():
+    """At a thousand ranks a panel of one line per rank is unreadable and slow: every query
+    that reads a per-rank series bounds what it returns with topk/bottomk/quantile, or
+    aggregates it to labels other than rank and node (the scale bench counts the series)."""
+    per_rank = _per_rank_series()
+    for uid in UIDS:
+        for p in panels(uid):
+            for t in p["targets"]:
+                expr = t["expr"]
+                if not rules.metric_names(expr) & per_rank:
+                    continue
+                groupings = re.findall(r"\bby \(([^)]*)\)", expr)
+                aggregated = groupings and not any(
+                    {"rank", "node"} & {g.strip() for g in grouping.split(",")}
+                    for grouping in groupings
+                )
+                assert aggregated or any(b in expr for b in PER_RANK_BOUNDS), (p["title"], expr)
+    # And the bounds are small: k of topk/bottomk and row limits stay under MAX_SERIES.
+    for q in json.loads((DASH_DIR / "queries.json").read_text()):
+        for k in re.findall(r"(?:topk|bottomk)\((\d+),", q["expr"]):
+            assert int(k) <= generator.MAX_SERIES, q
+
+
+def test_triage_row_comes_first_with_named_columns_units_and_links():
+    d = dashboard(UIDS[0])
+    assert d["panels"][0]["type"] == "row" and d["panels"][0]["title"].startswith("Triage")
+    table = d["panels"][1]
+    assert table["title"] == "Late ranks" and table["type"] == "table"
+    assert table["gridPos"]["y"] == 1  # above the fold
+    ids = [t["id"] for t in table["transformations"]]
+    assert ids == ["merge", "sortBy", "organize"]
+    organize = table["transformations"][2]["options"]
+    refs = [t["refId"] for t in table["targets"]]
+    # Every query's value column is named or hidden: no "Value #X" header is left.
+    for ref in refs:
+        name = f"Value #{ref}"
+        assert name in organize["renameByName"] or organize["excludeByName"].get(name), name
+    renamed = organize["renameByName"]
+    assert {
+        "Rank",
+        "Node",
+        "GPU",
+        "Cause",
+        "Late by",
+        "Alert for",
+        "Cost",
+    } <= set(renamed.values())
+    assert table["transformations"][1]["options"]["sort"] == [{"field": "Value #A", "desc": True}]
+    overrides = {
+        o["matcher"]["options"]: {p["id"]: p["value"] for p in o["properties"]}
+        for o in table["fieldConfig"]["overrides"]
+    }
+    # Seconds in seconds, shares in percent, durations as durations.
+    assert overrides["Late by"]["unit"] == "s"
+    assert overrides["Of a step"]["unit"] == "percentunit"
+    assert all(
+        overrides[generator.PHASE_COLUMNS[p]]["unit"] == "s" for p in generator.TRIAGE_PHASES
+    )
+    assert overrides["Alert for"]["unit"] == "dtdurations"
+    assert "GPU-h/h" in overrides["Cost"]["unit"]
+    assert table["fieldConfig"]["defaults"]["unit"] != "percentunit"
+    rank_urls = [link["url"] for link in overrides["Rank"]["links"]]
+    assert any(u.startswith(f"/d/{UIDS[0]}?") and "var-rank=${__value.raw}" in u for u in rank_urls)
+    node_urls = [link["url"] for link in overrides["Node"]["links"]]
+    assert any(u.startswith(f"/d/{UIDS[1]}?") and "var-node=${__value.raw}" in u for u in node_urls)
+    # Rows: the latest ranks first; the cause, GPU, the alert and the cost on the same rows.
+    assert table["targets"][0]["expr"].startswith(f"topk({generator.TRIAGE_ROWS}, ")
+    exprs = "\n".join(t["expr"] for t in table["targets"])
+    for needle in (
+        "syncscope_straggler_cause",
+        "syncscope_gpu_info",
+        "ALERTS_FOR_STATE",
+        rules.LEAD_AVG,
+    ):
+        assert needle in exprs
+
+
+def _mappings(d: dict) -> list[dict]:
+    found = []
+    for p in d["panels"]:
+        found += p.get("fieldConfig", {}).get("defaults", {}).get("mappings", [])
+        for o in p.get("fieldConfig", {}).get("overrides", []):
+            found += [m for pr in o["properties"] if pr["id"] == "mappings" for m in pr["value"]]
+    return found
+
+
+def test_trouble_is_never_coloured_green():
+    trouble = {"down", "failing", "fault", "mismatch", "firing"}
+    seen = set()
+    for uid in UIDS:
+        for mapping in _mappings(dashboard(uid)):
+            for value, result in mapping["options"].items():
+                text = result.get("text", value)
+                if text in trouble:
+                    seen.add(text)
+                    assert result["color"] == "red", (uid, mapping)
+    assert {"down", "failing", "fault"} <= seen
+
+
+def test_alert_and_job_start_annotations_on_both_dashboards():
+    for uid in UIDS:
+        names = {a["name"]: a for a in dashboard(uid)["annotations"]["list"]}
+        assert {"Syncscope alerts firing", "Job start", "Exporter restarts"} <= set(names)
+        assert names["Syncscope alerts firing"]["expr"].startswith("ALERTS{")
+        assert 'job=~"$job"' in names["Job start"]["expr"]
+
+
 @pytest.mark.skipif(
     shutil.which("promtool") is None,
     reason="promtool not installed: run scripts/install-observability-tools",
 )
 def test_every_dashboard_query_parses(tmp_path):
     """promtool has no PromQL linter in 2.42; a rule file of the queries gets them parsed."""
-    listed = generator.evaluable_queries()
+    listed = [q["promql"] for q in generator.evaluable_queries()]
+    listed += [a["promql"] for a in generator.annotation_queries()]
     group = {
         "name": "dashboard-queries",
         "rules": [
-            {"record": f"syncscope_dashboard_query_{i}", "expr": q["promql"]}
-            for i, q in enumerate(listed)
+            {"record": f"syncscope_dashboard_query_{i}", "expr": promql}
+            for i, promql in enumerate(listed)
         ],
     }
     path = tmp_path / "queries.rules.yml"
@@ -251,3 +416,73 @@ def test_schema_sources_are_pinned():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert f'"grafana-foundation-sdk=={SDK_PIN}"' in pyproject
     assert re.search(r"schemaVersion", (DASH_DIR / f"{UIDS[0]}.json").read_text())
+
+
+# -- the renderer's reading of the JSON (syncscope/monitoring/render.py), without a Prometheus
+class _FakeProm:
+    """Instant results for the triage table: rank 2 late by 31 ms on host-b, the rest early."""
+
+    def instant(self, promql: str, at: float) -> list[dict]:
+        def row(rank: int, value: float, **extra: str) -> dict:
+            node = "host-a" if rank < 2 else "host-b"
+            return {
+                "metric": {"job": "j", "node": node, "rank": str(rank), **extra},
+                "value": [at, str(value)],
+            }
+
+        late = {0: 0.001, 1: 0.002, 2: 0.031, 3: 0.0}
+        if promql.startswith(f"topk({generator.TRIAGE_ROWS}, max by (job)"):
+            return [row(r, v) for r, v in late.items()]
+        if "syncscope_straggler_cause" in promql:
+            return [{"metric": {"job": "j", "rank": "2", "cause": "forward"}, "value": [at, "1"]}]
+        if "ALERTS_FOR_STATE" in promql:
+            return [row(2, 312, alertstate="firing")]
+        if promql.startswith("0 *"):
+            return [row(2, 2.7)]
+        if 'phase="forward"' in promql:
+            return [row(r, 0.03 if r == 2 else -0.001) for r in late]
+        if "/ on (job) group_left ()\n  job:syncscope_step_duration_seconds:mean" in promql:
+            return [row(r, v / 0.1) for r, v in late.items()]
+        return []
+
+
+def test_render_reads_the_triage_table_as_grafana_would():
+    from syncscope.monitoring import render
+
+    ctx = render.Context(_FakeProm(), generator.variable_values(job="j"), 0.0, 300.0, 5.0)
+    table = next(p for p in panels(UIDS[0]) if p["title"] == "Late ranks")
+    frame = render.panel_table(table, ctx)
+    assert frame is not None
+    rows = [{f.display_name: f.values[r] for f in frame.fields} for r in range(frame.length)]
+    assert [r["Rank"] for r in rows] == ["2", "1", "0", "3"]  # merged, sorted, latest first
+    first = rows[0]
+    assert (first["Node"], first["Cause"], first["Alert"], first["Cost"]) == (
+        "host-b",
+        "forward",
+        "firing",
+        2.7,
+    )
+    assert rows[1]["Cause"] is None and rows[1]["Cost"] is None  # the others carry neither
+    header = [f.display_name for f in frame.fields]
+    assert header[:3] == ["Rank", "Node", "Cause"] and not [h for h in header if "Value" in h]
+    html = render.draw_table(table, frame)
+    assert (
+        "31.0 ms" in html
+        and "31%" in html
+        and "forward" in html
+        and "5 minutes, 12 seconds" in html
+    )
+    assert "2.70 GPU-h/h" in html and "color:#F2495C" in html  # firing, in red
+
+
+def test_render_formats_values_with_grafanas_units():
+    from syncscope.monitoring import render
+
+    assert render.format_value(0.0312, "s") == "31.2 ms"
+    assert render.format_value(0, "s") == "0 s"
+    assert render.format_value(2.5, "s") == "2.50 s"
+    assert render.format_value(0.25, "percentunit") == "25%"
+    assert render.format_value(0.312, "percentunit") == "31.2%"
+    assert render.format_value(3725, "dtdurations") == "1 hour, 2 minutes"
+    assert render.format_value(1.5, "suffix: GPU-h/h", 2) == "1.50 GPU-h/h"
+    assert render.format_value(4.0, "none") == "4"
