@@ -1,0 +1,868 @@
+"""Prometheus at scale: N emulated node exporters scraped by a real Prometheus with the shipped
+configuration and rules, a straggler planted on one rank (issue 20).
+
+Each emulated node is an exporter's own Store (exporter.store, default Settings) fed by its
+ranks through the real ingest path (app.parse_batch, then Store.ingest) with agent bodies in
+wire schema 2: one job of nodes x ranks-per-node ranks (node n holds ranks n*R .. n*R+R-1,
+hostname nodeNNNN), stepping every --step-s seconds of wall time, each rank's steps ending a
+little apart, a DDP gradient sync every step, an all_reduce every other one, an all_gather or
+a broadcast every tenth, pacing state, a full GPU topology and the node's network link. Rank
+nodes//2*R+3 is the planted straggler: it arrives at the gradient sync --lag-ms late, so its
+collectives are short (it waits for nobody) and every other rank's are longer by the lag.
+Every rank sends all the steps it completed once per --feed-s (the agent flushes every second;
+the emulator batches more to fit its CPU). Expositions come from the exporter's own collectors
+(StoreCollector in a CollectorRegistry, generate_latest), rendered at most once per feed, when a
+scrape asks; one HTTP server on 127.0.0.1 serves every node at /metrics/<node>.
+
+Prometheus runs with the shipped configuration (compose_config: scrape and evaluation interval,
+scrape job, honor_labels), the shipped rules (rules.write_rules, no overrides) and one target
+per node (instance nodeNNNN:9464, its path set by the target's __metrics_path__), no
+Alertmanager. It is pinned to the first CPU and the emulator to the others (--no-pin: both
+share every CPU); an evaluation's duration is wall time, so on a busy CPU it includes waiting
+for the scrapes and the other groups. After a settle time from the first scrape (default: the
+straggler window plus two of the longest group interval, so the 1 and 5 min windows are full;
+the 10 min, 30 min and 1 h windows are not, which this bench does not wait out) it measures
+for --duration seconds (default: 120, at least three of the longest group interval), reading
+Prometheus's own /metrics and /api/v1/rules every second:
+
+  eval/interval  per rule group, the worst prometheus_rule_group_last_duration_seconds over
+                 the measured evaluations over prometheus_rule_group_interval_seconds (its
+                 own: groups may differ), and the sum over groups ("all groups": the share
+                 of the time they evaluate, which on few CPUs compete), medians too; missed
+                 iterations (prometheus_rule_group_iterations_missed_total). Target: the sum
+                 <= 25 % at 1024 x 8.
+  series         prometheus_tsdb_head_series, and every series of the emulated targets
+                 (count({instance=~"node.+"}): the exporters' own and up/scrape_*) per rank.
+  prometheus     its largest process_resident_memory_bytes, its CPU (process_cpu_seconds_total).
+  straggler      whether the straggler rule (rules.STRAGGLER_LAG) named exactly the planted
+                 rank, first after how long from the first scrape, in seconds and in
+                 evaluations of its group (rate() needs two scrapes of every rank), and in
+                 how many of the measured evaluations.
+  emulator       its own CPU (utime+stime over wall time, this bench's polling included), of
+                 which feeding (body, parse, ingest) and rendering; how late feeds ran; the
+                 targets' worst scrape time and lowest up.
+  rules          the slowest rules (the worst evaluationTime, /api/v1/rules), --top-rules.
+
+Runs longer than ~30 s or above 64 nodes must not overlap other benchmarks (1024 x 8 takes
+about 10 min, 1.7 GB for Prometheus and 1.7 GB for the emulator):
+Run: flock /tmp/syncscope-cpu.lock .venv/bin/python bench/bench_scale.py --sizes 64,256,1024
+       [--ranks-per-node 8] [--duration 120] [--settle SECONDS] [--no-pin] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import yaml
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from syncscope.exporter.app import parse_batch
+from syncscope.exporter.collectors import StoreCollector
+from syncscope.exporter.settings import Settings
+from syncscope.exporter.store import Store
+
+from syncscope.monitoring.config import load_config
+from syncscope.monitoring.prometheus_config import compose_config, duration_seconds
+from syncscope.monitoring.rules import RULES_FILE, STRAGGLER_LAG, write_rules
+from syncscope.servers import Prometheus, get_json
+
+JOB = "scale"
+NODE_PREFIX = "node"  # hostnames nodeNNNN, instances nodeNNNN:9464
+# (op, bytes, base seconds): the gradient sync every step (where ranks wait for the last one),
+# an all_reduce every other step, an all_gather or a broadcast every tenth (bench_exporter's mix).
+DDP = ("ddp_grad_sync", 25_000_000, 0.004)
+ALL_REDUCE = ("all_reduce", 4096, 0.0004)
+EVERY_TENTH = (("all_gather", 1 << 20, 0.001), ("broadcast", 8, 0.0002))
+ARRIVAL_JITTER_S = 0.002  # spread of the ranks' arrival at the sync, the straggler's included
+END_JITTER_S = 0.001  # spread of the ranks' step ends around the job's period
+COMPUTE_SHARES = (0.05, 0.30, 0.50, 0.10)  # data, forward, backward, optimizer of the compute
+LINK_BYTES_PER_S = 50e9  # 400 Gb/s per node
+LINK_BUSY_SHARE = 0.2  # of it, what the job moves on average
+# A DGX H100's GPUs: PCI bus ids by local rank.
+BUS_IDS = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One synchronous job: step k of every rank ends near t0 + (k + 1) * step_s."""
+
+    nodes: int
+    per_node: int
+    step_s: float
+    lag_s: float
+    t0: float
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+    @property
+    def straggler(self) -> int:
+        return self.nodes // 2 * self.per_node + min(3, self.per_node - 1)
+
+
+class SharedSteps:
+    """What every rank sees alike in step k: the sync's transfer and the last arrival (the
+    straggler's, late by the lag). Grown on demand; thread-safe for one feeder."""
+
+    def __init__(self, job: Job, seed: int) -> None:
+        self.job = job
+        self.rng = random.Random(seed)
+        self.steps: list[tuple[float, float]] = []
+
+    def __getitem__(self, step: int) -> tuple[float, float]:
+        while len(self.steps) <= step:
+            transfer = DDP[2] * (1 + 0.1 * self.rng.random())
+            self.steps.append((transfer, self.job.lag_s + self.rng.random() * ARRIVAL_JITTER_S))
+        return self.steps[step]
+
+
+@dataclass
+class RankFeed:
+    """One rank's agent: the steps it has completed since its last body, as the agent sends."""
+
+    job: Job
+    rank: int
+    rng: random.Random
+    next_step: int = 0
+    last_end: float = 0.0
+    uptime_s: float = 0.0  # the agent's monotonic clock at t0
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.job.per_node
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.job.per_node
+
+    def body(self, now: float, shared: SharedSteps, topology: dict[str, Any]) -> bytes | None:
+        """Every step ended by `now` and not sent yet, in wire schema 2; None if there is none."""
+        job, rng = self.job, self.rng
+        steps: list[list[int]] = []
+        colls: list[list[Any]] = []
+        offset_ns = round((job.t0 - self.uptime_s) * 1e9)  # unix time - the agent's monotonic
+        step = self.next_step
+        while True:
+            end = job.t0 + (step + 1) * job.step_s + rng.random() * END_JITTER_S
+            if end > now:
+                break
+            transfer, last_arrival = shared[step]
+            arrival = (
+                last_arrival if self.rank == job.straggler else rng.random() * ARRIVAL_JITTER_S
+            )
+            sync = transfer + last_arrival - arrival
+            comm = sync
+            colls.append([DDP[0], "default_pg", DDP[1], round(sync * 1e9), step])
+            extra = ALL_REDUCE if step % 2 else None
+            if step % 10 == 0:
+                extra = EVERY_TENTH[step // 10 % 2]
+            if extra is not None:
+                d = extra[2] * (1 + 0.2 * rng.random())
+                comm += d
+                colls.append([extra[0], "default_pg", extra[1], round(d * 1e9), step])
+            duration = end - (self.last_end or job.t0 + step * job.step_s)
+            compute = max(0.0, duration - comm)
+            phases = [round(compute * s * 1e9) for s in COMPUTE_SHARES]
+            steps.append(
+                [
+                    step,
+                    round(end * 1e9) - offset_ns,
+                    round(duration * 1e9),
+                    *phases,
+                    round(comm * 1e9),
+                    0,  # pacing
+                ]
+            )
+            self.last_end = end
+            step += 1
+        if not steps:
+            return None
+        self.next_step = step
+        body = {
+            "schema_version": 2,
+            "agent": {
+                "job": JOB,
+                "rank": self.rank,
+                "local_rank": self.local_rank,
+                "world_size": job.world_size,
+                "incarnation": f"inc-{self.rank}-{int(job.t0)}",
+                "hostname": hostname(self.node),
+                "pid": 4000 + self.local_rank,
+                "started_unix_s": job.t0,
+            },
+            "clock_offset_ns": offset_ns,
+            "dropped_total": 0,
+            "steps": steps,
+            "collectives": colls,
+            "pacing": {
+                "enabled": True,
+                "active": False,
+                "current_delay_s": 0.0,
+                "threshold_s": 0.002,
+                "engagements": 0,
+                "total_delay_s": 0.0,
+            },
+            "topology": topology,
+        }
+        return json.dumps(body).encode()
+
+
+def hostname(node: int) -> str:
+    return f"{NODE_PREFIX}{node:04d}"
+
+
+def unix_time(rfc3339: str) -> float:
+    """Prometheus's RFC 3339 times (nanoseconds, Z) as unix seconds."""
+    text = re.sub(r"(\.\d{6})\d+", r"\1", rfc3339).replace("Z", "+00:00")
+    return datetime.fromisoformat(text).timestamp()
+
+
+def gpu_topology(node: int, local_rank: int, per_node: int) -> dict[str, Any]:
+    """A healthy H100 in a DGX-like node, as agent.topology reports it (the link added per body)."""
+    numa = local_rank * 2 // per_node
+    cpus = "0-55" if numa == 0 else "56-111"
+    return {
+        "gpu_uuid": f"GPU-{node:08x}-{local_rank:04x}-4c2e-9d1a-7f3b5e8c{local_rank:04x}",
+        "gpu_name": "NVIDIA H100 80GB HBM3",
+        "pci_bus_id": f"0000:{BUS_IDS[local_rank % len(BUS_IDS)]}:00.0",
+        "pcie_link_width": 16,
+        "pcie_link_max_width": 16,
+        "pcie_link_generation": 5,
+        "pcie_link_max_generation": 5,
+        "nvlink_active_links": 18,
+        "gpu_numa_node": numa,
+        "gpu_numa_source": "nvml",
+        "gpu_cpu_affinity": cpus,
+        "process_numa_nodes": str(numa),
+        "numa_mismatch": 0,
+        "nic": f"mlx5_{local_rank}",
+        "nic_numa_node": numa,
+        "nic_distance": "same_pcie_switch",
+        "cpu_affinity": cpus,
+        "topology_source": "nvml+sysfs",
+        "sm_clock_hertz": 1_980_000_000,
+        "throttle_reasons": 0,
+        "temperature_celsius": 45 + local_rank,
+        "power_watts": 650.0,
+        "link_interface": "bond0",
+        "link_speed_bytes_per_second": LINK_BYTES_PER_S,
+        "link_capacity_bytes_per_second": LINK_BYTES_PER_S,
+    }
+
+
+@dataclass
+class Node:
+    """One emulated node: its exporter's Store and collectors, and its ranks' agents."""
+
+    index: int
+    job: Job
+    ranks: list[RankFeed]
+    topologies: list[dict[str, Any]]
+    store: Store = field(default_factory=lambda: Store(Settings()))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    rendered: bytes = b""
+    dirty: bool = True
+
+    def __post_init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(StoreCollector(self.store))
+
+    def feed(self, now: float, shared: SharedSteps) -> int:
+        """Every rank sends what it completed by `now`; the records ingested."""
+        # The node's link counters, read by every rank alike (agent/link.py).
+        moved = int(LINK_BYTES_PER_S * LINK_BUSY_SHARE * max(0.0, now - self.job.t0))
+        records = 0
+        for feed, topology in zip(self.ranks, self.topologies, strict=True):
+            body = feed.body(
+                now, shared, {**topology, "link_tx_bytes": moved, "link_rx_bytes": moved}
+            )
+            if body is None:
+                continue
+            parsed = parse_batch(body)
+            with self.lock:
+                if not self.store.ingest(parsed)["accepted"]:
+                    raise RuntimeError(f"{hostname(self.index)}: ingest refused")
+                self.dirty = True
+            records += len(parsed.steps) + len(parsed.collectives)
+        return records
+
+    def exposition(self) -> tuple[bytes, float]:
+        """The node's /metrics, rendered again only if fed since; and the CPU seconds spent."""
+        t0 = time.thread_time()
+        with self.lock:
+            if self.dirty:
+                self.rendered = generate_latest(self.registry)
+                self.dirty = False
+            return self.rendered, time.thread_time() - t0
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # a scrape never waits for a SYN retry behind a burst
+
+
+class Emulator:
+    """Every node's agents fed on one thread, every node served by one HTTP server."""
+
+    def __init__(self, job: Job, feed_s: float, seed: int) -> None:
+        self.job, self.feed_s = job, feed_s
+        self.shared = SharedSteps(job, seed)
+        per = job.per_node
+        self.nodes = [
+            Node(
+                n,
+                job,
+                [
+                    RankFeed(job, r, random.Random(seed * 1_000_003 + r), uptime_s=3600.0 + n)
+                    for r in range(n * per, (n + 1) * per)
+                ],
+                [gpu_topology(n, local, per) for local in range(per)],
+            )
+            for n in range(job.nodes)
+        ]
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.feed_cpu_s = self.render_cpu_s = 0.0
+        self.records = self.scrapes = 0
+        self.first_scrape: float | None = None
+        self.error: BaseException | None = None  # the feeder's, raised by check()
+        self.feed_late_s: list[float] = []  # per feed cycle: how late its last node was fed
+        self.server = Server(("127.0.0.1", 0), self._handler())
+        self.port = self.server.server_address[1]
+
+    def feed_all(self) -> None:
+        now = time.time()
+        for node in self.nodes:
+            self.records += node.feed(now, self.shared)
+
+    def start(self) -> None:
+        for target in (self._feed_loop, self.server.serve_forever):
+            threading.Thread(target=target, daemon=True).start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("the emulator's feeder failed") from self.error
+
+    def _feed_loop(self) -> None:
+        try:
+            self._feed_nodes()
+        except BaseException as exc:  # noqa: BLE001 - the main thread raises it (check)
+            self.error = exc
+
+    def _feed_nodes(self) -> None:
+        """Node i is fed at i / nodes of each feed period, so the work spreads evenly."""
+        n = len(self.nodes)
+        start = time.monotonic()
+        while not self.stop.is_set():
+            late = 0.0
+            for i, node in enumerate(self.nodes):
+                due = start + i * self.feed_s / n
+                if self.stop.wait(max(0.0, due - time.monotonic())):
+                    return
+                late = max(late, time.monotonic() - due)
+                t0 = time.thread_time()
+                records = node.feed(time.time(), self.shared)
+                with self.lock:
+                    self.records += records
+                    self.feed_cpu_s += time.thread_time() - t0
+            self.feed_late_s.append(late)
+            start = max(start + self.feed_s, time.monotonic() - self.feed_s)
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        emulator = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                prefix, _, index = self.path.rpartition("/")
+                if prefix != "/metrics" or not index.isdigit() or int(index) >= len(emulator.nodes):
+                    self.send_error(404)
+                    return
+                body, cpu_s = emulator.nodes[int(index)].exposition()
+                with emulator.lock:
+                    emulator.render_cpu_s += cpu_s
+                    emulator.scrapes += 1
+                    if emulator.first_scrape is None:
+                        emulator.first_scrape = time.time()
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                pass
+
+        return Handler
+
+
+def prometheus_config(port: int, nodes: int, rule_files: list[str]) -> tuple[str, float]:
+    """The shipped configuration (compose_config: its intervals, scrape job, honor_labels), one
+    target per emulated node, no Alertmanager; and its evaluation interval in seconds."""
+    config = yaml.safe_load(compose_config())
+    config.pop("alerting", None)
+    config["rule_files"] = rule_files
+    (scrape,) = config["scrape_configs"]
+    path = scrape.get("metrics_path", "/metrics")
+    scrape["static_configs"] = [
+        {
+            "targets": [f"127.0.0.1:{port}"],
+            "labels": {"__metrics_path__": f"{path}/{n}", "instance": f"{hostname(n)}:9464"},
+        }
+        for n in range(nodes)
+    ]
+    evaluation = config["global"].get("evaluation_interval", config["global"]["scrape_interval"])
+    return yaml.safe_dump(config, sort_keys=False), duration_seconds(evaluation)
+
+
+@dataclass
+class Watch:
+    """Prometheus's rule evaluations as they happen: per group and per rule, by evaluation."""
+
+    prom: Prometheus
+    groups: dict[str, dict[float, float]] = field(default_factory=dict)  # ts -> duration
+    intervals: dict[str, float] = field(default_factory=dict)
+    missed: dict[str, float] = field(default_factory=dict)  # the latest counter values
+    rules: dict[str, dict[float, float]] = field(default_factory=dict)  # group/i name -> ...
+    rss: list[tuple[float, float]] = field(default_factory=list)  # (unix time, bytes)
+    head_series: list[tuple[float, float]] = field(default_factory=list)
+    cpu_s: list[tuple[float, float]] = field(default_factory=list)  # process_cpu_seconds_total
+    rule_group_of: dict[str, str] = field(default_factory=dict)  # rule name -> its group
+    failed_polls: int = 0
+
+    def poll(self) -> None:
+        """Read both once; a Prometheus too busy to answer within 10 s is read next time."""
+        try:
+            with urllib.request.urlopen(self.prom.url + "/metrics", timeout=10) as reply:  # noqa: S310
+                text = reply.read().decode()
+            groups = get_json(self.prom.url + "/api/v1/rules", timeout=10)["data"]["groups"]
+        except OSError:  # timeouts included
+            self.failed_polls += 1
+            return
+        now = time.time()
+        last_ts: dict[str, float] = {}
+        last_duration: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                group = s.labels.get("rule_group", "").rpartition(";")[2]
+                if s.name == "prometheus_rule_group_last_evaluation_timestamp_seconds":
+                    last_ts[group] = s.value
+                elif s.name == "prometheus_rule_group_last_duration_seconds":
+                    last_duration[group] = s.value
+                elif s.name == "prometheus_rule_group_interval_seconds":
+                    self.intervals[group] = s.value
+                elif s.name == "prometheus_rule_group_iterations_missed_total":
+                    self.missed[group] = s.value
+                elif s.name == "process_resident_memory_bytes":
+                    self.rss.append((now, s.value))
+                elif s.name == "prometheus_tsdb_head_series":
+                    self.head_series.append((now, s.value))
+                elif s.name == "process_cpu_seconds_total":
+                    self.cpu_s.append((now, s.value))
+        # Prometheus sets an evaluation's duration just before its timestamp: a poll between
+        # the two pairs the new duration with the previous timestamp, seen already, so the
+        # first value seen for a timestamp is kept.
+        for group, ts in last_ts.items():
+            if ts > 0 and group in last_duration:
+                self.groups.setdefault(group, {}).setdefault(ts, last_duration[group])
+        for g in groups:
+            for i, rule in enumerate(g["rules"]):
+                self.rule_group_of.setdefault(rule["name"], g["name"])
+                when = rule.get("lastEvaluation", "")
+                if when.startswith("0001-"):  # not evaluated yet
+                    continue
+                key = f"{g['name']}/{i:02d} {rule['name']}"
+                self.rules.setdefault(key, {}).setdefault(unix_time(when), rule["evaluationTime"])
+
+
+@contextlib.contextmanager
+def pinned(cpus: set[int] | None) -> Iterator[None]:
+    """This thread (and what it starts) on `cpus` meanwhile; None: leave it be."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def cpu_times() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def default_settle(interval: float) -> float:
+    """The straggler window (the longest the per-rank rules rate over) plus two of the longest
+    group interval."""
+    return duration_seconds(load_config()["windows"]["straggler"]) + 2 * interval
+
+
+def rule_intervals(path: str, default: float) -> tuple[dict[str, float], str]:
+    """Each group's evaluation interval in the rules file (its own, else `default`), and the
+    file's sha256 (12 digits): the rules change with the tree the bench runs from."""
+    with open(path, "rb") as f:
+        text = f.read()
+    groups = yaml.safe_load(text)["groups"]
+    intervals = {
+        g["name"]: duration_seconds(g["interval"]) if "interval" in g else default for g in groups
+    }
+    return intervals, hashlib.sha256(text).hexdigest()[:12]
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@dataclass
+class Measured:
+    """What one size's run gathered, before it is summarised."""
+
+    job: Job
+    watch: Watch
+    interval: float
+    first_scrape: float
+    settle: float
+    measure_from: float
+    end: float
+    missed_before: dict[str, float]
+    targets: dict[str, float]  # their series, worst scrape time and lowest up while measured
+    straggler_ranks: dict[float, set[str]]  # evaluation time -> the ranks the rule named
+    emulator: dict[str, Any]
+    rules_sha256: str
+
+
+def run_size(nodes: int, args: argparse.Namespace) -> Measured:
+    """One size from scratch: emulator, Prometheus, settle, measure; everything stopped after."""
+    cpus = set(os.sched_getaffinity(0))
+    prom_cpus = {min(cpus)} if args.pin and len(cpus) > 1 else None
+    with contextlib.ExitStack() as stack:
+        workdir = tempfile.mkdtemp(prefix="syncscope-bench-scale-")
+        stack.callback(shutil.rmtree, workdir, True)
+        # The job started one feed period ago, so the first scrape finds every rank reporting.
+        job = Job(
+            nodes, args.ranks_per_node, args.step_s, args.lag_ms / 1e3, time.time() - args.feed_s
+        )
+        emulator = Emulator(job, args.feed_s, args.seed)
+        stack.callback(emulator.close)
+        t = time.perf_counter()
+        emulator.feed_all()
+        print(f"  {nodes} nodes fed once in {time.perf_counter() - t:.1f} s", flush=True)
+        gc.collect()
+        gc.freeze()  # the stores' long-lived state: full collections skip it from now on
+        rules_dir = os.path.join(workdir, "rules")
+        rules_file = str(write_rules(rules_dir))  # the shipped rules: no overrides
+        config, interval = prometheus_config(emulator.port, nodes, [rules_file])
+        intervals, rules_sha = rule_intervals(rules_file, interval)
+        longest = max(intervals.values(), default=interval)
+        print(
+            f"  rules {RULES_FILE} sha256 {rules_sha}: groups "
+            + ", ".join(f"{short(g)} every {i:g} s" for g, i in intervals.items()),
+            flush=True,
+        )
+        with pinned(prom_cpus):
+            prom = Prometheus(config, workdir)
+        stack.callback(prom.stop)
+        if prom_cpus is not None:
+            stack.enter_context(pinned(cpus - prom_cpus))  # the emulator's threads inherit it
+        emulator.start()
+        prom.wait_ready(120)
+        watch = Watch(prom)
+        settle = args.settle if args.settle is not None else default_settle(longest)
+        duration = args.duration if args.duration is not None else max(120.0, 3 * longest)
+        while emulator.first_scrape is None:
+            emulator.check()
+            time.sleep(0.2)
+        first_scrape = emulator.first_scrape
+        measure_from = first_scrape + settle
+        end = measure_from + duration
+        print(
+            f"  first scrape at {time.strftime('%H:%M:%S', time.gmtime(first_scrape))} UTC; "
+            f"settle {settle:.0f} s, measure {duration:.0f} s",
+            flush=True,
+        )
+        while time.time() < measure_from:
+            emulator.check()
+            watch.poll()
+            time.sleep(1.0)
+        watch.poll()
+        missed_before = dict(watch.missed)
+        wall0, cpu0 = time.time(), cpu_times()
+        feed0, render0 = emulator.feed_cpu_s, emulator.render_cpu_s
+        late_from, records0 = len(emulator.feed_late_s), emulator.records
+        while time.time() < end:
+            emulator.check()
+            watch.poll()
+            time.sleep(1.0)
+        watch.poll()
+        wall = time.time() - wall0
+        emu = {
+            "cores": (cpu_times() - cpu0) / wall,
+            "feed_cores": (emulator.feed_cpu_s - feed0) / wall,
+            "render_cores": (emulator.render_cpu_s - render0) / wall,
+            "feed_late_max_s": max(emulator.feed_late_s[late_from:], default=0.0),
+            "records": emulator.records - records0,
+            "wall_s": wall,
+            "scrapes": emulator.scrapes,
+            "rss_mb": rss_mb(os.getpid()),
+        }
+        targets = target_figures(prom, duration)
+        return Measured(
+            job,
+            watch,
+            interval,
+            first_scrape,
+            settle,
+            measure_from,
+            end,
+            missed_before,
+            targets,
+            straggler_named(prom, watch, first_scrape, end, intervals),
+            emu,
+            rules_sha,
+        )
+
+
+def target_figures(prom: Prometheus, duration: float) -> dict[str, float]:
+    """Every series of the emulated targets (the exporters' own and up/scrape_*), their worst
+    scrape time and their lowest up over the last `duration` seconds."""
+    sel = f'instance=~"{NODE_PREFIX}.+"'
+    queries = {
+        "series": f"count({{{sel}}})",
+        "scrape_max_s": f"max(max_over_time(scrape_duration_seconds{{{sel}}}[{duration:.0f}s]))",
+        "up_min": f"min(min_over_time(up{{{sel}}}[{duration:.0f}s]))",
+    }
+    out = {}
+    for name, promql in queries.items():
+        query = urllib.parse.urlencode({"query": promql})
+        found = get_json(f"{prom.url}/api/v1/query?{query}", timeout=120)["data"]["result"]
+        out[name] = float(found[0]["value"][1]) if found else float("nan")
+    return out
+
+
+def straggler_named(
+    prom: Prometheus,
+    watch: Watch,
+    first_scrape: float,
+    end: float,
+    intervals: dict[str, float],
+) -> dict[float, set[str]]:
+    """The ranks the straggler rule named at each evaluation of its group after the first
+    scrape (evaluations come at fixed multiples of the group's interval)."""
+    group = watch.rule_group_of.get(STRAGGLER_LAG, "")
+    after = sorted(ts for ts in watch.groups.get(group, {}) if ts > first_scrape)
+    if not after:
+        return {}
+    found = prom.query_range(f"max by (rank) ({STRAGGLER_LAG})", after[0], end, intervals[group])
+    return {t: {key.removeprefix("rank=") for key in series} for t, series in found.items()}
+
+
+def cores(cpu_s: list[tuple[float, float]], start: float, end: float) -> float:
+    """CPU seconds per second between the first and the last sample in [start, end]."""
+    inside = [(t, v) for t, v in cpu_s if start <= t <= end]
+    if len(inside) < 2:
+        return float("nan")
+    (t0, v0), (t1, v1) = inside[0], inside[-1]
+    return (v1 - v0) / (t1 - t0)
+
+
+def summarise(m: Measured) -> dict[str, Any]:
+    """One size's row: the worst evaluation per group over the measured ones, the series, the
+    memory, when the straggler was named, the emulator's CPU."""
+    w, job = m.watch, m.job
+
+    def measured(by_eval: dict[float, float]) -> list[float]:
+        return [d for ts, d in by_eval.items() if m.measure_from <= ts <= m.end]
+
+    groups = {}
+    for name, by_eval in sorted(w.groups.items()):
+        durations = measured(by_eval)
+        interval = w.intervals.get(name, m.interval)
+        groups[name] = {
+            "worst_s": max(durations, default=float("nan")),
+            "median_s": statistics.median(durations) if durations else float("nan"),
+            "interval_s": interval,
+            "ratio": max(durations, default=float("nan")) / interval,
+            "evaluations": len(durations),
+            "missed": w.missed.get(name, 0.0) - m.missed_before.get(name, 0.0),
+        }
+    rules = sorted(
+        ((max(measured(e), default=0.0), name) for name, e in w.rules.items()), reverse=True
+    )
+    planted = str(job.straggler)
+    times = sorted(m.straggler_ranks)
+    hit = [t for t in times if m.straggler_ranks[t] == {planted}]
+    steady = [t for t in times if m.measure_from <= t <= m.end]
+    first = hit[0] if hit else None
+    return {
+        "nodes": job.nodes,
+        "ranks_per_node": job.per_node,
+        "ranks": job.world_size,
+        "step_s": job.step_s,
+        "lag_s": job.lag_s,
+        "interval_s": m.interval,
+        "settle_s": m.settle,
+        "rules_sha256": m.rules_sha256,
+        "duration_s": m.end - m.measure_from,
+        "groups": groups,
+        "sum_ratio": sum(g["ratio"] for g in groups.values()),
+        "head_series": max((v for _, v in w.head_series), default=float("nan")),
+        "targets": m.targets,
+        "series_per_rank": m.targets["series"] / job.world_size,
+        "prometheus_rss_bytes": max((v for _, v in w.rss), default=float("nan")),
+        "prometheus_cores": cores(w.cpu_s, m.measure_from, m.end),
+        "straggler": {
+            "rank": job.straggler,
+            "named": first is not None,
+            "after_s": first - m.first_scrape if first is not None else None,
+            "after_evaluations": times.index(first) + 1 if first is not None else None,
+            "measured_share": sum(t in hit for t in steady) / len(steady) if steady else None,
+        },
+        "emulator": m.emulator,
+        "rules_worst_s": {name: d for d, name in rules},
+        "evaluations": {g: sorted(e.items()) for g, e in w.groups.items()},
+        "failed_polls": w.failed_polls,
+    }
+
+
+def short(group: str) -> str:
+    return group.removeprefix("syncscope.")
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """One row per size; a column per rule group (its worst evaluation over its interval)."""
+    groups = sorted({g for r in rows for g in r["groups"]})
+    width = max([9, *(len(short(g)) for g in groups)])
+    print(
+        f"{'nodes x ranks':>13} {'all groups':>10} "
+        + " ".join(f"{short(g):>{width}}" for g in groups)
+        + f" {'missed':>6} {'head series':>11} {'series/rank':>11} {'prom RSS':>8} {'prom CPU':>8} "
+        f"{'straggler':>9} {'after s (evals)':>15} {'emulator cores (feed+render)':>28}"
+        f" {'feed late':>9}"
+    )
+    for r in rows:
+        s, e = r["straggler"], r["emulator"]
+        cells = [f"{r['groups'][g]['ratio']:.1%}" if g in r["groups"] else "-" for g in groups]
+        named = f"yes {s['measured_share']:.0%}" if s["named"] else "no"
+        after = f"{s['after_s']:.0f} ({s['after_evaluations']})" if s["named"] else "-"
+        cores = f"{e['cores']:.2f} ({e['feed_cores']:.2f}+{e['render_cores']:.2f})"
+        print(
+            f"{r['nodes']:>8} x {r['ranks_per_node']:<2} {r['sum_ratio']:>10.1%} "
+            + " ".join(f"{c:>{width}}" for c in cells)
+            + f" {sum(g['missed'] for g in r['groups'].values()):>6.0f}"
+            f" {r['head_series']:>11,.0f} {r['series_per_rank']:>11.1f}"
+            f" {r['prometheus_rss_bytes'] / 2**30:>6.2f} G {r['prometheus_cores']:>8.2f}"
+            f" {named:>9} {after:>15} {cores:>28}"
+            f" {e['feed_late_max_s']:>7.1f} s"
+        )
+
+
+def print_details(row: dict[str, Any], top: int) -> None:
+    e, s, t = row["emulator"], row["straggler"], row["targets"]
+    print(
+        f"\n{row['nodes']} x {row['ranks_per_node']}: straggler rank {s['rank']}; settle "
+        f"{row['settle_s']:.0f} s, {row['duration_s']:.0f} s measured; worst evaluation per "
+        f"group, median (evaluations measured): "
+        + ", ".join(
+            f"{short(name)} {g['worst_s']:.3f} s, {g['median_s']:.3f} s ({g['evaluations']})"
+            for name, g in row["groups"].items()
+        )
+        + f"; Prometheus {row['prometheus_cores']:.2f} cores; polls of it that timed out: "
+        f"{row['failed_polls']}; emulator "
+        f"{e['records'] / e['wall_s']:,.0f} records/s ingested, {e['scrapes']:,} scrapes served, "
+        f"RSS {e['rss_mb']:,.0f} MB; targets' worst scrape {t['scrape_max_s']:.3f} s, lowest "
+        f"up {t['up_min']:.0f}"
+    )
+    print("slowest rules (worst evaluationTime over the measured evaluations, /api/v1/rules):")
+    for name, d in list(row["rules_worst_s"].items())[:top]:
+        print(f"  {d * 1e3:9.1f} ms  {name}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="64,256,1024", help="emulated nodes, comma-separated")
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds measured after settle (default: 120, at least 3 of the longest interval)",
+    )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=None,
+        help="seconds from the first scrape to the measurement (default: the straggler window + "
+        "2 of the longest group interval)",
+    )
+    p.add_argument("--step-s", type=float, default=1.0, help="the job's step period (wall time)")
+    p.add_argument("--feed-s", type=float, default=5.0, help="each rank sends its steps this often")
+    p.add_argument(
+        "--lag-ms", type=float, default=30.0, help="the straggler's lateness at the sync"
+    )
+    p.add_argument("--seed", type=int, default=20)
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="no CPU for Prometheus")
+    p.add_argument("--top-rules", type=int, default=10)
+    p.add_argument("--json", default=None, help="also write every measurement here")
+    a = p.parse_args()
+    sizes = [int(n) for n in a.sizes.split(",")]
+    # SIGTERM cleans up as Ctrl-C does: the runs' exit stacks stop Prometheus and the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    print("command:", " ".join([os.path.basename(sys.executable), *sys.argv]))
+    print(
+        f"machine: nproc {os.cpu_count()}, affinity {sorted(os.sched_getaffinity(0))}; "
+        f"Prometheus pinned to its first CPU: {a.pin}"
+    )
+    print(
+        f"job: step every {a.step_s:g} s, each rank's batch every {a.feed_s:g} s, straggler "
+        f"(rank nodes/2*{a.ranks_per_node}+3) {a.lag_ms:g} ms late at the gradient sync"
+    )
+    rows = []
+    for nodes in sizes:
+        print(f"{nodes} nodes x {a.ranks_per_node} ranks:", flush=True)
+        rows.append(summarise(run_size(nodes, a)))
+        if a.json:  # after every size, so that a later one failing loses nothing
+            with open(a.json, "w") as f:
+                json.dump({"argv": sys.argv, "rows": rows}, f, indent=1)
+        print_table(rows[-1:])
+    print("\n=== summary ===")
+    print_table(rows)
+    for row in rows:
+        print_details(row, a.top_rules)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
