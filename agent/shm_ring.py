@@ -135,44 +135,31 @@ class ShmRing:
         self.rseq_seen = Q.unpack_from(self.mm, READ_SEQ_AT)[0]
         return self.wseq - self.rseq_seen < self.capacity
 
-    def put_step(self, row: tuple) -> bool:
+    def _put(self, slot: struct.Struct, kind: int, *fields: Any) -> bool:
+        """One record into the next slot, stamped at both ends; False (and counted) if full."""
         if not self._room():
             self.dropped += 1
             return False
-        seq = self.wseq
-        stamp = seq + 1
-        STEP_SLOT.pack_into(
-            self.mm,
-            HEADER_BYTES + (seq % self.capacity) * SLOT_BYTES,
-            stamp,
-            KIND_STEP,
-            *row,
-            stamp,
-        )
+        stamp = self.wseq + 1
+        offset = HEADER_BYTES + (self.wseq % self.capacity) * SLOT_BYTES
+        slot.pack_into(self.mm, offset, stamp, kind, *fields, stamp)
         self.wseq = stamp
         return True
 
+    def put_step(self, row: tuple) -> bool:
+        return self._put(STEP_SLOT, KIND_STEP, *row)
+
     def put_collective(self, row: tuple) -> bool:
-        if not self._room():
-            self.dropped += 1
-            return False
         op, group, nbytes, duration, step = row
-        seq = self.wseq
-        stamp = seq + 1
-        COLL_SLOT.pack_into(
-            self.mm,
-            HEADER_BYTES + (seq % self.capacity) * SLOT_BYTES,
-            stamp,
+        return self._put(
+            COLL_SLOT,
             KIND_COLLECTIVE,
             op.encode()[:OP_BYTES],
             group.encode()[:GROUP_BYTES],
             int(nbytes),
             int(duration),
             int(step),
-            stamp,
         )
-        self.wseq = stamp
-        return True
 
     def publish(self) -> None:
         """Make every record put so far visible to the reader (after their slots are written)."""
