@@ -38,10 +38,13 @@ class AgentConfig:
     queue_size: int = 8192  # records held between flushes; beyond it they are dropped and counted
     send_timeout_s: float = 1.0
     ring_slots: int = 16384  # shm:// only: records the ring holds for the exporter (160 B each)
-    # shm:// only: the training thread moves queued rows into the ring at every Nth step, the
-    # same steps on every rank. Its first Python code after a step's kernels runs on cold CPU
-    # caches (~30 µs on a 10 ms CPU step), so once per N steps costs less than every step.
-    ring_every_steps: int = 16
+    # The transport's work falls on every Nth step boundary, the same steps on every rank, so
+    # the ranks pause together rather than each at its own phase (issue 18). shm://: the
+    # training thread moves queued rows into the ring there (its first Python code after a
+    # step's kernels runs on cold CPU caches, ~30 µs on a 10 ms CPU step, so once per N steps
+    # costs less than every step). http/unix: the reporter flushes at the first such boundary
+    # of each `flush_interval_s` tick of the wall clock (agent/transport.py).
+    align_every_steps: int = 16
     token: str | None = None  # bearer token for TCP ingest
     record: str | None = None  # also append step records as JSON lines here ({rank} is replaced)
     patch_collectives: bool = True

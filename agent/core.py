@@ -77,9 +77,9 @@ class _StepContext:
         clock = self.clock
         try:
             clock.end_step(time.perf_counter_ns())
-            after = clock.after_step  # the shm transport's pump, as optimizer_post calls it
+            after = clock.after_step  # the transport's step hook, as optimizer_post calls it
             if after is not None and clock.step % clock.after_every == 0:
-                after()
+                after(clock.step)
         except BaseException as exc:  # noqa: BLE001
             clock.on_error(exc)
 
@@ -135,11 +135,15 @@ class Agent:
         if self.patch is not None:
             self.patch.install()
         self.clock.instrument(model, optimizer)
+        # The transport's work falls on step boundaries every rank agrees on, so the ranks
+        # pause together (issue 18): the ring is pumped at every `align_every_steps`-th step
+        # (shm_ring.py); the HTTP reporter's thread is woken at the first such step of each
+        # flush interval (transport.py), so the clock calls it at every step.
         if isinstance(self.reporter, ShmTransport):
-            # The rows move into the ring at every `ring_every_steps`-th step boundary: the
-            # same steps on every rank, so the ranks pause together (shm_ring.py).
-            self.clock.after_every = max(1, config.ring_every_steps)
+            self.clock.after_every = max(1, config.align_every_steps)
             self.clock.after_step = self.reporter.pump
+        else:
+            self.clock.after_step = self.reporter.at_step
         if model is not None and config.detail == "buckets" and ddp_group is not None:
             self._time_buckets(model)
         self.reporter.start()
@@ -157,6 +161,7 @@ class Agent:
             collectives=self.queues.collectives,
             flush_interval_s=config.flush_interval_s,
             send_timeout_s=config.send_timeout_s,
+            align_every_steps=config.align_every_steps,
             dropped_elsewhere=self._dropped_on_training_thread,
             pacing_state=self.pacer.state if self.pacer is not None else None,
             topology=with_link(self.topology, self.link),

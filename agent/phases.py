@@ -114,9 +114,10 @@ class PhaseClock:
         # Set by the agent when pacing is on: called at each step end with the step's exposed
         # wait (ns); returns the delay (ns) to insert before the next iteration.
         self.pacer: Callable[[int, int], int] | None = None
-        # Set by the agent with the shm transport (shm_ring.py): called on the training thread
-        # after every `after_every`-th step has ended, the same steps on every rank.
-        self.after_step: Callable[[], None] | None = None
+        # Set by the agent to its transport's step hook: called on the training thread with
+        # the step count after every `after_every`-th step has ended, the same steps on every
+        # rank (shm_ring.py pumps there; transport.py decides whether to wake its thread).
+        self.after_step: Callable[[int], None] | None = None
         self.after_every = 1
 
     # -- wiring -------------------------------------------------------------------------------
@@ -298,7 +299,7 @@ class PhaseClock:
                 self.end_step(t)  # a subclass's too (CudaPhaseClock), before the transport
                 after = self.after_step
                 if after is not None and self.step % self.after_every == 0:
-                    after()
+                    after(self.step)
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
 

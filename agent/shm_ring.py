@@ -4,7 +4,7 @@ Why: the HTTP reporter (transport.py) drains the queues on a daemon thread once 
 holds the GIL for JSON and HTTP while it does (0.3-0.8 ms, more after a backlog), each rank at
 its own phase. In synchronous training a pause on any rank delays every rank, so across a
 thousand ranks nearly every step holds someone's pause. Here the training thread itself moves
-the queued rows into a shared-memory ring at every `ring_every_steps`-th step boundary (a few
+the queued rows into a shared-memory ring at every `align_every_steps`-th step boundary (a few
 struct.pack_into per row; the same steps on every rank, so the ranks pause together, once), and
 the exporter, another process, reads the ring. No JSON, no HTTP, no background thread in the training
 process. The HTTP path stays for remote exporters.
@@ -190,7 +190,7 @@ class ShmRing:
 class ShmTransport:
     """What the agent holds instead of a Reporter when the exporter is `shm://DIR`.
 
-    `pump()` runs on the training thread at every `ring_every_steps`-th step boundary (the
+    `pump()` runs on the training thread at every `align_every_steps`-th step boundary (the
     phase clock calls it after the step's row is queued, as does the end of `with
     agent.step()`): it moves the queued rows into the ring. Every HOUSEKEEPING_EVERY pumps it
     also refreshes the header's clock offset, heartbeat and drop count. Being tied to step
@@ -253,7 +253,7 @@ class ShmTransport:
     def dropped_total(self) -> int:
         return self._ring_dropped + self.dropped_elsewhere()
 
-    def pump(self) -> None:
+    def pump(self, _step: int = 0) -> None:
         ring = self.ring
         if ring is None:
             return

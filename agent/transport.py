@@ -99,6 +99,17 @@ def split_batch(steps: list[tuple], colls: list[tuple], limit: int) -> list[tupl
 class Reporter:
     """Owns the daemon thread; `flush()` is also called once more at close.
 
+    When flushes happen (issue 18): in synchronous training a pause on any rank delays every
+    rank, so a flush at each rank's own phase would, across a thousand ranks, put someone's
+    pause into nearly every step. The phase clock calls `at_step(step)` at every step end; it
+    wakes the thread at the first step boundary after each `flush_interval_s` tick of the wall
+    clock that is also a multiple of `align_every_steps`, or at any boundary once two ticks have
+    passed without one (steps longer than the grid). Ticks are absolute and step numbers agree
+    across ranks, so the ranks flush in the same step, and a rank that once disagrees (a tick
+    falling between ranks' step ends) agrees again at the next tick. With no step boundary for
+    `IDLE_FLUSHES` intervals (before the first step, a hang, very long steps) the thread flushes
+    on its own timer, so records still leave.
+
     Delivery is at most once: a batch that fails is counted as dropped and never resent, so a
     request the exporter did process before the connection broke cannot be counted twice.
     Accounting: every record drained from the queues ends up in `sent_records` or
@@ -113,6 +124,7 @@ class Reporter:
     MAX_BACKOFF_S = 2.0
     MIN_BACKOFF_S = 0.25
     MAX_RECORDS_PER_REQUEST = 1024
+    IDLE_FLUSHES = 4  # intervals without a step boundary's wake-up before the timer flushes
 
     def __init__(
         self,
@@ -124,6 +136,7 @@ class Reporter:
         collectives: deque,
         flush_interval_s: float,
         send_timeout_s: float,
+        align_every_steps: int = 1,
         dropped_elsewhere: Callable[[], int],
         pacing_state: Callable[[], PacingState | None] | None = None,
         topology: Callable[[], dict[str, Any] | None] | None = None,
@@ -136,6 +149,7 @@ class Reporter:
         self.steps = steps
         self.collectives = collectives
         self.flush_interval_s = flush_interval_s
+        self.align_every_steps = max(1, align_every_steps)
         self.send_timeout_s = send_timeout_s
         self.dropped_elsewhere = dropped_elsewhere
         self.pacing_state = pacing_state
@@ -153,6 +167,9 @@ class Reporter:
         self._retry_at = 0.0
         self._backoff = self.MIN_BACKOFF_S
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._tick = -1  # the wall-clock tick of the last step-triggered flush (-1: no step yet)
+        self.wall_clock = time.time  # unix seconds; NTP keeps it alike across hosts
         self._lock = threading.Lock()  # flush() from close() and from the thread
         self._thread = threading.Thread(target=self._run, name="syncscope-reporter", daemon=True)
 
@@ -161,6 +178,7 @@ class Reporter:
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout)
         self.flush()
         if self._conn is not None:
@@ -170,8 +188,24 @@ class Reporter:
     def dropped_total(self) -> int:
         return self.send_dropped + self.dropped_elsewhere()
 
+    def at_step(self, step: int) -> None:
+        """Training thread, at every step end: wake the thread if this is the boundary where
+        every rank flushes (see the class). Costs a clock read and a division."""
+        tick = int(self.wall_clock() / self.flush_interval_s)
+        last = self._tick
+        if last < 0:  # the first step end starts the count (the timer covers the time before)
+            self._tick = tick
+        elif tick != last and (step % self.align_every_steps == 0 or tick - last >= 2):
+            self._tick = tick
+            self._wake.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.flush_interval_s):
+        idle_s = self.flush_interval_s * self.IDLE_FLUSHES
+        while True:
+            self._wake.wait(idle_s)
+            if self._stop.is_set():
+                return
+            self._wake.clear()
             self.flush()
 
     def flush(self) -> None:

@@ -34,6 +34,7 @@ Issue 18 modes (any of them skips the scenarios above unless asked for):
 from __future__ import annotations
 
 import argparse
+import bisect
 import importlib
 import inspect
 import json
@@ -570,7 +571,7 @@ def cold_entries(steps: int = 60) -> None:
 def shm_pauses(shm_url: str, windows: int = 6, step_ms: float = 10.0) -> dict[str, Any]:
     """The shm transport's work as a CPU-bound thread sees it: a busy loop stands for a 10 ms
     step (one step row, two collective rows queued per step, as the phase clock and the patch
-    queue them) and calls the pump every `ring_every_steps` steps, as the phase clock does.
+    queue them) and calls the pump every `align_every_steps` steps, as the phase clock does.
     A gap > 0.2 ms between two iterations is a pause; the pump's time counts in its gap.
     Windows of 1 s with and without the agent's work alternate, so scheduler noise from other
     processes shows in both."""
@@ -585,7 +586,7 @@ def shm_pauses(shm_url: str, windows: int = 6, step_ms: float = 10.0) -> dict[st
         identity=ident, url=shm_url, steps=steps, collectives=colls, dropped_elsewhere=lambda: 0
     )
     threads = threading.active_count() - threads
-    every = AgentConfig().ring_every_steps
+    every = AgentConfig().align_every_steps
     pumps: list[float] = []
     gaps: dict[bool, list[float]] = {False: [], True: []}
     period = step_ms / 1e3
@@ -632,7 +633,7 @@ def shm_pauses(shm_url: str, windows: int = 6, step_ms: float = 10.0) -> dict[st
 
 def print_shm_pauses(shm_url: str) -> None:
     r = shm_pauses(shm_url)
-    every = AgentConfig().ring_every_steps
+    every = AgentConfig().align_every_steps
     print(
         f"shm transport, 10 ms step, 1 step + 2 collective rows per step, pumped every {every} "
         "steps (warm caches here: the job measures the pump as training leaves the caches):"
@@ -677,9 +678,9 @@ def job_worker(a: argparse.Namespace) -> None:
         kind = "flush" if threading.current_thread() is self._thread else "final"
         events.append((kind, t, time.perf_counter_ns() - t, time.thread_time_ns() - c))
 
-    def pump(self: Any) -> None:
+    def pump(self: Any, step: int = 0) -> None:
         t, c = time.perf_counter_ns(), time.thread_time_ns()
-        pump0(self)
+        pump0(self, step)
         events.append(("pump", t, time.perf_counter_ns() - t, time.thread_time_ns() - c))
 
     tmod.Reporter.flush = flush  # type: ignore[method-assign]
@@ -717,6 +718,23 @@ def job_worker(a: argparse.Namespace) -> None:
     with open(a.job_out, "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
+
+
+def alignment(ranks: list[dict[str, Any]], arm: str, kind: str) -> tuple[int, int]:
+    """(steps in which every rank paused, steps in which any rank paused), over the arm's
+    rounds: a step is (round, index of the timed step the event started in)."""
+    per_rank: list[set[tuple[int, int]]] = []
+    for r in ranks:
+        held = set()
+        for k, entry in enumerate(r["rounds"]):
+            if entry["arm"] != arm:
+                continue
+            starts = entry["starts"]
+            for kind_, t, _wall, _cpu in r["events"]:
+                if kind_ == kind and starts[0] <= t < starts[-1]:
+                    held.add((k, bisect.bisect_right(starts, t) - 1))
+        per_rank.append(held)
+    return len(set.intersection(*per_rank)), len(set.union(*per_rank))
 
 
 def job(rounds: int, steps: int, http_url: str, shm_url: str) -> dict[str, Any]:
@@ -798,10 +816,13 @@ def job(rounds: int, steps: int, http_url: str, shm_url: str) -> dict[str, Any]:
                 hits if len(hits) <= 6 else [*hits[:3], f"... {len(hits)} in all ...", *hits[-2:]]
             )
             print(f"    rank {rk}: " + ", ".join(shown))
+        shared, distinct = alignment(ranks, arm, kind)
+        print(f"  {arm}: over all its rounds, {distinct} distinct (round, step) pairs held some "
+              f"rank's {kind}; {shared} of them held every rank's (aligned: the two are equal)")  # fmt: skip
     return {
         "flush_cpu_s": flush_cpu,
         "pump_cpu_s": pump_cpu,
-        "every": AgentConfig().ring_every_steps,
+        "every": AgentConfig().align_every_steps,
     }
 
 
@@ -830,22 +851,29 @@ def project_job(inputs: dict[str, Any], hook_us: float, ranks: tuple[int, ...]) 
         f"{params.fabric.gpus_per_node} ranks per node"
     )
     print(f"  hooks on every rank, every step: {hook_us:.1f} µs (training-thread CPU, --hook-us)")
-    print(f"  before (HTTP reporter): one pause per rank per 1 s at a random phase, drawn from "
-          f"the reporter's flush CPU ({desc(flush)})")  # fmt: skip
-    print(f"  after (shm ring): every rank at every {every}th step (aligned), drawn from the "
+    interval = AgentConfig().flush_interval_s
+    per_tick = max(1, round(interval / step_s))
+    print(f"  before (HTTP reporter, each rank's own timer): one pause per rank per "
+          f"{interval:g} s at a random phase, drawn from the reporter's flush CPU ({desc(flush)})")  # fmt: skip
+    print(f"  http (aligned): every rank in the same step once per {interval:g} s (every "
+          f"{per_tick}th step), the same flush CPU")  # fmt: skip
+    print(f"  shm (ring): every rank at every {every}th step (aligned), drawn from the "
           f"pump's training-thread CPU ({desc(pump)})")  # fmt: skip
-    before = PeriodicPauses(flush, 1.0, hook_us / 1e6, name="before")
-    after = PerStepCost(pump, every=every, per_step_s=hook_us / 1e6, name="after")
-    rows = project(params, ranks, [before, after])
-    print(
-        "  ranks   base mean ms   before: mean (p99)       after: mean (p99; the sketch bins p99)"
-    )
+    hook_s = hook_us / 1e6
+    models = [
+        PeriodicPauses(flush, interval, hook_s, name="before"),
+        PerStepCost(flush, every=per_tick, per_step_s=hook_s, name="http"),
+        PerStepCost(pump, every=every, per_step_s=hook_s, name="shm"),
+    ]
+    rows = project(params, ranks, models)
+    print("  ranks   base mean ms   job step time cost: mean (p99; the sketch bins p99)")
+    print("                         " + "".join(f"{m.name:24}" for m in models))
     for r in rows:
-        print(
-            f"  {int(r['ranks']):5}   {r['mean_step_s'] * 1e3:10.3f}     "
-            f"{r['before'] * 100:+.3f} % ({r['before p99'] * 100:+.2f} %)     "
-            f"{r['after'] * 100:+.3f} % ({r['after p99'] * 100:+.2f} %)"
+        cells = "".join(
+            f"{r[m.name] * 100:+.3f} % ({r[m.name + ' p99'] * 100:+.2f} %)".ljust(24)
+            for m in models
         )
+        print(f"  {int(r['ranks']):5}   {r['mean_step_s'] * 1e3:10.3f}     {cells}")
 
 
 def main() -> None:

@@ -164,3 +164,102 @@ def test_the_record_file_gets_the_estimated_waits(tmp_path):
     assert lines[0]["phases"]["other"] == pytest.approx(0.008)
     assert all(r["wait_s"] >= 0.0 for r in lines)
     assert arrival.baselines_text()  # the waits came from a fed estimator
+
+
+def wakes(offset_s: float, step_s: float, steps: int, start_s: float = 1000.003) -> list[int]:
+    """The steps at whose end a reporter (flush interval 1 s, grid 16) wakes its thread, for a
+    rank whose wall clock reads `offset_s` ahead and whose steps end every `step_s`."""
+    rep = make_reporter(None, deque(), deque(), align_every_steps=16)
+    now = [0.0]
+    rep.wall_clock = lambda: now[0]
+    out = []
+    for step in range(1, steps + 1):
+        now[0] = start_s + offset_s + step * step_s
+        rep.at_step(step)
+        if rep._wake.is_set():
+            out.append(step)
+            rep._wake.clear()
+    return out
+
+
+def test_ranks_flush_in_the_same_step_and_agree_again_after_a_tick_splits_them():
+    # Four ranks, 10 ms steps, wall clocks 0..3 ms apart: the first 16th step after each
+    # second of wall time, once per second, on every rank.
+    offsets = [0.0, 0.001, 0.002, 0.003]
+    by_rank = [wakes(o, 0.010, 1000) for o in offsets]
+    assert all(s % 16 == 0 for s in by_rank[0])
+    assert 9 <= len(by_rank[0]) <= 11  # ten seconds of steps: about one flush a second
+    assert by_rank[0] == by_rank[1] == by_rank[2] == by_rank[3]
+    # A tick that falls between two ranks' ends of the same grid step splits them once: the
+    # late clock flushes at step 96, the early one 16 steps later; at the next tick they agree.
+    # (start 999.04: step 96 ends at 1000.0 - 0.001 on rank 0 and 1000.0 + 0.001 on rank 1)
+    early = wakes(-0.001, 0.010, 400, start_s=999.04)
+    late = wakes(+0.001, 0.010, 400, start_s=999.04)
+    assert 96 in late and 96 not in early and 112 in early
+    assert early[-3:] == late[-3:]
+
+
+def test_steps_longer_than_the_grid_flush_every_two_ticks_at_the_same_step():
+    # 300 ms steps: 16 of them span 4.8 s, so the grid alone would flush every 4.8 s; after two
+    # ticks without a grid step the reporter wakes at whatever step ends there, on every rank.
+    a, b = wakes(0.0, 0.3, 100), wakes(0.002, 0.3, 100)
+    assert a == b
+    gaps = [y - x for x, y in zip(a[1:], a[2:], strict=False)]
+    assert max(gaps) <= 7  # at most 2.1 s: the first step end two ticks on, or a grid step
+    assert len(a) >= 14
+
+
+def test_the_thread_flushes_when_woken_at_a_step_and_on_its_own_only_when_idle():
+    steps, colls = queued(2)
+    flushed: list[float] = []
+    rep = make_reporter(
+        None,
+        steps,
+        colls,
+        flush_interval_s=0.1,
+        on_drained=lambda *_: flushed.append(time.monotonic()),
+    )
+    now = [100.0]
+    rep.wall_clock = lambda: now[0]
+    rep.start()
+    try:
+        t0 = time.monotonic()
+        rep.at_step(1)  # the first step end starts the count
+        now[0] += 0.25
+        rep.at_step(16)  # a grid step two ticks on wakes it
+        deadline = t0 + 2.0
+        while not flushed and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert flushed and flushed[0] - t0 < 0.2
+        steps.extend(queued(1)[0])
+        # No step boundary: the idle timer (IDLE_FLUSHES intervals) sends the rest.
+        while len(flushed) < 2 and time.monotonic() < deadline + 2.0:
+            time.sleep(0.01)
+        assert len(flushed) == 2
+        assert flushed[1] - flushed[0] >= 0.1 * rep.IDLE_FLUSHES * 0.9
+    finally:
+        rep.stop()
+
+
+def test_attach_over_http_wakes_the_reporter_from_the_step_end(sink):
+    torch = pytest.importorskip("torch")
+    import syncscope.agent as sa
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = sa.attach(model, opt, exporter=sink.url, job="t", flush_interval_s=0.5)
+    try:
+        assert agent.clock.after_step == agent.reporter.at_step and agent.clock.after_every == 1
+        t0 = time.monotonic()
+        for _ in range(32):  # steps of ~50 ms: a grid step or two ticks on wakes it
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            time.sleep(0.05)
+            if sink.bodies:
+                break
+        # Woken at a step end: the reporter's own timer would wait 4 intervals (2 s).
+        assert sink.bodies and time.monotonic() - t0 < 0.5 * agent.reporter.IDLE_FLUSHES
+        assert json.loads(sink.bodies[0])["steps"]
+    finally:
+        agent.close()

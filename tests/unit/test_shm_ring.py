@@ -198,7 +198,7 @@ def test_agent_over_shm_has_no_reporter_thread(tmp_path: Path) -> None:
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = {t.name for t in threading.enumerate()}
-    agent = sa.attach(model, opt, exporter=f"shm://{tmp_path}", job="t", ring_every_steps=4)
+    agent = sa.attach(model, opt, exporter=f"shm://{tmp_path}", job="t", align_every_steps=4)
     assert {t.name for t in threading.enumerate()} - before == set()
     for _ in range(5):
         opt.zero_grad()
