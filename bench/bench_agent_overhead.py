@@ -720,9 +720,16 @@ def job_worker(a: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def boundary(starts: list[int], t: int) -> int:
+    """The step boundary nearest to `t`: a flush woken at a step's end starts just before or
+    just after the next step's start, as its thread gets the GIL; both are that boundary."""
+    j = bisect.bisect_right(starts, t) - 1
+    return j + 1 if j + 1 < len(starts) and starts[j + 1] - t < t - starts[j] else j
+
+
 def alignment(ranks: list[dict[str, Any]], arm: str, kind: str) -> tuple[int, int]:
-    """(steps in which every rank paused, steps in which any rank paused), over the arm's
-    rounds: a step is (round, index of the timed step the event started in)."""
+    """(boundaries at which every rank paused, boundaries at which any rank paused), over the
+    arm's rounds: (round, the step boundary nearest to the event's start)."""
     per_rank: list[set[tuple[int, int]]] = []
     for r in ranks:
         held = set()
@@ -732,7 +739,7 @@ def alignment(ranks: list[dict[str, Any]], arm: str, kind: str) -> tuple[int, in
             starts = entry["starts"]
             for kind_, t, _wall, _cpu in r["events"]:
                 if kind_ == kind and starts[0] <= t < starts[-1]:
-                    held.add((k, bisect.bisect_right(starts, t) - 1))
+                    held.add((k, boundary(starts, t)))
         per_rank.append(held)
     return len(set.intersection(*per_rank)), len(set.union(*per_rank))
 
@@ -804,14 +811,13 @@ def job(rounds: int, steps: int, http_url: str, shm_url: str) -> dict[str, Any]:
         k = next(i for i, e in enumerate(ranks[0]["rounds"]) if e["arm"] == arm)
         kind = "flush" if arm == "http" else "pump"
         print(f"  {arm} arm, round {ranks[0]['rounds'][k]['round']}: {kind}es by step, per rank "
-              "(step: wall µs / thread CPU µs)")  # fmt: skip
+              "(step boundary: wall µs / thread CPU µs)")  # fmt: skip
         for rk, r in enumerate(ranks):
             starts = r["rounds"][k]["starts"]
             hits = []
             for kind_, t, wall, cpu in r["events"]:
                 if kind_ == kind and starts[0] <= t < starts[-1]:
-                    idx = max(j for j, s0 in enumerate(starts) if s0 <= t)
-                    hits.append(f"{idx}: {wall / 1e3:.0f}/{cpu / 1e3:.0f}")
+                    hits.append(f"{boundary(starts, t)}: {wall / 1e3:.0f}/{cpu / 1e3:.0f}")
             shown = (
                 hits if len(hits) <= 6 else [*hits[:3], f"... {len(hits)} in all ...", *hits[-2:]]
             )
