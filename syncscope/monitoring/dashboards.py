@@ -1243,7 +1243,12 @@ def fabric_locality(cfg: Mapping[str, Any]) -> list[tuple[str, list[tuple[int, i
     lead = gauge_per_rank(cfg, M.ARRIVAL_LEAD_SECONDS.name)
     waiting = ratio_lead_per_step()
     gpu_rank = lambda m: gauge_per_rank(cfg, m)  # noqa: E731
-    topology_rows = f"topk(20, sum by (job, rank) ({rec(R.LOCALITY_FAULT, NODE, RANK)}))"
+    # The Topology table's rows: 20 selected ranks with a GPU, those with locality faults
+    # first (LOCALITY_FAULT has series only where a GPU has a fault: healthy ranks count 0).
+    topology_rows = (
+        f"topk(20,\n    sum by (job, rank) ({rec(R.LOCALITY_FAULT, NODE, RANK)})\n  or\n"
+        f"    0 * max by (job, rank) ({sel(cfg, M.GPU_INFO.name, JOB, NODE, RANK)})\n  )"
+    )
 
     def topology(metric: str) -> Any:
         return q(
@@ -1817,6 +1822,21 @@ def substitute(expr: str, values: Mapping[str, str]) -> str:
     return _VARIABLE.sub(one, expr)
 
 
+# What Grafana's Prometheus data source escapes in a single value interpolated into a
+# regular-expression matcher (prometheusSpecialRegexEscape).
+_REGEX_SPECIAL = re.compile(r"[$^*{}\[\]'+?.()|]")
+
+
+def exact_value(value: str) -> str:
+    """A variable's single value as Grafana writes it into a ``=~"…"`` matcher, matching that
+    value only: a backslash and the regular-expression metacharacters escaped, each escape
+    doubled for PromQL's string literal. Not re.escape: it also escapes ``-`` (``remote-job``
+    becomes ``remote\\-job``), and ``\\-`` is no escape a PromQL string may hold (400)."""
+    value = value.replace("\\", "\\\\\\\\")
+    value = _REGEX_SPECIAL.sub(lambda m: "\\\\" + m.group(0), value)
+    return value.replace('"', '\\"')
+
+
 def variable_values(
     *,
     job: str = ".+",
@@ -1889,9 +1909,9 @@ def panel_queries(
     series however many ranks the job has (instant queries: the result; range queries: the
     distinct series over the range)."""
     return evaluable_queries(
-        job=re.escape(job),
-        rank=RANK_ALL if rank is None else re.escape(rank),
-        node=NODE_ALL if node is None else re.escape(node),
+        job=exact_value(job),
+        rank=RANK_ALL if rank is None else exact_value(rank),
+        node=NODE_ALL if node is None else exact_value(node),
         rate_interval=rate_interval,
         range_=range_,
         have=have,

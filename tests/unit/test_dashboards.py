@@ -244,15 +244,26 @@ def test_evaluable_queries_fill_in_every_variable():
 
 def test_panel_queries_select_one_job_and_optionally_a_rank():
     everything = generator.panel_queries(job="train.v2", range_="30m")
-    assert everything == generator.evaluable_queries(job=r"train\.v2", range_="30m")
+    assert everything == generator.evaluable_queries(job=r"train\\.v2", range_="30m")
     texts = [q["promql"] for q in everything]
     assert all("$" not in t for t in texts)
     assert any('rank=~".+"' in t for t in texts) and any('node=~".*"' in t for t in texts)
     assert any("[30m] @ end()" in t for t in texts)
     one = generator.panel_queries(job="train.v2", rank="17", node="host-3")
-    assert any('rank=~"17"' in t["promql"] and 'node=~"host\\-3"' in t["promql"] for t in one)
+    assert any('rank=~"17"' in t["promql"] and 'node=~"host-3"' in t["promql"] for t in one)
     for a in generator.annotation_queries(job="j"):
         assert "$" not in a["promql"] and a["step"]
+
+
+def test_exact_values_are_written_into_promql_strings_as_grafana_writes_them():
+    # Regular-expression metacharacters escaped and the escape doubled for PromQL's string
+    # literal; not re.escape's "remote\-straggler": Prometheus refuses "\-" in a string (400).
+    assert generator.exact_value("remote-straggler") == "remote-straggler"
+    assert generator.exact_value("train.v2") == r"train\\.v2"  # the regexp train\.v2
+    assert generator.exact_value(r"a\b") == r"a\\\\b"  # the regexp a\\b
+    assert generator.exact_value('(x|"y")') == r"\\(x\\|\"y\"\\)"
+    job = generator.panel_queries(job="remote-straggler")[0]["promql"]
+    assert 'job=~"remote-straggler"' in job, job
 
 
 PER_RANK_BOUNDS = ("topk(", "bottomk(", "quantile by (")
