@@ -172,7 +172,10 @@ def collect_diagnosis(view: StoreView) -> Iterable[Metric]:
         d = data.diagnosis
         for mode, m in d.modes.items():
             diag.add_metric([job, mode], m.score)
-        if d.straggler is not None:
+        # The cause only where the straggler reports (its node's exporter compares its phases
+        # with its peers'): an exporter naming a rank of another node from the job-wide view
+        # has no cause for it ("unknown"), and a second series would contradict the first.
+        if d.straggler is not None and any(r.rank == d.straggler.rank for r in data.ranks):
             cause.add_metric([job, str(d.straggler.rank), d.straggler.cause], 1.0)
         if d.skew_s is not None:
             skew.add_metric([job], d.skew_s)

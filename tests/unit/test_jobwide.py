@@ -10,10 +10,11 @@ from __future__ import annotations
 import statistics
 import time
 
+from syncscope.exporter.collectors import collect_diagnosis
 from syncscope.exporter.diagnosis import diagnose_job
 from syncscope.exporter.jobwide import JobWide, PrometheusReader, parse
 from syncscope.exporter.settings import Settings
-from syncscope.exporter.store import with_job_transfer
+from syncscope.exporter.store import JobView, StoreView, with_job_transfer
 
 from syncscope.monitoring import rules
 from syncscope.servers import free_port
@@ -86,6 +87,24 @@ def test_job_wide_view_names_a_straggler_on_another_node():
     assert 0.004 / step > 0.25
     fabric = out.modes["fabric_contention"]
     assert fabric.score == 0 and not fabric.verdict and "baseline" in fabric.reason
+
+
+def test_only_the_exporter_of_the_stragglers_node_exports_its_cause():
+    """Both nodes' exporters name the straggler from the job-wide view, but only the one its
+    rank reports to can tell why: the other exports no cause series (one cause per rank in
+    Prometheus, which the triage table shows on the straggler's row)."""
+    ranks = two_of_four("balanced")  # ranks 0 and 1 of a 4-rank job
+
+    def causes(leads: dict[int, float]) -> list[dict[str, str]]:
+        out = diagnose_job(ranks, SETTINGS, job_wide=JobWide(leads, 0.004, 0.45, time.time()))
+        assert out.straggler is not None
+        view = StoreView(0.0, 0.0, 0, {}, {"j": JobView(tuple(ranks), out, "j")})
+        families = {f.name: f for f in collect_diagnosis(view)}
+        return [s.labels for s in families["syncscope_straggler_cause"].samples]
+
+    assert causes({0: 0.030, 1: 0.031, 2: 0.029, 3: 0.0}) == []  # rank 3: another node
+    (here,) = causes({0: 0.0, 1: 0.031, 2: 0.029, 3: 0.030})  # rank 0: this node
+    assert here["rank"] == "0" and here["cause"], here
 
 
 def test_job_wide_fabric_contention_is_transfer_inflated_against_its_own_baseline():
