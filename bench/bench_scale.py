@@ -42,11 +42,20 @@ Prometheus's own /metrics and /api/v1/rules every second:
                  which feeding (body, parse, ingest) and rendering; how late feeds ran; the
                  targets' worst scrape time and lowest up.
   rules          the slowest rules (the worst evaluationTime, /api/v1/rules), --top-rules.
+  panels         with --panels, after the measurement (Prometheus and the emulator still
+                 running): every query of both dashboards with the job selected and no node
+                 or rank (dashboards.panel_queries), range queries over the measured window
+                 every evaluation interval, tables at its end, counted as the e2e test counts
+                 them (render.count_series): the most series one returns, every one over
+                 dashboards.MAX_SERIES (30) or failing (then the bench exits 1), and those
+                 that return nothing. A --lag-ms over 10 % of --step-s makes the straggler
+                 alert fire and the exporter name a cause, so those panels have rows too.
 
 Runs longer than ~30 s or above 64 nodes must not overlap other benchmarks (1024 x 8 takes
 about 10 min, 1.7 GB for Prometheus and 1.7 GB for the emulator):
 Run: flock /tmp/syncscope-cpu.lock .venv/bin/python bench/bench_scale.py --sizes 64,256,1024
        [--ranks-per-node 8] [--duration 120] [--settle SECONDS] [--no-pin] [--json out.json]
+       [--panels]
 """
 
 from __future__ import annotations
@@ -82,6 +91,7 @@ from syncscope.exporter.collectors import StoreCollector
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import Store
 
+from syncscope.monitoring import dashboards, render
 from syncscope.monitoring.config import load_config
 from syncscope.monitoring.prometheus_config import compose_config, duration_seconds
 from syncscope.monitoring.rules import RULES_FILE, STRAGGLER_LAG, write_rules
@@ -562,6 +572,7 @@ class Measured:
     straggler_ranks: dict[float, set[str]]  # evaluation time -> the ranks the rule named
     emulator: dict[str, Any]
     rules_sha256: str
+    panels: dict[str, Any] | None = None  # --panels: panel_series()
 
 
 def run_size(nodes: int, args: argparse.Namespace) -> Measured:
@@ -639,6 +650,11 @@ def run_size(nodes: int, args: argparse.Namespace) -> Measured:
             "rss_mb": rss_mb(os.getpid()),
         }
         targets = target_figures(prom, duration)
+        panels = None
+        if args.panels:  # while the emulator still feeds and Prometheus still evaluates
+            t = time.perf_counter()
+            panels = panel_series(prom, measure_from, end, interval)
+            print(f"  panel queries run in {time.perf_counter() - t:.0f} s", flush=True)
         return Measured(
             job,
             watch,
@@ -652,6 +668,7 @@ def run_size(nodes: int, args: argparse.Namespace) -> Measured:
             straggler_named(prom, watch, first_scrape, end, intervals),
             emu,
             rules_sha,
+            panels,
         )
 
 
@@ -670,6 +687,71 @@ def target_figures(prom: Prometheus, duration: float) -> dict[str, float]:
         found = get_json(f"{prom.url}/api/v1/query?{query}", timeout=120)["data"]["result"]
         out[name] = float(found[0]["value"][1]) if found else float("nan")
     return out
+
+
+def panel_series(prom: Prometheus, start: float, end: float, interval: float) -> dict[str, Any]:
+    """Every panel query of both dashboards with the job selected and no node or rank (All),
+    as Grafana runs them over the measured window: instant queries (tables) at its end, range
+    queries every evaluation interval (Grafana's smallest step at the shipped scrape
+    interval), $__range the window, $__rate_interval max(step + scrape, 4 scrapes) as Grafana
+    has it. Counted by syncscope.monitoring.render.count_series, as the e2e test does."""
+    rate = max(interval + interval, 4 * interval)  # step + scrape, 4 scrapes (both: interval)
+    queries = dashboards.panel_queries(
+        job=JOB, range_=f"{end - start:.0f}s", rate_interval=f"{rate:.0f}s"
+    )
+    client = render.PromClient(prom.url, timeout=120)
+    counted = render.count_series(client, queries, start=start, end=end, step=interval)
+    return {
+        "range_s": end - start,
+        "step_s": interval,
+        "rate_interval_s": rate,
+        "limit": dashboards.MAX_SERIES,
+        "queries": [
+            {
+                k: c[k]
+                for k in ("dashboard", "panel", "ref_id", "instant", "needs", "series", "error")
+            }
+            for c in counted
+        ],
+    }
+
+
+def panel_failures(panels: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The panel queries over MAX_SERIES or not answered."""
+    if panels is None:
+        return []
+    return [q for q in panels["queries"] if q["error"] or (q["series"] or 0) > panels["limit"]]
+
+
+def print_panels(row: dict[str, Any]) -> None:
+    """--panels: how many queries, the most series one returned, every one over the limit or
+    failed, and those that returned nothing (with the optional series they need)."""
+    panels = row.get("panels")
+    if panels is None:
+        return
+    queries = panels["queries"]
+
+    def name(q: dict[str, Any]) -> str:
+        kind = "instant" if q["instant"] else "range"
+        short_uid = q["dashboard"].removeprefix("syncscope-")
+        return f"{short_uid} / {q['panel']} / {q['ref_id']} ({kind})"
+
+    answered = [q for q in queries if q["error"] is None]
+    most = max(answered, key=lambda q: q["series"], default=None)
+    empty = [q for q in answered if q["series"] == 0]
+    print(
+        f"\n{row['nodes']} x {row['ranks_per_node']}: {len(queries)} panel queries (no rank or "
+        f"node selected; range {panels['range_s']:.0f} s, step {panels['step_s']:g} s, "
+        f"$__rate_interval {panels['rate_interval_s']:g} s); most series "
+        + (f"{most['series']}: {name(most)}" if most else "-")
+        + f"; over {panels['limit']}: "
+        f"{sum(1 for q in answered if q['series'] > panels['limit'])}; failed: "
+        f"{len(queries) - len(answered)}; no series: {len(empty)}"
+    )
+    for q in panel_failures(panels):
+        print(f"  {'FAILED' if q['error'] else 'OVER'} {name(q)}: {q['error'] or q['series']}")
+    for q in empty:
+        print(f"  no series: {name(q)} (needs: {', '.join(q['needs']) or '-'})")
 
 
 def straggler_named(
@@ -754,6 +836,7 @@ def summarise(m: Measured) -> dict[str, Any]:
         "rules_worst_s": {name: d for d, name in rules},
         "evaluations": {g: sorted(e.items()) for g, e in w.groups.items()},
         "failed_polls": w.failed_polls,
+        "panels": m.panels,
     }
 
 
@@ -836,6 +919,12 @@ def main() -> int:
     p.add_argument("--no-pin", dest="pin", action="store_false", help="no CPU for Prometheus")
     p.add_argument("--top-rules", type=int, default=10)
     p.add_argument("--json", default=None, help="also write every measurement here")
+    p.add_argument(
+        "--panels",
+        action="store_true",
+        help=f"after each size's measurement, run every dashboard panel query (no rank "
+        f"selected) and fail if one returns more than {dashboards.MAX_SERIES} series or fails",
+    )
     a = p.parse_args()
     sizes = [int(n) for n in a.sizes.split(",")]
     # SIGTERM cleans up as Ctrl-C does: the runs' exit stacks stop Prometheus and the servers.
@@ -857,11 +946,14 @@ def main() -> int:
             with open(a.json, "w") as f:
                 json.dump({"argv": sys.argv, "rows": rows}, f, indent=1)
         print_table(rows[-1:])
+        print_panels(rows[-1])
     print("\n=== summary ===")
     print_table(rows)
     for row in rows:
         print_details(row, a.top_rules)
-    return 0
+    for row in rows:
+        print_panels(row)
+    return 1 if any(panel_failures(row["panels"]) for row in rows) else 0
 
 
 if __name__ == "__main__":

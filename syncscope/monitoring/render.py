@@ -34,6 +34,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,12 +95,14 @@ def colour(name: str | None) -> str:
 class PromClient:
     """Prometheus' HTTP API, instant and range queries (what Grafana's data source calls)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
+        self.timeout = timeout
 
     def _get(self, path: str, params: dict[str, Any]) -> Any:
         query = urllib.parse.urlencode(params)
-        with urllib.request.urlopen(f"{self.url}{path}?{query}", timeout=30) as r:  # noqa: S310
+        url = f"{self.url}{path}?{query}"
+        with urllib.request.urlopen(url, timeout=self.timeout) as r:  # noqa: S310
             reply = json.loads(r.read())
         if reply.get("status") != "success":
             raise RuntimeError(f"query failed: {params}: {reply}")
@@ -419,9 +422,9 @@ class Context:
         node: str | None = None,
     ) -> Context:
         values = D.variable_values(
-            job=re.escape(job),
-            node=D.NODE_ALL if node is None else re.escape(node),
-            rank=D.RANK_ALL if rank is None else re.escape(rank),
+            job=D.exact_value(job),
+            node=D.NODE_ALL if node is None else D.exact_value(node),
+            rank=D.RANK_ALL if rank is None else D.exact_value(rank),
             rate_interval=rate_interval,
             range_=f"{max(1, int(end - start))}s",
         )
@@ -461,6 +464,40 @@ def panel_series(panel: dict[str, Any], ctx: Context) -> list[Series]:
         for s in ctx.prom.range(ctx.promql(t["expr"]), ctx.start, ctx.end, ctx.step):
             points = [(float(ts), parse_value(v)) for ts, v in s["values"]]
             out.append(Series(legend_name(t.get("legendFormat"), s["metric"]), points, t["refId"]))
+    return out
+
+
+def series_count(
+    prom: PromClient, query: Mapping[str, Any], start: float, end: float, step: float
+) -> int:
+    """How many series one panel query (a D.panel_queries item) draws as Grafana runs it: an
+    instant query (a table) at ``end``, its result; a range query from ``start`` to ``end``
+    every ``step`` seconds, the distinct series over the range."""
+    if query["instant"]:
+        result = prom.instant(query["promql"], end)
+    else:
+        result = prom.range(query["promql"], start, end, step)
+    return len({json.dumps(s["metric"], sort_keys=True) for s in result})
+
+
+def count_series(
+    prom: PromClient,
+    queries: Iterable[Mapping[str, Any]],
+    *,
+    start: float,
+    end: float,
+    step: float,
+) -> list[dict[str, Any]]:
+    """Every query of ``queries`` with ``series`` (series_count) and ``error`` (None, or why
+    Prometheus did not answer): what the scale checks hold against D.MAX_SERIES."""
+    out = []
+    for query in queries:
+        counted: dict[str, Any] = {**query, "series": None, "error": None}
+        try:
+            counted["series"] = series_count(prom, query, start, end, step)
+        except (OSError, RuntimeError, ValueError) as exc:  # HTTP errors and timeouts included
+            counted["error"] = f"{type(exc).__name__}: {exc}"
+        out.append(counted)
     return out
 
 
