@@ -20,6 +20,8 @@ import pytest
 
 from syncscope import scenarios
 from syncscope.launch import wait_all
+from syncscope.monitoring import dashboards as D
+from syncscope.monitoring import render
 from syncscope.monitoring.prometheus_config import local_config, local_window_s
 from syncscope.nodes import EmulatedNodes, NodesUnavailable, iproute, list_netns
 from syncscope.servers import Alertmanager, Prometheus
@@ -124,13 +126,24 @@ def test_one_gloo_job_spans_two_emulated_nodes_and_leaves_nothing_behind(tmp_pat
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")], "a process outlived it"
 
 
+def can_screenshot() -> bool:
+    """render.screenshot's needs: the playwright package and Debian's chromium."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return False
+    return os.path.exists(render.CHROMIUM)
+
+
 @needs_prometheus
 def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(tmp_path):
     """Rank 3 (node 1) slowed 30 ms: Prometheus's job-wide rules and every exporter reading
     them back (--prometheus-url) name it; leads and amplification agree with the truth pooled
-    per step from all four ranks' records (issue 15)."""
+    per step from all four ranks' records (issue 15); and the job overview's triage table,
+    run as Grafana would, has it on its first row with its node, cause and cost (issue 17)."""
     job = "remote-straggler"
     with job_wide_nodes(tmp_path) as (cluster, prom):
+        started = time.time()
         cluster.run(["--duration", "30", "--slow-rank", "3", "--slow-ms", "30"], job)
         # The final flush scraped, the rules evaluated (1 s each) and the exporters read them
         # back (2 s); the truth covers the steps the rules' windows saw.
@@ -138,6 +151,15 @@ def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(tmp
         window = local_window_s()
         truth = cluster.truth(SKIP_STEPS, window, rule_window_steps(prom, job, f"{window:g}s"))
         comparison = compare(prom, cluster.states(), truth, job)
+        # The checked-in dashboard's triage row at the time the rules are read above.
+        assert truth.at_unix_s is not None
+        ctx = render.Context.for_job(
+            prom.url, job, start=started, end=truth.at_unix_s, rate_interval=f"{window:g}s"
+        )
+        overview = render.load_dashboard(D.OVERVIEW_UID)
+        late = next(p for p in overview["panels"] if p["title"] == "Late ranks")
+        frame = render.panel_table(late, ctx)
+        triage_html = render.render_html(overview, render.row_panels(overview, "Triage"), ctx)[0]
     print("\n" + format_comparison(comparison))
     assert truth.straggler == 3
     assert all(truth.mean_wait_s[r] >= 0.020 for r in (0, 1, 2)), truth.mean_wait_s
@@ -152,6 +174,19 @@ def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(tmp
     for node in comparison["nodes"]:
         assert node["straggler"] == 3, node  # both exporters, the straggler's and the other
         assert node["fabric_contention"] is False, node
+    assert frame is not None, "the triage table is empty"
+    rows = [{f.display_name: f.values[r] for f in frame.fields} for r in range(frame.length)]
+    print("\n".join(str(row) for row in rows))
+    first = rows[0]
+    # Which rank on which node, why and at what cost: all on the first row, the straggler's
+    # only row (one cause, from the exporter of its node).
+    assert first["Rank"] == "3" and first["Node"] == "node1", rows
+    assert [row["Rank"] for row in rows].count("3") == 1, rows
+    assert first["Cause"] == "forward", rows
+    assert first["Cost"] is not None and first["Cost"] > 0, rows
+    if can_screenshot():
+        render.screenshot(triage_html, tmp_path / render.TRIAGE_FILE)
+        assert (tmp_path / render.TRIAGE_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @needs_prometheus
