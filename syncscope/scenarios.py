@@ -31,13 +31,17 @@ CONTENTION_LINE = _ALERTS["SyncscopeFabricContention"]["levels"][0]["threshold"]
 
 
 @contextlib.contextmanager
-def job_wide_nodes(workdir: str, **kw: Any) -> Iterator[tuple[EmulatedNodes, Prometheus]]:
+def job_wide_nodes(
+    workdir: str, alertmanager: str | None = None, **kw: Any
+) -> Iterator[tuple[EmulatedNodes, Prometheus]]:
     """2 emulated nodes × 2 ranks whose exporters read the job-wide view back from a real
-    Prometheus (--prometheus-url) that scrapes them with syncscope's rules."""
+    Prometheus (--prometheus-url) that scrapes them with syncscope's rules (and sends its
+    alerts to `alertmanager`, host:port, when given)."""
     prom_port = free_port()
     readback = ["--prometheus-url", f"http://127.0.0.1:{prom_port}", "--prometheus-interval", "2"]
     with EmulatedNodes(2, 2, workdir=workdir, exporter_args=readback, **kw) as cluster:
-        prom = Prometheus(local_config(cluster.exporter_ports, workdir), workdir, port=prom_port)
+        config = local_config(cluster.exporter_ports, workdir, alertmanager=alertmanager)
+        prom = Prometheus(config, workdir, port=prom_port)
         try:
             prom.wait_ready()
             yield cluster, prom

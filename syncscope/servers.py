@@ -190,14 +190,22 @@ class Alertmanager(_Server):
     """
 
     def __init__(
-        self, webhook_url: str, workdir: str, port: int | None = None, **timing: str
+        self,
+        webhook_url: str,
+        workdir: str,
+        port: int | None = None,
+        config: str | None = None,
+        **timing: str,
     ) -> None:
+        """``config``: an Alertmanager YAML of one's own (the shipped one, with webhooks) in
+        place of alertmanager_config(webhook_url, **timing)."""
         binary = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
         if binary is None:
             raise FileNotFoundError(
                 "prometheus-alertmanager is not installed (scripts/setup test installs it)"
             )
-        config = _write(workdir, "alertmanager.yml", alertmanager_config(webhook_url, **timing))
+        text = config if config is not None else alertmanager_config(webhook_url, **timing)
+        config = _write(workdir, "alertmanager.yml", text)
         storage = os.path.join(workdir, "alertmanager-data")
         super().__init__(
             binary,

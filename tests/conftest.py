@@ -12,6 +12,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from syncscope.launch import launch, wait_all
 from syncscope.servers import free_port, start_exporter
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def torch_available() -> bool:
@@ -205,6 +208,19 @@ def promtool() -> str | None:
 
 
 PYTHON = sys.executable
+
+
+def shipped_alertmanager_config(hook_url: str, group_wait: str, group_interval: str) -> str:
+    """deploy/alertmanager/alertmanager.yml as shipped (route, grouping, inhibitions), each
+    receiver a webhook to ``hook_url/<receiver>`` (firing only), its waits cut for a test."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "deploy" / "alertmanager" / "alertmanager.yml").read_text())
+    cfg["route"].update(group_wait=group_wait, group_interval=group_interval)
+    for receiver in cfg["receivers"]:
+        url = f"{hook_url}/{receiver['name']}"
+        receiver["webhook_configs"] = [{"url": url, "send_resolved": False}]
+    return json.dumps(cfg)  # JSON is YAML
 
 
 class Webhook:

@@ -26,7 +26,7 @@ from syncscope.monitoring.prometheus_config import local_config, local_window_s
 from syncscope.nodes import EmulatedNodes, NodesUnavailable, iproute, list_netns
 from syncscope.servers import Alertmanager, Prometheus
 from syncscope.truth import compare, format_comparison, rule_window_steps
-from tests.conftest import Webhook, torch_available, wait_until
+from tests.conftest import Webhook, shipped_alertmanager_config, torch_available, wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -35,6 +35,10 @@ pytestmark = [
 needs_prometheus = pytest.mark.skipif(
     shutil.which("prometheus") is None,
     reason="prometheus not installed (scripts/setup test installs it)",
+)
+needs_alertmanager = pytest.mark.skipif(
+    shutil.which("prometheus-alertmanager") is None and shutil.which("alertmanager") is None,
+    reason="prometheus-alertmanager not installed (scripts/setup test installs it)",
 )
 SKIP_STEPS = 10  # warm-up steps left out of the truth (gloo connecting, first allocations)
 
@@ -53,10 +57,10 @@ def emulated(nodes: int, ranks_per_node: int, **kw: Any) -> Iterator[EmulatedNod
 
 
 @contextlib.contextmanager
-def job_wide_nodes(tmp_path) -> Iterator[tuple[EmulatedNodes, Prometheus]]:
+def job_wide_nodes(tmp_path, **kw: Any) -> Iterator[tuple[EmulatedNodes, Prometheus]]:
     """syncscope.scenarios.job_wide_nodes, skipped with the kernel's reason where refused."""
     try:
-        with scenarios.job_wide_nodes(str(tmp_path)) as both:
+        with scenarios.job_wide_nodes(str(tmp_path), **kw) as both:
             yield both
     except NodesUnavailable as exc:
         pytest.skip(str(exc))
@@ -136,13 +140,25 @@ def can_screenshot() -> bool:
 
 
 @needs_prometheus
+@needs_alertmanager
 def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(tmp_path):
     """Rank 3 (node 1) slowed 30 ms: Prometheus's job-wide rules and every exporter reading
     them back (--prometheus-url) name it; leads and amplification agree with the truth pooled
     per step from all four ranks' records (issue 15); and the job overview's triage table,
     run as Grafana would, has it on its first row with its node, cause and cost (issue 17)."""
     job = "remote-straggler"
-    with job_wide_nodes(tmp_path) as (cluster, prom):
+    am_dir = tmp_path / "alertmanager"
+    am_dir.mkdir()
+    with contextlib.ExitStack() as stack:
+        # The shipped route and inhibitions: what a team's chat and pager would receive.
+        hook = Webhook()
+        stack.callback(hook.stop)
+        am = Alertmanager(
+            hook.url, str(am_dir), config=shipped_alertmanager_config(hook.url, "1s", "1s")
+        )
+        stack.callback(am.stop)
+        am.wait_ready()
+        cluster, prom = stack.enter_context(job_wide_nodes(tmp_path, alertmanager=am.address))
         started = time.time()
         cluster.run(["--duration", "30", "--slow-rank", "3", "--slow-ms", "30"], job)
         # The final flush scraped, the rules evaluated (1 s each) and the exporters read them
@@ -160,6 +176,11 @@ def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(tmp
         late = next(p for p in overview["panels"] if p["title"] == "Late ranks")
         frame = render.panel_table(late, ctx)
         triage_html = render.render_html(overview, render.row_panels(overview, "Triage"), ctx)[0]
+        time.sleep(3)  # the last evaluation's alerts through group_wait (1 s)
+        fired = prom.query_range(f'ALERTS{{job="{job}",alertstate="firing"}}', started, time.time())
+        notified = [
+            (to, n) for to, n in list(hook.notifications) if n["groupLabels"] == {"job": job}
+        ]
     print("\n" + format_comparison(comparison))
     assert truth.straggler == 3
     assert all(truth.mean_wait_s[r] >= 0.020 for r in (0, 1, 2)), truth.mean_wait_s
@@ -184,6 +205,29 @@ def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(tmp
     assert [row["Rank"] for row in rows].count("3") == 1, rows
     assert first["Cause"] == "forward", rows
     assert first["Cost"] is not None and first["Cost"] > 0, rows
+    # One incident, one notification: the straggler's, to the chat receiver; what it causes
+    # (amplification, CV, pacing) is inhibited, and nothing pages.
+    print(
+        "\n".join(
+            f"{to}: {sorted(a['labels']['alertname'] for a in n['alerts'])}" for to, n in notified
+        )
+    )
+    firing = sorted(
+        {
+            kv.split("=", 1)[1]
+            for at in fired.values()
+            for series in at
+            for kv in series.split(",")
+            if kv.startswith("alertname=")
+        }
+    )
+    print(f"firing in Prometheus: {firing}")
+    assert len(notified) == 1, notified
+    to, notification = notified[0]
+    assert to == "default", notified
+    assert {a["labels"]["alertname"] for a in notification["alerts"]} == {"SyncscopeStraggler"}
+    # ... though Prometheus fired more for this job: the inhibitions did the work.
+    assert "SyncscopeSyncAmplification" in firing, firing
     if can_screenshot():
         render.screenshot(triage_html, tmp_path / render.TRIAGE_FILE)
         assert (tmp_path / render.TRIAGE_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -246,10 +290,7 @@ def test_a_competing_flow_is_contention_only_while_it_runs(tmp_path):
 
 
 @needs_prometheus
-@pytest.mark.skipif(
-    shutil.which("prometheus-alertmanager") is None and shutil.which("alertmanager") is None,
-    reason="prometheus-alertmanager not installed (scripts/setup test installs it)",
-)
+@needs_alertmanager
 def test_cv_alert_fires_and_resolves_through_a_real_alertmanager(tmp_path):
     job = "jitter-then-steady"
     alert = "SyncscopeStepTimeCVHigh"

@@ -26,12 +26,11 @@ import pytest
 from syncscope.monitoring import generate, rules
 from syncscope.monitoring.prometheus_config import duration_seconds
 from syncscope.servers import _Server
-from tests.conftest import Webhook
+from tests.conftest import Webhook, shipped_alertmanager_config
 
 yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/install-observability-tools")
 
 ROOT = Path(__file__).resolve().parents[2]
-AM_CONFIG = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
 SCENARIOS = ROOT / "deploy" / "prometheus" / "tests" / "paging.test.yml"
 RULES = ROOT / generate.RULES_PATH
 FIRING = 'ALERTS{alertstate="firing"}'
@@ -51,23 +50,13 @@ GROUP_WAIT, GROUP_INTERVAL, SETTLE = "500ms", "1s", 2.5
 Labels = dict[str, str]
 
 
-def shipped_config(hook_url: str) -> dict[str, Any]:
-    """The shipped Alertmanager config, each receiver a webhook to ``hook_url/<receiver>``."""
-    cfg = yaml.safe_load(AM_CONFIG.read_text())
-    cfg["route"].update(group_wait=GROUP_WAIT, group_interval=GROUP_INTERVAL)
-    for receiver in cfg["receivers"]:
-        url = f"{hook_url}/{receiver['name']}"
-        receiver["webhook_configs"] = [{"url": url, "send_resolved": False}]
-    return cfg
-
-
 class ShippedAlertmanager(_Server):
     """A real Alertmanager on 127.0.0.1 with the shipped route and inhibitions."""
 
     def __init__(self, hook_url: str, workdir: Path) -> None:
         assert AM_BINARY is not None
         config = workdir / "alertmanager.yml"
-        config.write_text(json.dumps(shipped_config(hook_url)))  # JSON is YAML
+        config.write_text(shipped_alertmanager_config(hook_url, GROUP_WAIT, GROUP_INTERVAL))
         args = [
             f"--config.file={config}",
             f"--storage.path={workdir / 'data'}",
