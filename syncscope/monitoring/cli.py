@@ -39,7 +39,11 @@ def _threshold_options(p: argparse.ArgumentParser) -> None:
         metavar="PATH=VALUE",
         help="override one threshold, e.g. alerts.SyncscopeStraggler.levels.0.threshold=0.3",
     )
-    p.add_argument("--fast-for", metavar="DURATION", help="set every alert's for: to this")
+    p.add_argument(
+        "--fast-for",
+        metavar="DURATION",
+        help="the straggler's for: becomes this, the others keep their ratio to it",
+    )
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -72,8 +72,19 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
 
 
 def fast_for_overrides(cfg: Mapping[str, Any], duration: str) -> dict[str, str]:
-    """Overrides that shorten every alert's ``for:`` (the demo and e2e tests, 1 s intervals)."""
-    return {f"alerts.{name}.for": duration for name in cfg["alerts"]}
+    """Overrides that shorten every alert's ``for:`` (the demo and e2e tests, 1 s intervals):
+    the straggler's becomes ``duration`` and the others keep their shipped ratio to it (none
+    shorter than ``duration``). The order in which alerts fire stays the shipped one, so the
+    straggler still fires before the alerts it inhibits in Alertmanager (with all of them
+    equal, amplification fired first under load and notified on its own)."""
+    from syncscope.monitoring.prometheus_config import duration_seconds
+
+    short = duration_seconds(duration)
+    unit = duration_seconds(cfg["alerts"]["SyncscopeStraggler"]["for"])
+    return {
+        f"alerts.{name}.for": f"{max(short, short * duration_seconds(a['for']) / unit):g}s"
+        for name, a in cfg["alerts"].items()
+    }
 
 
 def demo_overrides(cfg: Mapping[str, Any]) -> dict[str, str]:

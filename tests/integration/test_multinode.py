@@ -150,11 +150,12 @@ def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(tmp
     am_dir = tmp_path / "alertmanager"
     am_dir.mkdir()
     with contextlib.ExitStack() as stack:
-        # The shipped route and inhibitions: what a team's chat and pager would receive.
+        # The shipped route and inhibitions: what a team's chat and pager would receive. Its
+        # group_wait (30 s) is two of the shipped 15 s evaluations: here two of 1 s.
         hook = Webhook()
         stack.callback(hook.stop)
         am = Alertmanager(
-            hook.url, str(am_dir), config=shipped_alertmanager_config(hook.url, "1s", "1s")
+            hook.url, str(am_dir), config=shipped_alertmanager_config(hook.url, "2s", "1s")
         )
         stack.callback(am.stop)
         am.wait_ready()
@@ -176,7 +177,7 @@ def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(tmp
         late = next(p for p in overview["panels"] if p["title"] == "Late ranks")
         frame = render.panel_table(late, ctx)
         triage_html = render.render_html(overview, render.row_panels(overview, "Triage"), ctx)[0]
-        time.sleep(3)  # the last evaluation's alerts through group_wait (1 s)
+        time.sleep(4)  # the last evaluation's alerts through group_wait (2 s)
         fired = prom.query_range(f'ALERTS{{job="{job}",alertstate="firing"}}', started, time.time())
         notified = [
             (to, n) for to, n in list(hook.notifications) if n["groupLabels"] == {"job": job}

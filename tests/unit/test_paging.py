@@ -179,6 +179,30 @@ def test_scenarios_state_the_firing_sets_replayed_here():
 # ------------------------------------------------------------- through a real Alertmanager
 
 
+def test_the_straggler_fires_before_what_it_inhibits_shipped_and_shortened():
+    """Inhibition mutes a target only while its source fires: were amplification to fire
+    first, it would be notified on its own. So every alert the straggler inhibits waits
+    longer (for:) than the straggler, as shipped and with the demo's shortened for:."""
+    from syncscope.monitoring.config import fast_for_overrides, load_config
+
+    am_config = yaml.safe_load((ROOT / "deploy" / "alertmanager" / "alertmanager.yml").read_text())
+    (rule,) = [
+        r for r in am_config["inhibit_rules"]
+        if r["source_matchers"] == ['alertname="SyncscopeStraggler"']
+    ]  # fmt: skip
+    (target,) = rule["target_matchers"]
+    inhibited = target.split('=~"', 1)[1].rstrip('"').split("|")
+    assert "SyncscopeSyncAmplification" in inhibited
+    shipped = load_config()
+    for fors in (
+        {name: a["for"] for name, a in shipped["alerts"].items()},
+        {k.split(".")[1]: v for k, v in fast_for_overrides(shipped, "2s").items()},
+    ):
+        source = duration_seconds(fors["SyncscopeStraggler"])
+        for name in inhibited:
+            assert duration_seconds(fors[name]) > source, (name, fors)
+
+
 @needs_alertmanager
 def test_a_straggler_incident_is_one_notification(am):
     manager, hook = am

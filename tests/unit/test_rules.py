@@ -14,6 +14,7 @@ from syncscope.cli import main as syncscope
 from syncscope.monitoring import dashboards, generate, prometheus_config
 from syncscope.monitoring import rules as gen
 from syncscope.monitoring.config import load_config
+from syncscope.monitoring.prometheus_config import duration_seconds
 
 yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/install-observability-tools")
 
@@ -261,7 +262,9 @@ def test_overrides_apply_and_typos_fail(tmp_path):
         == 0
     )
     doc = yaml.safe_load((out / "syncscope.rules.yml").read_text())
-    assert {a["for"] for a in alert_rules(doc)} == {"2s"}
+    fors = {a["alert"]: a["for"] for a in alert_rules(doc)}
+    assert fors["SyncscopeStraggler"] == "2s" and fors["SyncscopeSyncAmplification"] == "4s"
+    assert min(duration_seconds(f) for f in fors.values()) == 2.0
     steps_rate = next(r for r in recording_rules(doc) if r["record"] == gen.STEPS_RATE)
     assert "[10s]" in steps_rate["expr"]
 
