@@ -45,16 +45,24 @@ from typing import Any
 from syncscope.agent.capture_mode import thread_local_capture_mode
 from syncscope.agent.phases import (
     BACKWARD,
+    BWD_END,
+    BWD_START,
     COMM,
+    COMM_END,
     DATA,
     FORWARD,
+    FWD_POST,
+    FWD_PRE,
+    OPT_POST,
+    OPT_PRE,
     OPTIMIZER,
     PACING,
     ROW_PHASES,
+    STEP_END,
+    STEP_START,
     PhaseClock,
 )
 
-STEP_START, FWD_PRE, FWD_POST, BWD_START, BWD_END, COMM_END, OPT_PRE, OPT_POST, STEP_END = range(9)
 _IDLE_BEFORE_FORWARD = (STEP_START, BWD_END, COMM_END)
 
 
@@ -158,6 +166,7 @@ class CudaPhaseClock(PhaseClock):
         self._lock = threading.Lock()  # the resolver thread vs. stop() at close
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.mark = self._mark  # an event at every boundary the CPU clock reads
 
     # -- training thread ------------------------------------------------------------------------
     def _mark(self, kind: int) -> None:
@@ -193,44 +202,6 @@ class CudaPhaseClock(PhaseClock):
         if self.marks:
             self.free.extend(event for _, event in self.marks)
         self.marks = None
-
-    def forward_pre(self, *args: Any) -> None:
-        super().forward_pre()
-        self._mark(FWD_PRE)
-
-    def forward_post(self, output: Any = None, *args: Any) -> None:
-        super().forward_post(output)
-        self._mark(FWD_POST)
-
-    def backward_enter(self) -> None:
-        super().backward_enter()
-        if self.bwd_depth == 1:
-            self._mark(BWD_START)  # on the caller's stream, before any backward kernel
-
-    def grad_ready(self, param: Any) -> None:
-        unwrapped = not self.bwd_pending and not self.bwd_entry  # a backward run another way
-        super().grad_ready(param)
-        if unwrapped and self.bwd_pending:
-            self._mark(BWD_START)
-
-    def _backward_done(self) -> None:
-        super()._backward_done()
-        self._mark(BWD_END)
-
-    def _gradients_reduced(self) -> None:
-        super()._gradients_reduced()
-        self._mark(COMM_END)
-
-    def optimizer_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        super().optimizer_pre(opt, args, kwargs)
-        self._mark(OPT_PRE)
-
-    def optimizer_post(self, opt: Any, args: Any, kwargs: Any) -> None:
-        if self.manual_steps:  # the step ends later, at the `with agent.step()` exit
-            super().optimizer_post(opt, args, kwargs)
-            self._mark(OPT_POST)
-        else:
-            super().optimizer_post(opt, args, kwargs)  # -> end_step -> STEP_END
 
     def _pace(self, comm_ns: int, step_ns: int) -> int:
         # The CPU's comm_ns is only DDP's enqueue here: sleep what the GPU's steps decided.

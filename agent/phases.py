@@ -52,6 +52,9 @@ COMM = int(Phase.COMM_EXPOSED)
 PACING = int(Phase.PACING)
 # A step row is (step, end_ns, total_ns, *accumulated phases): where the phases start.
 ROW_PHASES = 3
+# The boundaries, as a subclass's `mark` hears of them (CudaPhaseClock records a CUDA event at
+# each); on CPU `mark` is None and costs one attribute test per boundary.
+STEP_START, FWD_PRE, FWD_POST, BWD_START, BWD_END, COMM_END, OPT_PRE, OPT_POST, STEP_END = range(9)
 TRIGGERS = 2  # parameters whose gradients come first, hooked after learning
 RELEARN_LIMIT = 16
 _now = time.perf_counter_ns
@@ -119,6 +122,9 @@ class PhaseClock:
         # rank (shm_ring.py pumps there; transport.py decides whether to wake its thread).
         self.after_step: Callable[[int], None] | None = None
         self.after_every = 1
+        # Called with each boundary's kind (FWD_PRE ... OPT_POST) right after the clock has
+        # read it; STEP_END is the subclass's own (its end_step).
+        self.mark: Callable[[int], None] | None = None
 
     # -- wiring -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -131,7 +137,7 @@ class PhaseClock:
         """Hook `model` (forward, parameter gradients, torch.autograd.backward) and `optimizer`."""
         handles = self._handles
         if model is not None:
-            handles.append(wrap_forward(model, self.forward_pre, self.forward_post))
+            handles.append(wrap_forward(model, self.timed_forward))
             if self.queue_callback is not None:
                 # Every trainable parameter is hooked until the first backward shows which
                 # gradients come first.
@@ -152,29 +158,42 @@ class PhaseClock:
         self._drop_grad_hooks()
 
     # -- forward ------------------------------------------------------------------------------
-    def forward_pre(self, *_: Any) -> None:
-        try:
-            t = _now()
-            if self.idle_since:
-                self.acc[DATA] += t - self.idle_since
-                self.idle_since = 0
-            self.fwd_start = t
-        except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
-            self.on_error(exc)
+    def timed_forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """`original` (a model's forward) timed as the forward phase, in the one frame that
+        calls it: every extra Python call on the hot path runs on caches the step's kernels
+        have flushed, ~2-6 µs each on a 10 ms CPU step (bench_agent_overhead.py --sizes)."""
+        clock = self
 
-    def forward_post(self, output: Any = None, *_: Any) -> None:
-        try:
-            t = _now()
-            if self.fwd_start:
-                self.acc[FORWARD] += t - self.fwd_start
-                self.fwd_start = 0
-            self.fwd_since_bwd = True
-            if self.output_hooks and not self.bwd_pending:
-                tensor = first_grad_tensor(output)
-                if tensor is not None:
-                    tensor.register_hook(self._output_reached)
-        except BaseException as exc:  # noqa: BLE001
-            self.on_error(exc)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                t = _now()
+                idle = clock.idle_since
+                if idle:
+                    clock.acc[DATA] += t - idle
+                    clock.idle_since = 0
+                clock.fwd_start = t
+                if clock.mark is not None:
+                    clock.mark(FWD_PRE)
+            except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
+                clock.on_error(exc)
+            out = original(*args, **kwargs)
+            try:
+                t = _now()
+                if clock.fwd_start:
+                    clock.acc[FORWARD] += t - clock.fwd_start
+                    clock.fwd_start = 0
+                clock.fwd_since_bwd = True
+                if clock.output_hooks and not clock.bwd_pending:
+                    tensor = first_grad_tensor(out)
+                    if tensor is not None:
+                        tensor.register_hook(clock._output_reached)
+                if clock.mark is not None:
+                    clock.mark(FWD_POST)
+            except BaseException as exc:  # noqa: BLE001
+                clock.on_error(exc)
+            return out
+
+        return forward
 
     # -- backward -----------------------------------------------------------------------------
     def _learn(self) -> None:
@@ -191,16 +210,9 @@ class PhaseClock:
             with contextlib.suppress(Exception):
                 self._grad_hooks.pop(key).remove()
 
-    def backward_enter(self) -> None:
-        """Called on entry of every torch.autograd.backward (the wrapper in install_backward)."""
-        try:
-            self.bwd_depth += 1
-            if self.bwd_depth == 1:
-                self.bwd_entry = _now()
-        except BaseException as exc:  # noqa: BLE001
-            self.on_error(exc)
-
     def backward_exit(self) -> None:
+        """What the torch.autograd.backward wrapper calls on return when its inline common case
+        (the outermost backward, a trigger fired) does not apply."""
         try:
             depth = self.bwd_depth = self.bwd_depth - 1
             if depth == 1 and self.bwd_deferred:
@@ -241,7 +253,12 @@ class PhaseClock:
                 return
             self.bwd_pending = True
             self.fwd_since_bwd = False
-            self.bwd_start = self.bwd_entry or _now()
+            if self.bwd_entry:
+                self.bwd_start = self.bwd_entry
+            else:  # a backward not run through torch.autograd.backward: it starts here
+                self.bwd_start = _now()
+                if self.mark is not None:
+                    self.mark(BWD_START)
             if self.bwd_depth > 1:
                 self.bwd_deferred = True
             else:
@@ -266,6 +283,8 @@ class PhaseClock:
             else:
                 self.bwd_pending = False
                 self.idle_since = t
+            if self.mark is not None:
+                self.mark(BWD_END)
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
 
@@ -282,12 +301,16 @@ class PhaseClock:
                 coll.append((DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, exposed, self.step))
             else:
                 self.dropped += 1
+            if self.mark is not None:
+                self.mark(COMM_END)
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
 
     # -- optimizer hooks ----------------------------------------------------------------------
     def optimizer_pre(self, *_: Any) -> None:
         self.opt_start = _now()
+        if self.mark is not None:
+            self.mark(OPT_PRE)
 
     def optimizer_post(self, *_: Any) -> None:
         try:
@@ -295,7 +318,10 @@ class PhaseClock:
             if self.opt_start:
                 self.acc[OPTIMIZER] += t - self.opt_start
                 self.opt_start = 0
-            if not self.manual_steps:
+            if self.manual_steps:  # the step ends later, at the `with agent.step()` exit
+                if self.mark is not None:
+                    self.mark(OPT_POST)
+            else:
                 self.end_step(t)  # a subclass's too (CudaPhaseClock), before the transport
                 after = self.after_step
                 if after is not None and self.step % self.after_every == 0:
@@ -326,7 +352,7 @@ class PhaseClock:
         self.acc = [0, 0, 0, 0, 0, 0]
         self.step_start = t
         self.idle_since = t
-        delay = self._pace(acc[COMM], total)
+        delay = self._pace(acc[COMM], total) if self.pacer is not None else 0
         if delay > 0:
             time.sleep(delay / 1e9)
             after = _now()
@@ -334,10 +360,9 @@ class PhaseClock:
             self.idle_since = after
 
     def _pace(self, comm_ns: int, step_ns: int) -> int:
-        """The delay (ns) to insert before the next step: the pacer's answer to this step's
-        exposed communication. CudaPhaseClock answers from the GPU's steps instead."""
-        pacer = self.pacer
-        return pacer(comm_ns, step_ns) if pacer is not None else 0
+        """With a pacer: the delay (ns) to insert before the next step, its answer to this
+        step's exposed communication. CudaPhaseClock answers from the GPU's steps instead."""
+        return self.pacer(comm_ns, step_ns)  # type: ignore[misc]
 
 
 class _ForwardWrapper:
@@ -357,8 +382,9 @@ class _ForwardWrapper:
         self.model = None
 
 
-def wrap_forward(model: Any, pre: Callable[[], None], post: Callable[[Any], None]) -> Any:
-    """Time `model`'s forward by wrapping it on the instance (as accelerate does).
+def wrap_forward(model: Any, timed: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Any:
+    """Time `model`'s forward by wrapping it on the instance (as accelerate does): its forward
+    becomes `timed(original)` (PhaseClock.timed_forward).
 
     Not register_forward_(pre_)hook: any module hook sends every call through nn.Module's slow
     path, 5-7 µs per step for the pair on this machine; the wrapper ~1 µs (bench_hook_costs.py).
@@ -366,14 +392,7 @@ def wrap_forward(model: Any, pre: Callable[[], None], post: Callable[[Any], None
     """
     had_own = "forward" in model.__dict__
     original = model.forward
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        pre()
-        out = original(*args, **kwargs)
-        post(out)
-        return out
-
+    forward = functools.wraps(original)(timed(original))
     model.__dict__["forward"] = forward
     return _ForwardWrapper(model, forward, had_own, original)
 
@@ -400,31 +419,56 @@ def _grad_hook(param: Any, fn: Callable[[Any], None]) -> Any:
 
 
 # -- the torch.autograd.backward wrapper, shared by every clock in the process ----------------
-_clocks: tuple[PhaseClock, ...] = ()
+class Clocks:
+    """The clocks a backward wrapper tells that backward ran (one per attached agent)."""
+
+    def __init__(self) -> None:
+        self.clocks: tuple[PhaseClock, ...] = ()
+
+
+_registered = Clocks()
 _original_backward: Any = None  # set while our wrapper is in torch.autograd.backward's chain
 
 
-def install_backward(clock: PhaseClock) -> None:
-    """Make torch.autograd.backward (what Tensor.backward calls) tell `clock` it ran."""
-    global _clocks, _original_backward
-    import torch.autograd
-
-    if clock not in _clocks:
-        _clocks = (*_clocks, clock)
-    if _original_backward is not None:
-        return  # already wrapped (perhaps under someone else's wrapper): never twice
-    _original_backward = original = torch.autograd.backward
+def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable[..., Any]:
+    """`original` (torch.autograd.backward) telling every registered clock when it was entered
+    and when it returned, in its own frame (see PhaseClock.timed_forward for why)."""
 
     def backward(*args: Any, **kwargs: Any) -> Any:
-        clocks = _clocks
+        clocks = registered.clocks
+        t = _now()
         for c in clocks:
-            c.backward_enter()
+            try:
+                depth = c.bwd_depth = c.bwd_depth + 1
+                if depth == 1:
+                    c.bwd_entry = t
+                    if c.mark is not None:
+                        c.mark(BWD_START)  # on the caller's stream, before any backward kernel
+            except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
+                c.on_error(exc)
         try:
             return original(*args, **kwargs)
         finally:
             for c in clocks:
-                c.backward_exit()
+                if c.bwd_depth == 1 and not c.fwd_since_bwd and not c.bwd_deferred:
+                    c.bwd_depth = c.bwd_entry = 0  # the outermost backward; a trigger fired
+                else:
+                    c.backward_exit()
 
+    return backward
+
+
+def install_backward(clock: PhaseClock) -> None:
+    """Make torch.autograd.backward (what Tensor.backward calls) tell `clock` it ran."""
+    global _original_backward
+    import torch.autograd
+
+    if clock not in _registered.clocks:
+        _registered.clocks = (*_registered.clocks, clock)
+    if _original_backward is not None:
+        return  # already wrapped (perhaps under someone else's wrapper): never twice
+    _original_backward = original = torch.autograd.backward
+    backward = timed_backward(original, _registered)
     backward.__syncscope_wrapped__ = True  # type: ignore[attr-defined]
     backward.__wrapped__ = original  # type: ignore[attr-defined]
     backward.__doc__ = original.__doc__
@@ -433,10 +477,10 @@ def install_backward(clock: PhaseClock) -> None:
 
 def uninstall_backward(clock: PhaseClock) -> None:
     """Forget `clock`; with no clock left, put torch's own function back if ours is on top."""
-    global _clocks, _original_backward
+    global _original_backward
     import torch.autograd
 
-    _clocks = tuple(c for c in _clocks if c is not clock)
-    if not _clocks and getattr(torch.autograd.backward, "__syncscope_wrapped__", False):
+    _registered.clocks = tuple(c for c in _registered.clocks if c is not clock)
+    if not _registered.clocks and getattr(torch.autograd.backward, "__syncscope_wrapped__", False):
         torch.autograd.backward = _original_backward
         _original_backward = None

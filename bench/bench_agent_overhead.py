@@ -25,6 +25,8 @@ Issue 18 modes (any of them skips the scenarios above unless asked for):
               (hooks only / HTTP reporter / shm ring) for ~0.2, 2, 10 and 50 ms steps, R
               interleaved rounds, paired differences with quartiles and the slope on step time;
               first, the same agent code timed cold (right after a step) and warm.
+              `--size-arms hooks,hooks@against --against REV` adds REV's agent and prints
+              this tree's hooks minus REV's, paired per round.
   --job R     a 4-rank CPU gloo job, arms none / http / shm interleaved in one run: mean and
               p99 step time, and each rank's flushes (http) or pumps (shm) by step.
   --project   with --job (or --project-inputs FILE): the measured per-rank pauses fed to
@@ -498,6 +500,17 @@ def cost_vs_size(rounds: int, arm_s: float, agents: dict[str, Callable[..., Any]
             ]
             print("    " + "".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
             medians[arm].append((step_ms[label], d_cpu))
+    before = next((a for a in agents if a.startswith("hooks@")), None)
+    if before is not None and "hooks" in agents:
+        print(
+            f"  hooks (this tree) minus {before}, paired per round, train-thread CPU µs per step:"
+        )
+        for label, *_ in setups:
+            d = [
+                r[0] - b[0]
+                for r, b in zip(res[(label, "hooks")], res[(label, before)], strict=True)
+            ]
+            print(f"    {step_ms[label]:6.2f} ms  {quartile_cell(d, rng)}")
     for arm, per_size in medians.items():
         # Does the training thread's extra CPU grow with the step? Least-squares slope of the
         # median difference on step time, with a bootstrap over rounds (pairs stay paired).
@@ -920,7 +933,8 @@ def main() -> None:
     p.add_argument(
         "--size-arms",
         default="hooks,http,shm",
-        help="agents in --sizes, besides none: hooks (no exporter), http, shm",
+        help="agents in --sizes, besides none: hooks (no exporter), http, shm, and "
+        "hooks@against (the --against revision's agent, no exporter)",
     )
     p.add_argument(
         "--job", type=int, default=0, metavar="ROUNDS", help="4-rank gloo job, ROUNDS rounds"
@@ -954,8 +968,9 @@ def main() -> None:
     a.rounds = a.rounds if a.rounds is not None else (0 if modes else 20)
     a.step_rounds = a.step_rounds if a.step_rounds is not None else (0 if modes else 60)
     legacy = a.rounds > 0 or a.step_rounds > 0 or a.pauses or not modes
+    size_arms = a.size_arms.split(",")
     packages: dict[str, ModuleType] = {}
-    if a.against.lower() != "none" and legacy:
+    if a.against.lower() != "none" and (legacy or (a.sizes and "hooks@against" in size_arms)):
         baseline = load_agent_at(a.against)
         packages[f"{a.against} ({baseline.__name__.rsplit('_', 1)[-1]})"] = baseline
     packages[TREE] = syncscope.agent
@@ -996,7 +1011,10 @@ def main() -> None:
         if a.sizes:
             cold_entries()
             chosen = transports(url, shm_url)
-            chosen = {k: v for k, v in chosen.items() if k in a.size_arms.split(",")}
+            chosen = {k: v for k, v in chosen.items() if k in size_arms}
+            if "hooks@against" in size_arms and len(packages) > 1:
+                base = next(iter(packages.values()))
+                chosen[f"hooks@{a.against}"] = lambda **kw: base.attach(**{**kw, "exporter": None})
             cost_vs_size(a.sizes, a.arm_s, chosen)
         if legacy and (a.pauses or not modes):
             flush_cost(url, packages)

@@ -64,7 +64,16 @@ def main() -> None:
         return [model.register_forward_pre_hook(noop), model.register_forward_hook(noop)]
 
     def instance_wrapper() -> list:
-        return [wrap_forward(model, noop, noop)]
+        def timed(original: Callable[..., Any]) -> Callable[..., Any]:
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                noop()
+                out = original(*args, **kwargs)
+                noop(out)
+                return out
+
+            return forward
+
+        return [wrap_forward(model, timed)]
 
     def output_hook() -> list:
         per_step.append(lambda out: out.grad_fn.register_prehook(noop))

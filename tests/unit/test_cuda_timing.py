@@ -15,6 +15,7 @@ from syncscope.agent.capture_mode import (
 )
 from syncscope.agent.cuda_timing import CudaPhaseClock, torch_stream_of
 from syncscope.agent.nccl_trace import StepTimeline
+from syncscope.agent.phases import Clocks, timed_backward
 
 from syncscope.wire import DDP_GRAD_SYNC
 
@@ -84,22 +85,27 @@ class Loop:
             event_factory=kw.pop("event_factory", lambda: FakeEvent(self.stream)),
             **kw,
         )
+        # The wrappers the agent puts on the model's forward and on torch.autograd.backward.
+        self.forward = self.clock.timed_forward(self.stream.enqueue)
+        registered = Clocks()
+        registered.clocks = (self.clock,)
+        self.backward = timed_backward(self._backward, registered)
+
+    def _backward(self, p: dict[str, float]) -> None:
+        """What autograd's engine does inside loss.backward() of a DDP model."""
+        self.stream.enqueue(p["backward"])
+        self.clock.grad_ready(None)  # the first parameter gradient: queues A
+        self.callbacks.pop(0)()  # callback A: backward done, queues B
+        self.stream.enqueue(p["comm"])
+        self.callbacks.pop(0)()  # callback B: gradients reduced
 
     def step(self, **override: float) -> None:
         p = {**self.PHASES, **override}
         s, c = self.stream, self.clock
         s.enqueue(p["data"])
-        c.forward_pre()
-        s.enqueue(p["forward"])
-        c.forward_post()
+        self.forward(p["forward"])
         s.enqueue(p["loss"])
-        c.backward_enter()  # loss.backward() -> the torch.autograd.backward wrapper
-        s.enqueue(p["backward"])
-        c.grad_ready(None)  # the first parameter gradient: queues A
-        self.callbacks.pop(0)()  # callback A: backward done, queues B
-        s.enqueue(p["comm"])
-        self.callbacks.pop(0)()  # callback B: gradients reduced
-        c.backward_exit()
+        self.backward(p)
         s.enqueue(p["clip"])
         c.optimizer_pre(None, None, None)
         s.enqueue(override.get("opt", self.OPT))
