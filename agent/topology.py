@@ -604,7 +604,12 @@ def dynamic_sample(
 class TopologySampler:
     """The `topology` callable of the reporter: a full sample on first use, then the dynamic
     fields every `interval_s`. Runs on the reporter's thread; returns None where there is no
-    GPU (so CPU-only ranks send no topology and show no GPU series) and never raises."""
+    GPU (so CPU-only ranks send no topology and show no GPU series) and never raises.
+
+    Resamples fall on multiples of `interval_s` of the wall clock, not `interval_s` after this
+    rank's first sample: the reporter flushes at the same step on every rank (transport.py), so
+    every rank's NVML reads land in the same flush rather than one rank's in every flush, which
+    a synchronous job would pay for at each (issue 18)."""
 
     def __init__(
         self,
@@ -613,7 +618,7 @@ class TopologySampler:
         open_nvml: Callable[[DeviceLocator], Any] | None = PynvmlDevice.open,
         sysfs: SysfsReader | None = None,
         interval_s: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.locator = locator
         self.open_nvml = open_nvml
@@ -638,12 +643,12 @@ class TopologySampler:
             if self._static is None:
                 if now < self._next:
                     return None  # nothing found last time: look again once an interval passed
-                self._next = now + self.interval_s
+                self._next = self._grid_after(now)
                 self._static = self._sample_static()
                 if self._static is not None:
                     self._next = now  # and the dynamic fields right away
             if self._static is not None and now >= self._next:
-                self._next = now + self.interval_s
+                self._next = self._grid_after(now)
                 self._current = {**self._static, **self._sample_dynamic()}
                 self.samples += 1
         except Exception as exc:  # noqa: BLE001 - topology is never worth an exception
@@ -651,6 +656,9 @@ class TopologySampler:
             if self.errors == 1:
                 log.warning("syncscope: GPU topology sample failed: %r", exc)
         return self._current
+
+    def _grid_after(self, now: float) -> float:
+        return (now // self.interval_s + 1) * self.interval_s
 
     def _sample_static(self) -> dict[str, Any] | None:
         if self.open_nvml is not None:

@@ -233,6 +233,30 @@ def test_dynamic_fields_are_resampled_every_interval_only(tmp_path):
     assert sampler()["temperature_celsius"] == 80 and sampler.samples == 2
 
 
+def test_ranks_started_apart_resample_at_the_same_wall_clock_multiples(tmp_path):
+    # Two ranks whose first samples are 4.7 s apart: both resample at 10, 20 ... (the same
+    # aligned flush on every rank), not 10 s after their own first sample (13.2 and 17.9).
+    samplers = []
+    for start in (3.2, 7.9):
+        device, sysfs = load_case("captured-h100", tmp_path / str(start))
+        clock = Clock()
+        clock.now = start
+        sampler = TopologySampler(
+            DeviceLocator(pci_bus_id="0000:00:06.0"),
+            open_nvml=lambda _l, d=device: d,
+            sysfs=sysfs,
+            interval_s=10.0,
+            clock=clock,
+        )
+        sampler()
+        samplers.append((sampler, clock))
+    for now, samples in ((9.99, 1), (10.0, 2), (13.2, 2), (19.99, 2), (20.01, 3)):
+        for sampler, clock in samplers:
+            clock.now = now
+            sampler()
+            assert sampler.samples == samples, (now, clock)
+
+
 def test_an_idle_gpu_does_not_report_a_downtrained_link(tmp_path):
     device, sysfs = load_case("captured-h100", tmp_path)
     device.answers.update(curr_pcie_link_generation=1, clocks_event_reasons=0x1)  # idle
