@@ -262,6 +262,7 @@ class Agent:
             ddp_model=ddp_model,
             timeline=timeline,
             stream_of=torch_stream_of(torch, cuda_index),
+            resolve_every=self.config.align_every_steps,
         )
 
     def _flight_recorder_reader(

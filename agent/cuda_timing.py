@@ -132,7 +132,8 @@ class CudaPhaseClock(PhaseClock):
         timeline: Any = None,
         max_pending: int = 64,
         max_events: int = 2048,
-        poll_interval_s: float = 0.1,
+        resolve_every: int = 16,
+        poll_interval_s: float = 1.0,
     ) -> None:
         super().__init__(
             deque(maxlen=steps.maxlen or 8192),
@@ -151,7 +152,13 @@ class CudaPhaseClock(PhaseClock):
         self.timeline = timeline  # StepTimeline (agent.nccl_trace) or None
         self.max_pending = max_pending
         self.max_events = max_events
+        # The resolver wakes at every `resolve_every`-th step end, the same steps on every rank
+        # (its queries and elapsed times, ~10 µs a step, would otherwise hold the GIL at each
+        # rank's own phase: issue 18), and after `poll_interval_s` without one (long steps,
+        # none at all).
+        self.resolve_every = max(1, resolve_every)
         self.poll_interval_s = poll_interval_s
+        self._due = threading.Event()
         self.free: deque = deque()  # recorded-and-resolved events, reused (resolver appends)
         self.pending: deque = deque()  # (cpu tuple, marks or None, ddp records, chain break)
         self.marks: list[tuple[int, Any]] | None = []
@@ -230,6 +237,8 @@ class CudaPhaseClock(PhaseClock):
             return
         self.pending.append((cpu, marks if timed else None, ddp, self.chain_broken))
         self.chain_broken = False
+        if self.step % self.resolve_every == 0:
+            self._due.set()
 
     # -- resolver thread ------------------------------------------------------------------------
     def start(self) -> None:
@@ -239,6 +248,7 @@ class CudaPhaseClock(PhaseClock):
     def stop(self, timeout: float = 0.5) -> None:
         """Resolve what the GPU finishes within `timeout`; the rest goes out with CPU phases."""
         self._stop.set()
+        self._due.set()
         if self._thread is not None:
             self._thread.join(timeout)
         deadline = time.monotonic() + timeout
@@ -251,7 +261,11 @@ class CudaPhaseClock(PhaseClock):
                 self._emit_cpu(cpu, ddp)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_interval_s):
+        while True:
+            self._due.wait(self.poll_interval_s)
+            if self._stop.is_set():
+                return
+            self._due.clear()
             self.resolve()
 
     def resolve(self) -> int:

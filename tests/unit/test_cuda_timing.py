@@ -331,6 +331,27 @@ def test_the_resolver_thread_leaves_global_capture_mode_before_its_first_query()
     assert unguarded == [] and "syncscope-cuda-events" in guard_threads
 
 
+def test_the_resolver_wakes_at_the_aligned_step_ends_not_on_its_own_timer():
+    # Every 4th step end, the same steps on every rank, so their GIL holds coincide; the
+    # timer (60 s here) only covers long steps.
+    loop = Loop(resolve_every=4, poll_interval_s=60.0)
+    loop.clock.start()
+    for _ in range(3):
+        loop.step()
+    loop.stream.run_all()
+    time.sleep(0.3)
+    assert len(loop.steps) == 0 and len(loop.clock.pending) == 3  # step 3 is not a 4th
+    loop.step()  # the 4th step end wakes it
+    loop.stream.run_all()
+    deadline = time.monotonic() + 5
+    while len(loop.steps) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # the 4th step's own events completed after the wake-up may wait for the next one
+    assert len(loop.steps) >= 3
+    loop.clock.stop()
+    assert [r[0] for r in loop.steps] == [0, 1, 2, 3]
+
+
 def test_thread_local_capture_mode_is_asked_once_per_thread_and_never_raises():
     calls: list[int] = []
 
