@@ -687,8 +687,13 @@ def job_worker(a: argparse.Namespace) -> None:
     def flush(self: Any) -> None:
         t, c = time.perf_counter_ns(), time.thread_time_ns()
         flush0(self)
-        # Steady-state flushes run on the reporter's thread; the one in close() does not.
+        # Steady-state flushes run on the reporter's thread; the one in close() does not. An
+        # agent's first flush also opens its connection: once per job in production, but once
+        # per arm here, so it is kept apart from the steady-state ones.
         kind = "flush" if threading.current_thread() is self._thread else "final"
+        if kind == "flush" and not getattr(self, "_bench_flushed", False):
+            self._bench_flushed = True
+            kind = "first flush"
         events.append((kind, t, time.perf_counter_ns() - t, time.thread_time_ns() - c))
 
     def pump(self: Any, step: int = 0) -> None:
@@ -751,7 +756,7 @@ def alignment(ranks: list[dict[str, Any]], arm: str, kind: str) -> tuple[int, in
                 continue
             starts = entry["starts"]
             for kind_, t, _wall, _cpu in r["events"]:
-                if kind_ == kind and starts[0] <= t < starts[-1]:
+                if kind_.endswith(kind) and starts[0] <= t < starts[-1]:
                     held.add((k, boundary(starts, t)))
         per_rank.append(held)
     return len(set.intersection(*per_rank)), len(set.union(*per_rank))
@@ -816,9 +821,11 @@ def job(rounds: int, steps: int, http_url: str, shm_url: str) -> dict[str, Any]:
         )
     # Pauses by step, per rank: which step of an arm each rank's flush (or pump) fell in.
     flush_cpu: list[float] = []
+    first_cpu: list[float] = []
     pump_cpu: list[float] = []
     for r in ranks:
         flush_cpu += [e[3] / 1e9 for e in r["events"] if e[0] == "flush"]
+        first_cpu += [e[3] / 1e9 for e in r["events"] if e[0] == "first flush"]
         pump_cpu += [e[3] / 1e9 for e in r["events"] if e[0] == "pump"]
     for arm in ("http", "shm"):
         k = next(i for i, e in enumerate(ranks[0]["rounds"]) if e["arm"] == arm)
@@ -829,7 +836,7 @@ def job(rounds: int, steps: int, http_url: str, shm_url: str) -> dict[str, Any]:
             starts = r["rounds"][k]["starts"]
             hits = []
             for kind_, t, wall, cpu in r["events"]:
-                if kind_ == kind and starts[0] <= t < starts[-1]:
+                if kind_.endswith(kind) and starts[0] <= t < starts[-1]:
                     hits.append(f"{boundary(starts, t)}: {wall / 1e3:.0f}/{cpu / 1e3:.0f}")
             shown = (
                 hits if len(hits) <= 6 else [*hits[:3], f"... {len(hits)} in all ...", *hits[-2:]]
@@ -840,6 +847,7 @@ def job(rounds: int, steps: int, http_url: str, shm_url: str) -> dict[str, Any]:
               f"rank's {kind}; {shared} of them held every rank's (aligned: the two are equal)")  # fmt: skip
     return {
         "flush_cpu_s": flush_cpu,
+        "first_flush_cpu_s": first_cpu,
         "pump_cpu_s": pump_cpu,
         "every": AgentConfig().align_every_steps,
     }
@@ -876,6 +884,10 @@ def project_job(inputs: dict[str, Any], hook_us: float, ranks: tuple[int, ...]) 
           f"{interval:g} s at a random phase, drawn from the reporter's flush CPU ({desc(flush)})")  # fmt: skip
     print(f"  http (aligned): every rank in the same step once per {interval:g} s (every "
           f"{per_tick}th step), the same flush CPU")  # fmt: skip
+    first = inputs.get("first_flush_cpu_s")
+    if first is not None:
+        print(f"  (not in either: each agent's first flush, which also opens its connection, "
+              f"once per job: {desc(first)})")  # fmt: skip
     print(f"  shm (ring): every rank at every {every}th step (aligned), drawn from the "
           f"pump's training-thread CPU ({desc(pump)})")  # fmt: skip
     hook_s = hook_us / 1e6
