@@ -442,7 +442,12 @@ def quartile_cell(d: list[float], rng: random.Random) -> str:
     return f"{statistics.median(d):+7.1f} ({q1:+.0f} .. {q3:+.0f}) [{lo:+.1f} .. {hi:+.1f}]"
 
 
-def cost_vs_size(rounds: int, arm_s: float, agents: dict[str, Callable[..., Any]]) -> None:
+def cost_vs_size(
+    rounds: int,
+    arm_s: float,
+    agents: dict[str, Callable[..., Any]],
+    sizes: tuple[tuple[str, int, int, int], ...] = SIZES,
+) -> None:
     """Training-thread CPU per step with minus without the agent, per step size and transport.
 
     Interleaved: every round runs every (size, arm) in rotating order; differences are paired
@@ -454,7 +459,7 @@ def cost_vs_size(rounds: int, arm_s: float, agents: dict[str, Callable[..., Any]
     rng = random.Random(1)
     interval = AgentConfig().flush_interval_s
     setups = []
-    for label, hidden, layers, batch in SIZES:
+    for label, hidden, layers, batch in sizes:
         model, opt = make(hidden, layers)
         x, y = torch.randn(batch, hidden), torch.randn(batch, 1)
         run(model, opt, x, y, 3, None, "")
@@ -943,6 +948,12 @@ def main() -> None:
     )
     p.add_argument("--arm-s", type=float, default=0.6, help="seconds per arm in --sizes")
     p.add_argument(
+        "--size-steps",
+        default=None,
+        metavar="MS,MS",
+        help="only these of --sizes' steps, e.g. 10 (for longer arms where the noise is)",
+    )
+    p.add_argument(
         "--size-arms",
         default="hooks,http,shm",
         help="agents in --sizes, besides none: hooks (no exporter), http, shm, and "
@@ -1027,7 +1038,12 @@ def main() -> None:
             if "hooks@against" in size_arms and len(packages) > 1:
                 base = next(iter(packages.values()))
                 chosen[f"hooks@{a.against}"] = lambda **kw: base.attach(**{**kw, "exporter": None})
-            cost_vs_size(a.sizes, a.arm_s, chosen)
+            picked = SIZES
+            if a.size_steps:
+                picked = tuple(
+                    z for z in SIZES if z[0].removeprefix("~").split()[0] in a.size_steps.split(",")
+                )
+            cost_vs_size(a.sizes, a.arm_s, chosen, picked)
         if legacy and (a.pauses or not modes):
             flush_cost(url, packages)
             pauses(url, packages)
