@@ -1038,7 +1038,7 @@ def main() -> None:
             if "hooks@against" in size_arms and len(packages) > 1:
                 base = next(iter(packages.values()))
                 chosen[f"hooks@{a.against}"] = lambda **kw: base.attach(**{**kw, "exporter": None})
-            picked = SIZES
+            picked: tuple[tuple[str, int, int, int], ...] = SIZES
             if a.size_steps:
                 picked = tuple(
                     z for z in SIZES if z[0].removeprefix("~").split()[0] in a.size_steps.split(",")
