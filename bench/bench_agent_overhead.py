@@ -516,7 +516,7 @@ def cost_vs_size(
                 for r, b in zip(res[(label, "hooks")], res[(label, before)], strict=True)
             ]
             print(f"    {step_ms[label]:6.2f} ms  {quartile_cell(d, rng)}")
-    for arm, per_size in medians.items():
+    for arm, per_size in medians.items() if len(setups) > 1 else ():
         # Does the training thread's extra CPU grow with the step? Least-squares slope of the
         # median difference on step time, with a bootstrap over rounds (pairs stay paired).
         xs = [ms for ms, _ in per_size]
