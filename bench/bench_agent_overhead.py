@@ -541,6 +541,34 @@ def _slope(xs: list[float], ys: list[float]) -> float:
     )
 
 
+def entries_per_step(packages: dict[str, ModuleType], steps: int = 20) -> None:
+    """How many Python frames of each agent's package a DDP training step enters (hooks only,
+    no exporter): counted with sys.setprofile, so exact. Each runs on the caches the step's
+    kernels left (cold_entries), which is why fewer of them cost less on a large model."""
+    model, opt = make(16, 1)
+    x, y = torch.randn(4, 16), torch.randn(4, 1)
+    print("agent Python frames entered per training step (hooks only, sys.setprofile):")
+    for name, package in packages.items():
+        where = str(Path(package.__file__).parent)
+        agent = package.attach(model=model, optimizer=opt, exporter=None, job="bench")
+        run(model, opt, x, y, 5, None, "")
+        counts: dict[str, int] = {}
+
+        def count(frame: Any, event: str, _arg: Any, where=where, counts=counts) -> None:
+            code = frame.f_code
+            if event == "call" and code.co_filename.startswith(where):
+                counts[code.co_name] = counts.get(code.co_name, 0) + 1
+
+        sys.setprofile(count)
+        try:
+            run(model, opt, x, y, steps, None, "")
+        finally:
+            sys.setprofile(None)
+        agent.close()
+        names = ", ".join(f"{k} {v / steps:g}" for k, v in sorted(counts.items()))
+        print(f"  {name}: {sum(counts.values()) / steps:g} ({names})")
+
+
 def cold_entries(steps: int = 60) -> None:
     """Why the hooks' cost grows with the model: the same Python code, timed right after a
     training step of each size (caches as the step's kernels left them) and again at once
@@ -1032,6 +1060,7 @@ def main() -> None:
             # ~2 s arms: about two flushes of the reporter in each
             scenario("~10 ms CPU step", 512, 4, 192, a.step_rounds, a.step_steps, url, agents)
         if a.sizes:
+            entries_per_step(packages)
             cold_entries()
             chosen = transports(url, shm_url)
             chosen = {k: v for k, v in chosen.items() if k in size_arms}
