@@ -43,6 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from syncscope.agent.capture_mode import thread_local_capture_mode
+from syncscope.agent.config import AgentConfig
 from syncscope.agent.phases import (
     BACKWARD,
     BWD_END,
@@ -132,7 +133,7 @@ class CudaPhaseClock(PhaseClock):
         timeline: Any = None,
         max_pending: int = 64,
         max_events: int = 2048,
-        resolve_every: int = 16,
+        resolve_every: int = AgentConfig.align_every_steps,
         poll_interval_s: float = 1.0,
     ) -> None:
         super().__init__(
