@@ -175,8 +175,10 @@ def collect_diagnosis(view: StoreView) -> Iterable[Metric]:
         # The cause only where the straggler reports (its node's exporter compares its phases
         # with its peers'): an exporter naming a rank of another node from the job-wide view
         # has no cause for it ("unknown"), and a second series would contradict the first.
-        if d.straggler is not None and any(r.rank == d.straggler.rank for r in data.ranks):
-            cause.add_metric([job, str(d.straggler.rank), d.straggler.cause], 1.0)
+        slow = d.straggler
+        here = next((r for r in data.ranks if slow is not None and r.rank == slow.rank), None)
+        if slow is not None and here is not None:
+            cause.add_metric([job, here.hostname, str(slow.rank), slow.cause], 1.0)
         if d.skew_s is not None:
             skew.add_metric([job], d.skew_s)
         pooled.add_metric([job], data.pooled_steps_total)

@@ -263,7 +263,7 @@ STRAGGLER_CAUSE = MetricSpec(
     "syncscope_straggler_cause",
     "gauge",
     "1 for the named straggler and its cause.",
-    ("job", "rank", "cause"),
+    ("job", "node", "rank", "cause"),
     "straggler",
 )
 ARRIVAL_SKEW_SECONDS = MetricSpec(

@@ -199,7 +199,8 @@ def test_metrics_and_demo_table_read_the_same_diagnosis(name: str) -> None:
     assert scores == {m: v.score for m, v in diagnosis.modes.items()}
     causes = [s.labels for s in families["syncscope_straggler_cause"].samples]
     if diagnosis.straggler:
-        assert causes == [{"job": "j", "rank": "2", "cause": "forward"}]
+        node = ranks[2].hostname  # the fixture's, where the straggler reports from
+        assert causes == [{"job": "j", "node": node, "rank": "2", "cause": "forward"}]
     else:
         assert causes == []
     table = "\n".join(render_table(as_json(view), "j"))  # the demo reads /v1/state's JSON

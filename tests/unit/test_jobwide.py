@@ -105,6 +105,7 @@ def test_only_the_exporter_of_the_stragglers_node_exports_its_cause():
     assert causes({0: 0.030, 1: 0.031, 2: 0.029, 3: 0.0}) == []  # rank 3: another node
     (here,) = causes({0: 0.0, 1: 0.031, 2: 0.029, 3: 0.030})  # rank 0: this node
     assert here["rank"] == "0" and here["cause"], here
+    assert here["node"] == ranks[0].hostname, here  # the triage row's node, from the cause too
 
 
 def test_job_wide_fabric_contention_is_transfer_inflated_against_its_own_baseline():
