@@ -9,15 +9,17 @@ production), one column per agent and one for their difference:
   of per-round differences);
   whole-process CPU per step, which adds the reporter thread's work;
   step time, as the ratio of mean wall time per step (so the steps the reporter interrupts
-  count; each 10 ms arm spans about two flush intervals, at a random phase): the median of
-  per-round ratios with a 90 % bootstrap interval, and the ratio of the means over all rounds.
+  count; each 10 ms arm, 40 steps, spans ~0.6 of a flush interval at a random phase, so the
+  flushes land in the rounds at their mean rate, most often the agent's first, which opens its
+  connection: the dearest): the median of per-round ratios with a 90 % bootstrap interval,
+  and the ratio of the means over all rounds.
   Targets: <= 25 µs of training-thread CPU per step and <= 0.5 % on a 10 ms step (issue 7).
 Then each reporter's CPU per flush, and the longest GIL pause a background reporter inflicts
 on a CPU-bound Python thread, in steady state and when it drains full queues after a backlog.
 By default the trainer (with its reporter thread) is pinned to CPU 0 and the exporter to CPU 1,
 as a sidecar has its own core on a real node; --no-pin lets the OS place them. Pinned, the
 reporter shares the trainer's core, so its CPU lands on the step time in full: the worst case.
-Run: .venv/bin/python bench/bench_agent_overhead.py [--rounds 20] [--step-rounds 60]
+Run: .venv/bin/python bench/bench_agent_overhead.py [--rounds 20] [--step-rounds 240]
          [--against HEAD | --against none] [--transport http|shm] [--pauses] [--no-pin]
 
 Issue 18 modes (any of them skips the scenarios above unless asked for):
@@ -953,9 +955,12 @@ def main() -> None:
         "--step-rounds",
         type=int,
         default=None,
-        help="rounds of the 10 ms scenario (noisier; 0 skips it; default 60, or 0 with a mode)",
+        help="rounds of the 10 ms scenario (noisier; 0 skips it; default 240, or 0 with a mode)",
     )
-    p.add_argument("--step-steps", type=int, default=160, help="steps per arm, 10 ms scenario")
+    # Short arms, many rounds: the arms of a round run within ~2 s, so the machine's drift
+    # (2 shared cores) cancels in their ratio. Same steps as 60 x 160, half the 90 % CI's
+    # width on 2026-11-24 (docs/reliability.md).
+    p.add_argument("--step-steps", type=int, default=40, help="steps per arm, 10 ms scenario")
     p.add_argument(
         "--transport",
         choices=("http", "shm"),
@@ -1017,7 +1022,7 @@ def main() -> None:
         return
     modes = a.sizes or a.job or a.project or a.project_inputs
     a.rounds = a.rounds if a.rounds is not None else (0 if modes else 20)
-    a.step_rounds = a.step_rounds if a.step_rounds is not None else (0 if modes else 60)
+    a.step_rounds = a.step_rounds if a.step_rounds is not None else (0 if modes else 240)
     legacy = a.rounds > 0 or a.step_rounds > 0 or a.pauses or not modes
     size_arms = a.size_arms.split(",")
     packages: dict[str, ModuleType] = {}
@@ -1057,7 +1062,6 @@ def main() -> None:
         if a.rounds > 0:
             scenario("tiny model (hooks dominate)", 16, 1, 4, a.rounds, a.steps, url, agents)
         if a.step_rounds > 0:
-            # ~2 s arms: about two flushes of the reporter in each
             scenario("~10 ms CPU step", 512, 4, 192, a.step_rounds, a.step_steps, url, agents)
         if a.sizes:
             entries_per_step(packages)
