@@ -11,12 +11,12 @@ demo:
 test:
 	scripts/setup test
 	.venv/bin/ruff check .
-	.venv/bin/mypy agent exporter sim syncscope
+	.venv/bin/mypy agent exporter sim syncscope bench
 	.venv/bin/pytest -q
 
 lint:
 	.venv/bin/ruff check .
-	.venv/bin/mypy agent exporter sim syncscope
+	.venv/bin/mypy agent exporter sim syncscope bench
 	.venv/bin/ruff format --check .
 
 # The full fuzz run of issue 7 (docs/reliability.md): 10,000 examples per test, counts to

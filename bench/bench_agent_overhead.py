@@ -215,7 +215,8 @@ def scenario(
         if i // len(arms) % 2:
             order.reverse()
         for arm in order:
-            results[arm].append(run(model, opt, x, y, steps, agents.get(arm), exporter, warm_s))
+            agent = agents[arm] if arm is not None else None
+            results[arm].append(run(model, opt, x, y, steps, agent, exporter, warm_s))
     base = results[None]
     q = statistics.quantiles
     table = Table([*agents, f"{TREE} − {next(iter(agents))}"] if len(agents) == 2 else [*agents])
@@ -240,7 +241,7 @@ def scenario(
         return cells
 
     def ratio_cells(of_means: bool) -> list[str]:
-        pairs = [(arm, None) for arm in agents]
+        pairs: list[tuple[str, str | None]] = [(arm, None) for arm in agents]
         if len(agents) == 2:
             old, new = agents
             pairs.append((new, old))
@@ -477,8 +478,8 @@ def cost_vs_size(
             order = arms[i % len(arms) :] + arms[: i % len(arms)]
             for arm in order:
                 warm = rng.uniform(0.0, interval) if arm == "http" else 0.0
-                attach = agents.get(arm) if arm is not None else None
-                res[(label, arm)].append(run(model, opt, x, y, steps, attach, "", warm, 3))
+                agent = agents[arm] if arm is not None else None
+                res[(label, arm)].append(run(model, opt, x, y, steps, agent, "", warm, 3))
     print(
         f"cost vs model size: {rounds} rounds, ~{arm_s:.1f} s per arm; cells: median of per-round "
         "differences (quartiles) [90 % CI of the median], µs per step"
@@ -551,7 +552,7 @@ def entries_per_step(packages: dict[str, ModuleType], steps: int = 20) -> None:
     x, y = torch.randn(4, 16), torch.randn(4, 1)
     print("agent Python frames entered per training step (hooks only, sys.setprofile):")
     for name, package in packages.items():
-        where = str(Path(package.__file__).parent)
+        where = str(Path(package.__file__ or "").parent)
         agent = package.attach(model=model, optimizer=opt, exporter=None, job="bench")
         run(model, opt, x, y, 5, None, "")
         counts: dict[str, int] = {}
