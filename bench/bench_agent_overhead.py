@@ -149,20 +149,43 @@ def run(
     return cpu / 1e3 / steps, proc / 1e3 / steps, wall / 1e3 / steps
 
 
-def median_ci(values: list[float], rng: random.Random, n: int = 2000) -> tuple[float, float]:
+def resample(rng: random.Random, count: int, groups: list[int] | None) -> list[int]:
+    """Indices of one bootstrap sample of `count` rounds. With `groups` (each round's process),
+    two-stage: processes with replacement, then rounds within each, so the interval also
+    covers how much whole processes differ."""
+    if groups is None:
+        return rng.choices(range(count), k=count)
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    clusters = list(members.values())
+    pick: list[int] = []
+    for c in rng.choices(clusters, k=len(clusters)):
+        pick += rng.choices(c, k=len(c))
+    return pick
+
+
+def median_ci(
+    values: list[float], rng: random.Random, n: int = 2000, groups: list[int] | None = None
+) -> tuple[float, float]:
     """A 90 % bootstrap interval of the median."""
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    meds = sorted(
+        statistics.median(values[i] for i in resample(rng, len(values), groups)) for _ in range(n)
+    )
     return meds[int(0.05 * n)], meds[int(0.95 * n)]
 
 
 def ratio_of_means_ci(
-    a: list[float], b: list[float], rng: random.Random, n: int = 2000
+    a: list[float],
+    b: list[float],
+    rng: random.Random,
+    n: int = 2000,
+    groups: list[int] | None = None,
 ) -> tuple[float, float]:
     """A 90 % bootstrap interval of sum(a) / sum(b), resampling rounds (pairs stay paired)."""
-    idx = range(len(a))
     out = []
     for _ in range(n):
-        pick = rng.choices(idx, k=len(a))
+        pick = resample(rng, len(a), groups)
         out.append(sum(a[i] for i in pick) / sum(b[i] for i in pick))
     out.sort()
     return out[int(0.05 * n)], out[int(0.95 * n)]
@@ -199,7 +222,9 @@ def scenario(
     steps: int,
     exporter: str,
     agents: dict[str, Callable[..., Any]],
-) -> None:
+    seed: int = 0,
+) -> dict[str | None, list[tuple[float, float, float]]]:
+    """Run the interleaved rounds; returns each arm's (CPU, process CPU, wall) per round."""
     model, opt = make(hidden, layers)
     x, y = torch.randn(batch, hidden), torch.randn(batch, 1)
     run(model, opt, x, y, 50, None, exporter)  # warm-up
@@ -207,7 +232,7 @@ def scenario(
         run(model, opt, x, y, 50, attach, exporter)
     arms: list[str | None] = [None, *agents]
     results: dict[str | None, list[tuple[float, float, float]]] = {a: [] for a in arms}
-    rng = random.Random(0)
+    rng = random.Random(seed)
     interval = AgentConfig().flush_interval_s
     for i in range(rounds):
         warm_s = rng.uniform(0.0, interval)
@@ -217,7 +242,21 @@ def scenario(
         for arm in order:
             agent = agents[arm] if arm is not None else None
             results[arm].append(run(model, opt, x, y, steps, agent, exporter, warm_s))
+    return results
+
+
+def report(
+    name: str,
+    results: dict[str | None, list[tuple[float, float, float]]],
+    agents: list[str],
+    steps: int,
+    groups: list[int] | None = None,
+) -> None:
+    """The table of `scenario`'s results (pooled over processes with --processes: `groups`
+    gives each round's process, and the intervals resample processes, then rounds)."""
+    rng = random.Random(0)
     base = results[None]
+    rounds = len(base)
     q = statistics.quantiles
     table = Table([*agents, f"{TREE} − {next(iter(agents))}"] if len(agents) == 2 else [*agents])
     table.header(
@@ -250,10 +289,10 @@ def scenario(
             a = [r[2] for r in results[arm]]
             b = [r[2] for r in results[ref]]
             if of_means:
-                value, (lo, hi) = sum(a) / sum(b), ratio_of_means_ci(a, b, rng)
+                value, (lo, hi) = sum(a) / sum(b), ratio_of_means_ci(a, b, rng, groups=groups)
             else:
                 ratios = [p / r for p, r in zip(a, b, strict=True)]
-                value, (lo, hi) = statistics.median(ratios), median_ci(ratios, rng)
+                value, (lo, hi) = statistics.median(ratios), median_ci(ratios, rng, groups=groups)
             cells.append(f"{pct(value)} ({pct(lo)} .. {pct(hi)})")
         return cells
 
@@ -266,6 +305,41 @@ def scenario(
         f"  (without an agent: {without:.0f} µs training-thread CPU per step; CPU cells: median "
         "(quartiles) of per-round differences; step-time cells: value (90 % CI))"
     )
+
+
+STEP_NAME = "~10 ms CPU step"
+STEP_MODEL = (512, 4, 192)  # hidden, layers, batch
+
+
+def step_scenario_in_processes(a: argparse.Namespace) -> None:
+    """The 10 ms scenario's rounds split over `a.processes` fresh processes, run one after
+    another, pooled. Within one process the rounds share a memory layout (and a machine state)
+    that can shift the agent's cost for the whole run: on 2026-11-24 two identical 240-round
+    runs read +0.17 % (CI −0.08 … +0.56) and +1.01 % (CI +0.67 … +1.21). Pooled over processes,
+    the interval covers that spread too. Prints each process's medians, then the pooled table."""
+    per = -(-a.step_rounds // a.processes)
+    pooled: dict[str, list[Any]] = {}
+    groups: list[int] = []
+    print(f"{STEP_NAME}: {a.processes} processes x {per} rounds, median step-time ratio each:")
+    for k in range(a.processes):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            cmd = [sys.executable, __file__, "--rounds", "0", "--step-rounds", str(per)]
+            cmd += ["--step-steps", str(a.step_steps), "--against", a.against]
+            cmd += ["--transport", a.transport, "--step-out", out.name, "--seed", str(k)]
+            cmd += ["--no-pin"] if a.no_pin else []
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            res = json.loads(Path(out.name).read_text())
+        base = res[""]
+        groups += [k] * len(base)
+        cells = []
+        for arm, rows in res.items():
+            pooled.setdefault(arm, []).extend(rows)
+            if arm:
+                ratio = statistics.median(r[2] / b[2] for r, b in zip(rows, base, strict=True))
+                cells.append(f"{arm} {pct(ratio)}")
+        print(f"  process {k + 1}: " + ", ".join(cells))
+    results = {(arm or None): [tuple(r) for r in rows] for arm, rows in pooled.items()}
+    report(STEP_NAME, results, [arm for arm in pooled if arm], a.step_steps, groups)
 
 
 def longest_pause(seconds: float, background: threading.Thread | None) -> tuple[float, float]:
@@ -1012,6 +1086,15 @@ def main() -> None:
         default=15.0,
         help="training-thread CPU of the hooks per step, for --project (from --sizes)",
     )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="split the 10 ms scenario's rounds over this many fresh processes, one after "
+        "another, and pool them (each has its own memory layout and exporter)",
+    )
+    p.add_argument("--step-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     for hidden in ("--job-worker", "--job-world"):
         p.add_argument(hidden, type=int, default=None, help=argparse.SUPPRESS)
     for hidden in ("--job-init", "--job-out", "--job-http", "--job-shm", "--job-rounds"):
@@ -1024,6 +1107,10 @@ def main() -> None:
     modes = a.sizes or a.job or a.project or a.project_inputs
     a.rounds = a.rounds if a.rounds is not None else (0 if modes else 20)
     a.step_rounds = a.step_rounds if a.step_rounds is not None else (0 if modes else 240)
+    if a.processes > 1 and a.step_rounds > 0 and not a.step_out:
+        step_scenario_in_processes(a)
+        a.step_rounds = 0
+        modes = modes or not (a.rounds > 0 or a.pauses)  # the 10 ms scenario is done
     legacy = a.rounds > 0 or a.step_rounds > 0 or a.pauses or not modes
     size_arms = a.size_arms.split(",")
     packages: dict[str, ModuleType] = {}
@@ -1060,10 +1147,16 @@ def main() -> None:
             f"agents report to a real exporter at {url} / {shm_url} ({where}); python "
             f"{sys.version.split()[0]}, torch {torch.__version__}; this tree over {a.transport}"
         )
+        if a.step_out:  # one of --processes' children: the 10 ms rounds only, to a file
+            res = scenario(STEP_NAME, *STEP_MODEL, a.step_rounds, a.step_steps, url, agents, a.seed)
+            Path(a.step_out).write_text(json.dumps({k or "": v for k, v in res.items()}))
+            return
         if a.rounds > 0:
-            scenario("tiny model (hooks dominate)", 16, 1, 4, a.rounds, a.steps, url, agents)
+            res = scenario("tiny model (hooks dominate)", 16, 1, 4, a.rounds, a.steps, url, agents)
+            report("tiny model (hooks dominate)", res, list(agents), a.steps)
         if a.step_rounds > 0:
-            scenario("~10 ms CPU step", 512, 4, 192, a.step_rounds, a.step_steps, url, agents)
+            res = scenario(STEP_NAME, *STEP_MODEL, a.step_rounds, a.step_steps, url, agents)
+            report(STEP_NAME, res, list(agents), a.step_steps)
         if a.sizes:
             entries_per_step(packages)
             cold_entries()
