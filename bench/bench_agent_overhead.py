@@ -19,7 +19,7 @@ on a CPU-bound Python thread, in steady state and when it drains full queues aft
 By default the trainer (with its reporter thread) is pinned to CPU 0 and the exporter to CPU 1,
 as a sidecar has its own core on a real node; --no-pin lets the OS place them. Pinned, the
 reporter shares the trainer's core, so its CPU lands on the step time in full: the worst case.
-Run: .venv/bin/python bench/bench_agent_overhead.py [--rounds 20] [--step-rounds 240]
+Run: .venv/bin/python bench/bench_agent_overhead.py [--rounds 20] [--step-rounds 240] [--processes 4]
          [--against HEAD | --against none] [--transport http|shm] [--pauses] [--no-pin]
 
 Issue 18 modes (any of them skips the scenarios above unless asked for):
@@ -1089,7 +1089,7 @@ def main() -> None:
     p.add_argument(
         "--processes",
         type=int,
-        default=1,
+        default=4,
         help="split the 10 ms scenario's rounds over this many fresh processes, one after "
         "another, and pool them (each has its own memory layout and exporter)",
     )
