@@ -1110,7 +1110,8 @@ def main() -> None:
     if a.processes > 1 and a.step_rounds > 0 and not a.step_out:
         step_scenario_in_processes(a)
         a.step_rounds = 0
-        modes = modes or not (a.rounds > 0 or a.pauses)  # the 10 ms scenario is done
+        if not (modes or a.rounds > 0 or a.pauses):
+            return  # nothing else asked for: no exporter or process group to start
     legacy = a.rounds > 0 or a.step_rounds > 0 or a.pauses or not modes
     size_arms = a.size_arms.split(",")
     packages: dict[str, ModuleType] = {}

@@ -176,9 +176,11 @@ def collect_diagnosis(view: StoreView) -> Iterable[Metric]:
         # with its peers'): an exporter naming a rank of another node from the job-wide view
         # has no cause for it ("unknown"), and a second series would contradict the first.
         slow = d.straggler
-        here = next((r for r in data.ranks if slow is not None and r.rank == slow.rank), None)
-        if slow is not None and here is not None:
-            cause.add_metric([job, here.hostname, str(slow.rank), slow.cause], 1.0)
+        if slow is not None:
+            for r in data.ranks:
+                if r.rank == slow.rank:
+                    cause.add_metric([job, r.hostname, str(r.rank), slow.cause], 1.0)
+                    break
         if d.skew_s is not None:
             skew.add_metric([job], d.skew_s)
         pooled.add_metric([job], data.pooled_steps_total)
