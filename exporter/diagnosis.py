@@ -13,7 +13,8 @@ The rules (docs/diagnosis.md gives the reasoning and the recorded scenarios they
                       later peer; 50 % scores 1 (verdict from 25 %).
   fabric_contention   the transfer per step (the exposed communication of the rank that arrived
                       last, who waited for nobody) against its own uncontended baseline (its
-                      10th percentile): the verdict at SyncscopeFabricContention's line (1.5×).
+                      10th percentile; node-local, the median of the last minute's 64-step
+                      blocks over it): the verdict at SyncscopeFabricContention's line (1.5×).
                       A large share of the step is not contention, nor is a link slow from
                       the start (no faster baseline); neither is waiting for a late rank.
   slow_link           (job-wide view only) the node whose link is known to carry less than

@@ -39,11 +39,13 @@ the collector tracked would be promoted and make every full collection walk them
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, KeysView
 from dataclasses import dataclass, field
 from heapq import heapify, heappop, heappush
+from itertools import takewhile
 from typing import Any, Protocol
 
 from syncscope.arrival import Key
@@ -135,8 +137,10 @@ class JobPool:
     samples: dict[tuple[int, int], Sample] = field(default_factory=dict)  # by (stride, slot)
     # The node's transfer per step over blocks of `transfer_window` pooled steps, for the
     # node-local contention verdict: (monotonic time the block closed, its mean), the blocks of
-    # the last `baseline_window_s` (the rules' contention-baseline window).
+    # the last `baseline_window_s` (the rules' contention-baseline window). The recent transfer
+    # is the median of the blocks of the last `recent_window_s` (the rules' rate window).
     baseline_window_s: float = 3600.0
+    recent_window_s: float = 60.0
     history: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=8192))
     _block: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [sum, steps]
 
@@ -332,13 +336,20 @@ class JobPool:
                 self.history.popleft()
 
     def inflation(self) -> tuple[float, float] | None:
-        """(the node's transfer per step over the latest block, it ÷ its own baseline: the 10th
-        percentile of the blocks in the baseline window), or None before two blocks."""
-        if len(self.history) < 2:
+        """(the node's recent transfer per step, it ÷ its own baseline), or None before two
+        blocks. Recent: the median of the blocks closed in the last `recent_window_s` (the
+        latest block at least), so that one block a stall of the machine inflated is not
+        contention (a 64-step block is ~1 s at 20 ms steps). Baseline: the 10th percentile of
+        the blocks in the baseline window."""
+        history = self.history
+        if len(history) < 2:
             return None
-        values = sorted(v for _, v in self.history)
+        values = sorted(v for _, v in history)
         baseline = values[int(0.1 * (len(values) - 1))]
-        recent = self.history[-1][1]
+        since = history[-1][0] - self.recent_window_s
+        recent = statistics.median(
+            v for _, v in takewhile(lambda b: b[0] >= since, reversed(history))
+        )
         return (recent, recent / baseline) if baseline > 0 else None
 
     def transfers(self) -> dict[Key, float]:

@@ -69,8 +69,10 @@ RATIO_MEDIAN_EVERY = 16
 BY_PHASE = {"json": "by_phase"}
 OMIT_IF_NONE = {"json": "omit_if_none"}
 
-# The node-local contention baseline covers the same window as the rules' (thresholds file).
+# The node-local contention verdict's windows are the rules' (thresholds file): the baseline
+# covers the contention-baseline window, the recent transfer the rate window.
 CONTENTION_BASELINE_S = duration_seconds(load_config()["windows"]["contention_baseline"])
+CONTENTION_RECENT_S = duration_seconds(load_config()["windows"]["rate"])
 
 
 @dataclass
@@ -386,7 +388,9 @@ class Store:
                 self.job_ranks.setdefault(job, {})[a.rank] = state
             pool = self.pools.get(job)
             if pool is None:
-                pool = self.pools[job] = JobPool(baseline_window_s=CONTENTION_BASELINE_S)
+                pool = self.pools[job] = JobPool(
+                    baseline_window_s=CONTENTION_BASELINE_S, recent_window_s=CONTENTION_RECENT_S
+                )
             if state.incarnation != clean_label(a.incarnation):
                 self._new_incarnation(state, pool)
             state.local_rank, state.world_size = a.local_rank, a.world_size

@@ -99,16 +99,38 @@ def test_min_over_nodes_of_agreed_samples_is_the_jobs_transfer_at_those_steps():
     assert min(means) > true_mean + 0.001  # E[last of 4] − E[last of 2] ≈ 1.3 ms here
 
 
-def test_the_nodes_transfer_history_gives_its_inflation_against_its_own_baseline():
-    pool, sinks = JobPool(transfer_window=8), {0: Sink(), 1: Sink()}
-    for step, seconds in enumerate([0.02] * (SAMPLE_FROM_STEP + 8 * 4) + [0.05] * 8):
-        feed(pool, {0: seconds, 1: seconds + 0.01}, step, sinks)
-        pool.complete([0, 1])
-    got = pool.inflation()
-    assert got is not None
-    recent, inflation = got
+def _blocks(pool: JobPool, transfers: list[float], clock: list[float], block_s: float) -> None:
+    """One block of `pool.transfer_window` steps per transfer, each `block_s` of clock apart."""
+    sinks = {0: Sink(), 1: Sink()}
+    for seconds in transfers:
+        for _ in range(pool.transfer_window):
+            step = pool.pooled_steps_total + SAMPLE_FROM_STEP
+            feed(pool, {0: seconds, 1: seconds + 0.01}, step, sinks)
+            pool.complete([0, 1])
+        clock[0] += block_s
+
+
+def test_the_nodes_transfer_history_gives_its_inflation_against_its_own_baseline(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("syncscope.exporter.pooling.time.monotonic", lambda: clock[0])
+    pool = JobPool(transfer_window=8, recent_window_s=60.0)
+    assert pool.inflation() is None  # no blocks yet: no baseline
+    _blocks(pool, [0.02] * 40, clock, 1.0)
+    recent, inflation = pool.inflation() or (0.0, 0.0)
+    assert abs(recent - 0.02) < 1e-12 and abs(inflation - 1.0) < 1e-9
+    # One block a stall of the machine inflated is not contention: the recent transfer is the
+    # median of the last minute's blocks.
+    _blocks(pool, [0.05], clock, 1.0)
+    recent, inflation = pool.inflation() or (0.0, 0.0)
+    assert abs(recent - 0.02) < 1e-12 and inflation < 1.5
+    # Inflated for most of the last minute, it is.
+    _blocks(pool, [0.05] * 40, clock, 1.0)
+    recent, inflation = pool.inflation() or (0.0, 0.0)
     assert abs(recent - 0.05) < 1e-12 and abs(inflation - 2.5) < 1e-9
-    assert JobPool().inflation() is None  # no blocks yet: no baseline
+    # And it clears once the last minute is calm again, whatever the hour before held.
+    _blocks(pool, [0.02] * 61, clock, 1.0)
+    recent, inflation = pool.inflation() or (0.0, 0.0)
+    assert abs(recent - 0.02) < 1e-12 and abs(inflation - 1.0) < 1e-9
 
 
 def test_node_local_contention_is_the_inflation_not_the_share_of_the_step():
