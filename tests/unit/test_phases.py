@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import pytest
@@ -41,10 +42,13 @@ def test_phases_match_injected_sleeps_and_add_up(tmp_path):
     for row in rows:
         p = row["phases"]
         assert sum(p.values()) == pytest.approx(row["step_s"], rel=0.01)
-        assert 0.015 <= p["data"] < 0.030
-        assert 0.010 <= p["forward"] < 0.025
-        assert p["other"] >= 0.005
+        # A sleep never ends early, so each phase holds at least its own sleep in every row...
+        assert p["data"] >= 0.015 and p["forward"] >= 0.010 and p["other"] >= 0.005
         assert p["comm_exposed"] == 0.0  # not DDP: nothing to wait for
+    # ...and no more than it, give or take the host's scheduling: a phase that took its
+    # neighbour's sleep (data holding the forward's 10 ms) would be over these in most rows.
+    assert statistics.median(row["phases"]["data"] for row in rows) < 0.024
+    assert statistics.median(row["phases"]["forward"] for row in rows) < 0.014
     assert agent.stats["errors"] == 0
 
 
