@@ -56,6 +56,7 @@ DEFAULT_CAPACITY = 16384  # slots: 2.5 MiB; at 10 ms steps with 2 records each, 
 DEFAULT_DIR = "/dev/shm/syncscope"
 SUFFIX = ".ring"
 HOUSEKEEPING_EVERY = 4  # pumps between header updates (offset, heartbeat, dropped)
+NAME_CACHE = 1024  # (op, group) pairs whose encoded names a ring keeps
 
 KIND_STEP = 1
 KIND_COLLECTIVE = 2
@@ -128,38 +129,61 @@ class ShmRing:
         self.rseq_seen = 0  # the consumer's cursor as last read: refreshed only when full
         self.dropped = 0  # records refused by a full ring
         self.written = 0
+        self._names: dict[tuple[str, str], tuple[bytes, bytes]] = {}
 
-    def _room(self) -> bool:
-        if self.wseq - self.rseq_seen < self.capacity:
-            return True
-        self.rseq_seen = Q.unpack_from(self.mm, READ_SEQ_AT)[0]
-        return self.wseq - self.rseq_seen < self.capacity
+    def _room(self, need: int) -> int:
+        """Free slots; the consumer's cursor is read again only when the last reading of it
+        leaves fewer than `need`."""
+        room = self.capacity - (self.wseq - self.rseq_seen)
+        if room < need:
+            self.rseq_seen = Q.unpack_from(self.mm, READ_SEQ_AT)[0]
+            room = self.capacity - (self.wseq - self.rseq_seen)
+        return room
 
-    def _put(self, slot: struct.Struct, kind: int, *fields: Any) -> bool:
-        """One record into the next slot, stamped at both ends; False (and counted) if full."""
-        if not self._room():
-            self.dropped += 1
-            return False
-        stamp = self.wseq + 1
-        offset = HEADER_BYTES + (self.wseq % self.capacity) * SLOT_BYTES
-        slot.pack_into(self.mm, offset, stamp, kind, *fields, stamp)
-        self.wseq = stamp
-        return True
-
-    def put_step(self, row: tuple) -> bool:
-        return self._put(STEP_SLOT, KIND_STEP, *row)
-
-    def put_collective(self, row: tuple) -> bool:
+    def _collective_fields(self, row: tuple) -> tuple:
         op, group, nbytes, duration, step = row
-        return self._put(
-            COLL_SLOT,
-            KIND_COLLECTIVE,
-            op.encode()[:OP_BYTES],
-            group.encode()[:GROUP_BYTES],
-            int(nbytes),
-            int(duration),
-            int(step),
-        )
+        names = self._names.get((op, group))
+        if names is None:
+            if len(self._names) >= NAME_CACHE:
+                self._names.clear()
+            names = self._names[(op, group)] = (
+                op.encode()[:OP_BYTES],
+                group.encode()[:GROUP_BYTES],
+            )
+        return (*names, int(nbytes), int(duration), int(step))
+
+    def take_steps(self, rows: deque) -> None:
+        """Every row queued in `rows` now, popped into the ring (those it has no room for are
+        dropped and counted)."""
+        self._take(rows, STEP_SLOT, KIND_STEP, None)
+
+    def take_collectives(self, rows: deque) -> None:
+        self._take(rows, COLL_SLOT, KIND_COLLECTIVE, self._collective_fields)
+
+    def _take(
+        self,
+        rows: deque,
+        slot: struct.Struct,
+        kind: int,
+        fields: Callable[[tuple], tuple] | None,
+    ) -> None:
+        # One loop over the rows: the room is read once, not per row (a pump moves
+        # align_every_steps steps' rows at once), each slot stamped at both ends.
+        n = len(rows)  # rows other threads append meanwhile wait for the next pump
+        fit = min(n, max(0, self._room(n)))
+        pop, pack, mm, capacity = rows.popleft, slot.pack_into, self.mm, self.capacity
+        seq = self.wseq
+        try:
+            for _ in range(fit):
+                row = pop()
+                offset = HEADER_BYTES + (seq % capacity) * SLOT_BYTES
+                pack(mm, offset, seq + 1, kind, *(fields(row) if fields else row), seq + 1)
+                seq += 1
+        finally:
+            self.wseq = seq  # what was packed before an error stays written
+        for _ in range(n - fit):
+            pop()
+        self.dropped += n - fit
 
     def publish(self) -> None:
         """Make every record put so far visible to the reader (after their slots are written)."""
@@ -258,15 +282,10 @@ class ShmTransport:
         if ring is None:
             return
         try:
-            steps, colls = self.steps, self.collectives
-            if steps:
-                pop, put = steps.popleft, ring.put_step
-                for _ in range(len(steps)):
-                    put(pop())
-            if colls:
-                pop, put = colls.popleft, ring.put_collective
-                for _ in range(len(colls)):
-                    put(pop())
+            if self.steps:
+                ring.take_steps(self.steps)
+            if self.collectives:
+                ring.take_collectives(self.collectives)
             ring.publish()
             self._final_written = ring.written
             self._ring_dropped = ring.dropped

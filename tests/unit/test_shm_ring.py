@@ -134,10 +134,20 @@ def test_dropped_total_reaches_the_exporter(tmp_path: Path) -> None:
     assert store.ingested_records == 4
 
 
+def test_a_pump_fills_the_room_the_reader_made_since_the_ring_last_looked(tmp_path: Path) -> None:
+    ring = ShmRing(str(tmp_path / "r.ring"), {"agent": IDENTITY}, capacity=8)
+    ring.take_steps(deque(step_row(s) for s in range(6)))
+    ring.publish()
+    reader = RingReader(ring.path)
+    assert len(reader.read(10)[0]) == 6  # 2 slots left as the ring last saw it, 8 in truth
+    ring.take_steps(deque(step_row(s) for s in range(6, 12)))
+    ring.publish()
+    assert [r[0] for r in reader.read(10)[0]] == list(range(6, 12)) and ring.dropped == 0
+
+
 def test_torn_slot_is_rejected_and_counted(tmp_path: Path) -> None:
     ring = ShmRing(str(tmp_path / "t.ring"), {"agent": IDENTITY}, capacity=8)
-    for s in range(3):
-        ring.put_step(step_row(s))
+    ring.take_steps(deque(step_row(s) for s in range(3)))
     ring.publish()
     # Slot 1 caught half-written: its trailing stamp is not yet the new one.
     Q.pack_into(ring.mm, HEADER_BYTES + 2 * SLOT_BYTES - 8, 0)
@@ -150,7 +160,7 @@ def test_torn_slot_is_rejected_and_counted(tmp_path: Path) -> None:
 
 def test_unpublished_records_are_not_read(tmp_path: Path) -> None:
     ring = ShmRing(str(tmp_path / "u.ring"), {"agent": IDENTITY}, capacity=8)
-    ring.put_step(step_row(0))
+    ring.take_steps(deque([step_row(0)]))
     reader = RingReader(ring.path)
     assert reader.read(10) == ([], [])
     ring.publish()
