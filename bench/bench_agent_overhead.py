@@ -691,31 +691,43 @@ def cold_entries(steps: int = 60) -> None:
     shutil.rmtree(where, ignore_errors=True)
 
 
-def shm_pauses(shm_url: str, windows: int = 6, step_ms: float = 10.0) -> dict[str, Any]:
+def shm_pauses(
+    shm_url: str, packages: dict[str, ModuleType], windows: int = 6, step_ms: float = 10.0
+) -> dict[str, Any]:
     """The shm transport's work as a CPU-bound thread sees it: a busy loop stands for a 10 ms
     step (one step row, two collective rows queued per step, as the phase clock and the patch
     queue them) and calls the pump every `align_every_steps` steps, as the phase clock does.
     A gap > 0.2 ms between two iterations is a pause; the pump's time counts in its gap.
-    Windows of 1 s with and without the agent's work alternate, so scheduler noise from other
-    processes shows in both."""
-    from syncscope.agent.shm_ring import ShmTransport
-
-    steps: deque = deque(maxlen=8192)
-    colls: deque = deque(maxlen=32768)
+    Windows of 1 s without the agent's work and with each package's pump take turns, so
+    scheduler noise from other processes shows in all of them."""
+    steps: dict[str, deque] = {}
+    colls: dict[str, deque] = {}
     ident = {"job": "pause", "rank": 0, "local_rank": 0, "world_size": 1, "incarnation": "s",
              "hostname": "h", "pid": os.getpid(), "started_unix_s": time.time()}  # fmt: skip
     threads = threading.active_count()
-    tr = ShmTransport(
-        identity=ident, url=shm_url, steps=steps, collectives=colls, dropped_elsewhere=lambda: 0
-    )
+    trs = {}
+    for i, (name, package) in enumerate(packages.items()):
+        try:
+            shm_ring = importlib.import_module(f"{package.__name__}.shm_ring")
+        except ModuleNotFoundError:
+            continue  # a revision from before the shm transport
+        steps[name], colls[name] = deque(maxlen=8192), deque(maxlen=32768)
+        trs[name] = shm_ring.ShmTransport(
+            identity={**ident, "rank": i},
+            url=shm_url,
+            steps=steps[name],
+            collectives=colls[name],
+            dropped_elsewhere=lambda: 0,
+        )
     threads = threading.active_count() - threads
     every = AgentConfig().align_every_steps
-    pumps: list[float] = []
-    gaps: dict[bool, list[float]] = {False: [], True: []}
+    pumps: dict[str, list[float]] = {name: [] for name in trs}
+    turns = [None, *trs]
+    gaps: dict[str | None, list[float]] = {name: [] for name in turns}
     period = step_ms / 1e3
     s = 0
-    for w in range(2 * windows):
-        work = w % 2 == 1
+    for w in range(len(turns) * windows):
+        work = turns[w % len(turns)]
         last = time.perf_counter()
         end = last + 1.0
         boundary = last + period
@@ -728,50 +740,59 @@ def shm_pauses(shm_url: str, windows: int = 6, step_ms: float = 10.0) -> dict[st
             last = now
             if now >= boundary:
                 boundary += period
-                if work:
-                    fill(steps, colls, 1, 2, start=s)
+                if work is not None:
+                    fill(steps[work], colls[work], 1, 2, start=s)
                     s += 1
                     if s % every == 0:
                         t0 = time.perf_counter()
-                        tr.pump()
-                        pumps.append(time.perf_counter() - t0)
-    tr.stop()
+                        trs[work].pump()
+                        pumps[work].append(time.perf_counter() - t0)
+    for tr in trs.values():
+        tr.stop()
 
     def worst(v: list[float]) -> tuple[float, float]:
         v = sorted(v)
         return (v[-1] * 1e3, v[int(0.9999 * (len(v) - 1))] * 1e3) if v else (0.0, 0.0)
 
-    pumps_sorted = sorted(pumps)
+    def pump_us(v: list[float]) -> dict[str, float]:
+        v = sorted(v)
+        return {"p50": v[len(v) // 2] * 1e6, "p99": v[int(0.99 * (len(v) - 1))] * 1e6,
+                "max": v[-1] * 1e6}  # fmt: skip
+
     return {
         "threads_added": threads,
-        "baseline_ms": worst(gaps[False]),
-        "with_pump_ms": worst(gaps[True]),
-        "pump_p50_us": pumps_sorted[len(pumps) // 2] * 1e6,
-        "pump_p99_us": pumps_sorted[int(0.99 * (len(pumps) - 1))] * 1e6,
-        "pump_max_us": pumps_sorted[-1] * 1e6,
-        "written": tr.sent_records,
-        "dropped": tr.dropped_total,
+        "baseline_ms": worst(gaps[None]),
+        "with_pump_ms": {name: worst(gaps[name]) for name in trs},
+        "pump_us": {name: pump_us(v) for name, v in pumps.items()},
+        "written": {name: tr.sent_records for name, tr in trs.items()},
+        "dropped": {name: tr.dropped_total for name, tr in trs.items()},
     }
 
 
-def print_shm_pauses(shm_url: str) -> None:
-    r = shm_pauses(shm_url)
+def print_shm_pauses(shm_url: str, packages: dict[str, ModuleType]) -> None:
+    r = shm_pauses(shm_url, packages)
     every = AgentConfig().align_every_steps
     print(
         f"shm transport, 10 ms step, 1 step + 2 collective rows per step, pumped every {every} "
         "steps (warm caches here: the job measures the pump as training leaves the caches):"
     )
-    base, with_pump = r["baseline_ms"], r["with_pump_ms"]
+    base = r["baseline_ms"]
     print(
-        f"  longest gap (p99.99 of gaps > 0.2 ms) in 1 s windows, alternating: without the agent "
-        f"{base[0]:.2f} ms ({base[1]:.2f} ms), with the pump {with_pump[0]:.2f} ms "
-        f"({with_pump[1]:.2f} ms); background threads added: {r['threads_added']}"
+        f"  longest gap (p99.99 of gaps > 0.2 ms) in 1 s windows, taking turns: without the "
+        f"agent {base[0]:.2f} ms ({base[1]:.2f} ms); background threads added: "
+        f"{r['threads_added']}"
     )
-    print(
-        f"  pump (on the step boundary, the same steps on every rank): p50 "
-        f"{r['pump_p50_us']:.1f} µs, p99 {r['pump_p99_us']:.1f} µs, max {r['pump_max_us']:.1f} µs"
-        f"; records written {r['written']}, dropped {r['dropped']}"
-    )
+    for name, pump in r["pump_us"].items():
+        gap = r["with_pump_ms"][name]
+        print(
+            f"  {name}: with the pump {gap[0]:.2f} ms ({gap[1]:.2f} ms); pump (on the step "
+            f"boundary, the same steps on every rank) p50 {pump['p50']:.1f} µs, p99 "
+            f"{pump['p99']:.1f} µs, max {pump['max']:.1f} µs; records written "
+            f"{r['written'][name]}, dropped {r['dropped'][name]}"
+        )
+    if len(r["pump_us"]) == 2:
+        (_, against), (_, tree) = r["pump_us"].items()
+        print(f"  pump p50, this tree ÷ the other: {tree['p50'] / against['p50']:.3f}")
 
 
 JOB_SIZE = (256, 3, 96)  # ~1.2 ms alone; 4 ranks on 2 cores and gloo: a ~10 ms job step
@@ -1175,7 +1196,7 @@ def main() -> None:
         if legacy and (a.pauses or not modes):
             flush_cost(url, packages)
             pauses(url, packages)
-            print_shm_pauses(shm_url)
+            print_shm_pauses(shm_url, packages)
         if a.job:
             if pin:
                 os.sched_setaffinity(0, cpus)
