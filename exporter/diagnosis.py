@@ -14,7 +14,8 @@ The rules (docs/diagnosis.md gives the reasoning and the recorded scenarios they
   fabric_contention   the transfer per step (the exposed communication of the rank that arrived
                       last, who waited for nobody) against its own uncontended baseline (its
                       10th percentile; node-local, the median of the last minute's 64-step
-                      blocks over it): the verdict at SyncscopeFabricContention's line (1.5×).
+                      blocks over it, less the ranks' own work's inflation, the host's share):
+                      the verdict at SyncscopeFabricContention's line (1.5×).
                       A large share of the step is not contention, nor is a link slow from
                       the start (no faster baseline); neither is waiting for a late rank.
   slow_link           (job-wide view only) the node whose link is known to carry less than
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from syncscope.exporter.jobwide import JobWide
+from syncscope.exporter.pooling import NodeInflation
 from syncscope.exporter.settings import STEP_WINDOW, Settings
 from syncscope.exporter.store import OMIT_IF_NONE, RankView, RecentStep
 
@@ -261,15 +263,15 @@ def diagnose_job(
     settings: Settings,
     thresholds: Thresholds = DEFAULT_THRESHOLDS,
     job_wide: JobWide | None = None,
-    node_transfer: tuple[float, float] | None = None,
+    node_transfer: NodeInflation | None = None,
 ) -> Diagnosis:
     """Scores, verdicts and reasons for one job's ranks on this node.
 
     With `job_wide` (Prometheus's view of every node, exporter.jobwide) the straggler, the
     amplification and the fabric's share are the job's; without it, and with ranks of the job
     on other nodes, the reasons say the view is node-local and fabric contention abstains.
-    `node_transfer`: (the node's transfer per step, it ÷ its own baseline) from the exporter's
-    pooling, the contention verdict where every rank of the job reports here.
+    `node_transfer`: the node's transfer and work per step against their own baselines, from
+    the exporter's pooling: the contention verdict where every rank of the job reports here.
     Never raises: the snapshot it is part of also serves /metrics and the page, so on a rule's
     failure it returns no verdicts and the error in `error`.
     """
@@ -284,7 +286,7 @@ def _diagnose(
     ranks: Sequence[RankView],
     settings: Settings,
     t: Thresholds,
-    node_transfer: tuple[float, float] | None = None,
+    node_transfer: NodeInflation | None = None,
 ) -> Diagnosis:
     live = [r for r in ranks if not r.stale and r.steps_total > 0]
     if not live:
@@ -356,7 +358,13 @@ def _diagnose(
         )
         if signal == "comm_exposed":
             if node_transfer is not None:
-                v = contention_verdict(node_transfer[1], node_transfer[0], t, "this node's ranks")
+                v = contention_verdict(
+                    node_transfer.transfer,
+                    node_transfer.transfer_s,
+                    t,
+                    "this node's ranks",
+                    host=node_transfer.work,
+                )
                 modes["fabric_contention"] = (v.score, v.reason)
             else:
                 share = statistics.mean(transfers) / mean_step
@@ -409,17 +417,31 @@ def _below_score(ratio: float, line: float, t: Thresholds) -> float:
 
 
 def contention_verdict(
-    inflation: float, transfer_s: float, t: Thresholds, source: str
+    inflation: float,
+    transfer_s: float,
+    t: Thresholds,
+    source: str,
+    host: float | None = None,
 ) -> ModeVerdict:
     """fabric_contention: the transfer per step against its own uncontended baseline (the same
-    line as SyncscopeFabricContention): the verdict score where it reaches the line."""
-    excess = max(0.0, inflation - 1.0) / max(t.contention_inflation - 1.0, 1e-9)
+    line as SyncscopeFabricContention): the verdict score where it reaches the line.
+
+    `host`: the ranks' own work per step against its own baseline, where known. A host that
+    slows everything (its CPUs shared with other work) inflates a host-driven transfer (gloo)
+    with the work; only the transfer's inflation beyond the work's is the fabric's."""
+    fabric = inflation / max(1.0, host or 1.0)
+    excess = max(0.0, fabric - 1.0) / max(t.contention_inflation - 1.0, 1e-9)
     score = min(1.0, excess * t.verdict_score)
+    also = (
+        f"; the ranks' own work is {host:.2f}× its own, so the fabric's share is {fabric:.2f}×"
+        if host is not None and host > 1.0
+        else ""
+    )
     return ModeVerdict(
         round(score, 4),
         score >= t.verdict_score,
         f"the transfer per step (after the last rank arrives) is {transfer_s * 1e3:.1f} ms, "
-        f"{inflation:.2f}× its own baseline (line {t.contention_inflation:g}×; {source})",
+        f"{inflation:.2f}× its own baseline (line {t.contention_inflation:g}×; {source}){also}",
     )
 
 

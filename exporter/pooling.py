@@ -46,9 +46,10 @@ from collections.abc import Iterable, Iterator, KeysView
 from dataclasses import dataclass, field
 from heapq import heapify, heappop, heappush
 from itertools import takewhile
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from syncscope.arrival import Key
+from syncscope.wire import Phase
 
 Rank = int
 SAMPLE_STRIDES = (8, 64, 512)  # steps between samples, a ring each; alike everywhere
@@ -68,7 +69,18 @@ class WaitSink(Protocol):
 # (numbers, and keys interned long since): the dict is never tracked, the tuple no longer once
 # the collector has seen it, before it would promote it (see the module's docstring).
 _RankStep = tuple[float, tuple[float, ...]]
+BASELINE_BLOCKS = 10  # blocks before the node's transfer has a baseline
 _NO_COLLECTIVES: dict[Key, float] = {}  # shared, never written to
+
+
+class NodeInflation(NamedTuple):
+    """The node's recent transfer per step against its own baseline, and the ranks' own work
+    against its own: a host that slows everything (CPUs shared with other tenants) inflates
+    both, contention on the fabric the transfer alone."""
+
+    transfer_s: float  # the median of the recent blocks' transfer per step
+    transfer: float  # it ÷ the 10th percentile of the baseline window's blocks
+    work: float  # the same ratio for the node's work per step (step − exposed comm − pacing)
 
 
 @dataclass
@@ -135,14 +147,14 @@ class JobPool:
     _transfer_mean: dict[Key, float] = field(default_factory=dict)  # _transfer's keys, in order
     _changed: dict[Key, None] = field(default_factory=dict)  # kinds whose mean is out of date
     samples: dict[tuple[int, int], Sample] = field(default_factory=dict)  # by (stride, slot)
-    # The node's transfer per step over blocks of `transfer_window` pooled steps, for the
-    # node-local contention verdict: (monotonic time the block closed, its mean), the blocks of
-    # the last `baseline_window_s` (the rules' contention-baseline window). The recent transfer
-    # is the median of the blocks of the last `recent_window_s` (the rules' rate window).
+    # The node's transfer and work per step over blocks of `transfer_window` pooled steps, for
+    # the node-local contention verdict: (monotonic time the block closed, mean transfer, mean
+    # work), the blocks of the last `baseline_window_s` (the rules' contention-baseline
+    # window). Recent: the median of the blocks of the last `recent_window_s` (the rate window).
     baseline_window_s: float = 3600.0
     recent_window_s: float = 60.0
-    history: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=8192))
-    _block: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [sum, steps]
+    history: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=8192))
+    _block: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # [transfer, work, n]
 
     def add_collective(
         self, rank: Rank, key: Key, step: int, duration: float, sink: WaitSink
@@ -303,7 +315,15 @@ class JobPool:
                     if step % stride == 0:
                         slot = step // stride % SAMPLE_SLOTS
                         self.samples[(stride, slot)] = Sample(stride, slot, step, transfer)
-                self._close_block(transfer)
+                # The node's work: its fastest rank's step less exposed comm and pacing (the
+                # least a rank here needed; a straggler's own slowness is not the host's).
+                work = min(
+                    step_s - phases[Phase.COMM_EXPOSED] - phases[Phase.PACING]
+                    if len(phases) > Phase.PACING  # rows in the wire's order (tests: fewer)
+                    else step_s
+                    for step_s, phases in entries.values()
+                )
+                self._close_block(transfer, work)
             for key, low in minima.items():
                 series = self._transfer.get(key)
                 if series is None:
@@ -324,33 +344,38 @@ class JobPool:
             out.append(Pooled(rank, step, step_s, phases, wait))
         return out
 
-    def _close_block(self, transfer: float) -> None:
+    def _close_block(self, transfer: float, work: float) -> None:
         block = self._block
         block[0] += transfer
-        block[1] += 1
-        if block[1] >= self.transfer_window:
+        block[1] += work
+        block[2] += 1
+        if block[2] >= self.transfer_window:
             now = time.monotonic()
-            self.history.append((now, block[0] / block[1]))
-            block[0] = block[1] = 0.0
+            self.history.append((now, block[0] / block[2], block[1] / block[2]))
+            block[0] = block[1] = block[2] = 0.0
             while self.history and self.history[0][0] < now - self.baseline_window_s:
                 self.history.popleft()
 
-    def inflation(self) -> tuple[float, float] | None:
-        """(the node's recent transfer per step, it ÷ its own baseline), or None before two
-        blocks. Recent: the median of the blocks closed in the last `recent_window_s` (the
-        latest block at least), so that one block a stall of the machine inflated is not
-        contention (a 64-step block is ~1 s at 20 ms steps). Baseline: the 10th percentile of
-        the blocks in the baseline window."""
+    def inflation(self) -> NodeInflation | None:
+        """The node's recent transfer and work per step against their own baselines, or None
+        before BASELINE_BLOCKS blocks (a 10th percentile of fewer is the single fastest block).
+        Recent: the median of the blocks closed in the last `recent_window_s` (the latest block
+        at least), so that one block a stall of the machine inflated is not contention (a
+        64-step block is ~1 s at 20 ms steps). Baseline: the 10th percentile of the blocks in
+        the baseline window."""
         history = self.history
-        if len(history) < 2:
+        if len(history) < BASELINE_BLOCKS:
             return None
-        values = sorted(v for _, v in history)
-        baseline = values[int(0.1 * (len(values) - 1))]
         since = history[-1][0] - self.recent_window_s
-        recent = statistics.median(
-            v for _, v in takewhile(lambda b: b[0] >= since, reversed(history))
+        recent = list(takewhile(lambda b: b[0] >= since, reversed(history)))
+        p10 = int(0.1 * (len(history) - 1))
+        transfer, work = (statistics.median(b[i] for b in recent) for i in (1, 2))
+        transfer_base, work_base = (sorted(b[i] for b in history)[p10] for i in (1, 2))
+        if transfer_base <= 0:
+            return None
+        return NodeInflation(
+            transfer, transfer / transfer_base, work / work_base if work_base > 0 else 1.0
         )
-        return (recent, recent / baseline) if baseline > 0 else None
 
     def transfers(self) -> dict[Key, float]:
         """Each collective kind's transfer: the mean of its recent per-step node minima."""

@@ -6,7 +6,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from syncscope.exporter.pooling import SAMPLE_FROM_STEP, SAMPLE_SLOTS, SAMPLE_STRIDES, JobPool
+from syncscope.exporter.pooling import (
+    BASELINE_BLOCKS,
+    SAMPLE_FROM_STEP,
+    SAMPLE_SLOTS,
+    SAMPLE_STRIDES,
+    JobPool,
+    NodeInflation,
+)
 
 from syncscope.arrival import collective_key
 
@@ -18,10 +25,18 @@ class Sink:
     wait_seconds: float = 0.0
 
 
-def feed(pool: JobPool, d: dict[int, float], step: int, sinks: dict[int, Sink]) -> None:
+def feed(
+    pool: JobPool,
+    d: dict[int, float],
+    step: int,
+    sinks: dict[int, Sink],
+    phases: tuple[float, ...] = (),
+) -> None:
+    """Each rank's collective time in `step`, and its row: `phases` (Phase order) and the step
+    time they add up to, or a 0.1 s step without phases."""
     for rank, seconds in d.items():
         pool.add_collective(rank, KEY, step, seconds, sinks[rank])
-        pool.add_step(rank, step, 0.1, ())
+        pool.add_step(rank, step, sum(phases) if phases else 0.1, phases)
 
 
 def jittery_job(steps: int, seed: int = 1) -> list[dict[int, float]]:
@@ -99,13 +114,18 @@ def test_min_over_nodes_of_agreed_samples_is_the_jobs_transfer_at_those_steps():
     assert min(means) > true_mean + 0.001  # E[last of 4] − E[last of 2] ≈ 1.3 ms here
 
 
-def _blocks(pool: JobPool, transfers: list[float], clock: list[float], block_s: float) -> None:
-    """One block of `pool.transfer_window` steps per transfer, each `block_s` of clock apart."""
+def _blocks(
+    pool: JobPool, transfers: list[float], clock: list[float], block_s: float, work: float = 0.05
+) -> None:
+    """One block of `pool.transfer_window` steps per transfer, each `block_s` of clock apart;
+    each rank's step is `work` of forward and its collective time exposed."""
     sinks = {0: Sink(), 1: Sink()}
     for seconds in transfers:
         for _ in range(pool.transfer_window):
             step = pool.pooled_steps_total + SAMPLE_FROM_STEP
-            feed(pool, {0: seconds, 1: seconds + 0.01}, step, sinks)
+            for rank, exposed in ((0, seconds), (1, seconds + 0.01)):
+                phases = (0.0, work, 0.0, 0.0, exposed, 0.0, 0.0)
+                feed(pool, {rank: exposed}, step, sinks, phases)
             pool.complete([0, 1])
         clock[0] += block_s
 
@@ -114,23 +134,29 @@ def test_the_nodes_transfer_history_gives_its_inflation_against_its_own_baseline
     clock = [1000.0]
     monkeypatch.setattr("syncscope.exporter.pooling.time.monotonic", lambda: clock[0])
     pool = JobPool(transfer_window=8, recent_window_s=60.0)
-    assert pool.inflation() is None  # no blocks yet: no baseline
-    _blocks(pool, [0.02] * 40, clock, 1.0)
-    recent, inflation = pool.inflation() or (0.0, 0.0)
-    assert abs(recent - 0.02) < 1e-12 and abs(inflation - 1.0) < 1e-9
+    _blocks(pool, [0.02] * (BASELINE_BLOCKS - 1), clock, 1.0)
+    assert pool.inflation() is None  # a 10th percentile of fewer blocks is the fastest one
+    _blocks(pool, [0.02] * (40 - BASELINE_BLOCKS + 1), clock, 1.0)
+    got = pool.inflation()
+    assert got and abs(got.transfer_s - 0.02) < 1e-12 and abs(got.transfer - 1.0) < 1e-9
     # One block a stall of the machine inflated is not contention: the recent transfer is the
     # median of the last minute's blocks.
     _blocks(pool, [0.05], clock, 1.0)
-    recent, inflation = pool.inflation() or (0.0, 0.0)
-    assert abs(recent - 0.02) < 1e-12 and inflation < 1.5
-    # Inflated for most of the last minute, it is.
+    got = pool.inflation()
+    assert got and abs(got.transfer_s - 0.02) < 1e-12 and got.transfer < 1.5
+    # Inflated for most of the last minute, it is; the ranks' own work is not.
     _blocks(pool, [0.05] * 40, clock, 1.0)
-    recent, inflation = pool.inflation() or (0.0, 0.0)
-    assert abs(recent - 0.05) < 1e-12 and abs(inflation - 2.5) < 1e-9
+    got = pool.inflation()
+    assert got and abs(got.transfer_s - 0.05) < 1e-12 and abs(got.transfer - 2.5) < 1e-9
+    assert abs(got.work - 1.0) < 1e-9
     # And it clears once the last minute is calm again, whatever the hour before held.
     _blocks(pool, [0.02] * 61, clock, 1.0)
-    recent, inflation = pool.inflation() or (0.0, 0.0)
-    assert abs(recent - 0.02) < 1e-12 and abs(inflation - 1.0) < 1e-9
+    got = pool.inflation()
+    assert got and abs(got.transfer_s - 0.02) < 1e-12 and abs(got.transfer - 1.0) < 1e-9
+    # A host that slows everything inflates the ranks' own work with the transfer.
+    _blocks(pool, [0.04] * 61, clock, 1.0, work=0.1)
+    got = pool.inflation()
+    assert got and abs(got.transfer - 2.0) < 1e-9 and abs(got.work - 2.0) < 1e-9
 
 
 def test_node_local_contention_is_the_inflation_not_the_share_of_the_step():
@@ -140,7 +166,18 @@ def test_node_local_contention_is_the_inflation_not_the_share_of_the_step():
     from tests.unit.test_diagnosis import ranks_of
 
     ranks = ranks_of("balanced")  # the whole job on this node; transfer half of each step
-    calm = diagnose_job(ranks, Settings(), node_transfer=(0.02, 1.1)).modes["fabric_contention"]
+
+    def contention(transfer_s: float, transfer: float, work: float):
+        inflation = NodeInflation(transfer_s, transfer, work)
+        return diagnose_job(ranks, Settings(), node_transfer=inflation).modes["fabric_contention"]
+
+    calm = contention(0.02, 1.1, 1.0)
     assert not calm.verdict and "1.10× its own baseline" in calm.reason
-    hot = diagnose_job(ranks, Settings(), node_transfer=(0.05, 2.5)).modes["fabric_contention"]
+    hot = contention(0.05, 2.5, 1.0)
     assert hot.verdict and hot.score == 1.0
+    # The same transfer while the ranks' own work is as slow: the host, not the fabric.
+    host = contention(0.05, 2.5, 2.4)
+    assert not host.verdict and "own work is 2.40×" in host.reason, host
+    # Both: only the transfer's inflation beyond the work's counts.
+    both = contention(0.05, 2.5, 1.25)
+    assert both.verdict and "fabric's share is 2.00×" in both.reason, both
