@@ -126,7 +126,7 @@ class ShmRing:
         self.update_offset()
         os.replace(tmp, path)  # readers never see a file without its header
         self.wseq = 0
-        self.rseq_seen = 0  # the consumer's cursor as last read: refreshed only when full
+        self.rseq_seen = 0  # the consumer's cursor as last read: read again when a batch won't fit
         self.dropped = 0  # records refused by a full ring
         self.written = 0
         self._names: dict[tuple[str, str], tuple[bytes, bytes]] = {}
