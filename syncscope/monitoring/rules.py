@@ -287,11 +287,9 @@ clamp_min(
   sum by (job, node, rank) (
     {_rate(cfg, M.RANK_COLLECTIVE_SECONDS_TOTAL.name, window=w["straggler"])}
   )
-/ on (job, node) group_left ()
+/
   (
-      sum by (job, node) ({_rate(cfg, STEP_SECONDS_COUNT, window=w["straggler"])})
-    /
-      count by (job, node) ({_sel(cfg, M.STEPS_TOTAL.name)})
+    sum by (job, node, rank) ({_rate(cfg, M.STEPS_TOTAL.name, window=w["straggler"])})
     > 0
   )
 """,
