@@ -12,11 +12,15 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from syncscope.agent.collectives import CollectivePatch, GroupLabels, bucket_timing_hook
+from syncscope.agent.collectives import (
+    Blocked,
+    CollectiveInterceptor,
+    GroupLabels,
+    bucket_timing_hook,
+)
 from syncscope.agent.config import AgentConfig, process_identity
 from syncscope.agent.link import LinkSampler, with_link
 from syncscope.agent.local_arrival import LocalArrival
-from syncscope.agent.nccl_trace import nccl_group_exists
 from syncscope.agent.phases import PhaseClock
 from syncscope.agent.queues import RecordQueues
 from syncscope.agent.recording import RecordWriter
@@ -89,8 +93,8 @@ class Agent:
 
     Its parts: `queues`, which the producers fill and the reporter drains; producers `clock`
     (phases from hooks on the model and optimizer; on CUDA it also records CUDA events),
-    `patch` (timed torch.distributed calls, CPU groups) and `nccl_reader` (Flight Recorder, NCCL
-    groups); `topology` (GPU locality, sampled on the reporter's thread); `arrival`, the local
+    `patch` (every c10d op on CPU tensors, timed at the dispatcher) and `nccl_reader` (Flight
+    Recorder, NCCL groups); `topology` (GPU locality, sampled on the reporter's thread); `arrival`, the local
     arrival estimate, only when `pacer` (pacing's controller) or `record` (the record file)
     reads it; and `reporter`, which sends everything to the exporter.
     """
@@ -118,7 +122,12 @@ class Agent:
         if cuda_index is not None:
             self.nccl_reader = self._flight_recorder_reader(torch, timeline)
             self.topology = _topology_sampler(torch, cuda_index)
-        self.patch = self._patch_collectives(torch, labels)
+        # On CUDA the clock ties the queue's records to GPU steps and NCCL is Flight Recorder's.
+        self.patch = (
+            self._intercept_collectives(torch, labels, ddp_group) if cuda_index is None else None
+        )
+        if self.patch is not None:
+            self.clock.blocked = self.patch.blocked
         self.record = RecordWriter(config.record, self.identity) if config.record else None
         self.arrival = LocalArrival(self.record) if config.pacing or self.record else None
         self.pacer: PacingController | None = None
@@ -281,18 +290,24 @@ class Agent:
             attached_after_group=after,
         )
 
-    def _patch_collectives(self, torch: Any, labels: GroupLabels) -> CollectivePatch | None:
-        """The patch that times torch.distributed calls (installed with the other hooks)."""
-        # Not on NCCL groups: their calls return before the GPU runs them, so a CPU timer would
-        # time the enqueue only; Flight Recorder gives their real durations instead.
-        if not (
-            self.config.patch_collectives
-            and torch is not None
-            and _dist_available(torch)
-            and not nccl_group_exists(torch)
-        ):
+    def _intercept_collectives(
+        self, torch: Any, labels: GroupLabels, ddp_group: str | None
+    ) -> CollectiveInterceptor | None:
+        """The dispatcher-level timing of every c10d op (installed with the other hooks).
+
+        DDP's reducer all-reduces its buckets on the DDP group while a backward is pending; by
+        default that sync is timed as its exposed part (phases.py), so those calls are left out
+        (with `detail="buckets"` the comm hook's calls are the per-bucket timing)."""
+        if not (self.config.patch_collectives and torch is not None and _dist_available(torch)):
             return None
-        return CollectivePatch(self.queues, labels)
+        skip = None
+        if ddp_group is not None and self.config.detail != "buckets":
+            clock = self.clock
+
+            def skip(group: str) -> bool:
+                return group == ddp_group and (clock.bwd_pending or clock.bwd_depth > 0)
+
+        return CollectiveInterceptor(self.queues, labels, Blocked(), skip)
 
     def _enable_pacing(self, arrival: LocalArrival) -> PacingController:
         """Pacing (paper §5.3, agent/pacing.py) at the step boundary (agent/step_pacing.py)."""

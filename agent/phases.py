@@ -6,7 +6,10 @@ Where each boundary comes from (measured on gloo + DDP, see shared/FIELD-NOTES.m
   backward      entry of torch.autograd.backward (wrapped) -> callback A, queued on the autograd
                 engine by the first gradient of the model's parameters, which runs after all
                 autograd work of that backward
-  comm_exposed  A -> callback B that A queues (runs after DDP has waited for its buckets)
+  comm_exposed  A -> callback B that A queues (runs after DDP has waited for its buckets), plus
+                every wait for a collective the training thread is blocked in anywhere else
+                (FSDP2's all-gathers in forward, tensor-parallel all-reduces, pipeline recvs),
+                taken out of the phase it interrupted (collectives.Blocked)
   optimizer     optimizer step pre-hook -> post-hook
   pacing        the delay the pacing controller inserted at the step boundary
   other         the rest (loss, clipping, logging ...), so that phases add up exactly
@@ -125,6 +128,11 @@ class PhaseClock:
         # Called with each boundary's kind (FWD_PRE ... OPT_POST) right after the clock has
         # read it; STEP_END is the subclass's own (its end_step).
         self.mark: Callable[[int], None] | None = None
+        # Set by the agent to its collective interceptor's Blocked: the training thread's time
+        # blocked waiting for collectives (ns, only growing). Waiting is not compute: what
+        # accrued since the last boundary moves from the phase that just ended to `comm`.
+        self.blocked: Any = None
+        self.blocked_seen = 0
 
     # -- wiring -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -157,6 +165,19 @@ class PhaseClock:
         self._handles.clear()
         self._drop_grad_hooks()
 
+    def take_blocked(self) -> int:
+        """Time blocked in collectives since the last boundary (ns), now counted as exposed
+        communication; the caller takes it out of the phase that just ended."""
+        blocked = self.blocked
+        if blocked is None:
+            return 0
+        ns = blocked.ns
+        waited = ns - self.blocked_seen
+        if waited:
+            self.blocked_seen = ns
+            self.acc[COMM] += waited
+        return waited
+
     # -- forward ------------------------------------------------------------------------------
     def timed_forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         """`original` (a model's forward) timed as the forward phase, in the one frame that
@@ -167,20 +188,28 @@ class PhaseClock:
         def forward(*args: Any, **kwargs: Any) -> Any:
             try:
                 t = _now()
+                blocked = clock.blocked
+                waited = 0
+                if blocked is not None and blocked.ns != clock.blocked_seen:
+                    waited = clock.take_blocked()
                 idle = clock.idle_since
                 if idle:
-                    clock.acc[DATA] += t - idle
+                    clock.acc[DATA] += max(0, t - idle - waited)
                     clock.idle_since = 0
                 clock.fwd_start = t
                 if clock.mark is not None:
                     clock.mark(FWD_PRE)
             except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
                 clock.on_error(exc)
-            out = original(*args, **kwargs)
+            out = _call_traced(original, *args, **kwargs)
             try:
                 t = _now()
                 if clock.fwd_start:
-                    clock.acc[FORWARD] += t - clock.fwd_start
+                    blocked = clock.blocked
+                    waited = 0
+                    if blocked is not None and blocked.ns != clock.blocked_seen:
+                        waited = clock.take_blocked()
+                    clock.acc[FORWARD] += max(0, t - clock.fwd_start - waited)
                     clock.fwd_start = 0
                 clock.fwd_since_bwd = True
                 if clock.output_hooks and not clock.bwd_pending:
@@ -270,7 +299,7 @@ class PhaseClock:
         # Callback A: all autograd work of this backward is done; DDP has not waited yet.
         try:
             t = _now()
-            self.acc[BACKWARD] += t - self.bwd_start
+            self.acc[BACKWARD] += max(0, t - self.bwd_start - self.take_blocked())
             self.bwd_end = t
             if self._learned is not None:
                 # After autograd's work: no hook is removed while the engine may call it.
@@ -293,7 +322,8 @@ class PhaseClock:
         try:
             t = _now()
             exposed = t - self.bwd_end
-            self.acc[COMM] += exposed
+            # DDP waits for its buckets in C++; a wait seen here too is part of `exposed`
+            self.acc[COMM] += exposed - self.take_blocked()
             self.bwd_pending = False
             self.idle_since = t
             coll = self.collectives
@@ -316,7 +346,7 @@ class PhaseClock:
         try:
             t = _now()
             if self.opt_start:
-                self.acc[OPTIMIZER] += t - self.opt_start
+                self.acc[OPTIMIZER] += max(0, t - self.opt_start - self.take_blocked())
                 self.opt_start = 0
             if self.manual_steps:  # the step ends later, at the `with agent.step()` exit
                 if self.mark is not None:
@@ -341,6 +371,7 @@ class PhaseClock:
             self.idle_since = t
 
     def end_step(self, t: int) -> None:
+        self.take_blocked()  # waits outside the timed phases (loss, clipping): out of `other`
         acc = self.acc
         steps = self.steps
         total = t - self.step_start
@@ -392,9 +423,30 @@ def wrap_forward(model: Any, timed: Callable[[Callable[..., Any]], Callable[...,
     """
     had_own = "forward" in model.__dict__
     original = model.forward
-    forward = functools.wraps(original)(timed(original))
+    forward = _not_traced(functools.wraps(original)(timed(original)))
     model.__dict__["forward"] = forward
     return _ForwardWrapper(model, forward, had_own, original)
+
+
+def _not_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with its own frame left out of torch.compile's tracing, and what it calls traced as
+    before: compiling a model the agent wraps captures the graphs it captures without the agent
+    (dynamo cannot trace the clock's reads, and would otherwise run the whole model eagerly)."""
+    import torch
+
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    if disable is None:
+        return fn
+    try:
+        return disable(fn, recursive=False)
+    except TypeError:  # a torch whose disable() has no `recursive`
+        return fn
+
+
+def _call_traced(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) in a frame torch.compile starts tracing from, inlining `fn`: a
+    model's own forward may be torch.nn code (Sequential, DDP) that dynamo never starts at."""
+    return fn(*args, **kwargs)
 
 
 def first_grad_tensor(output: Any) -> Any:
@@ -442,6 +494,7 @@ def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable
                 depth = c.bwd_depth = c.bwd_depth + 1
                 if depth == 1:
                     c.bwd_entry = t
+                    c.take_blocked()  # waits before backward (a loss's collective) are not it
                     if c.mark is not None:
                         c.mark(BWD_START)  # on the caller's stream, before any backward kernel
             except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop

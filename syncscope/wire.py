@@ -65,6 +65,11 @@ OPS = (
     "broadcast",
     "barrier",
     "all_to_all",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
     "ddp_grad_sync",
 )
 DDP_GRAD_SYNC = "ddp_grad_sync"

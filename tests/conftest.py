@@ -51,6 +51,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip_gpu)
 
 
+@pytest.fixture
+def gloo_world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A real gloo process group of one rank in this process (skipped where one exists)."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    store = tmp_path_factory.mktemp("gloo") / "store"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
 class Exporter:
     """A real `python -m syncscope.exporter` process and helpers to read it."""
 

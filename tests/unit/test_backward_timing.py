@@ -7,7 +7,6 @@ and under DDP's no_sync(). All on one CPU process (a gloo group of one where DDP
 
 from __future__ import annotations
 
-import os
 from collections import deque
 
 import pytest
@@ -193,19 +192,6 @@ def test_uninstrument_puts_torch_and_the_model_back():
     assert "forward" not in model.__dict__
     assert not model._forward_hooks and not model._forward_pre_hooks
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
-
-
-@pytest.fixture(scope="module")
-def gloo_world_of_one(tmp_path_factory):
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = tmp_path_factory.mktemp("gloo") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_no_sync_micro_steps_have_no_exposed_comm_and_no_sync_record(gloo_world_of_one):

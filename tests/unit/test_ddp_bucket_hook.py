@@ -14,27 +14,8 @@ import torch.distributed as dist  # noqa: E402
 from syncscope.agent import Agent, attach  # noqa: E402
 from syncscope.agent.collectives import bucket_timing_hook  # noqa: E402
 
-from syncscope.servers import free_port  # noqa: E402
-
 STEPS = 4
 FALLBACK = "per-bucket timing unavailable"
-
-
-@pytest.fixture(scope="module")
-def gloo_world_of_one():
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-        )
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 def two_layers() -> torch.nn.Module:

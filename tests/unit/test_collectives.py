@@ -1,0 +1,228 @@
+"""The collective interceptor: every c10d op on CPU tensors is timed at the dispatcher, whatever
+API issued it, and the training thread's waits for collectives are counted as blocked."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+from syncscope.agent import attach  # noqa: E402
+from syncscope.agent.collectives import (  # noqa: E402
+    C10D_OPS,
+    NOT_COLLECTIVES,
+    Blocked,
+    CollectiveInterceptor,
+    GroupLabels,
+    group_label,
+)
+from syncscope.agent.queues import RecordQueues  # noqa: E402
+
+from syncscope.wire import OPS  # noqa: E402
+
+
+def c10d_schemas() -> dict[str, object]:
+    # The dispatcher's registry is the one list of what torch can run as a c10d op; torch has
+    # no public listing of it, so this test (not the agent) reads it through torch._C.
+    import torch.distributed  # noqa: F401 - registers the c10d ops
+
+    return {
+        s.name.removeprefix("c10d::"): s
+        for s in torch._C._jit_get_all_schemas()
+        if s.name.startswith("c10d::")
+    }
+
+
+def test_every_c10d_op_this_torch_registers_is_intercepted_or_known_not_to_be_one():
+    schemas = c10d_schemas()
+    assert schemas, "no c10d ops registered: torch.distributed is unavailable?"
+    missing = sorted(set(schemas) - set(C10D_OPS) - NOT_COLLECTIVES)
+    assert not missing, f"c10d ops syncscope does not time (add them to C10D_OPS): {missing}"
+    for name, (label, group_at, size_at) in C10D_OPS.items():
+        if name not in schemas:
+            continue  # an op an older torch lacks is skipped at install
+        args = schemas[name].arguments
+        assert "ProcessGroup" in str(args[group_at].type), (name, args[group_at])
+        assert label in OPS, (name, label)
+        if size_at is not None:
+            assert "Tensor" in str(args[size_at].type), (name, args[size_at])
+
+
+def test_group_labels_name_the_mesh_dimension_or_the_group():
+    assert group_label("3", "mesh_tp") == "tp"
+    assert group_label("0", "default_pg") == "default_pg"
+    assert group_label("7", "undefined") == "pg7"
+    assert group_label("7", "") == "pg7"
+
+
+@pytest.fixture
+def intercepted(gloo_world_of_one):
+    queues = RecordQueues(1024)
+    blocked = Blocked()
+    interceptor = CollectiveInterceptor(queues, GroupLabels(), blocked)
+    interceptor.install()
+    try:
+        yield queues.collectives, blocked, interceptor
+    finally:
+        interceptor.uninstall()
+
+
+def ops_of(sink: collections.deque, settle_s: float = 2.0) -> list[tuple]:
+    """The records so far; completions arrive on gloo's thread, so wait for them briefly."""
+    deadline = time.monotonic() + settle_s
+    seen = -1
+    while time.monotonic() < deadline:
+        if len(sink) == seen:
+            break
+        seen = len(sink)
+        time.sleep(0.05)
+    return list(sink)
+
+
+def test_every_api_that_issues_a_collective_is_timed_with_its_size(intercepted):
+    sink, _blocked, interceptor = intercepted
+    import torch.distributed._functional_collectives as funcol
+
+    t = torch.ones(256)  # 1 KiB
+    out = torch.empty(256)
+    single = hasattr(dist, "all_gather_single")  # the names torch 2.13 added
+    dist.all_reduce(t)
+    (dist.all_gather_single if single else dist.all_gather_into_tensor)(out, t)
+    # gloo emulates this one with a Work that has no future: timed to the end of its wait()
+    (dist.reduce_scatter_single if single else dist.reduce_scatter_tensor)(out, t)
+    dist.broadcast(t, src=0)
+    dist.barrier()
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    funcol.wait_tensor(funcol.all_reduce(t, "sum", dist.group.WORLD))
+    got = [(op, group, size) for op, group, size, _d, _s in ops_of(sink)]
+    assert got == [
+        ("all_reduce", "default_pg", 1024),
+        ("all_gather", "default_pg", 1024),
+        ("reduce_scatter", "default_pg", 1024),
+        ("broadcast", "default_pg", 1024),
+        ("barrier", "default_pg", 0),
+        ("all_reduce", "default_pg", 1024),
+        ("all_reduce", "default_pg", 1024),
+    ], got
+    assert all(d > 0 for _op, _g, _s, d, _step in sink)
+    assert interceptor.dropped == 0
+
+
+def test_a_new_group_gets_its_own_label(intercepted):
+    sink, _blocked, _ = intercepted
+    group = dist.new_group([0], group_desc="tp") if _takes_desc() else dist.new_group([0])
+    dist.all_reduce(torch.ones(4), group=group)
+    (record,) = ops_of(sink)
+    assert record[1] == (
+        "tp" if _takes_desc() else f"pg{dist.distributed_c10d._get_process_group_name(group)}"
+    )
+
+
+def _takes_desc() -> bool:
+    import inspect
+
+    return "group_desc" in inspect.signature(dist.new_group).parameters
+
+
+def test_waits_on_the_training_thread_are_blocked_time_and_others_are_not(intercepted):
+    _sink, blocked, _ = intercepted
+    before = blocked.ns
+    dist.all_reduce(torch.ones(4))  # synchronous: torch.distributed waits on the work
+    assert blocked.ns > before
+    mid = blocked.ns
+
+    def elsewhere() -> None:
+        dist.all_reduce(torch.ones(4)).__class__  # noqa: B018 - issued and waited off-thread
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert blocked.ns == mid
+
+
+def test_uninstall_leaves_torch_as_it_was(gloo_world_of_one):
+    queues = RecordQueues(64)
+    before = dist.Work.wait
+    interceptor = CollectiveInterceptor(queues, GroupLabels(), Blocked())
+    interceptor.install()
+    assert dist.Work.wait is not before
+    interceptor.uninstall()
+    assert dist.Work.wait is before
+    dist.all_reduce(torch.ones(4))
+    assert list(ops_of(queues.collectives, 0.3)) == []
+
+
+def train(model: torch.nn.Module, steps: int, *shape: int) -> Any:
+    """attach() to `model` (no exporter, no flush), then `steps` training steps; the agent.
+    A model with a `blocked` attribute gets the agent's collectives.Blocked there."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600)
+    if hasattr(model, "blocked"):
+        model.blocked = agent.patch.blocked
+    try:
+        for _ in range(steps):
+            model(torch.randn(*shape)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    except BaseException:
+        agent.close()
+        raise
+    return agent
+
+
+def test_ddp_gradient_sync_is_timed_once_as_its_exposed_part(gloo_world_of_one, monkeypatch):
+    monkeypatch.delenv("SYNCSCOPE_EXPORTER", raising=False)
+    agent = train(torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64)), 3, 8, 64)
+    try:
+        dist.all_reduce(torch.ones(4))  # the user's own call on the same group still counts
+        ops = [(op, step) for op, _g, _s, _d, step in ops_of(agent.queues.collectives)]
+        # DDP rebuilds its buckets in the second forward, broadcasting their order: a real call
+        # of its own. Its bucket all-reduces in backward are not recorded beside the sync.
+        assert [o for o in ops if o[0] != "broadcast"] == [
+            ("ddp_grad_sync", 0),
+            ("ddp_grad_sync", 1),
+            ("ddp_grad_sync", 2),
+            ("all_reduce", 3),
+        ]
+        assert {o for o in ops if o[0] == "broadcast"} == {("broadcast", 1)}
+    finally:
+        agent.close()
+
+
+def test_time_blocked_in_a_collective_inside_forward_is_exposed_communication(
+    gloo_world_of_one, monkeypatch
+):
+    """A forward that waits 30 ms for a collective (as an FSDP2 all-gather or a tensor-parallel
+    all-reduce does) and computes ~0: the 30 ms are comm, not forward; phases still add up."""
+    monkeypatch.delenv("SYNCSCOPE_EXPORTER", raising=False)
+    wait_s = 0.03
+
+    class Waits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.blocked = Blocked()  # the agent's, once attached
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            t0 = time.perf_counter_ns()  # a peer 30 ms late, as a real wait would count it
+            time.sleep(wait_s)
+            self.blocked.ns += time.perf_counter_ns() - t0
+            return self.lin(x)
+
+    agent = train(Waits(), 5, 2, 4)
+    rows = list(agent.queues.steps)
+    agent.close()
+    assert len(rows) == 5
+    for _step, _end, total, data, fwd, bwd, optim, comm, pacing in rows:
+        assert comm >= wait_s * 1e9, rows  # a sleep never ends early
+        assert fwd < comm, rows
+        assert data + fwd + bwd + optim + comm + pacing <= total, rows
+    median_fwd = sorted(r[4] for r in rows)[2]
+    assert median_fwd < 0.5 * wait_s * 1e9, rows  # what is left of forward is its compute
