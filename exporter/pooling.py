@@ -83,6 +83,19 @@ class NodeInflation(NamedTuple):
     work: float  # the same ratio for the node's work per step (step − exposed comm − pacing)
 
 
+def _least_exposed(entries: dict[Rank, _RankStep]) -> float | None:
+    """The least exposed communication of the step's ranks, or None where no rank's row has
+    any (an agent that times no waits: the per-kind collective waits are all there is)."""
+    least, seen = float("inf"), False
+    for _step_s, phases in entries.values():
+        if len(phases) <= Phase.COMM_EXPOSED:
+            return None
+        exposed = phases[Phase.COMM_EXPOSED]
+        seen = seen or exposed > 0
+        least = min(least, exposed)
+    return least if seen else None
+
+
 @dataclass
 class Pooled:
     """A finished step of one rank: its wait for the last peer on this node (0 if alone)."""
@@ -332,6 +345,7 @@ class JobPool:
                 series.append(low)
                 self._changed[key] = None
         alone = len(entries) <= 1
+        least_blocked = _least_exposed(entries) if not alone else None
         out = []
         for (rank, (step_s, phases)), by_key in zip(entries.items(), by_rank.values(), strict=True):
             wait = 0.0
@@ -341,6 +355,11 @@ class JobPool:
                     extra = seconds - minima[key]
                     sinks[key][1].wait_seconds += extra
                     wait += extra
+            if least_blocked is not None:
+                # The rank's wait is what it spent blocked in collectives beyond the rank that
+                # was blocked least: async collectives overlap compute, so their issue-to-
+                # completion times (the per-kind waits above) are not all waiting.
+                wait = phases[Phase.COMM_EXPOSED] - least_blocked
             out.append(Pooled(rank, step, step_s, phases, wait))
         return out
 

@@ -278,14 +278,16 @@ clamp_min(
 )
 """,
         ),
-        # Each rank's collective time per step over the straggler window; the rank with the
-        # least waits for nobody persistently, and the others' lead over it is their
-        # persistent skew. Differences of means carry no noise bias (a rolling minimum did).
+        # Each rank's time blocked in collectives per step (its exposed communication) over
+        # the straggler window; the rank blocked least waits for nobody persistently, and the
+        # others' lead over it is their persistent skew. Differences of means carry no noise
+        # bias (a rolling minimum did). Blocked time, not issue-to-completion time: an async
+        # collective (FSDP2's prefetched all-gathers) overlaps compute until someone waits.
         _record(
             SYNC_PER_STEP,
             f"""
   sum by (job, node, rank) (
-    {_rate(cfg, M.RANK_COLLECTIVE_SECONDS_TOTAL.name, window=w["straggler"])}
+    {_rate(cfg, M.PHASE_SECONDS_TOTAL.name, 'phase="comm_exposed"', window=w["straggler"])}
   )
 /
   (
