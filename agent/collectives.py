@@ -5,12 +5,13 @@ Whatever issues a collective — torch.distributed's functions (whatever torch n
 2.13 added `all_gather_single`), DTensor's functional collectives, FSDP2, pipelining's send and
 recv, DDP's reducer, a user's comm hook — ends in a ProcessGroup method whose C++ front calls
 the dispatcher op `c10d::<op>` (torch/csrc/distributed/c10d/ProcessGroup.hpp). A Python kernel
-registered with `torch.library` for those ops at the BackendSelect key (which every call passes,
-inference mode included) sees each call, redispatches it to the backend's kernel, and times the
-Work it returns to its completion through the Work's future. The alternatives read in torch's
-source fall short: a patch of `torch.distributed.*` sees Python callers only (not DDP, not
-functional collectives), a completion hook exists only on NCCL (and is deprecated), and a
-TorchDispatchMode would send every aten op through Python.
+registered with `torch.library` for those ops at the BackendSelect key sees every call,
+redispatches it to the backend's kernel, and times those on CPU tensors from their issue to the end of the
+first wait for it: `Work.wait`, or `wait_tensor` for a functional collective. (A completion
+callback on the Work's future cost ~45 µs per collective here, the kernel itself ~18 µs.) The
+alternatives read in torch's source fall short: a patch of `torch.distributed.*` sees Python
+callers only (not DDP, not functional collectives), a completion hook exists only on NCCL (and
+is deprecated), and a TorchDispatchMode would send every aten op through Python.
 
 Time blocked: `Work.wait` (what every synchronous collective, FSDP2 and pipelining call) and
 `_c10d_functional::wait_tensor` (DTensor's AsyncCollectiveTensor) add the time the training
@@ -19,6 +20,8 @@ into exposed communication (phases.py).
 
 Only CPU tensors are timed: a GPU collective returns before the GPU runs it, and Flight Recorder
 reports its GPU duration (nccl_trace.py); meta and fake tensors (compilers tracing) pass through.
+The agent installs the kernels only where its phase clock is the CPU one: a CUDA job's NCCL
+collectives never pay for them.
 """
 
 from __future__ import annotations
@@ -27,17 +30,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from syncscope.wire import MAX_LABEL_LEN
+from syncscope.wire import GROUP_FACT, MAX_LABEL_LEN, MAX_TOPOLOGY_TEXT
 
 if TYPE_CHECKING:
     from syncscope.agent.queues import RecordQueues
 
 _now = time.perf_counter_ns
 MAX_GROUP_LABELS = 32  # distinct group labels per process; the rest are "other"
+MAX_GROUP_FACTS = 16  # groups whose members a rank reports (topology holds 64 entries)
+# Every call passes BackendSelect, also one made inside another op's kernel (a functional
+# collective's c10d op), where the autograd keys are already excluded.
 DISPATCH_KEY = "BackendSelect"
-MAX_UNWAITED = 256  # works without a future awaiting their wait(); beyond, the oldest is dropped
+MAX_UNWAITED = 256  # entries (2 per collective) awaiting a wait; then completed ones are pruned
 
 # c10d op -> (op label, position of its ProcessGroup, position of the argument whose bytes are
 # the collective's size, or None). Sizes follow nccl-tests: the full buffer a rank ends up with
@@ -75,6 +81,10 @@ def nbytes(value: Any) -> int:
     return int(value.numel() * value.element_size()) if hasattr(value, "numel") else 0
 
 
+def _storage_key(tensor: Any) -> tuple[str, int]:
+    return ("storage", tensor.untyped_storage().data_ptr())
+
+
 def _first_tensor(value: Any) -> Any:
     while isinstance(value, (list, tuple)):
         if not value:
@@ -98,9 +108,21 @@ class GroupLabels:
 
     def __init__(self) -> None:
         self._by_id: dict[int, str] = {}
+        self.members: dict[str, tuple[int, ...]] = {}  # label -> the group's global ranks
+
+    def facts(self) -> dict[str, str]:
+        """The groups this rank is in, as topology facts: "group.<label>" -> its ranks ("2,3"),
+        for the exporter to follow a wait to the rank waited for. Groups too large to list in
+        a topology value (MAX_TOPOLOGY_TEXT) are left out; so are all past MAX_GROUP_FACTS."""
+        out: dict[str, str] = {}
+        for label, ranks in self.members.items():
+            text = ",".join(map(str, ranks))
+            if len(text) <= MAX_TOPOLOGY_TEXT and len(out) < MAX_GROUP_FACTS:
+                out[GROUP_FACT + label] = text
+        return out
 
     def __call__(self, group: Any) -> str:
-        if group is not None and not hasattr(group, "group_desc"):
+        if type(group) is _SCRIPT_OBJECT[0]:  # what a dispatcher kernel receives
             group = _unbox_group(group)
         key = id(group)
         label = self._by_id.get(key)
@@ -108,6 +130,9 @@ class GroupLabels:
             if len(self._by_id) >= MAX_GROUP_LABELS:
                 return "other"
             label = self._by_id[key] = self._resolve(group)
+            members = _members(group)
+            if members:
+                self.members[label] = members
         return label
 
     @staticmethod
@@ -121,6 +146,20 @@ class GroupLabels:
             return group_label(str(getattr(group, "group_name", "") or ""), desc)
         except Exception:  # noqa: BLE001 - a label is never worth an exception
             return "unknown"
+
+
+# torch.ScriptObject and torch.distributed.Work, set when the kernels are installed
+_SCRIPT_OBJECT: list[Any] = [None]
+_WORK: list[Any] = [None]
+
+
+def _members(group: Any) -> tuple[int, ...]:
+    try:
+        import torch.distributed as dist
+
+        return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    except Exception:  # noqa: BLE001 - membership is a nicety, never an error
+        return ()
 
 
 def _unbox_group(boxed: Any) -> Any:
@@ -144,9 +183,10 @@ class CollectiveInterceptor:
     """Times every c10d op on CPU tensors, issue to completion, into `queues.collectives` as
     (op, group, bytes, duration_ns, step); adds the training thread's waits to `blocked`.
 
-    `skip(group_label)`: true while calls on that group are part of something timed another
-    way (DDP's gradient sync, timed as its exposed part by the phase clock). Several agents in
-    one process share one set of kernels (_Kernels); each gets every call.
+    Calls on `skip_group` (a ProcessGroup) while `skip_while()` are left out: they are part of
+    something timed another way (DDP's gradient sync, timed as its exposed part by the phase
+    clock). Several agents in one process share one set of kernels (_Kernels); each gets every
+    call.
     """
 
     def __init__(
@@ -154,16 +194,18 @@ class CollectiveInterceptor:
         queues: RecordQueues,
         labels: GroupLabels,
         blocked: Blocked,
-        skip: Callable[[str], bool] | None = None,
+        skip_group: Any = None,
+        skip_while: Callable[[], bool] = lambda: False,
     ) -> None:
         self.sink = queues.collectives
         self.step_of = queues.current_step
         self.labels = labels
         self.blocked = blocked
-        self.skip = skip
+        self.skip_group = skip_group
+        self.skip_while = skip_while
         self.dropped = 0
-        # Works without a future, timed to the end of their wait(): Work -> what was issued
-        self.pending: dict[Any, tuple[str, str, int, int, int]] = {}
+        # Collectives issued and not yet waited for, by Work and by id of their tensor
+        self.pending: dict[Any, _Pending] = {}
 
     def install(self) -> None:
         _KERNELS.add(self)
@@ -178,44 +220,77 @@ class CollectiveInterceptor:
         else:
             self.dropped += 1
 
-    def issued(
-        self, spec: tuple[str, int, int | None], args: tuple, out: Any, t0: int, work: Any
-    ) -> None:
-        """A c10d op on CPU tensors returned `out` (its Work unboxed: `work`); time it."""
+    def issued(self, spec: tuple[str, int, int | None], args: tuple, boxed: Any, t0: int) -> None:
+        """A c10d op on CPU tensors was issued at t0 and returned the (boxed) Work `boxed`, or
+        None for a blocking op: timed to the end of the first wait for it (see `waited`)."""
         label, group_at, size_at = spec
         try:
-            group = self.labels(args[group_at])
-            skip = self.skip
-            if skip is not None and skip(group):
+            process_group = args[group_at]
+            if type(process_group) is _SCRIPT_OBJECT[0]:
+                process_group = _unbox_group(process_group)
+            if process_group is self.skip_group and self.skip_while():
                 return
+            group = self.labels(process_group)
             size = nbytes(args[size_at]) if size_at is not None else 0
             step = self.step_of()
-            if work is None:  # a blocking op (monitored_barrier_): done on return
+            if boxed is None:  # a blocking op (monitored_barrier_): done on return
                 self._record(label, group, size, _now() - t0, step)
                 return
-            try:
-                future = work.get_future()
-            except RuntimeError:  # gloo's emulated reduce-scatter: no future; see waited()
-                pending = self.pending
-                if len(pending) >= MAX_UNWAITED:  # never waited for: forget the oldest
-                    pending.pop(next(iter(pending)))
-                    self.dropped += 1
-                pending[work] = (label, group, size, t0, step)
-                return
-            future.then(lambda _f: self._record(label, group, size, _now() - t0, step))
+            work = _WORK[0].unbox(boxed)
+            pending = self.pending
+            if len(pending) >= MAX_UNWAITED:
+                self._prune()
+            # A functional collective is waited for through its tensor (wait_tensor), perhaps a
+            # view of it (AsyncCollectiveTensor applies views before waiting): keyed by its
+            # storage, held meanwhile so that no other tensor gets that storage. The rest are
+            # waited for through their Work.
+            tensor = _first_tensor(args[0])
+            entry = _Pending(label, group, size, t0, step, work, tensor)
+            pending[work] = entry
+            if tensor is not None:
+                pending[_storage_key(tensor)] = entry
         except BaseException:  # noqa: BLE001 - timing must never break the collective
             self.dropped += 1
 
-    def waited(self, work: Any, t0: int, t1: int, on_thread: int) -> None:
-        """Someone's wait() on `work` ran from t0 to t1 on thread `on_thread`."""
+    def waited(self, key: Any, t0: int, t1: int, on_thread: int) -> None:
+        """A wait for `key` (a Work, or a collective's tensor's _storage_key) ran from t0 to t1 on
+        thread `on_thread`: blocked time on the training thread, and the collective's
+        completion (it completed by the time its first wait returned)."""
         blocked = self.blocked
         if on_thread == blocked.thread:
             blocked.ns += t1 - t0
         if self.pending:
-            issued = self.pending.pop(work, None)
-            if issued is not None:
-                op, group, size, t_issue, step = issued
-                self._record(op, group, size, t1 - t_issue, step)
+            entry = self.pending.get(key)
+            if entry is not None:
+                self._forget(entry)
+                self._record(entry.op, entry.group, entry.size, t1 - entry.t0, entry.step)
+
+    def _prune(self) -> None:
+        """Forget what completed without a wait we see (DDP's own broadcasts are waited for in
+        C++: those go untimed); past MAX_UNWAITED unfinished ones, the oldest, counted."""
+        for entry in {id(e): e for e in self.pending.values()}.values():
+            if entry.work.is_completed():
+                self._forget(entry)
+        while len(self.pending) >= MAX_UNWAITED:
+            self._forget(next(iter(self.pending.values())))
+            self.dropped += 1
+
+    def _forget(self, entry: _Pending) -> None:
+        self.pending.pop(entry.work, None)
+        if entry.tensor is not None:
+            self.pending.pop(_storage_key(entry.tensor), None)
+
+
+class _Pending(NamedTuple):
+    """A collective issued and not yet waited for."""
+
+    op: str
+    group: str
+    size: int
+    t0: int
+    step: int
+    work: Any
+    tensor: Any
 
 
 class _Kernels:
@@ -242,6 +317,8 @@ class _Kernels:
     def _install(self) -> None:
         import torch
         import torch.distributed as dist
+
+        _SCRIPT_OBJECT[0], _WORK[0] = torch.ScriptObject, dist.Work
 
         lib = torch.library.Library("c10d", "IMPL")
         self._libraries.append(lib)
@@ -275,37 +352,29 @@ class _Kernels:
         self._libraries.clear()
 
     def _timed(self, op: Any, spec: tuple[str, int, int | None]) -> Callable[..., Any]:
-        from torch._C import DispatchKey
-        from torch.distributed import Work
-
-        _label, _group_at, size_at = spec
-        first_at = 0 if size_at is None else size_at
         redispatch = op.redispatch
-        below = DispatchKey.BackendSelect
+        below = _dispatch_key()
         kernels = self
 
         def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
             t0 = _now()
             out = redispatch(keyset.remove(below), *args, **kwargs)
             try:
-                tensor = _first_tensor(args[first_at])
-                if tensor is None or tensor.device.type != "cpu":
+                tensor = _first_tensor(args[0])
+                if tensor is None or not tensor.is_cpu:
                     return out
                 boxed = out[-1] if isinstance(out, tuple) else out
-                work = None if boxed is None else Work.unbox(boxed)
             except BaseException:  # noqa: BLE001 - timing must never break the collective
                 return out
             for interceptor in kernels.active:
-                interceptor.issued(spec, args, out, t0, work)
+                interceptor.issued(spec, args, boxed, t0)
             return out
 
         return kernel
 
     def _waiting(self, op: Any) -> Callable[..., Any]:
-        from torch._C import DispatchKey
-
         redispatch = op.redispatch
-        below = DispatchKey.BackendSelect
+        below = _dispatch_key()
         kernels = self
 
         def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
@@ -315,8 +384,12 @@ class _Kernels:
             finally:
                 t1 = _now()
                 thread = threading.get_ident()
+                try:
+                    key = _storage_key(args[0])
+                except Exception:  # noqa: BLE001 - a tensor without storage (a subclass)
+                    key = None
                 for interceptor in kernels.active:
-                    interceptor.waited(None, t0, t1, thread)
+                    interceptor.waited(key, t0, t1, thread)
 
         return kernel
 
@@ -339,12 +412,22 @@ class _Kernels:
         return wait
 
 
+def _dispatch_key() -> Any:
+    from torch._C import DispatchKey
+
+    return getattr(DispatchKey, DISPATCH_KEY)
+
+
 _KERNELS = _Kernels()
 
 
-def bucket_timing_hook(world_size: int) -> Callable[[Any, Any], Any]:
-    """A DDP comm hook that all-reduces each bucket through torch.distributed (timed by the
-    interceptor, which does not skip the DDP group when this hook is on).
+def bucket_timing_hook(
+    world_size: int, record: Callable[[int, int], None]
+) -> Callable[[Any, Any], Any]:
+    """A DDP comm hook that all-reduces each bucket through torch.distributed and calls
+    `record(bytes, duration_ns)` when the bucket's all-reduce completes (DDP waits for its
+    future in C++, so the interceptor, which times a collective to its wait, leaves DDP's
+    buckets to this hook).
 
     Opt-in detail level: any Python comm hook costs 80–200 µs per bucket (FIELD-NOTES), which
     is why the default path does without. The second parameter must be named `bucket`, and the
@@ -355,8 +438,15 @@ def bucket_timing_hook(world_size: int) -> Callable[[Any, Any], Any]:
     def syncscope_bucket_hook(process_group: Any, bucket: Any) -> Any:
         buffer = bucket.buffer()
         buffer.div_(world_size)
+        size = buffer.numel() * buffer.element_size()
+        t0 = _now()
         work = dist.all_reduce(buffer, group=process_group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
+
+        def reduced(fut: Any) -> Any:
+            record(size, _now() - t0)
+            return fut.value()[0]
+
+        return work.get_future().then(reduced)
 
     syncscope_bucket_hook.__annotations__ = _comm_hook_annotations()
     return syncscope_bucket_hook

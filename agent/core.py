@@ -107,7 +107,7 @@ class Agent:
         torch = sys.modules.get("torch") if model is None and optimizer is None else _import_torch()
         self.identity = _identity(config)
         self.queues = RecordQueues(config.queue_size)
-        labels = GroupLabels()
+        labels = self.labels = GroupLabels()
         ddp_model, ddp_group, ddp_bytes = _ddp_sync(torch, model, labels)
         # On CUDA (docs/gpu.md): GPU-side phases from CUDA events, NCCL durations from Flight
         # Recorder, GPU topology from NVML/sysfs; all resolved or read off the training thread.
@@ -124,7 +124,9 @@ class Agent:
             self.topology = _topology_sampler(torch, cuda_index)
         # On CUDA the clock ties the queue's records to GPU steps and NCCL is Flight Recorder's.
         self.patch = (
-            self._intercept_collectives(torch, labels, ddp_group) if cuda_index is None else None
+            self._intercept_collectives(torch, labels, ddp_model, ddp_group)
+            if cuda_index is None
+            else None
         )
         if self.patch is not None:
             self.clock.blocked = self.patch.blocked
@@ -154,7 +156,7 @@ class Agent:
         else:
             self.clock.after_step = self.reporter.at_step
         if model is not None and config.detail == "buckets" and ddp_group is not None:
-            self._time_buckets(model)
+            self._time_buckets(model, ddp_group)
         self.reporter.start()
         self.clock.start()
         if self.nccl_reader is not None:
@@ -173,7 +175,7 @@ class Agent:
             align_every_steps=config.align_every_steps,
             dropped_elsewhere=self._dropped_on_training_thread,
             pacing_state=self.pacer.state if self.pacer is not None else None,
-            topology=with_link(self.topology, self.link),
+            topology=with_link(self.topology, self.link, self.labels.facts),
             on_drained=self.arrival.drained if self.arrival is not None else None,
             on_reply=self.arrival.merge_reply if self.arrival is not None else None,
         )
@@ -188,7 +190,7 @@ class Agent:
             )
         topology = None
         with contextlib.suppress(Exception):  # static facts, sampled once, off the hot path
-            topology = with_link(self.topology, self.link)()
+            topology = with_link(self.topology, self.link, self.labels.facts)()
         return ShmTransport(
             identity=self.identity,
             url=url,
@@ -291,23 +293,25 @@ class Agent:
         )
 
     def _intercept_collectives(
-        self, torch: Any, labels: GroupLabels, ddp_group: str | None
+        self, torch: Any, labels: GroupLabels, ddp_model: Any, ddp_group: str | None
     ) -> CollectiveInterceptor | None:
         """The dispatcher-level timing of every c10d op (installed with the other hooks).
 
-        DDP's reducer all-reduces its buckets on the DDP group while a backward is pending; by
-        default that sync is timed as its exposed part (phases.py), so those calls are left out
-        (with `detail="buckets"` the comm hook's calls are the per-bucket timing)."""
+        DDP's reducer all-reduces its buckets on the DDP group while a backward is pending: that
+        sync is timed as its exposed part (phases.py), and with `detail="buckets"` per bucket by
+        the comm hook (collectives.bucket_timing_hook), so those calls are left out here."""
         if not (self.config.patch_collectives and torch is not None and _dist_available(torch)):
             return None
-        skip = None
-        if ddp_group is not None and self.config.detail != "buckets":
-            clock = self.clock
-
-            def skip(group: str) -> bool:
-                return group == ddp_group and (clock.bwd_pending or clock.bwd_depth > 0)
-
-        return CollectiveInterceptor(self.queues, labels, Blocked(), skip)
+        if ddp_model is None or ddp_group is None:
+            return CollectiveInterceptor(self.queues, labels, Blocked())
+        clock = self.clock
+        return CollectiveInterceptor(
+            self.queues,
+            labels,
+            Blocked(),
+            skip_group=ddp_model.process_group,
+            skip_while=lambda: clock.bwd_pending or clock.bwd_depth > 0,
+        )
 
     def _enable_pacing(self, arrival: LocalArrival) -> PacingController:
         """Pacing (paper §5.3, agent/pacing.py) at the step boundary (agent/step_pacing.py)."""
@@ -318,10 +322,16 @@ class Agent:
         self.clock.pacer = StepPacer(controller, arrival, self.config.pacing_kill_file).pace
         return controller
 
-    def _time_buckets(self, model: Any) -> None:
+    def _time_buckets(self, model: Any, ddp_group: str) -> None:
+        sink, step_of = self.queues.collectives, self.queues.current_step
+
+        def record(size: int, duration_ns: int) -> None:  # on a gloo thread: append only
+            if len(sink) < (sink.maxlen or sys.maxsize):
+                sink.append(("all_reduce", ddp_group, size, duration_ns, step_of()))
+
         try:
             model.register_comm_hook(
-                model.process_group, bucket_timing_hook(self.identity["world_size"])
+                model.process_group, bucket_timing_hook(self.identity["world_size"], record)
             )
         except Exception as exc:  # noqa: BLE001 - e.g. the user registered their own hook
             log.warning("syncscope: per-bucket timing unavailable (%s); default path only", exc)

@@ -162,13 +162,16 @@ class LinkSampler:
 
 
 def with_link(
-    gpu: Callable[[], dict[str, Any] | None] | None, link: LinkSampler
+    gpu: Callable[[], dict[str, Any] | None] | None,
+    link: LinkSampler,
+    groups: Callable[[], dict[str, str]] | None = None,
 ) -> Callable[[], dict[str, Any] | None]:
-    """The reporter's topology callable: the GPU sampler's dict (None on CPU) plus link facts."""
+    """The reporter's topology callable: the GPU sampler's dict (None on CPU) plus link facts
+    and the rank's process groups (collectives.GroupLabels.facts)."""
 
     def topology() -> dict[str, Any] | None:
         out = gpu() if gpu is not None else None
-        facts = link()
+        facts = {**link(), **(groups() if groups is not None else {})}
         return {**(out or {}), **facts} if facts else out
 
     return topology

@@ -163,6 +163,7 @@ def collect_pacing(view: StoreView) -> Iterable[Metric]:
 def collect_diagnosis(view: StoreView) -> Iterable[Metric]:
     diag = gauge(M.DIAGNOSIS)
     cause = gauge(M.STRAGGLER_CAUSE)
+    victim = gauge(M.VICTIM_WAIT_SECONDS)
     skew = gauge(M.ARRIVAL_SKEW_SECONDS)
     pooled = counter(M.NODE_POOLED_STEPS_TOTAL)
     transfer = counter(M.NODE_TRANSFER_SECONDS_TOTAL)
@@ -181,6 +182,10 @@ def collect_diagnosis(view: StoreView) -> Iterable[Metric]:
                 if r.rank == slow.rank:
                     cause.add_metric([job, r.hostname, str(r.rank), slow.cause], 1.0)
                     break
+        nodes = {r.rank: r.hostname for r in data.ranks}
+        for v in d.victims:
+            whom = "" if v.waits_for is None else str(v.waits_for)
+            victim.add_metric([job, nodes.get(v.rank, ""), str(v.rank), v.group, whom], v.wait_s)
         if d.skew_s is not None:
             skew.add_metric([job], d.skew_s)
         pooled.add_metric([job], data.pooled_steps_total)
@@ -189,7 +194,7 @@ def collect_diagnosis(view: StoreView) -> Iterable[Metric]:
             labels = [job, str(sample.stride), str(sample.slot)]
             sampled_step.add_metric(labels, sample.step)
             sampled.add_metric(labels, sample.transfer_s)
-    return [diag, cause, skew, pooled, transfer, sampled_step, sampled]
+    return [diag, cause, victim, skew, pooled, transfer, sampled_step, sampled]
 
 
 def collect_links(view: StoreView) -> Iterable[Metric]:

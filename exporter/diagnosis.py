@@ -48,7 +48,7 @@ from syncscope.exporter.store import OMIT_IF_NONE, RankView, RecentStep
 
 from syncscope.catalog import CLOCK_EVENT_REASONS
 from syncscope.monitoring.config import load_config
-from syncscope.wire import Phase
+from syncscope.wire import GROUP_FACT, Phase
 
 CAUSE_PHASES = (Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 COMPUTE_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
@@ -87,6 +87,17 @@ class Straggler:
 
 
 @dataclass(frozen=True)
+class Victim:
+    """A rank that waits for the straggler, perhaps through another rank: the group it loses
+    most time in, and whom it waits for there (None: a rank this exporter does not see)."""
+
+    rank: int
+    group: str
+    waits_for: int | None
+    wait_s: float  # per step, in that group
+
+
+@dataclass(frozen=True)
 class Diagnosis:
     """One job's diagnosis on this node (its JSON is the `diagnosis` of /v1/state)."""
 
@@ -95,6 +106,7 @@ class Diagnosis:
     skew_s: float | None
     steps_compared: int  # steps reported by every live rank that the per-step rules used
     error: str | None = field(default=None, metadata=OMIT_IF_NONE)  # a rule's failure
+    victims: tuple[Victim, ...] = ()  # while a straggler is named: the ranks here that wait
 
 
 @dataclass(frozen=True)
@@ -226,6 +238,54 @@ def straggler_cause(
     ranked = sorted(positive.items(), key=lambda kv: -kv[1])[:2]
     split = ", ".join(f"{p.label} {g / total:.0%}" for p, g in ranked)
     return "unknown", f"no single signal explains 80 % of its lateness ({split})"
+
+
+def group_members(rank: RankView, group: str) -> tuple[int, ...]:
+    """The global ranks of `rank`'s group labelled `group`, as its agent reported them."""
+    text = (rank.topology or {}).get(GROUP_FACT + group)
+    if not isinstance(text, str):
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        return ()
+
+
+def wait_chain(
+    ranks: Sequence[RankView], root: int, min_wait_s: float, window: int = STEP_WINDOW
+) -> tuple[Victim, ...]:
+    """Each rank here (but the root) that waits at least `min_wait_s` per step: the group it
+    waits in most (its collectives' waits) and whom it waits for there: the root where the
+    root is in that group, else the member of the group blocked least in collectives (who
+    itself waits elsewhere, or for nobody): a rank that waits for a rank in another group is
+    a victim, and following `waits_for` from any victim leads to the root."""
+    here = {r.rank: r for r in ranks}
+    blocked = {r.rank: _phase_mean(r, Phase.COMM_EXPOSED, window) for r in ranks}
+    out = []
+    for r in ranks:
+        if r.rank == root or r.steps_total <= 0:
+            continue
+        waits: dict[str, float] = {}
+        for c in r.collectives:
+            waits[c.group] = waits.get(c.group, 0.0) + c.wait_seconds / r.steps_total
+        if not waits:
+            continue
+        group, wait = max(waits.items(), key=lambda kv: kv[1])
+        if wait < min_wait_s:
+            continue
+        members = group_members(r, group)
+        if root in members:
+            whom: int | None = root
+        else:
+            peers = [m for m in members if m != r.rank and m in here]
+            whom = min(peers, key=lambda m: blocked[m]) if peers else None
+        out.append(Victim(r.rank, group, whom, wait))
+    return tuple(out)
+
+
+def _phase_mean(rank: RankView, phase: Phase, window: int) -> float:
+    steps = rank.recent_steps[-window:]
+    return sum(s.phases[phase] for s in steps) / len(steps) if steps else 0.0
 
 
 def _aligned(ranks: Sequence[RankView], window: int) -> list[dict[int, RecentStep]]:
@@ -408,7 +468,16 @@ def _diagnose(
     verdicts = {
         m: ModeVerdict(round(s, 4), s >= t.verdict_score, why) for m, (s, why) in modes.items()
     }
-    return Diagnosis(verdicts, straggler, skew, len(aligned))
+    return Diagnosis(verdicts, straggler, skew, len(aligned), victims=_victims(live, straggler, t))
+
+
+def _victims(
+    live: Sequence[RankView], straggler: Straggler | None, t: Thresholds
+) -> tuple[Victim, ...]:
+    """The wait chain to a named straggler; a rank waits if it waits a quarter of the lateness."""
+    if straggler is None:
+        return ()
+    return wait_chain(live, straggler.rank, 0.25 * straggler.lateness_s, t.window)
 
 
 def _below_score(ratio: float, line: float, t: Thresholds) -> float:
@@ -522,4 +591,6 @@ def _job_wide(
             f"node {node}'s link is known to carry {ratio:.0%} of what the job's median node's "
             f"does (line {t.slow_link_ratio:.0%}; job-wide, from Prometheus)",
         )
-    return dataclasses.replace(local, modes=modes, straggler=straggler, skew_s=skew)
+    return dataclasses.replace(
+        local, modes=modes, straggler=straggler, skew_s=skew, victims=_victims(live, straggler, t)
+    )

@@ -22,6 +22,7 @@ from fastapi.responses import HTMLResponse, Response
 from syncscope.exporter.diagnosis import (
     DEFAULT_THRESHOLDS,
     Diagnosis,
+    Victim,
     locality_fault,
     throttle_reasons,
 )
@@ -238,6 +239,17 @@ def _rolling_cv(values: list[float], window: int) -> list[float]:
     return out
 
 
+def _victim_text(v: Victim, root: int) -> str:
+    whom = (
+        "the straggler"
+        if v.waits_for == root
+        else f"rank {v.waits_for}"
+        if v.waits_for is not None
+        else "a rank on another node"
+    )
+    return f"rank {v.rank} waits {v.wait_s * 1e3:.1f} ms per step in {v.group}, for {whom}"
+
+
 def _banner(job: JobView, live: Sequence[RankView]) -> tuple[str, str]:
     """(html, one-line headline for screen readers)."""
     diag = job.diagnosis
@@ -258,12 +270,16 @@ def _banner(job: JobView, live: Sequence[RankView]) -> tuple[str, str]:
         )
         mode = diag.modes.get("straggler")
         head = f"Straggler: rank {s.rank} of job {name}, cause {cause.replace('_', ' ')}"
+        chain = "".join(f"<li>{_e(_victim_text(v, s.rank))}</li>" for v in diag.victims[:8])
+        more = len(diag.victims) - 8
+        chain += f"<li>… and {more} more ranks</li>" if more > 0 else ""
+        waits = f'<p>Who waits for whom:</p><ul class="wait-chain">{chain}</ul>' if chain else ""
         return (
             '<div class="banner banner-bad" data-kind="straggler">'
             '<span class="icon" aria-hidden="true">⚠</span><div>'
             f'<p class="banner-title">STRAGGLER: rank {s.rank}</p>'
-            f"<p>{_e(_capital(mode.reason if mode else ''))}. Every other rank waits for it at each gradient "
-            f"sync.</p><p>{cause_html}</p></div></div>",
+            f"<p>{_e(_capital(mode.reason if mode else ''))}. Every other rank waits for it, "
+            f"directly or through a rank that does.</p><p>{cause_html}</p>{waits}</div></div>",
             head,
         )
     if diag.skew_s is None:

@@ -266,6 +266,15 @@ STRAGGLER_CAUSE = MetricSpec(
     ("job", "node", "rank", "cause"),
     "straggler",
 )
+VICTIM_WAIT_SECONDS = MetricSpec(
+    "syncscope_victim_wait_seconds",
+    "gauge",
+    "While a straggler is named: per step, how long a rank here waits in the group it waits in "
+    "most, for the rank it waits for there (waits_for; empty: a rank this exporter does not "
+    "see). Following waits_for from any victim leads to the straggler.",
+    ("job", "node", "rank", "group", "waits_for"),
+    "straggler",
+)
 ARRIVAL_SKEW_SECONDS = MetricSpec(
     "syncscope_arrival_skew_seconds",
     "gauge",
@@ -461,6 +470,7 @@ SECTIONS = (
         (
             DIAGNOSIS,
             STRAGGLER_CAUSE,
+            VICTIM_WAIT_SECONDS,
             ARRIVAL_SKEW_SECONDS,
             NODE_POOLED_STEPS_TOTAL,
             NODE_TRANSFER_SECONDS_TOTAL,

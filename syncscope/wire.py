@@ -73,6 +73,9 @@ OPS = (
     "ddp_grad_sync",
 )
 DDP_GRAD_SYNC = "ddp_grad_sync"
+# A topology entry "group.<label>" lists the global ranks of the rank's group of that label
+# ("2,3"): how the exporter follows a wait to the rank waited for.
+GROUP_FACT = "group."
 
 MAX_STEPS_PER_BATCH = 4096
 MAX_COLLECTIVES_PER_BATCH = 16384

@@ -1,16 +1,26 @@
-"""A small real DDP training job (gloo, CPU) with stragglers and jitter injected on purpose.
+"""A small real training job (gloo, CPU) with stragglers and jitter injected on purpose.
 
 It is the demo's trainer and the integration tests' subject: one rank per process, started by
-`syncscope.launch` (or torchrun), with the agent attached through the public API only.
+`syncscope.launch` (or torchrun), with the agent attached through the public API only. The
+model is data-parallel with DDP by default; `--parallel` runs it the ways large jobs do:
+  fsdp2   fully_shard on every block and the root (`--no-reshard`: reshard_after_forward off;
+          blocks prefetch the next one's all-gather explicitly)
+  hsdp    fully_shard on a 2-D mesh ("replicate", "shard")
+  tp      a 2-D mesh ("dp", "tp"): DTensor tensor parallel (parallelize_module, colwise then
+          rowwise per block) inside each pair, fully_shard across pairs
+`--accumulate N` runs N micro-batches per optimizer step (DDP's under no_sync()).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--big-grad-mb", type=float, default=0.0, help="extra gradient bytes to all-reduce"
     )
     p.add_argument("--extra-allreduce", action="store_true", help="a direct all_reduce every step")
+    p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp2", "hsdp", "tp"])
+    p.add_argument("--no-reshard", action="store_true", help="fsdp2: reshard_after_forward off")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--no-agent", action="store_true", help="run without syncscope (baseline)")
     p.add_argument("--pacing", action="store_true")
     p.add_argument("--detail", default=None, choices=["default", "buckets"])
@@ -51,6 +64,65 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="write this rank's step times as JSON here ({rank} is replaced)",
     )
     return p.parse_args(argv)
+
+
+def parallelize(net: Any, args: argparse.Namespace, world: int) -> Any:
+    """`net` made data-, fully-sharded- or tensor-parallel as `args.parallel` says."""
+    import torch
+    from torch import nn
+
+    if args.parallel == "ddp":
+        return nn.parallel.DistributedDataParallel(net)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    linears = [m for m in net.body if isinstance(m, nn.Linear)]
+    if args.parallel == "tp":
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        # Linear pairs: the first splits its outputs over the pair, the second its inputs and
+        # all-reduces the result (one all-reduce per pair in forward, one in backward).
+        names = {id(m): name for name, m in net.body.named_children()}
+        plan: dict[str, Any] = {}
+        for first, second in zip(linears[0::2], linears[1::2], strict=False):
+            plan[names[id(first)]] = ColwiseParallel()
+            plan[names[id(second)]] = RowwiseParallel()
+        parallelize_module(net.body, mesh["tp"], plan)
+        shard_mesh = mesh["dp"]
+    elif args.parallel == "hsdp":
+        shard_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        shard_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    reshard = not args.no_reshard
+    blocks = [fully_shard(m, mesh=shard_mesh, reshard_after_forward=reshard) for m in linears]
+    if args.parallel == "fsdp2" and not reshard:
+        for block, following in zip(blocks, blocks[1:], strict=False):
+            block.set_modules_to_forward_prefetch([following])
+    fully_shard(net, mesh=shard_mesh, reshard_after_forward=reshard)
+    torch.manual_seed(args.seed)
+    return net
+
+
+def no_sync(model: Any) -> Any:
+    """Skip gradient synchronisation for a micro-batch: DDP's no_sync(), FSDP2's
+    set_requires_gradient_sync(False) (undone by the last micro-batch's context)."""
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+
+    @contextlib.contextmanager
+    def unsynced() -> Iterator[None]:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    return unsynced()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = out + self.extra[:1].sum() * 0.0
             return out
 
-    model = nn.parallel.DistributedDataParallel(Net())
+    model = parallelize(Net(), args, world)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     agent = None
     if not args.no_agent:
@@ -126,8 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.data_ms:
             time.sleep(args.data_ms / 1000)
         opt.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
+        for micro in range(args.accumulate):
+            last_micro = micro == args.accumulate - 1
+            with contextlib.nullcontext() if last_micro else no_sync(model):
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
         opt.step()
         if args.extra_allreduce:
             dist.all_reduce(probe)

@@ -33,15 +33,9 @@ WORLD = 4
 NOISE_BOUND = 1.5
 
 
-# DDP rebuilds its buckets in the second step and broadcasts their order: two real broadcasts.
-DDP_REBUILD_BROADCASTS = 2
-
-
 def produced(result: dict[str, Any]) -> int:
-    """Records a workload rank produced: a step and a gradient sync per step, the stop flag's
-    broadcast every 10 steps, and DDP's own broadcasts."""
     steps = len(result["step_times"])
-    return 2 * steps + steps // 10 + DDP_REBUILD_BROADCASTS
+    return 2 * steps + steps // 10
 
 
 def rss_kib(pid: int) -> int:

@@ -23,9 +23,17 @@ from syncscope.exporter.diagnosis import (
     locality_fault,
     straggler_cause,
     throttle_reasons,
+    wait_chain,
 )
 from syncscope.exporter.settings import Settings
-from syncscope.exporter.store import JobView, RankView, RecentStep, StoreView, as_json
+from syncscope.exporter.store import (
+    CollectiveView,
+    JobView,
+    RankView,
+    RecentStep,
+    StoreView,
+    as_json,
+)
 
 from syncscope.demo import render_table
 from syncscope.wire import Phase
@@ -177,7 +185,7 @@ def test_lateness_split_between_phases_is_unknown() -> None:
 
 
 def test_no_ranks_or_only_stale_ranks_diagnose_nothing() -> None:
-    empty = {"modes": {}, "straggler": None, "skew_s": None, "steps_compared": 0}
+    empty = {"modes": {}, "straggler": None, "skew_s": None, "steps_compared": 0, "victims": []}
     assert as_json(diagnose([])) == empty
     ranks = [replace(r, stale=True) for r in ranks_of("forward_straggler")]
     assert diagnose(ranks).modes == {}
@@ -227,3 +235,42 @@ def test_a_failing_rule_returns_no_verdicts_instead_of_raising() -> None:
     broken = replace(rank, recent_steps=tuple(RecentStep(i, 0.1, (), 0.0) for i in range(9)))
     out = diagnose_job([broken], SETTINGS)  # steps without their phases
     assert out.modes == {} and out.straggler is None and out.error is not None
+
+
+def test_the_wait_chain_leads_every_victim_to_the_root() -> None:
+    """A (dp=2, tp=2) mesh, tp pairs {0,1} {2,3}, dp pairs {0,2} {1,3}; rank 3 is slow. Rank 2
+    waits for it in tp, rank 1 in dp; rank 0 waits in tp for rank 1, itself a victim."""
+    base = ranks_of("forward_straggler")[0]
+    steps = 100
+    layout = {  # rank: (group it waits in, seconds per step there, blocked per step)
+        0: ("tp", 0.028, 0.030),
+        1: ("dp", 0.029, 0.030),
+        2: ("tp", 0.028, 0.030),
+        3: ("tp", 0.0002, 0.001),
+    }
+    tp = {0: "0,1", 1: "0,1", 2: "2,3", 3: "2,3"}
+    dp = {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}
+    ranks = []
+    for rank, (group, wait, blocked) in layout.items():
+        phases = tuple(blocked if p == Phase.COMM_EXPOSED else 0.01 for p in Phase)
+        colls = tuple(
+            CollectiveView(
+                "all_reduce", g, steps, steps * 0.03, 1e6, steps * (wait if g == group else 0.0001)
+            )
+            for g in ("tp", "dp")
+        )
+        ranks.append(
+            replace(
+                base,
+                rank=rank,
+                steps_total=steps,
+                collectives=colls,
+                topology={"group.tp": tp[rank], "group.dp": dp[rank]},
+                recent_steps=tuple(RecentStep(k, 0.1, phases, 0.0) for k in range(64)),
+            )
+        )
+    chain = {v.rank: (v.group, v.waits_for) for v in wait_chain(ranks, root=3, min_wait_s=0.005)}
+    assert chain == {2: ("tp", 3), 1: ("dp", 3), 0: ("tp", 1)}
+    # a rank whose group lies beyond this exporter: it waits for a rank it cannot name
+    alone = wait_chain([ranks[0], ranks[3]], root=3, min_wait_s=0.005)
+    assert [(v.rank, v.group, v.waits_for) for v in alone] == [(0, "tp", None)]

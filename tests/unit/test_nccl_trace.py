@@ -346,7 +346,9 @@ def test_a_real_dump_parses_and_untimed_entries_are_not_reported(gloo_dump):
     # the same real entries, as NCCL with timing would report them once complete
     entries = pickle.loads(gloo_dump)["entries"]
     timed = [completed(e, 0.5) for e in entries]
-    reader = FlightRecorderReader(deque(maxlen=100), dump=lambda: pickle.dumps({"entries": timed}))
+    # (the ring buffer holds up to 2000 entries of this process, earlier tests' included)
+    sink: deque = deque(maxlen=len(entries))
+    reader = FlightRecorderReader(sink, dump=lambda: pickle.dumps({"entries": timed}))
     assert reader.poll() == len(entries)
     # The ring buffer is process-wide: earlier tests' groups may have left entries before ours.
     ops = [(r[0], r[1], r[2]) for r in reader.sink][-4:]

@@ -1,0 +1,162 @@
+"""What the agent costs an FSDP2 job, whose steps issue tens of collectives: step time and
+training-thread CPU with the agent against without, side by side in interleaved rounds of one
+4-rank gloo job (a real exporter beside it), and the interception's cost per collective.
+
+Every rank runs the same rounds in the same order (the collectives keep them in step): in each
+round one arm attaches the agent, runs its steps and closes it, the other runs them bare; the
+order alternates. A round's ratio is the agent arm's median step over the bare arm's, for the
+ranks' slowest (the job's step); the CI bootstraps rounds.
+Run: .venv/bin/python -m bench.bench_fsdp2_overhead [--rounds 30] [--steps 20] [--layers 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+WORLD = 4
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--steps", type=int, default=20, help="steps per arm")
+    p.add_argument("--layers", type=int, default=8, help="fully_shard units (one Linear each)")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # result path of a rank
+    return p.parse_args(argv)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from syncscope.agent import attach
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.environ['SYNCSCOPE_INIT_FILE']}",
+        rank=rank,
+        world_size=WORLD,
+    )
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(args.hidden, args.hidden) for _ in range(args.layers)]
+    net = torch.nn.Sequential(*layers)
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("shard",))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+    x = torch.randn(args.batch, args.hidden)
+
+    def steps(n: int) -> tuple[list[float], float]:
+        wall, cpu0 = [], time.thread_time_ns()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            net(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            wall.append(time.perf_counter() - t0)
+        return wall, (time.thread_time_ns() - cpu0) / n
+
+    steps(5)
+    probe = attach(model=net, optimizer=opt, exporter=None, flush_interval_s=3600)
+    steps(3)
+    per_step = len([c for c in probe.queues.collectives if c[0] != "ddp_grad_sync"]) / 3
+    probe.close()
+    rounds = []
+    for r in range(args.rounds):
+        arms = {}
+        for arm in ("agent", "none") if r % 2 == 0 else ("none", "agent"):
+            agent = attach(model=net, optimizer=opt) if arm == "agent" else None
+            steps(2)
+            wall, cpu = steps(args.steps)
+            if agent is not None:
+                agent.close()
+            arms[arm] = {"median_s": statistics.median(wall), "cpu_ns": cpu}
+        rounds.append(arms)
+    with open(args.worker.format(rank=rank), "w") as f:
+        json.dump({"rank": rank, "rounds": rounds, "collectives_per_step": per_step}, f)
+    dist.destroy_process_group()
+
+
+def bootstrap(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    return medians[int(0.05 * n)], medians[int(0.95 * n)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.worker:
+        worker(args)
+        return
+    from syncscope.launch import launch, wait_all
+    from syncscope.servers import free_port, start_exporter
+
+    tmp = tempfile.mkdtemp(prefix="syncscope-fsdp2-bench-")
+    port = free_port()
+    exporter = start_exporter(port, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        env = dict(os.environ, SYNCSCOPE_EXPORTER=f"http://127.0.0.1:{port}")
+        flags = list(argv if argv is not None else sys.argv[1:])
+        flags += ["--worker", os.path.join(tmp, "rank{rank}.json")]
+        codes = wait_all(launch(WORLD, flags, env=env, module="bench.bench_fsdp2_overhead"), 3600)
+        assert codes == [0] * WORLD, codes
+    finally:
+        exporter.terminate()
+        exporter.wait(10)
+    results = []
+    for rank in range(WORLD):
+        with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+            results.append(json.load(f))
+    report(results, args)
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    n_rounds = len(results[0]["rounds"])
+    ratios, cpu = [], []
+    for i in range(n_rounds):
+        on = max(r["rounds"][i]["agent"]["median_s"] for r in results)
+        off = max(r["rounds"][i]["none"]["median_s"] for r in results)
+        ratios.append(on / off - 1)
+        cpu += [
+            r["rounds"][i]["agent"]["cpu_ns"] - r["rounds"][i]["none"]["cpu_ns"] for r in results
+        ]
+    per_step = statistics.median(r["collectives_per_step"] for r in results)
+    low, high = bootstrap(ratios)
+    bare = statistics.median(
+        max(r["rounds"][i]["none"]["median_s"] for r in results) for i in range(n_rounds)
+    )
+    print(
+        f"FSDP2, {WORLD} ranks gloo CPU, {args.layers} fully_shard units of {args.hidden}^2, "
+        f"{n_rounds} rounds x {args.steps} steps per arm; step {bare * 1e3:.1f} ms bare"
+    )
+    print(f"collectives per step (recorded by the agent): {per_step:.0f}")
+    print(
+        f"step time, agent vs none: median {statistics.median(ratios):+.2%} "
+        f"(90% CI {low:+.2%} .. {high:+.2%})"
+    )
+    cpu_med = statistics.median(cpu)
+    print(
+        f"training-thread CPU per step, agent minus none: {cpu_med / 1e3:+.0f} us "
+        f"(quartiles {statistics.quantiles(cpu, n=4)[0] / 1e3:+.0f} .. "
+        f"{statistics.quantiles(cpu, n=4)[2] / 1e3:+.0f}); per collective "
+        f"{cpu_med / 1e3 / max(per_step, 1):+.1f} us"
+    )
+
+
+if __name__ == "__main__":
+    main()
