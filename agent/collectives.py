@@ -77,8 +77,11 @@ NOT_COLLECTIVES = frozenset({"check_for_nan"})  # c10d ops that move no data bet
 def nbytes(value: Any) -> int:
     """Bytes of a tensor, or of every tensor in (nested) lists of them."""
     if isinstance(value, (list, tuple)):
-        return sum(nbytes(v) for v in value)
-    return int(value.numel() * value.element_size()) if hasattr(value, "numel") else 0
+        if len(value) == 1 and not isinstance(value[0], (list, tuple)):
+            value = value[0]  # the usual case: one tensor
+        else:
+            return sum(nbytes(v) for v in value)
+    return int(value.nbytes) if hasattr(value, "nbytes") else 0
 
 
 def _storage_key(tensor: Any) -> tuple[str, int]:
@@ -151,6 +154,7 @@ class GroupLabels:
 # torch.ScriptObject and torch.distributed.Work, set when the kernels are installed
 _SCRIPT_OBJECT: list[Any] = [None]
 _WORK: list[Any] = [None]
+_PROCESS_GROUP: list[Any] = [None]  # ProcessGroup.unbox
 
 
 def _members(group: Any) -> tuple[int, ...]:
@@ -163,9 +167,12 @@ def _members(group: Any) -> tuple[int, ...]:
 
 
 def _unbox_group(boxed: Any) -> Any:
-    import torch.distributed as dist
+    unbox = _PROCESS_GROUP[0]
+    if unbox is None:
+        import torch.distributed as dist
 
-    return dist.ProcessGroup.unbox(boxed)
+        unbox = _PROCESS_GROUP[0] = dist.ProcessGroup.unbox
+    return unbox(boxed)
 
 
 class Blocked:
@@ -245,10 +252,11 @@ class CollectiveInterceptor:
             # storage, held meanwhile so that no other tensor gets that storage. The rest are
             # waited for through their Work.
             tensor = _first_tensor(args[0])
-            entry = _Pending(label, group, size, t0, step, work, tensor)
+            storage = _storage_key(tensor) if tensor is not None else None
+            entry = _Pending(label, group, size, t0, step, work, tensor, storage)
             pending[work] = entry
-            if tensor is not None:
-                pending[_storage_key(tensor)] = entry
+            if storage is not None:
+                pending[storage] = entry
         except BaseException:  # noqa: BLE001 - timing must never break the collective
             self.dropped += 1
 
@@ -277,8 +285,8 @@ class CollectiveInterceptor:
 
     def _forget(self, entry: _Pending) -> None:
         self.pending.pop(entry.work, None)
-        if entry.tensor is not None:
-            self.pending.pop(_storage_key(entry.tensor), None)
+        if entry.storage is not None:
+            self.pending.pop(entry.storage, None)
 
 
 class _Pending(NamedTuple):
@@ -290,7 +298,8 @@ class _Pending(NamedTuple):
     t0: int
     step: int
     work: Any
-    tensor: Any
+    tensor: Any  # held: no other tensor gets its storage while it is pending
+    storage: tuple[str, int] | None
 
 
 class _Kernels:
