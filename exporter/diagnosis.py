@@ -62,10 +62,6 @@ MODES = (
 )
 CAUSES = (*(p.label for p in CAUSE_PHASES), "gpu_throttle", "locality", "unknown")
 
-# A job whose ranks here have not reported for this long (and this many of its steps: agents
-# report at most every 16th step) is not running: the job-wide view names no straggler then.
-STOPPED_FLOOR_S = 5.0
-STOPPED_STEPS = 32
 # The NVML clock-event ("throttle") reasons that mean the GPU is being slowed down.
 THROTTLE_BITS = {r.bit: r.words for r in CLOCK_EVENT_REASONS if r.slows}
 
@@ -551,17 +547,7 @@ def _job_wide(
         skew = max(job_wide.leads.values()) - job_wide.leads[slow_rank]
         threshold = max(settings.skew_threshold_s, t.skew_step_fraction * step)
         score = min(1.0, skew / step)
-        quiet = job_wide.read_unix_s - max(r.last_report_unix_s for r in live)
-        if quiet > max(STOPPED_FLOOR_S, STOPPED_STEPS * step):
-            # The rules' rates still cover the job's last steps, and the ranks' last batches
-            # land apart: a lead read then is an artefact of the job's end, not a straggler.
-            straggler = None
-            modes["straggler"] = verdict(
-                min(score, t.verdict_score - 0.01),
-                f"the job's ranks here last reported {quiet:.0f} s ago: no straggler verdict "
-                "on a job that is not running",
-            )
-        elif skew <= threshold:
+        if skew <= threshold:
             straggler = None
             modes["straggler"] = verdict(
                 min(score, t.verdict_score - 0.01),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
 
 from syncscope.exporter.collectors import collect_diagnosis
 from syncscope.exporter.diagnosis import diagnose_job
@@ -24,11 +23,9 @@ from tests.unit.test_diagnosis import ranks_of
 SETTINGS = Settings()
 
 
-def two_of_four(name: str, reported_s_ago: float = 1.0) -> list:
-    """Ranks 0 and 1 of a recorded run, as one node's view of a 4-rank job whose ranks last
-    reported `reported_s_ago` seconds ago (a running job: about a flush interval)."""
-    last = time.time() - reported_s_ago
-    return [replace(r, last_report_unix_s=last) for r in ranks_of(name) if r.rank in (0, 1)]
+def two_of_four(name: str) -> list:
+    """Ranks 0 and 1 of a recorded run, as one node's view of a 4-rank job."""
+    return [r for r in ranks_of(name) if r.rank in (0, 1)]
 
 
 def test_parse_groups_the_rules_by_job():
@@ -92,22 +89,6 @@ def test_job_wide_view_names_a_straggler_on_another_node():
     assert fabric.score == 0 and not fabric.verdict and "baseline" in fabric.reason
 
 
-def test_the_job_wide_view_names_no_straggler_once_the_job_has_stopped():
-    """After a job's end the rules' rates still cover its last steps, and its ranks' last
-    batches land apart: a lead then is an artefact of the end (7 ms on the slow-link probe,
-    6.6 s after the end), not a straggler."""
-    leads = {0: 0.030, 1: 0.031, 2: 0.029, 3: 0.0}
-    running = diagnose_job(
-        two_of_four("balanced", 2.0), SETTINGS, job_wide=JobWide(leads, 0.004, 0.45, time.time())
-    )
-    assert running.straggler is not None and running.straggler.rank == 3
-    stopped = diagnose_job(
-        two_of_four("balanced", 6.0), SETTINGS, job_wide=JobWide(leads, 0.004, 0.45, time.time())
-    )
-    assert stopped.straggler is None and not stopped.modes["straggler"].verdict
-    assert "not running" in stopped.modes["straggler"].reason
-
-
 def test_only_the_exporter_of_the_stragglers_node_exports_its_cause():
     """Both nodes' exporters name the straggler from the job-wide view, but only the one its
     rank reports to can tell why: the other exports no cause series (one cause per rank in
@@ -149,8 +130,7 @@ def test_job_wide_view_of_a_balanced_job_names_nobody():
 
 
 def test_a_local_straggler_keeps_its_cause_in_the_job_wide_view():
-    last = time.time() - 1.0  # a running job
-    ranks = [replace(r, last_report_unix_s=last) for r in ranks_of("forward_straggler")]
+    ranks = [r for r in ranks_of("forward_straggler")]
     slow = min(ranks, key=lambda r: r.arrival_lead_s).rank
     mates = [r for r in ranks if r.rank in (slow, (slow + 1) % 4)]
     leads = {r: (0.0 if r == slow else 0.03) for r in range(4)}
