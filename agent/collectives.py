@@ -6,12 +6,10 @@ Whatever issues a collective — torch.distributed's functions (whatever torch n
 recv, DDP's reducer, a user's comm hook — ends in a ProcessGroup method whose C++ front calls
 the dispatcher op `c10d::<op>` (torch/csrc/distributed/c10d/ProcessGroup.hpp). A Python kernel
 registered with `torch.library` for those ops at the BackendSelect key sees every call,
-redispatches it to the backend's kernel, and times those on CPU tensors from their issue to the end of the
-first wait for it: `Work.wait`, or `wait_tensor` for a functional collective. (A completion
-callback on the Work's future cost ~45 µs per collective here, the kernel itself ~18 µs.) The
-alternatives read in torch's source fall short: a patch of `torch.distributed.*` sees Python
-callers only (not DDP, not functional collectives), a completion hook exists only on NCCL (and
-is deprecated), and a TorchDispatchMode would send every aten op through Python.
+redispatches it to the backend's kernel, and times those on CPU tensors from their issue to the
+end of the first wait for it: `Work.wait`, or `wait_tensor` for a functional collective (a
+completion callback on the Work's future would cost more than the kernel itself). Why not
+elsewhere, and what it costs: docs/parallelism.md.
 
 Time blocked: `Work.wait` (what every synchronous collective, FSDP2 and pipelining call) and
 `_c10d_functional::wait_tensor` (DTensor's AsyncCollectiveTensor) add the time the training

@@ -367,6 +367,8 @@ class PhaseClock:
             self.acc = [0, 0, 0, 0, 0, 0]
             self.step_start = t
             self.idle_since = t
+            if self.blocked is not None:  # waits before the first step are no step's
+                self.blocked_seen = self.blocked.ns
         elif self.idle_since == 0:
             self.idle_since = t
 

@@ -25,7 +25,7 @@ from syncscope.agent.collectives import (  # noqa: E402
 )
 from syncscope.agent.queues import RecordQueues  # noqa: E402
 
-from syncscope.wire import OPS  # noqa: E402
+from syncscope.wire import OPS, Phase  # noqa: E402
 
 
 def c10d_schemas() -> dict[str, object]:
@@ -238,3 +238,19 @@ def test_time_blocked_in_a_collective_inside_forward_is_exposed_communication(
         assert data + fwd + bwd + optim + comm + pacing <= total, rows
     median_fwd = sorted(r[4] for r in rows)[2]
     assert median_fwd < 0.5 * wait_s * 1e9, rows  # what is left of forward is its compute
+
+
+def test_waits_before_the_first_marked_step_are_in_no_step(gloo_world_of_one, monkeypatch):
+    """A trainer that marks steps itself (Lightning's callback) attaches, then waits in its own
+    setup's collectives before the first step: that wait is no step's exposed communication."""
+    monkeypatch.delenv("SYNCSCOPE_EXPORTER", raising=False)
+    agent = attach(exporter=None, flush_interval_s=3600)
+    try:
+        dist.barrier()  # setup's collectives, blocked on the training thread
+        assert agent.patch.blocked.ns > 0
+        with agent.step():
+            time.sleep(0.01)
+        ((_step, _end, total, *phases),) = list(agent.queues.steps)
+    finally:
+        agent.close()
+    assert phases[Phase.COMM_EXPOSED] == 0 and sum(phases) <= total, (phases, total)
