@@ -24,6 +24,7 @@ collectives never pay for them.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -149,10 +150,11 @@ class GroupLabels:
             return "unknown"
 
 
-# torch.ScriptObject and torch.distributed.Work, set when the kernels are installed
+# torch.ScriptObject, Work.unbox and ProcessGroup.unbox, set when the kernels are installed
+# (only then do boxed groups and works reach this module)
 _SCRIPT_OBJECT: list[Any] = [None]
 _WORK: list[Any] = [None]
-_PROCESS_GROUP: list[Any] = [None]  # ProcessGroup.unbox
+_PROCESS_GROUP: list[Any] = [None]
 
 
 def _members(group: Any) -> tuple[int, ...]:
@@ -165,12 +167,7 @@ def _members(group: Any) -> tuple[int, ...]:
 
 
 def _unbox_group(boxed: Any) -> Any:
-    unbox = _PROCESS_GROUP[0]
-    if unbox is None:
-        import torch.distributed as dist
-
-        unbox = _PROCESS_GROUP[0] = dist.ProcessGroup.unbox
-    return unbox(boxed)
+    return _PROCESS_GROUP[0](boxed)
 
 
 class Blocked:
@@ -209,7 +206,7 @@ class CollectiveInterceptor:
         self.skip_group = skip_group
         self.skip_while = skip_while
         self.dropped = 0
-        # Collectives issued and not yet waited for, by Work and by id of their tensor
+        # Collectives issued and not yet waited for, by Work and by their tensor's storage
         self.pending: dict[Any, _Pending] = {}
 
     def install(self) -> None:
@@ -218,16 +215,20 @@ class CollectiveInterceptor:
     def uninstall(self) -> None:
         _KERNELS.discard(self)
 
-    def _record(self, op: str, group: str, size: int, duration_ns: int, step: int) -> None:
+    def record(self, op: str, group: str, size: int, duration_ns: int, step: int) -> None:
+        """Queue one collective's row; a full queue refuses it, counted in `dropped`."""
         sink = self.sink
         if len(sink) < (sink.maxlen or sys.maxsize):  # tail drop, counted (see phases.py)
             sink.append((op, group, size, duration_ns, step))
         else:
             self.dropped += 1
 
-    def issued(self, spec: tuple[str, int, int | None], args: tuple, boxed: Any, t0: int) -> None:
-        """A c10d op on CPU tensors was issued at t0 and returned the (boxed) Work `boxed`, or
-        None for a blocking op: timed to the end of the first wait for it (see `waited`)."""
+    def issued(
+        self, spec: tuple[str, int, int | None], args: tuple, tensor: Any, boxed: Any, t0: int
+    ) -> None:
+        """A c10d op on CPU tensors (`tensor` its first) was issued at t0 and returned the
+        (boxed) Work `boxed`, or None for a blocking op: timed to the end of the first wait for
+        it (see `waited`)."""
         label, group_at, size_at = spec
         try:
             process_group = args[group_at]
@@ -239,9 +240,9 @@ class CollectiveInterceptor:
             size = nbytes(args[size_at]) if size_at is not None else 0
             step = self.step_of()
             if boxed is None:  # a blocking op (monitored_barrier_): done on return
-                self._record(label, group, size, _now() - t0, step)
+                self.record(label, group, size, _now() - t0, step)
                 return
-            work = _WORK[0].unbox(boxed)
+            work = _WORK[0](boxed)
             pending = self.pending
             if len(pending) >= MAX_UNWAITED:
                 self._prune()
@@ -249,8 +250,7 @@ class CollectiveInterceptor:
             # view of it (AsyncCollectiveTensor applies views before waiting): keyed by its
             # storage, held meanwhile so that no other tensor gets that storage. The rest are
             # waited for through their Work.
-            tensor = _first_tensor(args[0])
-            storage = _storage_key(tensor) if tensor is not None else None
+            storage = _storage_key(tensor)
             entry = _Pending(label, group, size, t0, step, work, tensor, storage)
             pending[work] = entry
             if storage is not None:
@@ -269,7 +269,7 @@ class CollectiveInterceptor:
             entry = self.pending.get(key)
             if entry is not None:
                 self._forget(entry)
-                self._record(entry.op, entry.group, entry.size, t1 - entry.t0, entry.step)
+                self.record(entry.op, entry.group, entry.size, t1 - entry.t0, entry.step)
 
     def _prune(self) -> None:
         """Forget what completed without a wait we see (DDP's own broadcasts are waited for in
@@ -283,8 +283,7 @@ class CollectiveInterceptor:
 
     def _forget(self, entry: _Pending) -> None:
         self.pending.pop(entry.work, None)
-        if entry.storage is not None:
-            self.pending.pop(entry.storage, None)
+        self.pending.pop(entry.storage, None)
 
 
 class _Pending(NamedTuple):
@@ -297,7 +296,7 @@ class _Pending(NamedTuple):
     step: int
     work: Any
     tensor: Any  # held: no other tensor gets its storage while it is pending
-    storage: tuple[str, int] | None
+    storage: tuple[str, int]
 
 
 class _Kernels:
@@ -325,7 +324,8 @@ class _Kernels:
         import torch
         import torch.distributed as dist
 
-        _SCRIPT_OBJECT[0], _WORK[0] = torch.ScriptObject, dist.Work
+        _SCRIPT_OBJECT[0], _WORK[0] = torch.ScriptObject, dist.Work.unbox
+        _PROCESS_GROUP[0] = dist.ProcessGroup.unbox
 
         lib = torch.library.Library("c10d", "IMPL")
         self._libraries.append(lib)
@@ -374,7 +374,7 @@ class _Kernels:
             except BaseException:  # noqa: BLE001 - timing must never break the collective
                 return out
             for interceptor in kernels.active:
-                interceptor.issued(spec, args, boxed, t0)
+                interceptor.issued(spec, args, tensor, boxed, t0)
             return out
 
         return kernel
@@ -391,10 +391,10 @@ class _Kernels:
             finally:
                 t1 = _now()
                 thread = threading.get_ident()
-                try:
-                    key = _storage_key(args[0])
-                except Exception:  # noqa: BLE001 - a tensor without storage (a subclass)
-                    key = None
+                key = None
+                if any(i.pending for i in kernels.active):
+                    with contextlib.suppress(Exception):  # a tensor without storage (a subclass)
+                        key = _storage_key(args[0])
                 for interceptor in kernels.active:
                     interceptor.waited(key, t0, t1, thread)
 

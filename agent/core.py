@@ -302,14 +302,12 @@ class Agent:
         the comm hook (collectives.bucket_timing_hook), so those calls are left out here."""
         if not (self.config.patch_collectives and torch is not None and _dist_available(torch)):
             return None
-        if ddp_model is None or ddp_group is None:
-            return CollectiveInterceptor(self.queues, labels, Blocked())
         clock = self.clock
         return CollectiveInterceptor(
             self.queues,
             labels,
             Blocked(),
-            skip_group=ddp_model.process_group,
+            skip_group=getattr(ddp_model, "process_group", None) if ddp_group else None,
             skip_while=lambda: clock.bwd_pending or clock.bwd_depth > 0,
         )
 
@@ -323,11 +321,12 @@ class Agent:
         return controller
 
     def _time_buckets(self, model: Any, ddp_group: str) -> None:
-        sink, step_of = self.queues.collectives, self.queues.current_step
+        patch, step_of = self.patch, self.queues.current_step
 
         def record(size: int, duration_ns: int) -> None:  # on a gloo thread: append only
-            if len(sink) < (sink.maxlen or sys.maxsize):
-                sink.append(("all_reduce", ddp_group, size, duration_ns, step_of()))
+            # NCCL buckets (no interceptor on CUDA) are Flight Recorder's, never a CPU timer's
+            if patch is not None:
+                patch.record("all_reduce", ddp_group, size, duration_ns, step_of())
 
         try:
             model.register_comm_hook(

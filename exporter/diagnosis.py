@@ -159,11 +159,13 @@ def _number(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def _phase_means(rank: RankView, window: int) -> dict[Phase, float]:
+def _phase_means(
+    rank: RankView, window: int, phases: Sequence[Phase] = CAUSE_PHASES
+) -> dict[Phase, float]:
     steps = rank.recent_steps[-window:]
     if not steps:
         return {}
-    return {p: sum(s.phases[p] for s in steps) / len(steps) for p in CAUSE_PHASES}
+    return {p: sum(s.phases[p] for s in steps) / len(steps) for p in phases}
 
 
 def locality_fault(topology: Mapping[str, Any] | None) -> str | None:
@@ -260,7 +262,8 @@ def wait_chain(
     itself waits elsewhere, or for nobody): a rank that waits for a rank in another group is
     a victim, and following `waits_for` from any victim leads to the root."""
     here = {r.rank: r for r in ranks}
-    blocked = {r.rank: _phase_mean(r, Phase.COMM_EXPOSED, window) for r in ranks}
+    exposed = (Phase.COMM_EXPOSED,)
+    blocked = {r.rank: _phase_means(r, window, exposed).get(Phase.COMM_EXPOSED, 0.0) for r in ranks}
     out = []
     for r in ranks:
         if r.rank == root or r.steps_total <= 0:
@@ -281,11 +284,6 @@ def wait_chain(
             whom = min(peers, key=lambda m: blocked[m]) if peers else None
         out.append(Victim(r.rank, group, whom, wait))
     return tuple(out)
-
-
-def _phase_mean(rank: RankView, phase: Phase, window: int) -> float:
-    steps = rank.recent_steps[-window:]
-    return sum(s.phases[phase] for s in steps) / len(steps) if steps else 0.0
 
 
 def _aligned(ranks: Sequence[RankView], window: int) -> list[dict[int, RecentStep]]:
