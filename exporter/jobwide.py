@@ -8,7 +8,10 @@ uses them for its diagnosis, page, /v1/state and the baselines it hands to agent
 between exporters and no aggregator of our own: Prometheus already is the job-wide engine.
 
 A reading older than three intervals is dropped: the exporter then says its view is node-local
-rather than show stale job-wide figures as current.
+rather than show stale job-wide figures as current. Once a job's ranks here stop reporting (the
+job ended, or hangs), the rules' windows run past its last steps and their values drift (one
+rank's last batch leaves a window before another's); the exporter keeps the reading it had at
+the job's last report instead.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Any
 from syncscope.monitoring import rules
 
 log = logging.getLogger("syncscope.exporter")
+# How long an ended job's last reading is kept (the exporter expires the job itself sooner).
+HOLD_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ class PrometheusReader:
         self.reads = 0
         self.failures = 0
         self._jobs: dict[str, JobWide] = {}
+        self._held: dict[str, JobWide] = {}  # job -> the newest reading at its latest `as_of`
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -123,13 +129,21 @@ class PrometheusReader:
         if self._thread is not None:
             self._thread.join(self.timeout_s * len(self.QUERIES) + 1)
 
-    def get(self, job: str, now: float | None = None) -> JobWide | None:
+    def get(self, job: str, now: float | None = None, as_of: float | None = None) -> JobWide | None:
+        """The job's reading as of `as_of` (default now; the exporter passes the job's last
+        report here): the newest one read by then, or None if that one was older than three
+        intervals at `as_of`. A call at a later `as_of` moves the held reading on."""
+        now = time.time() if now is None else now
+        as_of = now if as_of is None else min(as_of, now)
         with self._lock:
             reading = self._jobs.get(job)
-        if reading is None:
+            if reading is not None and reading.read_unix_s <= as_of:
+                self._held[job] = reading
+            else:
+                reading = self._held.get(job)
+        if reading is None or reading.read_unix_s > as_of:
             return None
-        age = (time.time() if now is None else now) - reading.read_unix_s
-        return reading if age <= self.max_age_s else None
+        return reading if as_of - reading.read_unix_s <= self.max_age_s else None
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -144,9 +158,12 @@ class PrometheusReader:
             self.last_error = f"{type(exc).__name__}: {exc}"[:200]
             log.debug("syncscope: reading %s failed: %s", self.url, self.last_error)
             return False
-        jobs = parse(replies, time.time())
+        now = time.time()
+        jobs = parse(replies, now)
         with self._lock:
             self._jobs = jobs
+            for job in [j for j, r in self._held.items() if now - r.read_unix_s > HOLD_S]:
+                del self._held[job]
         self.reads += 1
         self.last_error = None
         return True

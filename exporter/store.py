@@ -358,7 +358,8 @@ class Store:
         # Per job, its live ranks (reported within stale_after_s), the ones its pool waits for.
         self._live: dict[str, ByLastReport[int]] = {}
         # job -> the job-wide view read back from Prometheus, if the exporter was given one.
-        self.job_wide: Callable[[str], JobWide | None] | None = None
+        # (job, as_of=unix s) -> Prometheus's job-wide view as of then (exporter.jobwide)
+        self.job_wide: Callable[..., JobWide | None] | None = None
         self.started_unix_s = time.time()
         self.ingested_records = 0
         self.rejected: dict[str, int] = {}
@@ -417,7 +418,7 @@ class Store:
             self._pool(job, pool, now)
             self.ingested_records += len(ingest.steps) + len(ingest.collectives)
             transfers = pool.transfers()
-        job_wide = self.job_wide(job) if self.job_wide is not None else None
+        job_wide = self.job_wide(job, as_of=now) if self.job_wide is not None else None
         if job_wide is not None and job_wide.transfer_s is not None and transfers:
             transfers = with_job_transfer(transfers, job_wide.transfer_s)
         return {"accepted": True, "baselines": {key_text(k): v for k, v in transfers.items()}}
@@ -543,7 +544,9 @@ class Store:
         # Views are immutable, so the diagnosis runs outside the lock and never holds up ingest.
         jobs = {}
         for name, ranks in by_job.items():
-            job_wide = self.job_wide(name) if self.job_wide is not None else None
+            # As of the job's last report here: once it has ended, the rules' windows drift.
+            last = max(r.last_report_unix_s for r in ranks)
+            job_wide = self.job_wide(name, as_of=last) if self.job_wide is not None else None
             if job_wide is not None and job_wide.leads:
                 ranks = [
                     dataclasses.replace(r, arrival_lead_s=job_wide.leads[r.rank])

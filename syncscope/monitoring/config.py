@@ -89,9 +89,15 @@ def fast_for_overrides(cfg: Mapping[str, Any], duration: str) -> dict[str, str]:
 
 def demo_overrides(cfg: Mapping[str, Any]) -> dict[str, str]:
     """What a 1 s-interval Prometheus beside a one-minute job needs: short for: and windows."""
+    rate = "10s"
     return {
         **fast_for_overrides(cfg, "2s"),
-        "windows.rate": "10s",
+        **{
+            f"alerts.{name}.keep_firing_for": rate
+            for name, a in cfg["alerts"].items()
+            if "keep_firing_for" in a
+        },
+        "windows.rate": rate,
         "windows.straggler": "10s",
         "windows.transfer": "30s",
         "intervals.slow_rules": "1s",

@@ -417,7 +417,12 @@ or
   ({LINK_CAPACITY} > 0)
 """,
         ),
-        _record(PACING_ACTIVE, f"sum by (job) ({_sel(cfg, M.PACING_ACTIVE.name)})"),
+        # Ranks pacing in a job that still steps: the exporter keeps a rank's last gauge until
+        # it expires the rank, long after the job ended.
+        _record(
+            PACING_ACTIVE,
+            f"sum by (job) ({_sel(cfg, M.PACING_ACTIVE.name)}) and on (job) ({STEPS_RATE} > 0)",
+        ),
         _record(
             PACING_RATIO,
             f"""
@@ -773,6 +778,7 @@ def dashboard_url(cfg: Mapping[str, Any], alert: str) -> str:
 def alerting_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
     rules = []
     for name, spec in cfg["alerts"].items():
+        keep = {"keep_firing_for": spec["keep_firing_for"]} if "keep_firing_for" in spec else {}
         for level in spec["levels"]:
             t = _alert_texts(cfg, name, level)
             rules.append(
@@ -780,6 +786,7 @@ def alerting_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
                     "alert": name,
                     "expr": _block(t["expr"]),
                     "for": spec["for"],
+                    **keep,
                     "labels": {"severity": level["severity"]},
                     "annotations": {
                         "summary": t["summary"],

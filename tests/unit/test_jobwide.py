@@ -63,6 +63,26 @@ def test_a_reading_older_than_three_intervals_is_dropped():
     assert reader.get("a", now=now + 10) is None
 
 
+def test_an_ended_job_keeps_the_reading_it_had_at_its_last_report():
+    """After the job's last report (105) the rules' windows drift past its last steps: the
+    reading then (at 100) stays its view, also once Prometheus has dropped the job; a job
+    still reporting gets each new reading, and none when Prometheus stopped answering."""
+    reader = PrometheusReader("http://127.0.0.1:9", interval_s=10.0)
+    running = JobWide({0: 0.03, 1: 0.0}, None, None, 100.0)
+    drifted = JobWide({0: 0.0, 1: 0.02}, None, None, 110.0)
+    reader._jobs = {"a": running, "b": running}
+    assert reader.get("a", now=101.0, as_of=101.0) is running
+    assert reader.get("b", now=101.0, as_of=101.0) is running
+    reader._jobs = {"a": drifted, "b": drifted}
+    assert reader.get("a", now=111.0, as_of=105.0) is running  # "a" ended at 105
+    assert reader.get("b", now=111.0, as_of=111.0) is drifted  # "b" still reports
+    reader._jobs = {}  # the rules' windows have left the job's last steps
+    assert reader.get("a", now=400.0, as_of=105.0) is running
+    # "b" still runs, but Prometheus has not answered since 110: node-local, not stale.
+    assert reader.get("b", now=400.0, as_of=400.0) is None
+    assert reader.get("c", now=400.0, as_of=400.0) is None
+
+
 def test_node_local_view_of_a_multi_node_job_never_calls_the_fabric_contended():
     ranks = two_of_four("balanced")
     assert all(r.world_size == 4 for r in ranks)

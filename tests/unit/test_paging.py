@@ -203,11 +203,27 @@ def test_the_straggler_fires_before_what_it_inhibits_shipped_and_shortened():
             assert duration_seconds(fors[name]) > source, (name, fors)
 
 
+def test_the_straggler_outlasts_what_it_inhibits_shipped_and_shortened():
+    """...and the other way round when it clears: those alerts read rates over windows.rate,
+    so they carry the straggler's effect that long after it has gone (it recovered, the job
+    ended). The straggler keeps firing at least that long, as shipped and in the demo."""
+    from syncscope.monitoring.config import demo_overrides, load_config
+
+    for cfg in (load_config(), load_config(demo_overrides(load_config()))):
+        keep = cfg["alerts"]["SyncscopeStraggler"].get("keep_firing_for", "0s")
+        assert duration_seconds(keep) >= duration_seconds(cfg["windows"]["rate"]), keep
+    (rule,) = [r for r in rules.alerting_rules(load_config()) if r["alert"] == "SyncscopeStraggler"]
+    assert (
+        rule["keep_firing_for"] == load_config()["alerts"]["SyncscopeStraggler"]["keep_firing_for"]
+    )
+
+
 @needs_alertmanager
 def test_a_straggler_incident_is_one_notification(am):
     manager, hook = am
-    # Straggler first, then amplification, then pacing: three alerts over half an hour.
-    assert replay(manager, scenario("a straggler incident")) == 3
+    # Straggler first, then amplification, then pacing: three alerts over half an hour; then
+    # the job ends, what the straggler inhibits resolving first and the straggler last.
+    assert replay(manager, scenario("a straggler incident")) == 5
     (notification,) = hook.to("default")
     assert alertnames(notification) == [("SyncscopeStraggler", "train")]
     assert hook.to("pager") == []
