@@ -111,6 +111,12 @@ class GroupLabels:
     def __init__(self) -> None:
         self._by_id: dict[int, str] = {}
         self.members: dict[str, tuple[int, ...]] = {}  # label -> the group's global ranks
+        # Distinct process groups seen, by their ranks (a label where they are unknown): two
+        # handles on the same ranks (DDP on the default group, a broadcast on it) are one.
+        self.groups_seen: set[object] = set()
+
+    def group_count(self) -> int:
+        return len(self.groups_seen)
 
     def facts(self) -> dict[str, str]:
         """The groups this rank is in, as topology facts: "group.<label>" -> its ranks ("2,3"),
@@ -135,6 +141,7 @@ class GroupLabels:
             members = _members(group)
             if members:
                 self.members[label] = members
+            self.groups_seen.add(members or label)
         return label
 
     @staticmethod

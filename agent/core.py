@@ -317,7 +317,14 @@ class Agent:
 
         config = replace(PacingConfig.from_env(), world_size=int(self.identity["world_size"]))
         controller = PacingController(config)
-        self.clock.pacer = StepPacer(controller, arrival, self.config.pacing_kill_file).pace
+        labels, reader = self.labels, self.nccl_reader
+
+        def group_count() -> int:  # the gloo path's groups, or those in NCCL's dumps
+            return max(labels.group_count(), reader.labels.group_count() if reader else 0)
+
+        self.clock.pacer = StepPacer(
+            controller, arrival, self.config.pacing_kill_file, group_count
+        ).pace
         return controller
 
     def _time_buckets(self, model: Any, ddp_group: str) -> None:

@@ -223,6 +223,11 @@ class GroupLabels:
     def __init__(self) -> None:
         self._labels: dict[tuple[str, str], str] = {}
 
+    def group_count(self) -> int:
+        """Distinct process groups in the dumps (their ranks are not read: two groups on the
+        same ranks count twice, which only errs towards caution)."""
+        return len(self._labels)
+
     def __call__(self, pg: Any) -> str:
         if isinstance(pg, (list, tuple)) and len(pg) == 2:
             key = (str(pg[0]), str(pg[1]))

@@ -119,7 +119,11 @@ def collect_collectives(view: StoreView) -> Iterable[Metric]:
     (op, group) the sums the fabric rules read (bandwidth, transfer per call)."""
     per_rank = counter(M.RANK_COLLECTIVE_SECONDS_TOTAL)
     for r, labels in rank_views(view):
-        per_rank.add_metric(labels, sum(c.seconds for c in r.collectives))
+        by_group: dict[str, float] = {}
+        for c in r.collectives:
+            by_group[c.group] = by_group.get(c.group, 0.0) + c.seconds
+        for group, secs in sorted(by_group.items()):
+            per_rank.add_metric([*labels, group], secs)
     calls = counter(M.COLLECTIVE_CALLS_TOTAL)
     seconds = counter(M.COLLECTIVE_SECONDS_TOTAL)
     nbytes = counter(M.COLLECTIVE_BYTES_TOTAL)

@@ -154,10 +154,13 @@ COLLECTIVE_WAIT_SECONDS_TOTAL = MetricSpec(
     "always",
     "seconds",
 )
-RANK_COLLECTIVE_SECONDS_TOTAL = _rank(
+RANK_COLLECTIVE_SECONDS_TOTAL = MetricSpec(
     "syncscope_rank_collective_seconds_total",
     "counter",
-    "Collective time on this rank, entry to exit, every op and group.",
+    "Collective time on this rank, issue to completion, every op, per process group (its "
+    "label: the mesh dimension it spans).",
+    (*RANK, "group"),
+    "always",
     "seconds",
 )
 ARRIVAL_LEAD_SECONDS = _rank(

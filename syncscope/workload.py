@@ -8,6 +8,9 @@ model is data-parallel with DDP by default; `--parallel` runs it the ways large 
   hsdp    fully_shard on a 2-D mesh ("replicate", "shard")
   tp      a 2-D mesh ("dp", "tp"): DTensor tensor parallel (parallelize_module, colwise then
           rowwise per block) inside each pair, fully_shard across pairs
+  pp      a 2-D mesh ("dp", "pp"): each pair a two-stage pipeline (torch.distributed.pipelining,
+          GPipe over 2 micro-batches; the first half of the layers, then the rest and the head),
+          fully_shard across pairs; the slow rank's stage sleeps in each micro-batch's forward
 `--accumulate N` runs N micro-batches per optimizer step (DDP's under no_sync()).
 """
 
@@ -51,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--big-grad-mb", type=float, default=0.0, help="extra gradient bytes to all-reduce"
     )
     p.add_argument("--extra-allreduce", action="store_true", help="a direct all_reduce every step")
-    p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp2", "hsdp", "tp"])
+    p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp2", "hsdp", "tp", "pp"])
     p.add_argument("--no-reshard", action="store_true", help="fsdp2: reshard_after_forward off")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--no-agent", action="store_true", help="run without syncscope (baseline)")
@@ -64,6 +67,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="write this rank's step times as JSON here ({rank} is replaced)",
     )
     return p.parse_args(argv)
+
+
+MICRO_BATCHES = 2  # --parallel pp: GPipe's micro-batches per step
+
+
+def pipeline(
+    net: Any, args: argparse.Namespace, world: int, rank: int
+) -> tuple[Any, Any, bool, bool]:
+    """This rank's stage of `net` (a pair of ranks, two stages, fully_shard across pairs) and
+    its schedule: (stage module, schedule, first stage, last stage)."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "pp"))
+    index = mesh["pp"].get_local_rank()
+    modules = list(net.body)
+    half = 2 * (len(modules) // 4) or 2  # whole (Linear, ReLU) pairs
+    if index == 0:
+        net.body, net.head = nn.Sequential(*modules[:half]), None
+    else:
+        net.body = nn.Sequential(*modules[half:])
+    # The pipeline's micro-batches run forward and backward apart: gradients are reduced once,
+    # after the last micro-batch (the schedule drives FSDP2's gradient sync).
+    fully_shard(net, mesh=mesh["dp"], reshard_after_forward=False)
+    torch.manual_seed(args.seed)
+    stage = PipelineStage(net, index, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = ScheduleGPipe(stage, MICRO_BATCHES, loss_fn=nn.functional.mse_loss)
+    return net, schedule, index == 0, index == 1
 
 
 def parallelize(net: Any, args: argparse.Namespace, world: int) -> Any:
@@ -155,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                     for m in (nn.Linear(d0, d1), nn.ReLU())
                 ]
             )
-            self.head = nn.Linear(args.hidden, 1)
+            self.head: nn.Module | None = nn.Linear(args.hidden, 1)
             n_extra = int(args.big_grad_mb * 1024 * 1024 / 4)
             self.extra = nn.Parameter(torch.zeros(n_extra)) if n_extra else None
 
@@ -168,12 +202,20 @@ def main(argv: list[str] | None = None) -> int:
                 and rng.random() < args.jitter_prob
             ):
                 time.sleep(args.jitter_ms / 1000)
-            out = self.head(self.body(x))
+            out = self.body(x)
+            if self.head is not None:  # a pipeline's first stage has none
+                out = self.head(out)
             if self.extra is not None:
                 out = out + self.extra[:1].sum() * 0.0
             return out
 
-    model = parallelize(Net(), args, world)
+    schedule = None
+    if args.parallel == "pp":
+        if args.accumulate != 1 or world % 2:
+            raise SystemExit("--parallel pp: an even world size, no --accumulate")
+        model, schedule, first, last_stage = pipeline(Net(), args, world, rank)
+    else:
+        model = parallelize(Net(), args, world)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     agent = None
     if not args.no_agent:
@@ -198,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.data_ms:
             time.sleep(args.data_ms / 1000)
         opt.zero_grad(set_to_none=True)
-        for micro in range(args.accumulate):
+        if schedule is not None:  # the pipeline runs forward and backward of every micro-batch
+            if first:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=[] if last_stage else None)
+        for micro in range(args.accumulate if schedule is None else 0):
             last_micro = micro == args.accumulate - 1
             with contextlib.nullcontext() if last_micro else no_sync(model):
                 loss = nn.functional.mse_loss(model(x), y)

@@ -935,6 +935,53 @@ def job_overview(cfg: Mapping[str, Any]) -> list[tuple[str, list[tuple[int, int,
             ],
         ),
         (
+            "Where the job waits: process groups and the wait chain",
+            [
+                (
+                    12,
+                    8,
+                    ts(
+                        "Rank-time lost per process group",
+                        "Share of the job's rank-time each process group's collectives take "
+                        "beyond the rank that spends least in them (groups by their mesh "
+                        f"dimension: dp, tp, pp, shard, ...), over {cfg['windows']['straggler']}. "
+                        "Where a tensor- or pipeline-parallel job loses its time.",
+                        [q(rec(R.GROUP_WAIT), "{{group}}")],
+                        "percentunit",
+                        stack=True,
+                    ),
+                ),
+                (
+                    12,
+                    8,
+                    table_panel(
+                        "Who waits for whom",
+                        f"While a straggler is named: the {TRIAGE_ROWS} ranks that wait most, "
+                        "the group each waits in most and the rank it waits for there (empty: "
+                        "a rank its exporter does not see), seconds per step. Follow Waits for "
+                        "to the straggler.",
+                        [
+                            q(
+                                f"topk({TRIAGE_ROWS}, {sel(cfg, M.VICTIM_WAIT_SECONDS.name, JOB)})",
+                                instant=True,
+                                table_format=True,
+                            )
+                        ],
+                        unit="s",
+                        hide=("Time", "job", "__name__", "instance"),
+                        rename={
+                            "rank": "Rank",
+                            "node": "Node",
+                            "group": "Group",
+                            "waits_for": "Waits for",
+                            "Value": "Wait per step",
+                        },
+                        sort=("Value", True),
+                    ),
+                ),
+            ],
+        ),
+        (
             "Synchronization",
             [
                 (

@@ -68,6 +68,9 @@ SKEW = "job:syncscope_arrival_lead_seconds:max_minus_min"
 SKEW_RATIO = "job:syncscope_arrival_skew_step:ratio"
 STRAGGLER_LAG = "job_rank:syncscope_straggler_lag_seconds:argmin_lead"
 STRAGGLER_RATIO = "job_rank:syncscope_straggler_lag_step:ratio"
+# Job-wide, per process group (its label: dp, tp, pp, shard, ...): the job's rank-time spent in
+# that group's collectives beyond the rank there that spends least: which group it loses time in.
+GROUP_WAIT = "job_group:syncscope_collective_seconds_beyond_least:ratio"
 BUS_BANDWIDTH = "job_op_group:syncscope_collective_bus_bandwidth_bytes_per_second:rate"
 TRANSFER_PER_CALL = "job_op_group:syncscope_collective_transfer_seconds:per_call"
 CONTENTION = "job_op_group:syncscope_fabric_contention:index"
@@ -102,6 +105,31 @@ def _sel(cfg: Mapping[str, Any], metric: str, *matchers: str) -> str:
 
 def _rate(cfg: Mapping[str, Any], metric: str, *matchers: str, window: str | None = None) -> str:
     return f"rate({_sel(cfg, metric, *matchers)}[{window or cfg['windows']['rate']}])"
+
+
+def _group_wait(cfg: Mapping[str, Any]) -> str:
+    window = cfg["windows"]["straggler"]
+    per_rank = f"""
+  sum by (job, node, rank, group) (
+    {_rate(cfg, M.RANK_COLLECTIVE_SECONDS_TOTAL.name, window=window)}
+  )
+/ on (job, node, rank) group_left ()
+  (sum by (job, node, rank) ({_rate(cfg, M.STEPS_TOTAL.name, window=window)}) > 0)"""
+    return f"""
+  sum by (job, group) (
+{_indent(per_rank, 4)}
+    - on (job, group) group_left ()
+      min by (job, group) (
+{_indent(per_rank, 8)}
+      )
+  )
+/ on (job) group_left ()
+  ({WORLD_SIZE} * {STEP_MEAN} > 0)
+"""
+
+
+def _indent(expr: str, by: int) -> str:
+    return "\n".join(" " * by + line if line else line for line in expr.strip("\n").splitlines())
 
 
 def _block(expr: str) -> str:
@@ -312,6 +340,12 @@ clamp_min(
 """,
         ),
         _record(STRAGGLER_RATIO, f"{STRAGGLER_LAG} / on (job) group_left () {STEP_MEAN}"),
+        # Each rank's collective time per step in each group beyond the rank of the job that
+        # spends least in that group's collectives, summed over the ranks, as a share of the
+        # job's rank-time. A group label names a mesh dimension, so every dp group of a 2-D
+        # job is one "dp". Issue-to-completion time: the overlap an async collective shares
+        # with every rank cancels in the difference.
+        _record(GROUP_WAIT, _group_wait(cfg)),
     ]
     # One rule for every op: a per-(job, op) factor vector joined on op drops the ops that
     # have no bus bandwidth (barrier, ddp_grad_sync) and keeps promtool's duplicate lint quiet.
@@ -852,6 +886,7 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
         TRANSFER_PER_CALL,
         CONTENTION,
         LOCALITY_FAULT,
+        GROUP_WAIT,
     ),
 }
 ALERTS_GROUP = "syncscope.alerts"

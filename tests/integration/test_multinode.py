@@ -22,6 +22,7 @@ from syncscope import scenarios
 from syncscope.launch import wait_all
 from syncscope.monitoring import dashboards as D
 from syncscope.monitoring import render
+from syncscope.monitoring import rules as R
 from syncscope.monitoring.prometheus_config import local_config, local_window_s
 from syncscope.nodes import EmulatedNodes, NodesUnavailable, iproute, list_netns
 from syncscope.servers import Alertmanager, Prometheus
@@ -255,6 +256,58 @@ def test_pacing_paces_the_early_ranks_on_both_nodes_and_never_the_straggler(tmp_
     assert pacing[3]["total_delay_s"] == 0.0, pacing
     for state in states:  # both nodes saw the job-wide view, not a node-local one
         assert state["jobs"][job]["job_wide"], state["jobs"][job].get("job_wide")
+
+
+@needs_prometheus
+def test_tensor_parallel_in_nodes_names_a_remote_root_through_the_wait_chain(tmp_path):
+    """A (dp=2, tp=2) job, each tp pair on one node (ranks 0,1 node 0; 2,3 node 1), FSDP2 across
+    nodes, rank 3 slowed 30 ms, pacing asked for. Both exporters and the job-wide rule name
+    rank 3; node 0's exporter follows rank 1's dp wait to rank 3 on the other node and rank
+    0's tp wait to rank 1; the rule per group shows the time lost in tp and in dp, each near
+    what the exporters' victims wait there; pacing switched itself off on every rank."""
+    job = "tp-across-nodes"
+    with job_wide_nodes(tmp_path) as (cluster, prom), open(tmp_path / f"{job}.log", "wb") as log:
+        args = ["--duration", "35", "--parallel", "tp", "--slow-rank", "3", "--pacing"]
+        started = time.time()
+        ranks = cluster.launch(
+            args, env=dict(os.environ, SYNCSCOPE_JOB=job), stdout=log, stderr=subprocess.STDOUT
+        )
+        samples: list[tuple[int, Any]] = []
+        while any(r.poll() is None for r in ranks):
+            time.sleep(1)
+            if time.time() - started < scenarios.WARM_UP_S + 5:
+                continue
+            for node, state in enumerate(cluster.states()):
+                if job in state["jobs"]:
+                    samples.append((node, state["jobs"][job]))
+        assert wait_all(ranks, 60) == [0, 0, 0, 0], (tmp_path / f"{job}.log").read_text()[-2000:]
+        lost = {
+            r["metric"]["group"]: float(r["value"][1])
+            for r in prom.query(f'{R.GROUP_WAIT}{{job="{job}"}}')
+        }
+        ruled = {r["metric"]["rank"] for r in prom.query(f'{R.STRAGGLER_RATIO}{{job="{job}"}}')}
+        step = float(prom.query(f'{R.STEP_MEAN}{{job="{job}"}}')[0]["value"][1])
+    assert len(samples) >= 20, len(samples)
+    named = [(node, (s["diagnosis"]["straggler"] or {}).get("rank")) for node, s in samples]
+    assert sum(rank == 3 for _node, rank in named) >= 0.95 * len(named), named
+    assert ruled == {"3"}, ruled
+    victims: dict[int, tuple[str, int, float]] = {}
+    for _node, s in samples[-2:]:  # the last sample of each exporter
+        for v in s["diagnosis"]["victims"]:
+            victims[v["rank"]] = (v["group"], v["waits_for"], v["wait_s"])
+    assert {r: v[:2] for r, v in victims.items()} == {
+        0: ("tp", 1),
+        1: ("dp", 3),
+        2: ("tp", 3),
+    }, victims
+    print(f"\nlost per group: {lost}; step {step * 1e3:.1f} ms; victims {victims}")
+    for group in ("tp", "dp"):
+        waited = sum(w for g, _whom, w in victims.values() if g == group) / (4 * step)
+        assert abs(lost[group] - waited) <= 0.3 * waited, (group, lost, waited)
+    for _node, s in samples[-2:]:
+        for r in s["ranks"]:
+            assert r["pacing"] and not r["pacing"]["enabled"], r["pacing"]
+            assert r["pacing"]["total_delay_s"] == 0.0, r["pacing"]
 
 
 @needs_prometheus

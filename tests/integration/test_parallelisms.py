@@ -1,6 +1,7 @@
 """The parallelisms large jobs run, each a real 4-rank gloo job with one rank slowed 30 ms in
 forward and a clean run: FSDP2 (resharding, and not resharding with explicit prefetch), HSDP on
-a 2-D mesh, DTensor tensor parallel inside pairs with FSDP2 across them, DDP with gradient
+a 2-D mesh, DTensor tensor parallel inside pairs with FSDP2 across them, two-stage pipelines
+(torch.distributed.pipelining) inside pairs with FSDP2 across them, DDP with gradient
 accumulation. The exporter must name the slowed rank with cause forward, every rank's lead must
 match the truth pooled per step from the ranks' own records, and a clean run must stay silent.
 """
@@ -25,6 +26,8 @@ WORKLOADS = {
     "hsdp": ["--parallel", "hsdp"],
     "tp": ["--parallel", "tp"],
     "ddp-accumulate": ["--accumulate", "2"],
+    # 4 layers: two per stage, so that neither stage of a clean pipeline is the slower one.
+    "pp": ["--parallel", "pp", "--layers", "4"],
 }
 # With tensor parallelism on a (dp=2, tp=2) mesh rank 3's partner is rank 2, which waits for it
 # in the tp all-reduce and so arrives late at the dp collectives too: a victim, not the root.
@@ -106,6 +109,10 @@ def test_the_slowed_rank_is_named_with_its_cause_and_every_lead_matches_the_trut
         assert forward_ms(final, 2) <= 1.1 * peers[-1] + 0.5, [
             forward_ms(final, r) for r in range(4)
         ]
+    if name == "pp":
+        # Pipelines {0,1} {2,3} (stage 0, stage 1), dp pairs {0,2} {1,3}: rank 2 is stage 0 of
+        # the second pipeline: its next stage waits for it in pp.
+        assert chain[3] == ("pp", 2), chain
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))

@@ -160,3 +160,50 @@ def test_the_kill_file_switches_pacing_off_for_good(tmp_path):
     kill.unlink()
     assert pacer.pace(40 * MS, 100 * MS) == 0  # stays off after the file is gone
     assert pacer.controller.state().enabled is False
+
+
+def test_a_second_process_group_switches_pacing_off_for_good(caplog):
+    """Engaged on one group; once the rank's collectives use a second (a tensor-parallel pair,
+    say), a delay could hold up a peer there: off, with a warning, and it stays off."""
+    baseline = Baseline()
+    baseline.ddp_baseline_s = 0.010
+    groups = [1]
+    pacer = StepPacer(
+        PacingController(PacingConfig(min_samples=4)), baseline, None, lambda: groups[0]
+    )
+    delays = [pacer.pace(40 * MS, 100 * MS) for _ in range(30)]
+    assert delays[-1] > 0 and pacer.controller.active
+    groups[0] = 2
+    assert pacer.pace(40 * MS, 100 * MS) == 0 and not pacer.controller.enabled
+    assert "2 process groups" in caplog.text
+    groups[0] = 1
+    assert pacer.pace(40 * MS, 100 * MS) == 0
+
+
+def test_group_labels_count_groups_by_their_ranks():
+    """Two handles on the same ranks are one group (DDP on the default group and a broadcast
+    on it); a sub-group is another; one with unknown ranks counts by its label."""
+    from syncscope.agent.collectives import GroupLabels
+
+    labels = GroupLabels()
+
+    class Group:
+        def __init__(self, name: str, ranks: list[int]) -> None:
+            self.group_name, self.group_desc, self.ranks = name, "", ranks
+
+    import syncscope.agent.collectives as coll
+
+    original = coll._members
+    coll._members = lambda group: tuple(group.ranks)
+    groups = [Group("0", [0, 1, 2, 3]), Group("1", [0, 1, 2, 3]), Group("mesh_tp", [0, 1])]
+    groups.append(Group("mesh_pp", []))  # alive together: labels are kept by the group's id
+    try:
+        labels(groups[0])
+        labels(groups[1])
+        assert labels.group_count() == 1
+        labels(groups[2])
+        assert labels.group_count() == 2
+        labels(groups[3])
+        assert labels.group_count() == 3
+    finally:
+        coll._members = original
