@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 from syncscope.agent.config import AgentConfig
 
-from syncscope.servers import free_port, start_exporter
+from syncscope.lab.servers import free_port, start_exporter
 
 ROOT = Path(__file__).resolve().parents[1]
 TREE = "this tree"

@@ -39,7 +39,7 @@ import threading
 import time
 from typing import Any
 
-from syncscope import servers
+from syncscope.lab import servers
 
 PHASES = ("data", "forward", "backward", "optimizer", "comm_exposed", "pacing", "other")
 RANKS = 8

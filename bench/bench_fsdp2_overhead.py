@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
-    from syncscope.launch import launch, wait_all
-    from syncscope.servers import free_port, start_exporter
+    from syncscope.lab.launch import launch, wait_all
+    from syncscope.lab.servers import free_port, start_exporter
 
     tmp = tempfile.mkdtemp(prefix="syncscope-fsdp2-bench-")
     port = free_port()

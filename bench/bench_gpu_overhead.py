@@ -112,7 +112,7 @@ def ab(args) -> int:
     exporter_proc, url = None, None if args.exporter == "none" else args.exporter
     if args.exporter == "auto":
         # a real exporter, so the reporter sends and the topology sampler runs, as in production
-        from syncscope.servers import free_port, start_exporter
+        from syncscope.lab.servers import free_port, start_exporter
 
         port = free_port()
         exporter_proc = start_exporter(port, stdout=subprocess.DEVNULL)

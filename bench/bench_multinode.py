@@ -3,7 +3,7 @@ exporter per node, one Prometheus with syncscope's rules scraping them all).
 
 Scenarios on 2 nodes × 2 ranks: a straggler on node A (rank 1), a straggler on node B (rank 3),
 no straggler, and the straggler on node B with pacing on. Rounds interleave the scenarios so that drift in the machine's load hits
-each alike; every run prints its comparison table (syncscope.truth.format_comparison), and the
+each alike; every run prints its comparison table (syncscope.lab.truth.format_comparison), and the
 end a summary per scenario (medians over runs). Every exporter reads the job-wide view back
 from Prometheus (--prometheus-url); the rules are compared with the truth over the steps their
 windows covered. Needs root and iproute2.
@@ -14,7 +14,7 @@ ones, as in a job that has run for a while); the time from that onset until the 
 names it for good, until SyncscopeStraggler is pending and until it fires, with the demo's
 windows and for: (10 s, 2 s) and with the shipped ones (firing there is pending + the shipped
 for: of 10 min, which the run does not wait out).
---fabric instead: the fabric scenarios of syncscope.scenarios (a node's link throttled to a
+--fabric instead: the fabric scenarios of syncscope.lab.scenarios (a node's link throttled to a
 quarter of the other's; a competing bulk flow between the nodes for 25 s of a 110 s job).
 Run: .venv/bin/python bench/bench_multinode.py [--runs 3] [--duration 30] [--json out.json]
      .venv/bin/python bench/bench_multinode.py --onset [--runs 3]
@@ -33,13 +33,13 @@ import tempfile
 import time
 from typing import Any
 
-from syncscope import scenarios as fabric
-from syncscope.monitoring.config import load_config
-from syncscope.monitoring.prometheus_config import duration_seconds, local_config, local_window_s
+from syncscope.lab import scenarios as fabric
+from syncscope.lab.nodes import EmulatedNodes, NodesUnavailable
+from syncscope.lab.servers import Prometheus, free_port
+from syncscope.lab.truth import compare, format_comparison, rule_window_steps
+from syncscope.monitoring.prometheus_config import local_config, local_window_s
 from syncscope.monitoring.rules import STRAGGLER_LAG, STRAGGLER_RATIO
-from syncscope.nodes import EmulatedNodes, NodesUnavailable
-from syncscope.servers import Prometheus, free_port
-from syncscope.truth import compare, format_comparison, rule_window_steps
+from syncscope.thresholds import duration_seconds, load_config
 
 SKIP_STEPS = 10  # warm-up steps left out of the truth
 
@@ -202,7 +202,7 @@ def onset_main(runs: int) -> int:
 
 
 def fabric_main(runs: int) -> int:
-    """The fabric scenarios (syncscope.scenarios), `runs` times each, interleaved."""
+    """The fabric scenarios (syncscope.lab.scenarios), `runs` times each, interleaved."""
     slow, contended = [], []
     for run in range(runs):
         with tempfile.TemporaryDirectory(prefix="syncscope-bench-fabric-") as workdir:

@@ -1,7 +1,7 @@
 """Pacing evaluation on real 4-rank gloo jobs: baseline vs pacing, interleaved, per scenario.
 
 Scenarios (issue 4): (a) a steady straggler, (b) intermittent jitter on random ranks,
-(c) no imbalance. Each run is a fresh exporter + `syncscope.workload`; off and on alternate so
+(c) no imbalance. Each run is a fresh exporter + `syncscope.lab.workload`; off and on alternate so
 that drift in the machine's load hits both alike. Reported per mode (medians over rounds):
 throughput (steps/s), step-time CV, mean wait per step over all ranks, total pacing delay.
 Run: .venv/bin/python bench/bench_pacing.py [--rounds 2] [--duration 15]
@@ -16,8 +16,8 @@ import statistics
 import subprocess
 import tempfile
 
-from syncscope.launch import launch, wait_all
-from syncscope.servers import free_port, start_exporter
+from syncscope.lab.launch import launch, wait_all
+from syncscope.lab.servers import free_port, start_exporter
 
 SCENARIOS = {
     "steady straggler (rank 1 +30 ms)": ["--slow-rank", "1", "--slow-ms", "30"],

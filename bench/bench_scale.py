@@ -91,11 +91,13 @@ from syncscope.exporter.collectors import StoreCollector
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import Store
 
-from syncscope.monitoring import dashboards, render
-from syncscope.monitoring.config import load_config
-from syncscope.monitoring.prometheus_config import compose_config, duration_seconds
+from syncscope.lab import render
+from syncscope.lab.servers import Prometheus
+from syncscope.monitoring import dashboards
+from syncscope.monitoring.prometheus_config import compose_config
 from syncscope.monitoring.rules import RULES_FILE, STRAGGLER_LAG, write_rules
-from syncscope.servers import Prometheus, get_json
+from syncscope.prometheus_api import PrometheusAPI
+from syncscope.thresholds import duration_seconds, load_config
 
 JOB = "scale"
 NODE_PREFIX = "node"  # hostnames nodeNNNN, instances nodeNNNN:9464
@@ -471,7 +473,7 @@ class Watch:
         try:
             with urllib.request.urlopen(self.prom.url + "/metrics", timeout=10) as reply:  # noqa: S310
                 text = reply.read().decode()
-            groups = get_json(self.prom.url + "/api/v1/rules", timeout=10)["data"]["groups"]
+            groups = PrometheusAPI(self.prom.url, timeout=10).get("/api/v1/rules")["groups"]
         except OSError:  # timeouts included
             self.failed_polls += 1
             return
@@ -682,9 +684,9 @@ def target_figures(prom: Prometheus, duration: float) -> dict[str, float]:
         "up_min": f"min(min_over_time(up{{{sel}}}[{duration:.0f}s]))",
     }
     out = {}
+    api = PrometheusAPI(prom.url, timeout=120)
     for name, promql in queries.items():
-        query = urllib.parse.urlencode({"query": promql})
-        found = get_json(f"{prom.url}/api/v1/query?{query}", timeout=120)["data"]["result"]
+        found = api.instant(promql)
         out[name] = float(found[0]["value"][1]) if found else float("nan")
     return out
 
@@ -694,12 +696,12 @@ def panel_series(prom: Prometheus, start: float, end: float, interval: float) ->
     as Grafana runs them over the measured window: instant queries (tables) at its end, range
     queries every evaluation interval (Grafana's smallest step at the shipped scrape
     interval), $__range the window, $__rate_interval max(step + scrape, 4 scrapes) as Grafana
-    has it. Counted by syncscope.monitoring.render.count_series, as the e2e test does."""
+    has it. Counted by syncscope.lab.render.count_series, as the e2e test does."""
     rate = max(interval + interval, 4 * interval)  # step + scrape, 4 scrapes (both: interval)
     queries = dashboards.panel_queries(
         job=JOB, range_=f"{end - start:.0f}s", rate_interval=f"{rate:.0f}s"
     )
-    client = render.PromClient(prom.url, timeout=120)
+    client = PrometheusAPI(prom.url, timeout=120)
     counted = render.count_series(client, queries, start=start, end=end, step=interval)
     return {
         "range_s": end - start,

@@ -18,11 +18,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 from syncscope.exporter.gpu import collect_gpu, topology_number
-from syncscope.exporter.settings import STEP_WINDOW
 from syncscope.exporter.store import RATIO_BUCKETS, STEP_BUCKETS, RankView, Store, StoreView
 
 from syncscope import catalog as M
-from syncscope.catalog import MetricSpec
+from syncscope.catalog import STEP_WINDOW, MetricSpec
 from syncscope.wire import Phase
 
 

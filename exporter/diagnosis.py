@@ -43,11 +43,11 @@ from typing import Any
 
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.pooling import NodeInflation
-from syncscope.exporter.settings import STEP_WINDOW, Settings
+from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import OMIT_IF_NONE, RankView, RecentStep
 
-from syncscope.catalog import CLOCK_EVENT_REASONS
-from syncscope.monitoring.config import load_config
+from syncscope.catalog import CLOCK_EVENT_REASONS, STEP_WINDOW
+from syncscope.thresholds import load_config
 from syncscope.wire import GROUP_FACT, Phase
 
 CAUSE_PHASES = (Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)

@@ -16,17 +16,15 @@ the job's last report instead.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from syncscope.monitoring import rules
+from syncscope import recorded
+from syncscope.prometheus_api import PrometheusAPI, PrometheusError
 
 log = logging.getLogger("syncscope.exporter")
 # How long an ended job's last reading is kept (the exporter expires the job itself sooner).
@@ -52,12 +50,12 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
     amplification: dict[str, float] = {}
     inflation: dict[str, float] = {}
     links: dict[str, dict[str, float]] = {}
-    for sample in replies.get(rules.LEAD_AVG, []):
+    for sample in replies.get(recorded.LEAD_AVG, []):
         job, rank = sample["metric"].get("job"), sample["metric"].get("rank")
         value = _number(sample)
         if job and rank is not None and rank.isdigit() and value is not None:
             leads.setdefault(job, {})[int(rank)] = value
-    for sample in replies.get(rules.LINK_CAPACITY_RATIO, []):
+    for sample in replies.get(recorded.LINK_CAPACITY_RATIO, []):
         job, node, value = (
             sample["metric"].get("job"),
             sample["metric"].get("node"),
@@ -66,9 +64,9 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
         if job and node and value is not None:
             links.setdefault(job, {})[node] = value
     for name, into in (
-        (rules.TRANSFER_PER_STEP, transfer),
-        (rules.SYNC_AMPLIFICATION, amplification),
-        (rules.TRANSFER_INFLATION, inflation),
+        (recorded.TRANSFER_PER_STEP, transfer),
+        (recorded.SYNC_AMPLIFICATION, amplification),
+        (recorded.TRANSFER_INFLATION, inflation),
     ):
         for sample in replies.get(name, []):
             job, value = sample["metric"].get("job"), _number(sample)
@@ -99,15 +97,16 @@ class PrometheusReader:
     """Polls Prometheus for the job-wide rules; `get(job)` is the latest fresh reading or None."""
 
     QUERIES = (
-        rules.LEAD_AVG,
-        rules.TRANSFER_PER_STEP,
-        rules.SYNC_AMPLIFICATION,
-        rules.TRANSFER_INFLATION,
-        rules.LINK_CAPACITY_RATIO,
+        recorded.LEAD_AVG,
+        recorded.TRANSFER_PER_STEP,
+        recorded.SYNC_AMPLIFICATION,
+        recorded.TRANSFER_INFLATION,
+        recorded.LINK_CAPACITY_RATIO,
     )
 
     def __init__(self, url: str, interval_s: float = 15.0, timeout_s: float = 2.0) -> None:
         self.url = url.rstrip("/")
+        self.api = PrometheusAPI(self.url, timeout_s)
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.max_age_s = 3 * interval_s
@@ -153,7 +152,12 @@ class PrometheusReader:
     def read_once(self) -> bool:
         try:
             replies = {name: self._query(name) for name in self.QUERIES}
-        except (OSError, ValueError, KeyError) as exc:  # unreachable, refused, not Prometheus
+        except (
+            OSError,
+            ValueError,
+            KeyError,
+            PrometheusError,
+        ) as exc:  # unreachable, not Prometheus
             self.failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}"[:200]
             log.debug("syncscope: reading %s failed: %s", self.url, self.last_error)
@@ -169,9 +173,4 @@ class PrometheusReader:
         return True
 
     def _query(self, promql: str) -> list[dict[str, Any]]:
-        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
-        with urllib.request.urlopen(url, timeout=self.timeout_s) as reply:  # noqa: S310 - operator's URL
-            data = json.loads(reply.read())
-        if data.get("status") != "success":
-            raise ValueError(f"query {promql!r}: {data.get('error', data.get('status'))}")
-        return list(data["data"]["result"])
+        return self.api.instant(promql)

@@ -26,10 +26,11 @@ from syncscope.exporter.diagnosis import (
     locality_fault,
     throttle_reasons,
 )
-from syncscope.exporter.settings import STEP_WINDOW, Settings
+from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import JobView, RankView, Store, StoreView
 
 from syncscope import __version__
+from syncscope.catalog import STEP_WINDOW
 from syncscope.wire import PacingState, Phase
 
 REFRESH_MS = 2000

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from syncscope.monitoring.config import load_config
-
-# Steps every rolling figure looks back over: the step-time CV, phase shares, medians and the
-# diagnosis. Metric help and the status page quote this number.
-STEP_WINDOW = 100
+from syncscope.catalog import STEP_WINDOW
+from syncscope.thresholds import load_config
 
 
 @dataclass

@@ -28,7 +28,9 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter, ValidationError
-from syncscope.agent.shm_ring import (
+from syncscope.exporter.store import Ingest
+
+from syncscope.shm_layout import (
     CLOSED_AT,
     COLL_SLOT,
     DROPPED_AT,
@@ -51,8 +53,6 @@ from syncscope.agent.shm_ring import (
     Q,
     q,
 )
-from syncscope.exporter.store import Ingest
-
 from syncscope.wire import SCHEMA_VERSION, BadRows, BatchV1, BatchV2
 
 log = logging.getLogger("syncscope.exporter")

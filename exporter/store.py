@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.pooling import JobPool, Sample
-from syncscope.exporter.settings import STEP_WINDOW, Settings
+from syncscope.exporter.settings import Settings
 
 from syncscope.arrival import collective_key, key_text
-from syncscope.monitoring.config import load_config
-from syncscope.monitoring.prometheus_config import duration_seconds
+from syncscope.catalog import STEP_WINDOW
+from syncscope.thresholds import duration_seconds, load_config
 from syncscope.wire import (
     MAX_LABEL_LEN,
     MAX_TOPOLOGY_ENTRIES,

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from syncscope.exporter.settings import STEP_WINDOW
+# Steps every rolling figure looks back over: the step-time CV, phase shares, medians and the
+# diagnosis (the exporter's default window). Metric help, rules and the status page quote it.
+STEP_WINDOW = 100
 
 TYPES = ("counter", "gauge", "histogram", "info")
 CONDITIONS = (

@@ -11,7 +11,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="syncscope", description="See and bound synchronization costs of distributed training."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    from syncscope.demo import add_subcommand as add_demo
+    from syncscope.lab.demo import add_subcommand as add_demo
     from syncscope.monitoring.cli import add_subcommands as add_monitoring
 
     add_demo(sub)

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from syncscope.launch import launch, wait_all
-from syncscope.servers import free_port, start_exporter
+from syncscope.lab.launch import launch, wait_all
+from syncscope.lab.servers import free_port, start_exporter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,7 +123,7 @@ def exporter() -> Iterator[Exporter]:
 
 
 class Job:
-    """A real N-rank gloo DDP job of syncscope.workload, one process per rank."""
+    """A real N-rank gloo DDP job of syncscope.lab.workload, one process per rank."""
 
     count = 0
 

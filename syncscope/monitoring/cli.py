@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from syncscope.monitoring.config import fast_for_overrides, load_config, parse_overrides
+from syncscope.thresholds import fast_for_overrides, load_config, parse_overrides
 
 
 def add_subcommands(sub: Any) -> None:

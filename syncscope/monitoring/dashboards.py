@@ -39,9 +39,9 @@ from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import prometheus as pm
 
 from syncscope import catalog as M
-from syncscope.exporter.settings import STEP_WINDOW
+from syncscope.catalog import STEP_WINDOW
 from syncscope.monitoring import rules as R
-from syncscope.monitoring.config import load_config
+from syncscope.thresholds import load_config
 from syncscope.wire import Phase
 
 QUERIES_FILE = "queries.json"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from syncscope import catalog
 from syncscope.monitoring import dashboards, prometheus_config, rules
-from syncscope.monitoring.config import load_config
+from syncscope.thresholds import load_config
 
 RULES_PATH = "deploy/prometheus/rules/syncscope.rules.yml"
 PROMETHEUS_RULE_PATH = "deploy/kubernetes/common/prometheusrule.yaml"

@@ -10,25 +10,16 @@ for a local exporter:
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
 
+from syncscope.thresholds import duration_seconds
+
 SCRAPE_JOB = "syncscope-exporter"
 # Prometheus refuses a scrape timeout longer than the interval; its own default is 10s.
 DEFAULT_TIMEOUT_S = 10.0
-
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def duration_seconds(text: str) -> float:
-    """Seconds in a Prometheus duration such as ``1m30s`` or ``500ms``."""
-    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", text)
-    if not parts or "".join(n + u for n, u in parts) != text:
-        raise ValueError(f"not a Prometheus duration: {text!r}")
-    return sum(float(n) * _UNITS[u] for n, u in parts)
 
 
 def render_config(
@@ -93,8 +84,8 @@ def local_config(
     The rules (written into ``workdir/rules``) get short ``for:`` and windows
     (config.demo_overrides) and then ``overrides``; the demo and the end-to-end tests use it.
     """
-    from syncscope.monitoring.config import demo_overrides, load_config
     from syncscope.monitoring.rules import write_rules
+    from syncscope.thresholds import demo_overrides, load_config
 
     ports = [exporter_port] if isinstance(exporter_port, int) else list(exporter_port)
     rules_dir = os.path.join(workdir, "rules")
@@ -109,8 +100,8 @@ def local_config(
 
 def local_window_s() -> float:
     """The windows (rate and straggler, seconds) of `local_config`'s rules: what a job-wide rule
-    read there covers (syncscope.truth's windowed truth compares over the same steps)."""
-    from syncscope.monitoring.config import demo_overrides, load_config
+    read there covers (syncscope.lab.truth's windowed truth compares over the same steps)."""
+    from syncscope.thresholds import demo_overrides, load_config
 
     windows = demo_overrides(load_config())
     return max(duration_seconds(windows[f"windows.{w}"]) for w in ("rate", "straggler"))

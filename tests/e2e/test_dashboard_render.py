@@ -2,7 +2,7 @@
 
 A real 4-rank gloo job with rank 2 slowed 30 ms in every forward reports to a real exporter;
 a real Prometheus scrapes it with syncscope's rules (local_config: 1 s scrapes, 10 s windows,
-`for: 2s`). Once SyncscopeStraggler fires, syncscope.monitoring.render runs the checked-in
+`for: 2s`). Once SyncscopeStraggler fires, syncscope.lab.render runs the checked-in
 dashboard's panels against that Prometheus the way Grafana would (variables, table merge,
 sort, organize, units) and this test checks the triage table's FIRST row is the straggler, on
 its node, with its cause, the phase that makes it late, the alert and its cost. The PNGs go to
@@ -21,10 +21,11 @@ from typing import Any
 
 import pytest
 
+from syncscope.lab import render
+from syncscope.lab.servers import Prometheus
 from syncscope.monitoring import dashboards as D
-from syncscope.monitoring import render
 from syncscope.monitoring.prometheus_config import local_config
-from syncscope.servers import Prometheus
+from syncscope.prometheus_api import PrometheusAPI
 from syncscope.wire import Phase
 from tests.conftest import wait_until
 
@@ -243,7 +244,7 @@ def test_no_panel_query_returns_more_than_30_series_at_scale(tmp_path: Path) -> 
         time.sleep(12)  # a full 10 s rate window of recorded series
         end = time.time()
         counted = render.count_series(
-            render.PromClient(prom.url),
+            PrometheusAPI(prom.url),
             D.panel_queries(job="scale", rate_interval="10s", range_="20s"),
             start=end - 20,
             end=end,

@@ -12,9 +12,9 @@ import shutil
 
 import pytest
 
+from syncscope.lab.servers import Prometheus
 from syncscope.monitoring.dashboards import evaluable_queries
 from syncscope.monitoring.prometheus_config import local_config
-from syncscope.servers import Prometheus
 from tests.conftest import wait_until
 
 pytestmark = [

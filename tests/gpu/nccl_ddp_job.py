@@ -183,7 +183,7 @@ def via_modules(torch, args) -> dict:
 def via_attach(torch, args) -> dict:
     from syncscope.agent import attach
 
-    from syncscope.servers import free_port, start_exporter
+    from syncscope.lab.servers import free_port, start_exporter
 
     port = free_port()
     exporter = start_exporter(port)

@@ -4,7 +4,7 @@ In-process checks of the reporter come first (fast); then real 4-rank gloo jobs 
 exporter process that is killed and restarted, stalled (SIGSTOP), or outlived by a killed
 rank. Every server binds 127.0.0.1; every wait is bounded.
 
-Record accounting used throughout: a `syncscope.workload --duration` run of S steps produces
+Record accounting used throughout: a `syncscope.lab.workload --duration` run of S steps produces
 exactly S step records, S `ddp_grad_sync` records and S // 10 broadcasts (rank 0's stop flag),
 and the agent must account for each as sent or dropped.
 """
@@ -201,8 +201,8 @@ def test_exporter_killed_and_restarted_mid_run(job_factory, tmp_path):
     prom = None
     try:
         if shutil.which("prometheus"):
+            from syncscope.lab.servers import Prometheus
             from syncscope.monitoring.prometheus_config import render_config
-            from syncscope.servers import Prometheus
 
             prom = Prometheus(render_config(f"127.0.0.1:{port}", "1s", []), str(tmp_path))
         job = job_factory(WORLD, ["--duration", "25"], first.url, job="restart")

@@ -1,7 +1,7 @@
 """The framework adapters, each driving a real tiny training loop into a real exporter.
 
 Every multi-rank run here is real gloo DDP, one process per rank with the FileStore rendezvous
-of `syncscope.launch` (so nothing listens beyond 127.0.0.1). Lightning and transformers are
+of `syncscope.lab.launch` (so nothing listens beyond 127.0.0.1). Lightning and transformers are
 optional: their tests skip where the package is absent and run where it is installed.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from syncscope.launch import launch, wait_all
+from syncscope.lab.launch import launch, wait_all
 from tests.conftest import wait_until
 
 # A training script that knows nothing about syncscope: plain DDP.

@@ -18,15 +18,14 @@ from typing import Any
 
 import pytest
 
-from syncscope import scenarios
-from syncscope.launch import wait_all
+from syncscope.lab import render, scenarios
+from syncscope.lab.launch import wait_all
+from syncscope.lab.nodes import EmulatedNodes, NodesUnavailable, iproute, list_netns
+from syncscope.lab.servers import Alertmanager, Prometheus
+from syncscope.lab.truth import compare, format_comparison, rule_window_steps
 from syncscope.monitoring import dashboards as D
-from syncscope.monitoring import render
 from syncscope.monitoring import rules as R
 from syncscope.monitoring.prometheus_config import local_config, local_window_s
-from syncscope.nodes import EmulatedNodes, NodesUnavailable, iproute, list_netns
-from syncscope.servers import Alertmanager, Prometheus
-from syncscope.truth import compare, format_comparison, rule_window_steps
 from tests.conftest import Webhook, shipped_alertmanager_config, torch_available, wait_until
 
 pytestmark = [
@@ -59,7 +58,7 @@ def emulated(nodes: int, ranks_per_node: int, **kw: Any) -> Iterator[EmulatedNod
 
 @contextlib.contextmanager
 def job_wide_nodes(tmp_path, **kw: Any) -> Iterator[tuple[EmulatedNodes, Prometheus]]:
-    """syncscope.scenarios.job_wide_nodes, skipped with the kernel's reason where refused."""
+    """syncscope.lab.scenarios.job_wide_nodes, skipped with the kernel's reason where refused."""
     try:
         with scenarios.job_wide_nodes(str(tmp_path), **kw) as both:
             yield both

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from syncscope.truth import pooled_truth, read_records, record_files
+from syncscope.lab.truth import pooled_truth, read_records, record_files
 from tests.conftest import torch_available, wait_until
 
 pytestmark = [

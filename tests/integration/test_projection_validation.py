@@ -17,7 +17,7 @@ import pytest
 from syncscope.sim.projection import project
 from syncscope.sim.records import load_jsonl
 
-from syncscope.launch import launch, wait_all
+from syncscope.lab.launch import launch, wait_all
 
 pytestmark = pytest.mark.slow
 

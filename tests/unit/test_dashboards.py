@@ -13,7 +13,7 @@ import pytest
 
 from syncscope.monitoring import dashboards as generator
 from syncscope.monitoring import rules
-from syncscope.monitoring.config import load_config
+from syncscope.thresholds import load_config
 
 yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/install-observability-tools")
 
@@ -429,7 +429,7 @@ def test_schema_sources_are_pinned():
     assert re.search(r"schemaVersion", (DASH_DIR / f"{UIDS[0]}.json").read_text())
 
 
-# -- the renderer's reading of the JSON (syncscope/monitoring/render.py), without a Prometheus
+# -- the renderer's reading of the JSON (syncscope/lab/render.py), without a Prometheus
 class _FakeProm:
     """Instant results for the triage table: rank 2 late by 31 ms on host-b, the rest early."""
 
@@ -458,7 +458,7 @@ class _FakeProm:
 
 
 def test_render_reads_the_triage_table_as_grafana_would():
-    from syncscope.monitoring import render
+    from syncscope.lab import render
 
     ctx = render.Context(_FakeProm(), generator.variable_values(job="j"), 0.0, 300.0, 5.0)
     table = next(p for p in panels(UIDS[0]) if p["title"] == "Late ranks")
@@ -487,7 +487,7 @@ def test_render_reads_the_triage_table_as_grafana_would():
 
 
 def test_render_formats_values_with_grafanas_units():
-    from syncscope.monitoring import render
+    from syncscope.lab import render
 
     assert render.format_value(0.0312, "s") == "31.2 ms"
     assert render.format_value(0, "s") == "0 s"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from syncscope import demo
 from syncscope.cli import build_parser
+from syncscope.lab import demo
 
 
 def test_a_demo_that_fails_after_starting_the_exporter_stops_it(monkeypatch):

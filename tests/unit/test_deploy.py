@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from syncscope.monitoring import rules
-from syncscope.monitoring.config import load_config
+from syncscope.thresholds import load_config
 
 yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/install-observability-tools")
 
@@ -131,7 +131,7 @@ def test_trainer_image_runs_the_workload_under_torchrun():
     runs = " ".join(arg for op, arg in ins if op == "RUN")
     assert '".[torch]"' in runs
     (cmd,) = [arg for op, arg in ins if op == "CMD"]
-    assert "torchrun" in cmd and "-m syncscope.workload" in cmd
+    assert "torchrun" in cmd and "-m syncscope.lab.workload" in cmd
     assert any(op == "ENV" and "SYNCSCOPE_EXPORTER=http://exporter:9464" in arg for op, arg in ins)
 
 

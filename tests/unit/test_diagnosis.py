@@ -35,7 +35,7 @@ from syncscope.exporter.store import (
     as_json,
 )
 
-from syncscope.demo import render_table
+from syncscope.lab.demo import render_table
 from syncscope.wire import Phase
 
 SCENARIOS = Path(__file__).resolve().parents[1] / "fixtures" / "scenarios"

@@ -16,8 +16,8 @@ from syncscope.exporter.jobwide import JobWide, PrometheusReader, parse
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import JobView, StoreView, with_job_transfer
 
+from syncscope.lab.servers import free_port
 from syncscope.monitoring import rules
-from syncscope.servers import free_port
 from tests.unit.test_diagnosis import ranks_of
 
 SETTINGS = Settings()

@@ -11,10 +11,10 @@ import subprocess
 import pytest
 import yaml
 
-from syncscope.launch import launch, wait_all
-from syncscope.nodes import _STALE, EmulatedNodes
-from syncscope.servers import alertmanager_config
-from syncscope.truth import (
+from syncscope.lab.launch import launch, wait_all
+from syncscope.lab.nodes import _STALE, EmulatedNodes
+from syncscope.lab.servers import alertmanager_config
+from syncscope.lab.truth import (
     compare,
     format_comparison,
     pooled_truth,

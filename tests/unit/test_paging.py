@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
+from syncscope.lab.servers import _Server
 from syncscope.monitoring import generate, rules
-from syncscope.monitoring.prometheus_config import duration_seconds
-from syncscope.servers import _Server
+from syncscope.thresholds import duration_seconds
 from tests.conftest import Webhook, shipped_alertmanager_config
 
 yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/install-observability-tools")
@@ -183,7 +183,7 @@ def test_the_straggler_fires_before_what_it_inhibits_shipped_and_shortened():
     """Inhibition mutes a target only while its source fires: were amplification to fire
     first, it would be notified on its own. So every alert the straggler inhibits waits
     longer (for:) than the straggler, as shipped and with the demo's shortened for:."""
-    from syncscope.monitoring.config import fast_for_overrides, load_config
+    from syncscope.thresholds import fast_for_overrides, load_config
 
     am_config = yaml.safe_load((ROOT / "deploy" / "alertmanager" / "alertmanager.yml").read_text())
     (rule,) = [
@@ -207,7 +207,7 @@ def test_the_straggler_outlasts_what_it_inhibits_shipped_and_shortened():
     """...and the other way round when it clears: those alerts read rates over windows.rate,
     so they carry the straggler's effect that long after it has gone (it recovered, the job
     ended). The straggler keeps firing at least that long, as shipped and in the demo."""
-    from syncscope.monitoring.config import demo_overrides, load_config
+    from syncscope.thresholds import demo_overrides, load_config
 
     for cfg in (load_config(), load_config(demo_overrides(load_config()))):
         keep = cfg["alerts"]["SyncscopeStraggler"].get("keep_firing_for", "0s")

@@ -13,8 +13,7 @@ import pytest
 from syncscope.cli import main as syncscope
 from syncscope.monitoring import dashboards, generate, prometheus_config
 from syncscope.monitoring import rules as gen
-from syncscope.monitoring.config import load_config
-from syncscope.monitoring.prometheus_config import duration_seconds
+from syncscope.thresholds import duration_seconds, load_config
 
 yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/install-observability-tools")
 
@@ -100,10 +99,10 @@ def test_every_alert_severity_is_tested_on_both_sides_of_its_for_boundary():
     for doc in _test_files():
         # Without a fixed order promtool runs the groups in random order (flaky for-timing).
         assert doc["group_eval_order"] == list(gen.GROUP_ORDER)
-        step = render.duration_seconds(doc["evaluation_interval"])
+        step = duration_seconds(doc["evaluation_interval"])
         for group in doc["tests"]:
             cases = group.get("alert_rule_test", [])
-            by_time = {(c["alertname"], render.duration_seconds(c["eval_time"])): c for c in cases}
+            by_time = {(c["alertname"], duration_seconds(c["eval_time"])): c for c in cases}
             for (alert, t), case in by_time.items():
                 before = by_time.get((alert, t - step))
                 for exp in case["exp_alerts"]:
@@ -144,7 +143,7 @@ def test_alerts_have_severity_for_annotations_and_a_runbook_anchor():
     cfg = load_config()
     for a in alerts:
         assert a["labels"]["severity"] in {"info", "warning", "critical"}
-        assert render.duration_seconds(a["for"]) > 0
+        assert duration_seconds(a["for"]) > 0
         assert a["annotations"]["summary"] and a["annotations"]["description"]
         anchor = f"alert-name-{a['alert'].lower()}"
         # Absolute, so that Alertmanager's and the pager's links work; the e2e tests match
@@ -352,7 +351,7 @@ def test_render_config_for_the_e2e_harness():
     assert slow["global"]["scrape_timeout"] == "10s"
     assert slow["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["am:9093"]
     with pytest.raises(ValueError):
-        render.duration_seconds("1 minute")
+        duration_seconds("1 minute")
 
 
 @needs_promtool
@@ -370,7 +369,7 @@ def test_promtool_check_config_with_the_rules(tmp_path):
 
 
 def test_thresholds_file_is_plain_json():
-    from syncscope.monitoring.config import thresholds_text
+    from syncscope.thresholds import thresholds_text
 
     data = json.loads(thresholds_text())
     assert set(data["alerts"]) == {a["alert"] for a in alert_rules(rules_doc())}

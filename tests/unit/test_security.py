@@ -17,7 +17,7 @@ from syncscope.exporter.__main__ import build_parser, settings_from_args
 from syncscope.exporter.app import create_app
 from syncscope.exporter.settings import Settings
 
-from syncscope.servers import free_port
+from syncscope.lab.servers import free_port
 from syncscope.wire import INGEST_PATH
 from tests.unit.test_fuzz_ingest import valid_batch
 

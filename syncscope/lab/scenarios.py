@@ -1,10 +1,10 @@
 """Fabric scenarios on emulated nodes, shared by the tests (one run each) and the bench (many):
 a throttled node's link, and a competing flow between nodes for part of a run (issue 16).
 
-Each runs one gloo job on 2 emulated nodes × 2 ranks (syncscope.nodes) whose exporters read the
+Each runs one gloo job on 2 emulated nodes × 2 ranks (syncscope.lab.nodes) whose exporters read the
 job-wide view back from a real Prometheus with syncscope's rules, and returns what the rules,
 the exporters and the dashboards said, evaluation by evaluation where it matters. Needs root,
-iproute2 (with tc) and Prometheus; entering raises syncscope.nodes.NodesUnavailable where the
+iproute2 (with tc) and Prometheus; entering raises syncscope.lab.nodes.NodesUnavailable where the
 kernel refuses.
 """
 
@@ -16,13 +16,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from syncscope.launch import wait_all
+from syncscope.lab.launch import wait_all
+from syncscope.lab.nodes import EmulatedNodes
+from syncscope.lab.servers import Prometheus, free_port
 from syncscope.monitoring import rules as R
-from syncscope.monitoring.config import load_config
 from syncscope.monitoring.dashboards import FABRIC_UID, evaluable_queries
 from syncscope.monitoring.prometheus_config import local_config
-from syncscope.nodes import EmulatedNodes
-from syncscope.servers import Prometheus, free_port
+from syncscope.thresholds import load_config
 
 WARM_UP_S = 15.0  # gloo connects, the first steps, the rules' first full windows
 _ALERTS = load_config()["alerts"]

@@ -1,7 +1,7 @@
 """A small real training job (gloo, CPU) with stragglers and jitter injected on purpose.
 
 It is the demo's trainer and the integration tests' subject: one rank per process, started by
-`syncscope.launch` (or torchrun), with the agent attached through the public API only. The
+`syncscope.lab.launch` (or torchrun), with the agent attached through the public API only. The
 model is data-parallel with DDP by default; `--parallel` runs it the ways large jobs do:
   fsdp2   fully_shard on every block and the root (`--no-reshard`: reshard_after_forward off;
           blocks prefetch the next one's all-gather explicitly)
@@ -27,7 +27,7 @@ from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m syncscope.workload", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m syncscope.lab.workload", description=__doc__)
     p.add_argument("--steps", type=int, default=0, help="steps to run (0: until --duration)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds to run when --steps is 0")
     p.add_argument("--hidden", type=int, default=256)

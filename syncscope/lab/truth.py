@@ -163,7 +163,7 @@ def compare(
 ) -> dict[str, Any]:
     """syncscope's estimates beside the truth, per rank and job-wide.
 
-    ``prom``: a `syncscope.servers.Prometheus` with syncscope's rules (or None); ``states``:
+    ``prom``: a `syncscope.lab.servers.Prometheus` with syncscope's rules (or None); ``states``:
     each node's exporter ``/v1/state``, in node order. The exported lead of a rank is the
     ``syncscope_arrival_lead_seconds`` gauge's value (the state's ``arrival_lead_s``). The
     rules are read at ``truth.at_unix_s`` where the truth has a window, else now.

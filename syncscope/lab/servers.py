@@ -19,6 +19,8 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from syncscope.prometheus_api import PrometheusAPI
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -117,17 +119,11 @@ class Prometheus(_Server):
         super().__init__(
             binary, [f"--config.file={config}", f"--storage.tsdb.path={storage}"], port
         )
+        self.api = PrometheusAPI(self.url, timeout=10.0)
 
     def query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
         """An instant query, now or at unix time ``at``."""
-        params: dict[str, Any] = {"query": promql}
-        if at is not None:
-            params["time"] = f"{at:.3f}"
-        url = self.url + "/api/v1/query?" + urllib.parse.urlencode(params)
-        reply = get_json(url)
-        if reply.get("status") != "success":
-            raise RuntimeError(f"query failed: {promql}: {reply}")
-        return reply["data"]["result"]
+        return self.api.instant(promql, at)
 
     def query_range(
         self, promql: str, start: float, end: float, step: float = 1.0
@@ -135,13 +131,9 @@ class Prometheus(_Server):
         """{evaluation time: {the series' labels as text ("k=v,…", sorted, no __name__):
         value}} from ``start`` to ``end``;
         with ``step`` the rules' evaluation interval, every evaluation the rules made."""
-        params = {"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": step}
-        reply = get_json(self.url + "/api/v1/query_range?" + urllib.parse.urlencode(params))
-        if reply.get("status") != "success":
-            raise RuntimeError(f"query failed: {promql}: {reply}")
         times = [start + i * step for i in range(int((end - start) // step) + 1)]
         out: dict[float, dict[str, float]] = {round(t, 3): {} for t in times}
-        for series in reply["data"]["result"]:
+        for series in self.api.range(promql, start, end, step):
             metric = sorted(series["metric"].items())
             labels = ",".join(f"{k}={v}" for k, v in metric if k != "__name__")
             for t, value in series["values"]:
@@ -149,7 +141,8 @@ class Prometheus(_Server):
         return out
 
     def alerts(self) -> list[dict[str, Any]]:
-        return get_json(self.url + "/api/v1/alerts")["data"]["alerts"]
+        alerts: list[dict[str, Any]] = self.api.get("/api/v1/alerts")["alerts"]
+        return alerts
 
 
 def alertmanager_config(

@@ -13,7 +13,7 @@ and inline-SVG time series at their grid positions) and screenshots them with he
 chromium (the Debian binary, driven by the playwright package as tests/e2e/test_status_page.py
 does).
 
-    python -m syncscope.monitoring.render --prometheus http://127.0.0.1:9090 --job demo --out docs/
+    python -m syncscope.lab.render --prometheus http://127.0.0.1:9090 --job demo --out docs/
 
 writes ``triage-row.png`` (the job overview's first row: the late-ranks table and its stats)
 and ``step-time-panel.png`` (the "Step time" time series). tests/e2e/test_dashboard_render.py
@@ -32,14 +32,13 @@ import math
 import re
 import sys
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from syncscope.monitoring import dashboards as D
+from syncscope.prometheus_api import PrometheusAPI
 
 DASHBOARD_DIR = Path(__file__).resolve().parents[2] / "dashboards"
 CHROMIUM = "/usr/bin/chromium"
@@ -87,38 +86,6 @@ def colour(name: str | None) -> str:
     if not name:
         return COLOURS["text"]
     return COLOURS.get(name, name)
-
-
-# ------------------------------------------------------------------------------ Prometheus
-
-
-class PromClient:
-    """Prometheus' HTTP API, instant and range queries (what Grafana's data source calls)."""
-
-    def __init__(self, url: str, timeout: float = 30.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-
-    def _get(self, path: str, params: dict[str, Any]) -> Any:
-        query = urllib.parse.urlencode(params)
-        url = f"{self.url}{path}?{query}"
-        with urllib.request.urlopen(url, timeout=self.timeout) as r:  # noqa: S310
-            reply = json.loads(r.read())
-        if reply.get("status") != "success":
-            raise RuntimeError(f"query failed: {params}: {reply}")
-        return reply["data"]
-
-    def instant(self, promql: str, at: float) -> list[dict[str, Any]]:
-        data = self._get("/api/v1/query", {"query": promql, "time": f"{at:.3f}"})
-        if data["resultType"] == "scalar":
-            return [{"metric": {}, "value": data["result"]}]
-        result: list[dict[str, Any]] = data["result"]
-        return result
-
-    def range(self, promql: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
-        params = {"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": step}
-        result: list[dict[str, Any]] = self._get("/api/v1/query_range", params)["result"]
-        return result
 
 
 # ------------------------------------------------------------------------------ data frames
@@ -402,7 +369,7 @@ def threshold_colour(value: Any, config: dict[str, Any]) -> str | None:
 class Context:
     """What Grafana would hold: the variables' values and the time range."""
 
-    prom: PromClient
+    prom: PrometheusAPI
     values: dict[str, str]
     start: float
     end: float
@@ -428,7 +395,7 @@ class Context:
             rate_interval=rate_interval,
             range_=f"{max(1, int(end - start))}s",
         )
-        return cls(PromClient(prom_url), values, start, end, step)
+        return cls(PrometheusAPI(prom_url), values, start, end, step)
 
     def promql(self, expr: str) -> str:
         return D.substitute(expr, self.values)
@@ -468,7 +435,7 @@ def panel_series(panel: dict[str, Any], ctx: Context) -> list[Series]:
 
 
 def series_count(
-    prom: PromClient, query: Mapping[str, Any], start: float, end: float, step: float
+    prom: PrometheusAPI, query: Mapping[str, Any], start: float, end: float, step: float
 ) -> int:
     """How many series one panel query (a D.panel_queries item) draws as Grafana runs it: an
     instant query (a table) at ``end``, its result; a range query from ``start`` to ``end``
@@ -481,7 +448,7 @@ def series_count(
 
 
 def count_series(
-    prom: PromClient,
+    prom: PrometheusAPI,
     queries: Iterable[Mapping[str, Any]],
     *,
     start: float,

@@ -8,12 +8,22 @@ machine.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 THRESHOLDS_FILE = "thresholds.json"
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def duration_seconds(text: str) -> float:
+    """Seconds in a Prometheus duration such as ``1m30s`` or ``500ms``."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"not a Prometheus duration: {text!r}")
+    return sum(float(n) * _UNITS[u] for n, u in parts)
 
 
 def thresholds_text() -> str:
@@ -77,8 +87,6 @@ def fast_for_overrides(cfg: Mapping[str, Any], duration: str) -> dict[str, str]:
     shorter than ``duration``). The order in which alerts fire stays the shipped one, so the
     straggler still fires before the alerts it inhibits in Alertmanager (with all of them
     equal, amplification fired first under load and notified on its own)."""
-    from syncscope.monitoring.prometheus_config import duration_seconds
-
     short = duration_seconds(duration)
     unit = duration_seconds(cfg["alerts"]["SyncscopeStraggler"]["for"])
     return {

@@ -2,7 +2,7 @@
 
 Everything it starts is real and bound to 127.0.0.1: the exporter under uvicorn, one process
 per rank (FileStore rendezvous, gloo on loopback), and Prometheus when it is installed. With
-``--nodes N`` the ranks are split over N emulated nodes (syncscope.nodes: network namespaces
+``--nodes N`` the ranks are split over N emulated nodes (syncscope.lab.nodes: network namespaces
 joined by veth links, one exporter per node, as root), and Prometheus scrapes every exporter.
 """
 
@@ -18,11 +18,11 @@ import tempfile
 import time
 from typing import Any
 
-from syncscope.launch import launch
+from syncscope.lab.launch import launch
+from syncscope.lab.nodes import EmulatedNodes, NodesUnavailable
+from syncscope.lab.servers import Prometheus, free_port, get_json, start_exporter
 from syncscope.monitoring.prometheus_config import local_config
 from syncscope.monitoring.rules import STRAGGLER_LAG
-from syncscope.nodes import EmulatedNodes, NodesUnavailable
-from syncscope.servers import Prometheus, free_port, get_json, start_exporter
 from syncscope.wire import PHASES
 
 SHORT = {

@@ -2,7 +2,7 @@
 
 Rendezvous goes through a FileStore and gloo is pinned to the loopback interface, so a local
 job opens no port on any other address. A caller that spreads ranks over emulated nodes
-(syncscope.nodes) passes a per-rank command prefix and environment instead.
+(syncscope.lab.nodes) passes a per-rank command prefix and environment instead.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def launch(
     world_size: int,
     args: Sequence[str],
     env: Mapping[str, str] | None = None,
-    module: str = "syncscope.workload",
+    module: str = "syncscope.lab.workload",
     stdout: int | IO[bytes] | None = None,
     stderr: int | IO[bytes] | None = None,
     *,

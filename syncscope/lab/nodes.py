@@ -18,7 +18,7 @@ entering raises `NodesUnavailable`.
     with EmulatedNodes(nodes=2, ranks_per_node=2) as cluster:
         cluster.run(["--duration", "20", "--slow-rank", "3"], job="x")  # or .launch(): Popens
         states = cluster.states()  # each node's exporter /v1/state
-        truth = cluster.truth(skip_steps=10)  # the pooled per-step truth (syncscope.truth)
+        truth = cluster.truth(skip_steps=10)  # the pooled per-step truth (syncscope.lab.truth)
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-from syncscope.launch import launch, wait_all
-from syncscope.servers import free_port, get_json, start_exporter
-from syncscope.truth import Truth, truth_from_dir
+from syncscope.lab.launch import launch, wait_all
+from syncscope.lab.servers import free_port, get_json, start_exporter
+from syncscope.lab.truth import Truth, truth_from_dir
 
 NAME_PREFIX = "syncscope-"
 SUBNET = "10.213.0"
@@ -307,7 +307,7 @@ class EmulatedNodes:
         self,
         args: Sequence[str],
         env: Mapping[str, str] | None = None,
-        module: str = "syncscope.workload",
+        module: str = "syncscope.lab.workload",
         stdout: int | IO[bytes] | None = None,
         stderr: int | IO[bytes] | None = None,
         record: bool = True,
@@ -426,7 +426,7 @@ class EmulatedNodes:
         window_s: float | None = None,
         rule_steps: Callable[[float], tuple[int, int] | None] | None = None,
     ) -> Truth:
-        """The pooled per-step truth of the latest launch (see syncscope.truth), over the
+        """The pooled per-step truth of the latest launch (see syncscope.lab.truth), over the
         last ``window_s`` of the job (or the steps ``rule_steps`` says a rule saw) when given."""
         if self.records_dir is None:
             raise RuntimeError("no launch with record=True yet")

@@ -1,0 +1,52 @@
+"""The names of the series syncscope's recording rules record, declared once.
+
+The rules (syncscope.monitoring.rules) record them, the dashboards read them, and the exporter
+reads some back from Prometheus (syncscope.exporter.jobwide): a name lives here so that none of
+those has to import another for it. Each name is `level:metric:operations`; the window is not in
+the names (it is configurable, and dashboards must not change when a deployment picks another).
+"""
+
+from __future__ import annotations
+
+WORLD_SIZE = "job:syncscope_world_size:max"
+RANKS_REPORTING = "job:syncscope_ranks_reporting:count"
+STEPS_RATE = "job:syncscope_steps:rate"
+STEP_MEAN = "job:syncscope_step_duration_seconds:mean"
+STEP_BUCKET_RATE = "job_le:syncscope_step_duration_seconds_bucket:rate"
+STEP_QUANTILE = "job:syncscope_step_duration_seconds:histogram_quantile"
+STEP_OUTLIER_QUANTILE = "job:syncscope_step_duration_seconds:outlier_quantile"
+STEP_RATIO_BUCKET_RATE = "job_le:syncscope_step_duration_ratio_bucket:rate"
+STEP_JITTER = "job:syncscope_step_duration_ratio:histogram_quantile"
+# The band of step time around each rank's median that the jitter rule records.
+JITTER_QUANTILES = (0.1, 0.9)
+STEP_CV = "job:syncscope_step_time_cv:max"
+PHASE_RATE = "job_phase:syncscope_phase_seconds:rate"
+PHASE_RATIO = "job_phase:syncscope_phase_seconds:ratio"
+COMM_EXPOSED_RATIO = "job:syncscope_comm_exposed:ratio"
+SYNC_AMPLIFICATION = "job:syncscope_sync_amplification:ratio"
+TRANSFER_SAMPLED = "job_stride_slot:syncscope_sampled_transfer_seconds:min"
+TRANSFER_NODE_MIN = "job:syncscope_node_transfer_seconds_per_step:min"
+TRANSFER_SAMPLING_GAP = "job:syncscope_sampled_transfer_seconds:gap_to_node_min"
+TRANSFER_PER_STEP = "job:syncscope_collective_transfer_seconds_per_step:min"
+TRANSFER_INFLATION = "job:syncscope_collective_transfer_seconds_per_step:ratio_to_baseline"
+DDP_BUS_BANDWIDTH = "job:syncscope_ddp_bus_bandwidth_bytes_per_second:ratio"
+LINK_CAPACITY = "job_node:syncscope_link_capacity_bytes_per_second:max"
+LINK_CAPACITY_RATIO = "job_node:syncscope_link_capacity:ratio_to_median"
+LINK_UTILIZATION = "job_node:syncscope_link_utilization_while_transferring:ratio"
+SYNC_PER_STEP = "job_rank:syncscope_collective_seconds_per_step:ratio"
+SYNC_PER_STEP_MIN = "job:syncscope_collective_seconds_per_step:min"
+# Job-wide: each rank's collective time per step beyond the rank that waits least.
+LEAD_AVG = "job_rank:syncscope_arrival_lead_seconds:avg"
+SKEW = "job:syncscope_arrival_lead_seconds:max_minus_min"
+SKEW_RATIO = "job:syncscope_arrival_skew_step:ratio"
+STRAGGLER_LAG = "job_rank:syncscope_straggler_lag_seconds:argmin_lead"
+STRAGGLER_RATIO = "job_rank:syncscope_straggler_lag_step:ratio"
+# Job-wide, per process group (its label: dp, tp, pp, shard, ...): the job's rank-time spent in
+# that group's collectives beyond the rank there that spends least: which group it loses time in.
+GROUP_WAIT = "job_group:syncscope_collective_seconds_beyond_least:ratio"
+BUS_BANDWIDTH = "job_op_group:syncscope_collective_bus_bandwidth_bytes_per_second:rate"
+TRANSFER_PER_CALL = "job_op_group:syncscope_collective_transfer_seconds:per_call"
+CONTENTION = "job_op_group:syncscope_fabric_contention:index"
+PACING_ACTIVE = "job:syncscope_pacing_active:sum"
+PACING_RATIO = "job:syncscope_pacing_delay:ratio"
+LOCALITY_FAULT = "job_rank_fault:syncscope_gpu_locality:bool"
