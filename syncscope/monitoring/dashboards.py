@@ -759,491 +759,578 @@ def job_overview(cfg: Mapping[str, Any]) -> list[tuple[str, list[tuple[int, int,
     )
     exporter = cfg["selectors"]["exporter"]
     return [
-        ("Triage: which ranks are late, where, why, since when, at what cost", triage(cfg)),
+        _overview_triage_which_ranks_are_late(cfg),
+        _overview_job_health(cfg, straggler=straggler),
+        _overview_step_time_and_phases(
+            cfg, busy=busy, exposed=exposed, by_phase=by_phase, every_rank_phase=every_rank_phase
+        ),
+        _overview_where_the_job_waits(cfg),
+        _overview_synchronization(cfg, straggler=straggler, diagnosis=diagnosis),
+        _overview_pacing(cfg, engagements=engagements),
+        _overview_alerts_agents_and_exporters(cfg, dropped=dropped, exporter=exporter),
+    ]
+
+
+def _overview_triage_which_ranks_are_late(
+    cfg: Mapping[str, Any],
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Triage: which ranks are late, where, why, since when, at what cost."""
+    return ("Triage: which ranks are late, where, why, since when, at what cost", triage(cfg))
+
+
+def _overview_job_health(
+    cfg: Mapping[str, Any], *, straggler: Any
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Job health."""
+    return (
+        "Job health",
+        [
+            (
+                4,
+                4,
+                stat_panel(
+                    "Throughput",
+                    "Steps per second, averaged over the job's ranks.",
+                    [q(rec(R.STEPS_RATE), "{{job}}")],
+                    "suffix: steps/s",
+                ),
+            ),
+            (
+                4,
+                4,
+                stat_panel(
+                    "Mean step time",
+                    "Mean wall time of a step over all ranks.",
+                    [q(rec(R.STEP_MEAN), "{{job}}")],
+                    "s",
+                ),
+            ),
+            (
+                4,
+                4,
+                stat_panel(
+                    "Step-time CV",
+                    f"Coefficient of variation of step time over the last {STEP_WINDOW} steps, "
+                    "noisiest rank. Orange/red at the SyncscopeStepTimeCVHigh levels.",
+                    [q(rec(R.STEP_CV), "{{job}}")],
+                    "none",
+                    thresholds=alert_steps(cfg, "SyncscopeStepTimeCVHigh"),
+                ),
+            ),
+            (
+                4,
+                4,
+                stat_panel(
+                    "Sync amplification",
+                    "Share of rank time spent waiting at collectives for the "
+                    "last peer (paper §3.3). Orange at the SyncscopeSyncAmplification threshold.",
+                    [q(rec(R.SYNC_AMPLIFICATION), "{{job}}")],
+                    "percentunit",
+                    thresholds=alert_steps(cfg, "SyncscopeSyncAmplification"),
+                ),
+            ),
+            (
+                4,
+                4,
+                stat_panel(
+                    "Exposed communication",
+                    "Share of step time in communication that backward did not hide.",
+                    [q(rec(R.COMM_EXPOSED_RATIO), "{{job}}")],
+                    "percentunit",
+                ),
+            ),
+            (
+                4,
+                4,
+                stat_panel(
+                    "Arrival skew",
+                    "Latest minus earliest rank, as a share of the mean step (orange from "
+                    "the SyncscopeStraggler threshold).",
+                    [q(rec(R.SKEW_RATIO), "{{job}}")],
+                    "percentunit",
+                    thresholds=steps((straggler, "orange")),
+                ),
+            ),
+        ],
+    )
+
+
+def _overview_step_time_and_phases_1(
+    cfg: Mapping[str, Any], *, busy: Any, by_phase: Any, every_rank_phase: Any
+) -> list[tuple[int, int, Any]]:
+    """Overview row "Step time and phases", panels, part 1."""
+    return [
         (
-            "Job health",
-            [
-                (
-                    4,
-                    4,
-                    stat_panel(
-                        "Throughput",
-                        "Steps per second, averaged over the job's ranks.",
-                        [q(rec(R.STEPS_RATE), "{{job}}")],
-                        "suffix: steps/s",
-                    ),
-                ),
-                (
-                    4,
-                    4,
-                    stat_panel(
-                        "Mean step time",
-                        "Mean wall time of a step over all ranks.",
-                        [q(rec(R.STEP_MEAN), "{{job}}")],
-                        "s",
-                    ),
-                ),
-                (
-                    4,
-                    4,
-                    stat_panel(
-                        "Step-time CV",
-                        f"Coefficient of variation of step time over the last {STEP_WINDOW} steps, "
-                        "noisiest rank. Orange/red at the SyncscopeStepTimeCVHigh levels.",
-                        [q(rec(R.STEP_CV), "{{job}}")],
-                        "none",
-                        thresholds=alert_steps(cfg, "SyncscopeStepTimeCVHigh"),
-                    ),
-                ),
-                (
-                    4,
-                    4,
-                    stat_panel(
-                        "Sync amplification",
-                        "Share of rank time spent waiting at collectives for the "
-                        "last peer (paper §3.3). Orange at the SyncscopeSyncAmplification threshold.",
-                        [q(rec(R.SYNC_AMPLIFICATION), "{{job}}")],
-                        "percentunit",
-                        thresholds=alert_steps(cfg, "SyncscopeSyncAmplification"),
-                    ),
-                ),
-                (
-                    4,
-                    4,
-                    stat_panel(
-                        "Exposed communication",
-                        "Share of step time in communication that backward did not hide.",
-                        [q(rec(R.COMM_EXPOSED_RATIO), "{{job}}")],
-                        "percentunit",
-                    ),
-                ),
-                (
-                    4,
-                    4,
-                    stat_panel(
-                        "Arrival skew",
-                        "Latest minus earliest rank, as a share of the mean step (orange from "
-                        "the SyncscopeStraggler threshold).",
-                        [q(rec(R.SKEW_RATIO), "{{job}}")],
-                        "percentunit",
-                        thresholds=steps((straggler, "orange")),
-                    ),
-                ),
-            ],
+            12,
+            8,
+            ts(
+                "Step time",
+                "Mean and quantiles of step wall time, job-wide (every node's "
+                "step-duration histogram pooled).",
+                [
+                    q(rec(R.STEP_MEAN), "mean"),
+                    q(rec(R.STEP_QUANTILE), "p{{quantile}}"),
+                ],
+                "s",
+            ),
         ),
         (
-            "Step time and phases",
-            [
-                (
-                    12,
-                    8,
-                    ts(
-                        "Step time",
-                        "Mean and quantiles of step wall time, job-wide (every node's "
-                        "step-duration histogram pooled).",
-                        [
-                            q(rec(R.STEP_MEAN), "mean"),
-                            q(rec(R.STEP_QUANTILE), "p{{quantile}}"),
-                        ],
-                        "s",
-                    ),
-                ),
-                (
-                    12,
-                    8,
-                    ts(
-                        "Busy time per step: the slowest ranks",
-                        f"Each rank's seconds per step outside exposed communication and "
-                        f"pacing (its phases' sum less the time it waits), for the {TOP} "
-                        "selected ranks highest over the time range, against the job's median "
-                        "and 10th-90th percentile band. A straggler sits above the band.",
-                        ranks_that_stand_out(busy),
-                        "s",
-                        band=True,
-                    ),
-                ),
-                (
-                    8,
-                    8,
-                    ts(
-                        "Phase shares",
-                        "Share of step wall time per phase, job-wide; they add up to 1.",
-                        [q(rec(R.PHASE_RATIO), "{{phase}}")],
-                        "percentunit",
-                        stack=True,
-                        max_val=1,
-                    ),
-                ),
-                (
-                    8,
-                    8,
-                    ts(
-                        "Phases of the selected ranks",
-                        "Seconds per step in each phase, averaged over the selected ranks "
-                        "(pick a rank or a node above; All: the whole job).",
-                        [q(by_phase, "{{phase}}")],
-                        "s",
-                        stack=True,
-                    ),
-                ),
-                (
-                    8,
-                    8,
-                    ts(
-                        "Phases of the selected ranks against the job's median rank",
-                        "The selected ranks' seconds per step in each phase minus the job's "
-                        "median rank's: a straggler's slow phase is above zero, its exposed "
-                        "communication below (it waits least).",
-                        [
-                            q(
-                                f"{by_phase}\n- on (phase)\n  "
-                                f"quantile by (phase) (0.5, {every_rank_phase})",
-                                "{{phase}}",
-                            )
-                        ],
-                        "s",
-                        min_val=None,
-                    ),
-                ),
-                (
-                    12,
-                    8,
-                    ts(
-                        "Step-time CV: the noisiest ranks",
-                        f"The {TOP} selected ranks with the highest coefficient of variation "
-                        "over the time range, and the job's median and band. Dashed lines: "
-                        "the SyncscopeStepTimeCVHigh levels.",
-                        ranks_that_stand_out(gauge_per_rank(cfg, M.STEP_TIME_CV.name)),
-                        "none",
-                        thresholds=alert_steps(cfg, "SyncscopeStepTimeCVHigh"),
-                        band=True,
-                    ),
-                ),
-                (
-                    12,
-                    8,
-                    ts(
-                        "Exposed communication: the ranks that wait least",
-                        "Share of each rank's wall time in exposed communication, for the "
-                        f"{TOP} selected ranks lowest over the time range, and the job's median "
-                        "and band. The straggler has the least: the others wait for it.",
-                        ranks_that_stand_out(exposed, lowest=True),
-                        "percentunit",
-                        band=True,
-                    ),
-                ),
-            ],
+            12,
+            8,
+            ts(
+                "Busy time per step: the slowest ranks",
+                f"Each rank's seconds per step outside exposed communication and "
+                f"pacing (its phases' sum less the time it waits), for the {TOP} "
+                "selected ranks highest over the time range, against the job's median "
+                "and 10th-90th percentile band. A straggler sits above the band.",
+                ranks_that_stand_out(busy),
+                "s",
+                band=True,
+            ),
         ),
         (
-            "Where the job waits: process groups and the wait chain",
-            [
-                (
-                    12,
-                    8,
-                    ts(
-                        "Rank-time lost per process group",
-                        "Share of the job's rank-time each process group's collectives take "
-                        "beyond the rank that spends least in them (groups by their mesh "
-                        f"dimension: dp, tp, pp, shard, ...), over {cfg['windows']['straggler']}. "
-                        "Where a tensor- or pipeline-parallel job loses its time.",
-                        [q(rec(R.GROUP_WAIT), "{{group}}")],
-                        "percentunit",
-                        stack=True,
-                    ),
-                ),
-                (
-                    12,
-                    8,
-                    table_panel(
-                        "Who waits for whom",
-                        f"While a straggler is named: the {TRIAGE_ROWS} ranks that wait most, "
-                        "the group each waits in most and the rank it waits for there (empty: "
-                        "a rank its exporter does not see), seconds per step. Follow Waits for "
-                        "to the straggler.",
-                        [
-                            q(
-                                f"topk({TRIAGE_ROWS}, {sel(cfg, M.VICTIM_WAIT_SECONDS.name, JOB)})",
-                                instant=True,
-                                table_format=True,
-                            )
-                        ],
-                        unit="s",
-                        hide=("Time", "job", "__name__", "instance"),
-                        rename={
-                            "rank": "Rank",
-                            "node": "Node",
-                            "group": "Group",
-                            "waits_for": "Waits for",
-                            "Value": "Wait per step",
-                        },
-                        sort=("Value", True),
-                    ),
-                ),
-            ],
+            8,
+            8,
+            ts(
+                "Phase shares",
+                "Share of step wall time per phase, job-wide; they add up to 1.",
+                [q(rec(R.PHASE_RATIO), "{{phase}}")],
+                "percentunit",
+                stack=True,
+                max_val=1,
+            ),
         ),
         (
-            "Synchronization",
-            [
-                (
-                    12,
-                    8,
-                    ts(
-                        "Amplification, exposed communication, pacing",
-                        "Job-wide shares of rank time. Dashed line: the SyncscopeSyncAmplification threshold.",
-                        [
-                            q(rec(R.SYNC_AMPLIFICATION), "waiting for peers"),
-                            q(rec(R.COMM_EXPOSED_RATIO), "exposed communication"),
-                            q(rec(R.PACING_RATIO), "pacing delay"),
-                        ],
-                        "percentunit",
-                        thresholds=alert_steps(cfg, "SyncscopeSyncAmplification"),
-                    ),
-                ),
-                (
-                    12,
-                    8,
-                    ts(
-                        "Arrival lead: the latest ranks",
-                        "How early each rank reaches collectives compared with the last one "
-                        f"(the exporter's rolling mean), for the {TOP} selected ranks lowest "
-                        "over the time range, and the job's median and band. The straggler "
-                        "sits at zero.",
-                        ranks_that_stand_out(
-                            gauge_per_rank(cfg, M.ARRIVAL_LEAD_SECONDS.name), lowest=True
-                        ),
-                        "s",
-                        band=True,
-                    ),
-                ),
-                (
-                    12,
-                    8,
-                    ts(
-                        "Arrival skew",
-                        "Latest minus earliest rank, as a share of the mean step. Dashed "
-                        "line: the SyncscopeStraggler threshold.",
-                        [q(rec(R.SKEW_RATIO), "{{job}}")],
-                        "percentunit",
-                        thresholds=steps((straggler, "orange")),
-                    ),
-                ),
-                (
-                    12,
-                    8,
-                    bargauge.Panel()
-                    .title("Diagnosis")
-                    .description(
-                        "The exporters' local score (0..1) for each failure mode of paper "
-                        "§3.3, highest over the job's exporters."
+            8,
+            8,
+            ts(
+                "Phases of the selected ranks",
+                "Seconds per step in each phase, averaged over the selected ranks "
+                "(pick a rank or a node above; All: the whole job).",
+                [q(by_phase, "{{phase}}")],
+                "s",
+                stack=True,
+            ),
+        ),
+        (
+            8,
+            8,
+            ts(
+                "Phases of the selected ranks against the job's median rank",
+                "The selected ranks' seconds per step in each phase minus the job's "
+                "median rank's: a straggler's slow phase is above zero, its exposed "
+                "communication below (it waits least).",
+                [
+                    q(
+                        f"{by_phase}\n- on (phase)\n  "
+                        f"quantile by (phase) (0.5, {every_rank_phase})",
+                        "{{phase}}",
                     )
-                    .datasource(DS)
-                    .unit("percentunit")
-                    .min(0)
-                    .max(1)
-                    .thresholds(steps((diagnosis, "orange")))
-                    .with_target(
-                        q(
-                            f"max by (mode) ({sel(cfg, M.DIAGNOSIS.name, JOB)})",
-                            "{{mode}}",
-                            instant=True,
-                        ).ref_id("A")
-                    ),
-                ),
-            ],
-        ),
-        (
-            "Pacing",
-            [
-                (
-                    8,
-                    8,
-                    ts(
-                        "Ranks paced",
-                        "Share of the job's ranks whose pacing controller is delaying them "
-                        "now (paper §4.3, §5.3). Engaged without a break for long: see "
-                        "SyncscopePacingEngagedLong.",
-                        [
-                            q(
-                                f"{rec(R.PACING_ACTIVE)}\n/ on (job)\n  {rec(R.WORLD_SIZE)}",
-                                "ranks paced",
-                            )
-                        ],
-                        "percentunit",
-                        max_val=1,
-                    ),
-                ),
-                (
-                    8,
-                    8,
-                    ts(
-                        "Pacing delay: the most delayed ranks",
-                        f"Current delay of the {TOP} selected ranks delayed most over the "
-                        "time range, the job's median delay and median engage threshold.",
-                        [
-                            *ranks_that_stand_out(
-                                gauge_per_rank(cfg, M.PACING_CURRENT_DELAY_SECONDS.name),
-                                band=False,
-                            ),
-                            q(
-                                "quantile by (job) (0.5, "
-                                f"{sel(cfg, M.PACING_CURRENT_DELAY_SECONDS.name, JOB)})",
-                                "median",
-                            ),
-                            q(
-                                "quantile by (job) (0.5, "
-                                f"{sel(cfg, M.PACING_THRESHOLD_SECONDS.name, JOB)})",
-                                "median threshold",
-                            ),
-                        ],
-                        "s",
-                    ),
-                ),
-                (
-                    8,
-                    8,
-                    ts(
-                        "Pacing engagements per step",
-                        f"Engagements per step of the {TOP} selected ranks engaging most "
-                        "often over the time range, and the job's median and band.",
-                        ranks_that_stand_out(engagements),
-                        "short",
-                        band=True,
-                    ),
-                ),
-            ],
-        ),
-        (
-            "Alerts, agents and exporters",
-            [
-                (
-                    12,
-                    8,
-                    table_panel(
-                        "Active syncscope alerts",
-                        "Pending and firing syncscope alerts (ALERTS) and how long each has "
-                        "been active (ALERTS_FOR_STATE).",
-                        [
-                            q(
-                                f'ALERTS{{alertname=~"{ALERT_PREFIX}.+"}}',
-                                instant=True,
-                                table_format=True,
-                            ),
-                            q(
-                                f'time() - ALERTS_FOR_STATE{{alertname=~"{ALERT_PREFIX}.+"}}',
-                                instant=True,
-                                table_format=True,
-                            ),
-                        ],
-                        hide=("Time", "__name__", "Value #A"),
-                        rename={
-                            "alertname": "Alert",
-                            "severity": "Severity",
-                            "alertstate": "State",
-                            "job": "Job",
-                            "Value #B": "Active for",
-                        },
-                        sort=("Value #B", True),
-                        columns={
-                            "Active for": [prop("unit", "dtdurations")],
-                            "State": [
-                                prop(
-                                    "mappings",
-                                    [
-                                        {
-                                            "type": "value",
-                                            "options": {
-                                                "firing": {"color": "red", "index": 0},
-                                                "pending": {"color": "orange", "index": 1},
-                                            },
-                                        }
-                                    ],
-                                ),
-                                prop("custom.cellOptions", {"type": "color-text"}),
-                            ],
-                        },
-                    ),
-                ),
-                (
-                    12,
-                    8,
-                    ts(
-                        "Records dropped and rejected",
-                        f"Agent records dropped per step by the {TOP} selected ranks dropping "
-                        "most (exporter slow or unreachable), and records the exporters "
-                        "rejected and ingested per second.",
-                        [
-                            *ranks_that_stand_out(
-                                dropped, "dropped/step rank {{rank}}", band=False
-                            ),
-                            q(
-                                f"sum by (reason) (rate({M.EXPORTER_INGEST_REJECTED_TOTAL.name}[{RATE}]))",
-                                "rejected/s {{reason}}",
-                            ),
-                            q(
-                                f"sum(rate({M.EXPORTER_INGEST_RECORDS_TOTAL.name}[{RATE}]))",
-                                "ingested/s",
-                            ),
-                        ],
-                        "short",
-                    ),
-                ),
-                (
-                    8,
-                    6,
-                    table_panel(
-                        "Exporters",
-                        "Scrape success of the syncscope exporters, down ones first (at most "
-                        f"{MAX_SERIES} listed).",
-                        [
-                            q(
-                                f"bottomk({MAX_SERIES}, up{{{exporter}}})",
-                                instant=True,
-                                table_format=True,
-                            )
-                        ],
-                        hide=("Time", "__name__", "job"),
-                        rename={"instance": "Exporter", "Value": "Scrape"},
-                        sort=("Value", False),
-                        mappings=value_map((0, "down", "red"), (1, "up", "green")),
-                        thresholds=steps((1, "green"), base="red"),
-                    ),
-                ),
-                (
-                    8,
-                    6,
-                    stat_panel(
-                        "Collectors succeeding",
-                        "Whether each exporter collector succeeded at the last scrape, on "
-                        "every exporter (failing: on at least one).",
-                        [
-                            q(
-                                f"min by (collector) ({M.EXPORTER_COLLECTOR_SUCCESS.name})",
-                                "{{collector}}",
-                            )
-                        ],
-                        "none",
-                        mappings=value_map((0, "failing", "red"), (1, "ok", "green")),
-                        thresholds=steps((1, "green"), base="red"),
-                    ),
-                ),
-                (
-                    8,
-                    6,
-                    ts(
-                        "Collector duration",
-                        "Time each exporter collector took at scrape time, slowest exporter.",
-                        [
-                            q(
-                                f"max by (collector) ({M.EXPORTER_COLLECTOR_DURATION_SECONDS.name})",
-                                "{{collector}}",
-                            )
-                        ],
-                        "s",
-                    ),
-                ),
-            ],
+                ],
+                "s",
+                min_val=None,
+            ),
         ),
     ]
+
+
+def _overview_step_time_and_phases_2(
+    cfg: Mapping[str, Any], *, exposed: Any
+) -> list[tuple[int, int, Any]]:
+    """Overview row "Step time and phases", panels, part 2."""
+    return [
+        (
+            12,
+            8,
+            ts(
+                "Step-time CV: the noisiest ranks",
+                f"The {TOP} selected ranks with the highest coefficient of variation "
+                "over the time range, and the job's median and band. Dashed lines: "
+                "the SyncscopeStepTimeCVHigh levels.",
+                ranks_that_stand_out(gauge_per_rank(cfg, M.STEP_TIME_CV.name)),
+                "none",
+                thresholds=alert_steps(cfg, "SyncscopeStepTimeCVHigh"),
+                band=True,
+            ),
+        ),
+        (
+            12,
+            8,
+            ts(
+                "Exposed communication: the ranks that wait least",
+                "Share of each rank's wall time in exposed communication, for the "
+                f"{TOP} selected ranks lowest over the time range, and the job's median "
+                "and band. The straggler has the least: the others wait for it.",
+                ranks_that_stand_out(exposed, lowest=True),
+                "percentunit",
+                band=True,
+            ),
+        ),
+    ]
+
+
+def _overview_step_time_and_phases(
+    cfg: Mapping[str, Any], *, busy: Any, exposed: Any, by_phase: Any, every_rank_phase: Any
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Step time and phases."""
+    return (
+        "Step time and phases",
+        [
+            *_overview_step_time_and_phases_1(
+                cfg, busy=busy, by_phase=by_phase, every_rank_phase=every_rank_phase
+            ),
+            *_overview_step_time_and_phases_2(cfg, exposed=exposed),
+        ],
+    )
+
+
+def _overview_where_the_job_waits(
+    cfg: Mapping[str, Any],
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Where the job waits: process groups and the wait chain."""
+    return (
+        "Where the job waits: process groups and the wait chain",
+        [
+            (
+                12,
+                8,
+                ts(
+                    "Rank-time lost per process group",
+                    "Share of the job's rank-time each process group's collectives take "
+                    "beyond the rank that spends least in them (groups by their mesh "
+                    f"dimension: dp, tp, pp, shard, ...), over {cfg['windows']['straggler']}. "
+                    "Where a tensor- or pipeline-parallel job loses its time.",
+                    [q(rec(R.GROUP_WAIT), "{{group}}")],
+                    "percentunit",
+                    stack=True,
+                ),
+            ),
+            (
+                12,
+                8,
+                table_panel(
+                    "Who waits for whom",
+                    f"While a straggler is named: the {TRIAGE_ROWS} ranks that wait most, "
+                    "the group each waits in most and the rank it waits for there (empty: "
+                    "a rank its exporter does not see), seconds per step. Follow Waits for "
+                    "to the straggler.",
+                    [
+                        q(
+                            f"topk({TRIAGE_ROWS}, {sel(cfg, M.VICTIM_WAIT_SECONDS.name, JOB)})",
+                            instant=True,
+                            table_format=True,
+                        )
+                    ],
+                    unit="s",
+                    hide=("Time", "job", "__name__", "instance"),
+                    rename={
+                        "rank": "Rank",
+                        "node": "Node",
+                        "group": "Group",
+                        "waits_for": "Waits for",
+                        "Value": "Wait per step",
+                    },
+                    sort=("Value", True),
+                ),
+            ),
+        ],
+    )
+
+
+def _overview_synchronization(
+    cfg: Mapping[str, Any], *, straggler: Any, diagnosis: Any
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Synchronization."""
+    return (
+        "Synchronization",
+        [
+            (
+                12,
+                8,
+                ts(
+                    "Amplification, exposed communication, pacing",
+                    "Job-wide shares of rank time. Dashed line: the SyncscopeSyncAmplification threshold.",
+                    [
+                        q(rec(R.SYNC_AMPLIFICATION), "waiting for peers"),
+                        q(rec(R.COMM_EXPOSED_RATIO), "exposed communication"),
+                        q(rec(R.PACING_RATIO), "pacing delay"),
+                    ],
+                    "percentunit",
+                    thresholds=alert_steps(cfg, "SyncscopeSyncAmplification"),
+                ),
+            ),
+            (
+                12,
+                8,
+                ts(
+                    "Arrival lead: the latest ranks",
+                    "How early each rank reaches collectives compared with the last one "
+                    f"(the exporter's rolling mean), for the {TOP} selected ranks lowest "
+                    "over the time range, and the job's median and band. The straggler "
+                    "sits at zero.",
+                    ranks_that_stand_out(
+                        gauge_per_rank(cfg, M.ARRIVAL_LEAD_SECONDS.name), lowest=True
+                    ),
+                    "s",
+                    band=True,
+                ),
+            ),
+            (
+                12,
+                8,
+                ts(
+                    "Arrival skew",
+                    "Latest minus earliest rank, as a share of the mean step. Dashed "
+                    "line: the SyncscopeStraggler threshold.",
+                    [q(rec(R.SKEW_RATIO), "{{job}}")],
+                    "percentunit",
+                    thresholds=steps((straggler, "orange")),
+                ),
+            ),
+            (
+                12,
+                8,
+                bargauge.Panel()
+                .title("Diagnosis")
+                .description(
+                    "The exporters' local score (0..1) for each failure mode of paper "
+                    "§3.3, highest over the job's exporters."
+                )
+                .datasource(DS)
+                .unit("percentunit")
+                .min(0)
+                .max(1)
+                .thresholds(steps((diagnosis, "orange")))
+                .with_target(
+                    q(
+                        f"max by (mode) ({sel(cfg, M.DIAGNOSIS.name, JOB)})",
+                        "{{mode}}",
+                        instant=True,
+                    ).ref_id("A")
+                ),
+            ),
+        ],
+    )
+
+
+def _overview_pacing(
+    cfg: Mapping[str, Any], *, engagements: Any
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Pacing."""
+    return (
+        "Pacing",
+        [
+            (
+                8,
+                8,
+                ts(
+                    "Ranks paced",
+                    "Share of the job's ranks whose pacing controller is delaying them "
+                    "now (paper §4.3, §5.3). Engaged without a break for long: see "
+                    "SyncscopePacingEngagedLong.",
+                    [
+                        q(
+                            f"{rec(R.PACING_ACTIVE)}\n/ on (job)\n  {rec(R.WORLD_SIZE)}",
+                            "ranks paced",
+                        )
+                    ],
+                    "percentunit",
+                    max_val=1,
+                ),
+            ),
+            (
+                8,
+                8,
+                ts(
+                    "Pacing delay: the most delayed ranks",
+                    f"Current delay of the {TOP} selected ranks delayed most over the "
+                    "time range, the job's median delay and median engage threshold.",
+                    [
+                        *ranks_that_stand_out(
+                            gauge_per_rank(cfg, M.PACING_CURRENT_DELAY_SECONDS.name),
+                            band=False,
+                        ),
+                        q(
+                            "quantile by (job) (0.5, "
+                            f"{sel(cfg, M.PACING_CURRENT_DELAY_SECONDS.name, JOB)})",
+                            "median",
+                        ),
+                        q(
+                            "quantile by (job) (0.5, "
+                            f"{sel(cfg, M.PACING_THRESHOLD_SECONDS.name, JOB)})",
+                            "median threshold",
+                        ),
+                    ],
+                    "s",
+                ),
+            ),
+            (
+                8,
+                8,
+                ts(
+                    "Pacing engagements per step",
+                    f"Engagements per step of the {TOP} selected ranks engaging most "
+                    "often over the time range, and the job's median and band.",
+                    ranks_that_stand_out(engagements),
+                    "short",
+                    band=True,
+                ),
+            ),
+        ],
+    )
+
+
+def _overview_alerts_agents_and_exporters_1(
+    cfg: Mapping[str, Any], *, dropped: Any
+) -> list[tuple[int, int, Any]]:
+    """Overview row "Alerts, agents and exporters", panels, part 1."""
+    return [
+        (
+            12,
+            8,
+            table_panel(
+                "Active syncscope alerts",
+                "Pending and firing syncscope alerts (ALERTS) and how long each has "
+                "been active (ALERTS_FOR_STATE).",
+                [
+                    q(
+                        f'ALERTS{{alertname=~"{ALERT_PREFIX}.+"}}',
+                        instant=True,
+                        table_format=True,
+                    ),
+                    q(
+                        f'time() - ALERTS_FOR_STATE{{alertname=~"{ALERT_PREFIX}.+"}}',
+                        instant=True,
+                        table_format=True,
+                    ),
+                ],
+                hide=("Time", "__name__", "Value #A"),
+                rename={
+                    "alertname": "Alert",
+                    "severity": "Severity",
+                    "alertstate": "State",
+                    "job": "Job",
+                    "Value #B": "Active for",
+                },
+                sort=("Value #B", True),
+                columns={
+                    "Active for": [prop("unit", "dtdurations")],
+                    "State": [
+                        prop(
+                            "mappings",
+                            [
+                                {
+                                    "type": "value",
+                                    "options": {
+                                        "firing": {"color": "red", "index": 0},
+                                        "pending": {"color": "orange", "index": 1},
+                                    },
+                                }
+                            ],
+                        ),
+                        prop("custom.cellOptions", {"type": "color-text"}),
+                    ],
+                },
+            ),
+        ),
+        (
+            12,
+            8,
+            ts(
+                "Records dropped and rejected",
+                f"Agent records dropped per step by the {TOP} selected ranks dropping "
+                "most (exporter slow or unreachable), and records the exporters "
+                "rejected and ingested per second.",
+                [
+                    *ranks_that_stand_out(dropped, "dropped/step rank {{rank}}", band=False),
+                    q(
+                        f"sum by (reason) (rate({M.EXPORTER_INGEST_REJECTED_TOTAL.name}[{RATE}]))",
+                        "rejected/s {{reason}}",
+                    ),
+                    q(
+                        f"sum(rate({M.EXPORTER_INGEST_RECORDS_TOTAL.name}[{RATE}]))",
+                        "ingested/s",
+                    ),
+                ],
+                "short",
+            ),
+        ),
+    ]
+
+
+def _overview_alerts_agents_and_exporters_2(
+    cfg: Mapping[str, Any], *, exporter: Any
+) -> list[tuple[int, int, Any]]:
+    """Overview row "Alerts, agents and exporters", panels, part 2."""
+    return [
+        (
+            8,
+            6,
+            table_panel(
+                "Exporters",
+                "Scrape success of the syncscope exporters, down ones first (at most "
+                f"{MAX_SERIES} listed).",
+                [
+                    q(
+                        f"bottomk({MAX_SERIES}, up{{{exporter}}})",
+                        instant=True,
+                        table_format=True,
+                    )
+                ],
+                hide=("Time", "__name__", "job"),
+                rename={"instance": "Exporter", "Value": "Scrape"},
+                sort=("Value", False),
+                mappings=value_map((0, "down", "red"), (1, "up", "green")),
+                thresholds=steps((1, "green"), base="red"),
+            ),
+        ),
+        (
+            8,
+            6,
+            stat_panel(
+                "Collectors succeeding",
+                "Whether each exporter collector succeeded at the last scrape, on "
+                "every exporter (failing: on at least one).",
+                [
+                    q(
+                        f"min by (collector) ({M.EXPORTER_COLLECTOR_SUCCESS.name})",
+                        "{{collector}}",
+                    )
+                ],
+                "none",
+                mappings=value_map((0, "failing", "red"), (1, "ok", "green")),
+                thresholds=steps((1, "green"), base="red"),
+            ),
+        ),
+        (
+            8,
+            6,
+            ts(
+                "Collector duration",
+                "Time each exporter collector took at scrape time, slowest exporter.",
+                [
+                    q(
+                        f"max by (collector) ({M.EXPORTER_COLLECTOR_DURATION_SECONDS.name})",
+                        "{{collector}}",
+                    )
+                ],
+                "s",
+            ),
+        ),
+    ]
+
+
+def _overview_alerts_agents_and_exporters(
+    cfg: Mapping[str, Any], *, dropped: Any, exporter: Any
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Alerts, agents and exporters."""
+    return (
+        "Alerts, agents and exporters",
+        [
+            *_overview_alerts_agents_and_exporters_1(cfg, dropped=dropped),
+            *_overview_alerts_agents_and_exporters_2(cfg, exporter=exporter),
+        ],
+    )
 
 
 def fabric_locality(cfg: Mapping[str, Any]) -> list[tuple[str, list[tuple[int, int, Any]]]]:
@@ -1310,329 +1397,389 @@ def fabric_locality(cfg: Mapping[str, Any]) -> list[tuple[str, list[tuple[int, i
         f"({sel(cfg, M.GPU_INFO.name, JOB, NODE, RANK)})\nand on (job, rank)\n  {topology_rows}"
     )
     return [
+        _fabric_slow_link_and_contention(cfg, nodes=nodes),
+        _fabric_collectives(cfg, seconds=seconds, wait=wait, groups=groups),
+        _fabric_arrival_skew(cfg, lead=lead, waiting=waiting),
+        _fabric_gpu_locality(cfg, gpu_rank=gpu_rank, topology=topology, info=info),
+    ]
+
+
+def _fabric_slow_link_and_contention_1(
+    cfg: Mapping[str, Any], *, nodes: Any
+) -> list[tuple[int, int, Any]]:
+    """Fabric row "Fabric: slow link and contention", panels, part 1."""
+    return [
         (
-            "Fabric: slow link and contention",
-            [
-                (
-                    8,
-                    8,
-                    ts(
-                        "Link capacity: the slowest nodes",
-                        "What each node's link is known to carry each way (negotiated speed, "
-                        f"or a shaping of it), as its ranks read it at start: the {TOP} selected "
-                        "nodes lowest, and the job's median and band. In a synchronous "
-                        "collective the job moves at the pace of the lowest.",
-                        nodes(R.LINK_CAPACITY, lowest=True),
-                        "Bps",
-                        band=True,
-                    ),
-                ),
-                (
-                    8,
-                    8,
-                    ts(
-                        "Slow link: capacity against the job's median node",
-                        "Each node's link capacity over the median node's, for the "
-                        f"{TOP} selected nodes lowest. Dashed line: the SyncscopeSlowLink "
-                        "threshold; a node under it is the slow link.",
-                        nodes(R.LINK_CAPACITY_RATIO, lowest=True),
-                        "percentunit",
-                        thresholds=steps(
-                            (cfg["alerts"]["SyncscopeSlowLink"]["levels"][0]["threshold"], "green"),
-                            base="red",
-                        ),
-                        band=True,
-                    ),
-                ),
-                (
-                    8,
-                    8,
-                    ts(
-                        "Link utilisation while the job transfers: the busiest nodes",
-                        "Each node's link throughput over the time the job spends in its "
-                        "transfer, as a share of the link's capacity, for the "
-                        f"{TOP} selected nodes highest: the slow link sits near 100 % while "
-                        "the others idle.",
-                        nodes(R.LINK_UTILIZATION),
-                        "percentunit",
-                        band=True,
-                    ),
-                ),
-                (
-                    8,
-                    8,
-                    ts(
-                        "DDP bus bandwidth",
-                        "Gradient bytes per step over the job's transfer per step (the exposed "
-                        "sync after the last rank arrives), with nccl-tests' all-reduce factor "
-                        "2(n−1)/n.",
-                        [q(rec(R.DDP_BUS_BANDWIDTH), "{{job}}")],
-                        "Bps",
-                    ),
-                ),
-                (
-                    8,
-                    8,
-                    ts(
-                        "Transfer per step",
-                        "The job's transfer per step (after its last rank arrives), from the "
-                        "steps every node samples alike.",
-                        [q(rec(R.TRANSFER_PER_STEP), "{{job}}")],
-                        "s",
-                    ),
-                ),
-                (
-                    8,
-                    8,
-                    ts(
-                        "Transfer inflation (contention window)",
-                        "The recent transfer per step over its own 10th percentile in the "
-                        "baseline window: contention while it is above the dashed "
-                        "SyncscopeFabricContention threshold. A link slow from the start stays "
-                        "near 1 here and shows as the slow link instead.",
-                        [q(rec(R.TRANSFER_INFLATION), "{{job}}")],
-                        "none",
-                        thresholds=alert_steps(cfg, "SyncscopeFabricContention"),
-                    ),
-                ),
-            ],
+            8,
+            8,
+            ts(
+                "Link capacity: the slowest nodes",
+                "What each node's link is known to carry each way (negotiated speed, "
+                f"or a shaping of it), as its ranks read it at start: the {TOP} selected "
+                "nodes lowest, and the job's median and band. In a synchronous "
+                "collective the job moves at the pace of the lowest.",
+                nodes(R.LINK_CAPACITY, lowest=True),
+                "Bps",
+                band=True,
+            ),
         ),
         (
-            "Collectives",
-            [
-                (
-                    12,
-                    8,
-                    ts(
-                        "Bus bandwidth by op: the slowest groups",
-                        "Achieved bus bandwidth (nccl-tests convention) from bytes and the "
-                        "transfer part of durations, for the 10 op/group pairs lowest over the "
-                        "time range; DDP's gradient sync is exposed time only and not shown.",
-                        groups(R.BUS_BANDWIDTH, lowest=True),
-                        "Bps",
-                    ),
+            8,
+            8,
+            ts(
+                "Slow link: capacity against the job's median node",
+                "Each node's link capacity over the median node's, for the "
+                f"{TOP} selected nodes lowest. Dashed line: the SyncscopeSlowLink "
+                "threshold; a node under it is the slow link.",
+                nodes(R.LINK_CAPACITY_RATIO, lowest=True),
+                "percentunit",
+                thresholds=steps(
+                    (cfg["alerts"]["SyncscopeSlowLink"]["levels"][0]["threshold"], "green"),
+                    base="red",
                 ),
-                (
-                    12,
-                    8,
-                    ts(
-                        "Transfer vs wait by op",
-                        "Rank-seconds per second in collectives on the selected nodes: "
-                        "transfer (duration minus wait) and waiting for the last peer.",
-                        [
-                            q(
-                                f"sum by (op) (rate({seconds}[{RATE}])) - sum by (op) (rate({wait}[{RATE}]))",
-                                "{{op}} transfer",
-                            ),
-                            q(f"sum by (op) (rate({wait}[{RATE}]))", "{{op}} wait"),
-                        ],
-                        "s",
-                        stack=True,
-                    ),
-                ),
-                (
-                    12,
-                    8,
-                    ts(
-                        "Transfer time per call: the slowest groups",
-                        "Transfer part of one call, job-wide, for the 10 op/group pairs "
-                        "highest over the time range.",
-                        groups(R.TRANSFER_PER_CALL),
-                        "s",
-                    ),
-                ),
-                (
-                    12,
-                    8,
-                    ts(
-                        "Contention index: the most contended groups",
-                        "Transfer per call (per step for DDP's gradient sync) over its own "
-                        "10th percentile in the baseline window, for the 10 op/group pairs "
-                        "highest over the time range; calls other than DDP's only while arrival "
-                        "skew is low. Dashed line: the SyncscopeFabricContention threshold.",
-                        groups(R.CONTENTION),
-                        "none",
-                        thresholds=alert_steps(cfg, "SyncscopeFabricContention"),
-                    ),
-                ),
-            ],
+                band=True,
+            ),
         ),
         (
-            "Arrival skew",
-            [
-                (
-                    12,
-                    9,
-                    heatmap.Panel()
-                    .title("Arrival lead: the 20 latest ranks")
-                    .description(
-                        "One row per rank for the 20 selected ranks that arrive latest over the "
-                        "time range, colour = how early each reaches collectives; the "
-                        "straggler's row stays cold (zero is drawn, not filtered out)."
-                    )
-                    .datasource(DS)
-                    .calculate(False)
-                    .filter_values(heatmap.FilterValueRange().le(-1e-9))
-                    .unit("s")
-                    .with_target(
-                        ranks_that_stand_out(lead, "{{rank}}", k=20, lowest=True, band=False)[
-                            0
-                        ].ref_id("A")
-                    ),
-                ),
-                (
-                    12,
-                    9,
-                    ts(
-                        "Waiting for the last rank: who waits most",
-                        "Each rank's collective time per step beyond the rank that waits least "
-                        f"(its lead over the straggler), as a share of the mean step, for the "
-                        f"{TOP} selected ranks highest, and the job's median and band.",
-                        ranks_that_stand_out(waiting),
-                        "percentunit",
-                        band=True,
-                    ),
-                ),
-                (
-                    24,
-                    6,
-                    ts(
-                        "Arrival skew",
-                        "Latest minus earliest rank (seconds) over the straggler window.",
-                        [q(rec(R.SKEW), "{{job}}")],
-                        "s",
-                    ),
-                ),
-            ],
+            8,
+            8,
+            ts(
+                "Link utilisation while the job transfers: the busiest nodes",
+                "Each node's link throughput over the time the job spends in its "
+                "transfer, as a share of the link's capacity, for the "
+                f"{TOP} selected nodes highest: the slow link sits near 100 % while "
+                "the others idle.",
+                nodes(R.LINK_UTILIZATION),
+                "percentunit",
+                band=True,
+            ),
         ),
         (
-            "GPU locality",
-            [
-                (
-                    16,
-                    8,
-                    table_panel(
-                        "Topology",
-                        "GPU, NIC, PCIe link (current vs max), NVLink and NUMA placement of the "
-                        "selected ranks, those with locality faults first (20 at most).",
-                        [
-                            q(info, instant=True, table_format=True),
-                            topology(M.GPU_PCIE_LINK_WIDTH.name),
-                            topology(M.GPU_PCIE_LINK_MAX_WIDTH.name),
-                            topology(M.GPU_PCIE_LINK_GENERATION.name),
-                            topology(M.GPU_PCIE_LINK_MAX_GENERATION.name),
-                            topology(M.GPU_NVLINK_ACTIVE_LINKS.name),
-                            topology(M.GPU_NUMA_MISMATCH.name),
-                        ],
-                        hide=("Time", "__name__", "job", "Value #A"),
-                        rename={
-                            "node": "Node",
-                            "rank": "Rank",
-                            "name": "GPU",
-                            "pci_bus_id": "PCI bus",
-                            "numa_node": "NUMA node",
-                            "nic": "NIC",
-                            "nic_distance": "NIC distance",
-                            "Value #B": "PCIe width",
-                            "Value #C": "max width",
-                            "Value #D": "PCIe gen",
-                            "Value #E": "max gen",
-                            "Value #F": "NVLink links",
-                            "Value #G": "NUMA mismatch",
-                        },
-                        columns={
-                            "NUMA mismatch": [
-                                prop(
-                                    "mappings",
-                                    value_map_json((0, "ok", "green"), (1, "mismatch", "red")),
-                                ),
-                                prop("custom.cellOptions", {"type": "color-text"}),
-                            ]
-                        },
-                    ),
-                ),
-                (
-                    8,
-                    8,
-                    table_panel(
-                        "Locality faults",
-                        "Faults present (PCIe below max width or generation, or NUMA mismatch: "
-                        f"SyncscopeLocalityFault) on the selected ranks, faults first ({MAX_SERIES} "
-                        "rows at most).",
-                        [
-                            q(
-                                f"topk({MAX_SERIES}, {rec(R.LOCALITY_FAULT, NODE, RANK)})",
-                                instant=True,
-                                table_format=True,
-                            )
-                        ],
-                        hide=("Time", "__name__", "job"),
-                        rename={"node": "Node", "rank": "Rank", "fault": "Fault", "Value": "State"},
-                        sort=("Value", True),
-                        thresholds=steps((1, "red")),
-                        mappings=value_map((0, "ok", "green"), (1, "fault", "red")),
-                    ),
-                ),
-                (
-                    8,
-                    8,
-                    ts(
-                        "SM clock: the slowest GPUs",
-                        f"Streaming-multiprocessor clock of the {TOP} selected ranks lowest, and "
-                        "the job's median and band.",
-                        ranks_that_stand_out(gpu_rank(M.GPU_SM_CLOCK_HERTZ.name), lowest=True),
-                        "hertz",
-                        band=True,
-                    ),
-                ),
-                (
-                    8,
-                    8,
-                    ts(
-                        "Temperature: the hottest GPUs",
-                        f"GPU temperature of the {TOP} selected ranks highest, and the job's "
-                        "median and band.",
-                        ranks_that_stand_out(gpu_rank(M.GPU_TEMPERATURE_CELSIUS.name)),
-                        "celsius",
-                        band=True,
-                    ),
-                ),
-                (
-                    8,
-                    8,
-                    ts(
-                        "Power: the GPUs drawing most",
-                        f"GPU power draw of the {TOP} selected ranks highest, and the job's "
-                        "median and band.",
-                        ranks_that_stand_out(gpu_rank(M.GPU_POWER_WATTS.name)),
-                        "watt",
-                        band=True,
-                    ),
-                ),
-                (
-                    24,
-                    6,
-                    table_panel(
-                        "Throttle reasons",
-                        "NVML clock-throttle reason bitmask (0 = none) of the selected ranks, "
-                        "highest first (20 at most).",
-                        [
-                            q(
-                                f"topk(20, max by ({BY_RANK}) "
-                                f"({sel(cfg, M.GPU_THROTTLE_REASONS.name, JOB, NODE, RANK)}))",
-                                instant=True,
-                                table_format=True,
-                            )
-                        ],
-                        hide=("Time", "__name__", "job"),
-                        rename={"node": "Node", "rank": "Rank", "Value": "Reasons"},
-                        sort=("Value", True),
-                        thresholds=steps((1, "orange")),
-                    ),
-                ),
-            ],
+            8,
+            8,
+            ts(
+                "DDP bus bandwidth",
+                "Gradient bytes per step over the job's transfer per step (the exposed "
+                "sync after the last rank arrives), with nccl-tests' all-reduce factor "
+                "2(n−1)/n.",
+                [q(rec(R.DDP_BUS_BANDWIDTH), "{{job}}")],
+                "Bps",
+            ),
+        ),
+        (
+            8,
+            8,
+            ts(
+                "Transfer per step",
+                "The job's transfer per step (after its last rank arrives), from the "
+                "steps every node samples alike.",
+                [q(rec(R.TRANSFER_PER_STEP), "{{job}}")],
+                "s",
+            ),
         ),
     ]
+
+
+def _fabric_slow_link_and_contention_2(cfg: Mapping[str, Any]) -> list[tuple[int, int, Any]]:
+    """Fabric row "Fabric: slow link and contention", panels, part 2."""
+    return [
+        (
+            8,
+            8,
+            ts(
+                "Transfer inflation (contention window)",
+                "The recent transfer per step over its own 10th percentile in the "
+                "baseline window: contention while it is above the dashed "
+                "SyncscopeFabricContention threshold. A link slow from the start stays "
+                "near 1 here and shows as the slow link instead.",
+                [q(rec(R.TRANSFER_INFLATION), "{{job}}")],
+                "none",
+                thresholds=alert_steps(cfg, "SyncscopeFabricContention"),
+            ),
+        ),
+    ]
+
+
+def _fabric_slow_link_and_contention(
+    cfg: Mapping[str, Any], *, nodes: Any
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Fabric row: Fabric: slow link and contention."""
+    return (
+        "Fabric: slow link and contention",
+        [
+            *_fabric_slow_link_and_contention_1(cfg, nodes=nodes),
+            *_fabric_slow_link_and_contention_2(cfg),
+        ],
+    )
+
+
+def _fabric_collectives(
+    cfg: Mapping[str, Any], *, seconds: Any, wait: Any, groups: Any
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Fabric row: Collectives."""
+    return (
+        "Collectives",
+        [
+            (
+                12,
+                8,
+                ts(
+                    "Bus bandwidth by op: the slowest groups",
+                    "Achieved bus bandwidth (nccl-tests convention) from bytes and the "
+                    "transfer part of durations, for the 10 op/group pairs lowest over the "
+                    "time range; DDP's gradient sync is exposed time only and not shown.",
+                    groups(R.BUS_BANDWIDTH, lowest=True),
+                    "Bps",
+                ),
+            ),
+            (
+                12,
+                8,
+                ts(
+                    "Transfer vs wait by op",
+                    "Rank-seconds per second in collectives on the selected nodes: "
+                    "transfer (duration minus wait) and waiting for the last peer.",
+                    [
+                        q(
+                            f"sum by (op) (rate({seconds}[{RATE}])) - sum by (op) (rate({wait}[{RATE}]))",
+                            "{{op}} transfer",
+                        ),
+                        q(f"sum by (op) (rate({wait}[{RATE}]))", "{{op}} wait"),
+                    ],
+                    "s",
+                    stack=True,
+                ),
+            ),
+            (
+                12,
+                8,
+                ts(
+                    "Transfer time per call: the slowest groups",
+                    "Transfer part of one call, job-wide, for the 10 op/group pairs "
+                    "highest over the time range.",
+                    groups(R.TRANSFER_PER_CALL),
+                    "s",
+                ),
+            ),
+            (
+                12,
+                8,
+                ts(
+                    "Contention index: the most contended groups",
+                    "Transfer per call (per step for DDP's gradient sync) over its own "
+                    "10th percentile in the baseline window, for the 10 op/group pairs "
+                    "highest over the time range; calls other than DDP's only while arrival "
+                    "skew is low. Dashed line: the SyncscopeFabricContention threshold.",
+                    groups(R.CONTENTION),
+                    "none",
+                    thresholds=alert_steps(cfg, "SyncscopeFabricContention"),
+                ),
+            ),
+        ],
+    )
+
+
+def _fabric_arrival_skew(
+    cfg: Mapping[str, Any], *, lead: Any, waiting: Any
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Fabric row: Arrival skew."""
+    return (
+        "Arrival skew",
+        [
+            (
+                12,
+                9,
+                heatmap.Panel()
+                .title("Arrival lead: the 20 latest ranks")
+                .description(
+                    "One row per rank for the 20 selected ranks that arrive latest over the "
+                    "time range, colour = how early each reaches collectives; the "
+                    "straggler's row stays cold (zero is drawn, not filtered out)."
+                )
+                .datasource(DS)
+                .calculate(False)
+                .filter_values(heatmap.FilterValueRange().le(-1e-9))
+                .unit("s")
+                .with_target(
+                    ranks_that_stand_out(lead, "{{rank}}", k=20, lowest=True, band=False)[0].ref_id(
+                        "A"
+                    )
+                ),
+            ),
+            (
+                12,
+                9,
+                ts(
+                    "Waiting for the last rank: who waits most",
+                    "Each rank's collective time per step beyond the rank that waits least "
+                    f"(its lead over the straggler), as a share of the mean step, for the "
+                    f"{TOP} selected ranks highest, and the job's median and band.",
+                    ranks_that_stand_out(waiting),
+                    "percentunit",
+                    band=True,
+                ),
+            ),
+            (
+                24,
+                6,
+                ts(
+                    "Arrival skew",
+                    "Latest minus earliest rank (seconds) over the straggler window.",
+                    [q(rec(R.SKEW), "{{job}}")],
+                    "s",
+                ),
+            ),
+        ],
+    )
+
+
+def _fabric_gpu_locality_1(
+    cfg: Mapping[str, Any], *, gpu_rank: Any, topology: Any, info: Any
+) -> list[tuple[int, int, Any]]:
+    """Fabric row "GPU locality", panels, part 1."""
+    return [
+        (
+            16,
+            8,
+            table_panel(
+                "Topology",
+                "GPU, NIC, PCIe link (current vs max), NVLink and NUMA placement of the "
+                "selected ranks, those with locality faults first (20 at most).",
+                [
+                    q(info, instant=True, table_format=True),
+                    topology(M.GPU_PCIE_LINK_WIDTH.name),
+                    topology(M.GPU_PCIE_LINK_MAX_WIDTH.name),
+                    topology(M.GPU_PCIE_LINK_GENERATION.name),
+                    topology(M.GPU_PCIE_LINK_MAX_GENERATION.name),
+                    topology(M.GPU_NVLINK_ACTIVE_LINKS.name),
+                    topology(M.GPU_NUMA_MISMATCH.name),
+                ],
+                hide=("Time", "__name__", "job", "Value #A"),
+                rename={
+                    "node": "Node",
+                    "rank": "Rank",
+                    "name": "GPU",
+                    "pci_bus_id": "PCI bus",
+                    "numa_node": "NUMA node",
+                    "nic": "NIC",
+                    "nic_distance": "NIC distance",
+                    "Value #B": "PCIe width",
+                    "Value #C": "max width",
+                    "Value #D": "PCIe gen",
+                    "Value #E": "max gen",
+                    "Value #F": "NVLink links",
+                    "Value #G": "NUMA mismatch",
+                },
+                columns={
+                    "NUMA mismatch": [
+                        prop(
+                            "mappings",
+                            value_map_json((0, "ok", "green"), (1, "mismatch", "red")),
+                        ),
+                        prop("custom.cellOptions", {"type": "color-text"}),
+                    ]
+                },
+            ),
+        ),
+        (
+            8,
+            8,
+            table_panel(
+                "Locality faults",
+                "Faults present (PCIe below max width or generation, or NUMA mismatch: "
+                f"SyncscopeLocalityFault) on the selected ranks, faults first ({MAX_SERIES} "
+                "rows at most).",
+                [
+                    q(
+                        f"topk({MAX_SERIES}, {rec(R.LOCALITY_FAULT, NODE, RANK)})",
+                        instant=True,
+                        table_format=True,
+                    )
+                ],
+                hide=("Time", "__name__", "job"),
+                rename={"node": "Node", "rank": "Rank", "fault": "Fault", "Value": "State"},
+                sort=("Value", True),
+                thresholds=steps((1, "red")),
+                mappings=value_map((0, "ok", "green"), (1, "fault", "red")),
+            ),
+        ),
+        (
+            8,
+            8,
+            ts(
+                "SM clock: the slowest GPUs",
+                f"Streaming-multiprocessor clock of the {TOP} selected ranks lowest, and "
+                "the job's median and band.",
+                ranks_that_stand_out(gpu_rank(M.GPU_SM_CLOCK_HERTZ.name), lowest=True),
+                "hertz",
+                band=True,
+            ),
+        ),
+    ]
+
+
+def _fabric_gpu_locality_2(cfg: Mapping[str, Any], *, gpu_rank: Any) -> list[tuple[int, int, Any]]:
+    """Fabric row "GPU locality", panels, part 2."""
+    return [
+        (
+            8,
+            8,
+            ts(
+                "Temperature: the hottest GPUs",
+                f"GPU temperature of the {TOP} selected ranks highest, and the job's "
+                "median and band.",
+                ranks_that_stand_out(gpu_rank(M.GPU_TEMPERATURE_CELSIUS.name)),
+                "celsius",
+                band=True,
+            ),
+        ),
+        (
+            8,
+            8,
+            ts(
+                "Power: the GPUs drawing most",
+                f"GPU power draw of the {TOP} selected ranks highest, and the job's "
+                "median and band.",
+                ranks_that_stand_out(gpu_rank(M.GPU_POWER_WATTS.name)),
+                "watt",
+                band=True,
+            ),
+        ),
+        (
+            24,
+            6,
+            table_panel(
+                "Throttle reasons",
+                "NVML clock-throttle reason bitmask (0 = none) of the selected ranks, "
+                "highest first (20 at most).",
+                [
+                    q(
+                        f"topk(20, max by ({BY_RANK}) "
+                        f"({sel(cfg, M.GPU_THROTTLE_REASONS.name, JOB, NODE, RANK)}))",
+                        instant=True,
+                        table_format=True,
+                    )
+                ],
+                hide=("Time", "__name__", "job"),
+                rename={"node": "Node", "rank": "Rank", "Value": "Reasons"},
+                sort=("Value", True),
+                thresholds=steps((1, "orange")),
+            ),
+        ),
+    ]
+
+
+def _fabric_gpu_locality(
+    cfg: Mapping[str, Any], *, gpu_rank: Any, topology: Any, info: Any
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Fabric row: GPU locality."""
+    return (
+        "GPU locality",
+        [
+            *_fabric_gpu_locality_1(cfg, gpu_rank=gpu_rank, topology=topology, info=info),
+            *_fabric_gpu_locality_2(cfg, gpu_rank=gpu_rank),
+        ],
+    )
 
 
 def ratio_lead_per_step() -> PerRank:

@@ -142,7 +142,29 @@ def recording_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The cluster-wide view one node cannot compute; order matters (later rules read earlier)."""
     w = cfg["windows"]
     no_ddp = f'op!="{NOT_A_TRANSFER}"'
-    rules = [
+    # The CV alert's quantiles over its own (long) window, recorded once for both severities.
+    o = cfg["alerts"]["SyncscopeStepTimeCVHigh"]["outliers"]
+    # One rule for every op: a per-(job, op) factor vector joined on op drops the ops that
+    # have no bus bandwidth (barrier, ddp_grad_sync) and keeps promtool's duplicate lint quiet.
+    factors = "\n    or\n".join(
+        f'      label_replace({factor.replace("n", WORLD_SIZE)}, "op", "{op}", "", "")'
+        for op, factor in BUS_FACTORS.items()
+    )
+    ops = f'op=~"{"|".join(BUS_FACTORS)}"'
+    return [
+        *_step_rules(cfg, o=o),
+        *_phase_and_sampled_transfer_rules(cfg),
+        *_transfer_and_lead_rules(cfg, w=w),
+        *_straggler_and_group_rules(cfg),
+        *_bus_bandwidth_rules(cfg, factors=factors, ops=ops),
+        *_fabric_rules(cfg, w=w, no_ddp=no_ddp),
+        *_link_pacing_locality_rules(cfg),
+    ]
+
+
+def _step_rules(cfg: Mapping[str, Any], *, o: Any) -> list[dict[str, Any]]:
+    rules: list[dict[str, Any]] = []
+    rules += [
         _record(WORLD_SIZE, f"max by (job) ({_sel(cfg, M.WORLD_SIZE.name)})"),
         _record(
             RANKS_REPORTING,
@@ -169,8 +191,6 @@ def recording_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
                 STEP_QUANTILE, f"histogram_quantile({q}, {STEP_BUCKET_RATE})", {"quantile": str(q)}
             )
         )
-    # The CV alert's quantiles over its own (long) window, recorded once for both severities.
-    o = cfg["alerts"]["SyncscopeStepTimeCVHigh"]["outliers"]
     for q in o["quantiles"]:
         rules.append(
             _record(
@@ -190,6 +210,11 @@ def recording_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
                 {"quantile": str(q)},
             )
         )
+    return rules
+
+
+def _phase_and_sampled_transfer_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+    rules: list[dict[str, Any]] = []
     rules += [
         # The noisiest rank: in lockstep training every rank sees the same step times, so
         # a max that stands out points at the exporter side, not at the job.
@@ -257,6 +282,13 @@ min by (job) (
   )
 """,
         ),
+    ]
+    return rules
+
+
+def _transfer_and_lead_rules(cfg: Mapping[str, Any], *, w: Any) -> list[dict[str, Any]]:
+    rules: list[dict[str, Any]] = []
+    rules += [
         _record(
             TRANSFER_PER_STEP,
             f"""
@@ -323,6 +355,13 @@ clamp_min(
         # The smallest lead is 0 by construction (x - x), so the skew is the largest lead.
         _record(SKEW, f"max by (job) ({SYNC_PER_STEP}) - {SYNC_PER_STEP_MIN}"),
         _record(SKEW_RATIO, f"{SKEW} / {STEP_MEAN}"),
+    ]
+    return rules
+
+
+def _straggler_and_group_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+    rules: list[dict[str, Any]] = []
+    rules += [
         # The straggler is the rank that arrives last, i.e. with the smallest lead; its lag
         # is how much later than the earliest rank it arrives, which is the job's skew.
         _record(
@@ -341,13 +380,11 @@ clamp_min(
         # with every rank cancels in the difference.
         _record(GROUP_WAIT, _group_wait(cfg)),
     ]
-    # One rule for every op: a per-(job, op) factor vector joined on op drops the ops that
-    # have no bus bandwidth (barrier, ddp_grad_sync) and keeps promtool's duplicate lint quiet.
-    factors = "\n    or\n".join(
-        f'      label_replace({factor.replace("n", WORLD_SIZE)}, "op", "{op}", "", "")'
-        for op, factor in BUS_FACTORS.items()
-    )
-    ops = f'op=~"{"|".join(BUS_FACTORS)}"'
+    return rules
+
+
+def _bus_bandwidth_rules(cfg: Mapping[str, Any], *, factors: Any, ops: Any) -> list[dict[str, Any]]:
+    rules: list[dict[str, Any]] = []
     rules.append(
         _record(
             BUS_BANDWIDTH,
@@ -367,6 +404,11 @@ clamp_min(
 """,
         )
     )
+    return rules
+
+
+def _fabric_rules(cfg: Mapping[str, Any], *, w: Any, no_ddp: Any) -> list[dict[str, Any]]:
+    rules: list[dict[str, Any]] = []
     rules += [
         _record(
             TRANSFER_PER_CALL,
@@ -435,6 +477,13 @@ or
   (quantile by (job) (0.5, {LINK_CAPACITY}) > 0)
 """,
         ),
+    ]
+    return rules
+
+
+def _link_pacing_locality_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+    rules: list[dict[str, Any]] = []
+    rules += [
         _record(
             LINK_UTILIZATION,
             f"""
