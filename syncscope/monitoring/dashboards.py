@@ -390,9 +390,38 @@ def idle_gpus_from_skew() -> str:
 
 
 def triage_table(cfg: Mapping[str, Any]) -> Any:
+    """The triage row's table: the latest ranks with their node, GPU, cause, phases against the
+    job's median rank, alert age and cost (targets A..L merged on job and rank)."""
     straggler = cfg["alerts"]["SyncscopeStraggler"]["levels"][0]["threshold"]
     window = cfg["windows"]["straggler"]
-    phase_refs = "FGHIJ"[: len(TRIAGE_PHASES)]
+    targets = _triage_targets(cfg, window)
+    rename = _triage_rename()
+    columns = _triage_columns(straggler)
+    return table_panel(
+        "Late ranks",
+        f"The {TRIAGE_ROWS} ranks that reach collectives latest (of those selected), latest "
+        f"first: node, GPU, the exporter's cause, how late (per step, averaged over "
+        f"{window}; orange from the SyncscopeStraggler threshold), each phase's seconds per "
+        "step against the job's median rank (the phase that is larger says why), since when "
+        "the straggler alert is active, and what the straggler costs: the GPU-hours per hour "
+        "the other ranks spend waiting for it. Click a rank for its detail, a node for its "
+        "fabric and GPUs.",
+        targets,
+        hide=(
+            "Time",
+            "job",
+            "__name__",
+            "Value #C",
+            "Value #D",
+        ),
+        rename=rename,
+        sort=("Value #A", True),
+        columns=columns,
+    )
+
+
+def _triage_targets(cfg: Mapping[str, Any], window: str) -> list[Any]:
+    """A lateness, B of a step, C cause, D GPU, E last report, F.. phases, K alert, L cost."""
     median = "\n- on (job) group_left ()\n  quantile by (job) (0.5, {0})"
     targets = [
         q(f"topk({TRIAGE_ROWS}, {lateness()})", instant=True, table_format=True),
@@ -437,7 +466,35 @@ def triage_table(cfg: Mapping[str, Any]) -> Any:
         ),
         q(late_rows(on_straggler(idle_gpus_from_skew())), instant=True, table_format=True),
     ]
+    return targets
+
+
+def _triage_rename() -> dict[str, str]:
+    phase_refs = "FGHIJ"[: len(TRIAGE_PHASES)]
     alert_ref, cost_ref = "KL"
+    rename = {
+        "rank": "Rank",
+        "node": "Node",
+        "name": "GPU",
+        "pci_bus_id": "PCI bus",
+        "local_rank": "Local rank",
+        "cause": "Cause",
+        "Value #A": "Late by",
+        "Value #B": "Of a step",
+        **{
+            f"Value #{ref}": PHASE_COLUMNS[p]
+            for ref, p in zip(phase_refs, TRIAGE_PHASES, strict=True)
+        },
+        "alertstate": "Alert",
+        f"Value #{alert_ref}": "Alert for",
+        f"Value #{cost_ref}": "Cost",
+        "Value #E": "Last report",
+    }
+    return rename
+
+
+def _triage_links() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A rank's and a node's links: to this dashboard and to Fabric and locality."""
     rank_links = [
         link(
             "Rank ${__value.raw}: this dashboard for that rank",
@@ -458,24 +515,11 @@ def triage_table(cfg: Mapping[str, Any]) -> Any:
             f"/d/{OVERVIEW_UID}?var-job=${{job}}&var-node=${{__value.raw}}&{KEEP}",
         ),
     ]
-    rename = {
-        "rank": "Rank",
-        "node": "Node",
-        "name": "GPU",
-        "pci_bus_id": "PCI bus",
-        "local_rank": "Local rank",
-        "cause": "Cause",
-        "Value #A": "Late by",
-        "Value #B": "Of a step",
-        **{
-            f"Value #{ref}": PHASE_COLUMNS[p]
-            for ref, p in zip(phase_refs, TRIAGE_PHASES, strict=True)
-        },
-        "alertstate": "Alert",
-        f"Value #{alert_ref}": "Alert for",
-        f"Value #{cost_ref}": "Cost",
-        "Value #E": "Last report",
-    }
+    return rank_links, node_links
+
+
+def _triage_columns(straggler: float) -> dict[str, list[dm.DynamicConfigValue]]:
+    rank_links, node_links = _triage_links()
     seconds = [prop("unit", "s"), prop("decimals", 1)]
     columns: dict[str, list[dm.DynamicConfigValue]] = {
         "Rank": [prop("links", rank_links)],
@@ -542,27 +586,7 @@ def triage_table(cfg: Mapping[str, Any]) -> Any:
         ],
         "Last report": [prop("unit", "s"), prop("decimals", 0)],
     }
-    return table_panel(
-        "Late ranks",
-        f"The {TRIAGE_ROWS} ranks that reach collectives latest (of those selected), latest "
-        f"first: node, GPU, the exporter's cause, how late (per step, averaged over "
-        f"{window}; orange from the SyncscopeStraggler threshold), each phase's seconds per "
-        "step against the job's median rank (the phase that is larger says why), since when "
-        "the straggler alert is active, and what the straggler costs: the GPU-hours per hour "
-        "the other ranks spend waiting for it. Click a rank for its detail, a node for its "
-        "fabric and GPUs.",
-        targets,
-        hide=(
-            "Time",
-            "job",
-            "__name__",
-            "Value #C",
-            "Value #D",
-        ),
-        rename=rename,
-        sort=("Value #A", True),
-        columns=columns,
-    )
+    return columns
 
 
 def triage(cfg: Mapping[str, Any]) -> list[tuple[int, int, Any]]:

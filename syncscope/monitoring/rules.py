@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -600,30 +600,26 @@ def _seconds(x: float) -> str:
     return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
-def _alert_texts(cfg: Mapping[str, Any], name: str, level: Mapping[str, Any]) -> dict[str, Any]:
-    """Expression and annotations for one alert at one severity level.
+def _step_time_cv_high_text(
+    cfg: Mapping[str, Any],
+    a: Mapping[str, Any],
+    level: Mapping[str, Any],
+    thr: Any,
+    w: Mapping[str, Any],
+) -> dict[str, Any]:
+    # The exporter's CV covers its last STEP_WINDOW steps, so one checkpoint (a single
+    # step many times the others) lifts it for as many steps, which at multi-second steps
+    # outlasts any for:. The step-duration histogram over a window of time says whether
+    # the variation is frequent: enough steps far (factor ×) above or below the median.
+    o = a["outliers"]
+    lo, mid, hi = o["quantiles"]
+    factor = o["factor"]
 
-    Conditions that hold per rank (a fault, pacing, drops, silence) alert once per training
-    job, with the count as the value and the ranks in the annotations: one alert per rank
-    would page a thousand times for one incident.
-    """
-    a = cfg["alerts"][name]
-    thr: Any = level.get("threshold")
-    w = cfg["windows"]
-    if name == "SyncscopeStepTimeCVHigh":
-        # The exporter's CV covers its last STEP_WINDOW steps, so one checkpoint (a single
-        # step many times the others) lifts it for as many steps, which at multi-second steps
-        # outlasts any for:. The step-duration histogram over a window of time says whether
-        # the variation is frequent: enough steps far (factor ×) above or below the median.
-        o = a["outliers"]
-        lo, mid, hi = o["quantiles"]
-        factor = o["factor"]
+    def q(p: float) -> str:
+        return f'{STEP_OUTLIER_QUANTILE}{{quantile="{p}"}}'
 
-        def q(p: float) -> str:
-            return f'{STEP_OUTLIER_QUANTILE}{{quantile="{p}"}}'
-
-        return {
-            "expr": f"""
+    return {
+        "expr": f"""
   {STEP_CV} > {thr}
 and on (job)
   (
@@ -636,184 +632,256 @@ and on (job)
         {q(mid)}
   )
 """,
-            "summary": "Step time is unstable in job {{ $labels.job }}.",
-            "description": (
-                f"The coefficient of variation of step time over the last {STEP_WINDOW} steps is "
-                '{{ printf "%.2f" $value }} in job {{ $labels.job }} (threshold '
-                f"{thr}), and over the last {o['window']} more than {_pct(1 - hi)} of the steps "
-                f"took over {factor} times the median step or more than {_pct(lo)} under 1/"
-                f"{factor} of it: frequent jitter, not a rare long step such as a checkpoint. "
-                "Synchronous training turns this jitter into idle time on every rank."
-            ),
-        }
-    if name == "SyncscopeStraggler":
-        straggler = _listing(
-            f"{STRAGGLER_RATIO}{{{THIS_JOB}}}",
-            "{{ $s.Labels.rank }} (node {{ $s.Labels.node }})",
-            "rank",
-            limit=3,
-        )
-        return {
-            "expr": f"max by (job) ({STRAGGLER_RATIO}) > {thr}",
-            "summary": f"Job {{{{ $labels.job }}}} has a straggler: rank {straggler}.",
-            "description": (
-                f"Rank {straggler} of job {{{{ $labels.job }}}} arrives at collectives last, "
-                "{{ $value | humanizePercentage }} of a step after the earliest rank (threshold "
-                f"{_pct(thr)}, averaged over {w['straggler']}). Every other rank waits for it; "
-                f"{M.STRAGGLER_CAUSE.name} names the suspected cause."
-            ),
-        }
-    if name == "SyncscopeSyncAmplification":
-        return {
-            "expr": f"{SYNC_AMPLIFICATION} > {thr}",
-            "summary": (
-                "Ranks of job {{ $labels.job }} spend {{ $value | humanizePercentage }} "
-                "of their step time waiting for peers."
-            ),
-            "description": (
-                "Ranks of job {{ $labels.job }} spend {{ $value | humanizePercentage }} of their "
-                "step time waiting at collectives for the last peer to arrive (threshold "
-                f"{_pct(thr)}). Local jitter is being amplified into job-wide idle time."
-            ),
-        }
-    if name == "SyncscopeFabricContention":
-        return {
-            "expr": f"{CONTENTION} > {thr}",
-            "summary": (
-                "{{ $labels.op }} on group {{ $labels.group }} of job {{ $labels.job }} "
-                "transfers slower than its own baseline."
-            ),
-            "description": (
-                "The transfer of {{ $labels.op }} on group {{ $labels.group }} of job "
-                "{{ $labels.job }} (after the last rank arrives) takes "
-                '{{ printf "%.2f" $value }} times its 10th percentile of the last '
-                f"{w['contention_baseline']} (threshold {thr}): the time goes to the fabric "
-                "(queueing on shared links), not to waiting for peers."
-            ),
-        }
-    if name == "SyncscopeSlowLink":
-        return {
-            "expr": f"{LINK_CAPACITY_RATIO} < {thr}",
-            "summary": "The link of node {{ $labels.node }} is slow for job {{ $labels.job }}.",
-            "description": (
-                "Node {{ $labels.node }} of job {{ $labels.job }} has a link known to carry "
-                "{{ $value | humanizePercentage }} of what the job's median node's does "
-                f"(threshold {_pct(thr)}; negotiated speed or shaping, "
-                f"{M.NODE_LINK_CAPACITY_BYTES_PER_SECOND.name}). Every collective of the job "
-                "moves at the pace of its slowest link."
-            ),
-        }
-    if name == "SyncscopeLocalityFault":
-        faults = _listing(
-            f"{LOCALITY_FAULT}{{{THIS_JOB}}}",
-            "rank {{ $s.Labels.rank }} on {{ $s.Labels.node }} {{ $s.Labels.fault }}",
-            "rank",
-        )
-        return {
-            "expr": f"count by (job) (max by (job, node, rank) ({LOCALITY_FAULT}))",
-            "summary": (
-                "The GPUs of {{ $value }} rank(s) in job {{ $labels.job }} have a locality fault."
-            ),
-            "description": (
-                f"GPUs of job {{{{ $labels.job }}}} report locality faults ({faults}): a PCIe "
-                "link below its maximum width (pcie_width) or generation (pcie_generation), or a "
-                "process on another NUMA node than its GPU (numa_mismatch). Their transfers cost "
-                "more than their peers', which makes those ranks likely stragglers."
-            ),
-        }
-    if name == "SyncscopePacingEngagedLong":
-        return {
-            "expr": f"{PACING_ACTIVE} > 0",
-            "summary": f"Pacing has been engaged in job {{{{ $labels.job }}}} for {a['for']}.",
-            "description": (
-                "The pacing controller has delayed ranks of job {{ $labels.job }} without a "
-                f"break for {a['for']} ({{{{ $value }}}} rank(s) paced now). Pacing absorbs "
-                "transient imbalance; a persistent one has a structural cause (a straggler, a "
-                "locality fault, contention) that pacing only hides."
-            ),
-        }
-    if name == "SyncscopeAgentDroppingRecords":
-        # Over the job's steps per rank (recorded): one pass over the ranks, not two.
-        def drops(*matchers: str) -> str:
-            steps = f"{STEPS_RATE}{{{', '.join(matchers)}}}" if matchers else STEPS_RATE
-            return (
-                "sum by (job, node, rank) "
-                f"({_rate(cfg, M.AGENT_RECORDS_DROPPED_TOTAL.name, *matchers)})"
-                f" / on (job) group_left () {steps}"
-            )
+        "summary": "Step time is unstable in job {{ $labels.job }}.",
+        "description": (
+            f"The coefficient of variation of step time over the last {STEP_WINDOW} steps is "
+            '{{ printf "%.2f" $value }} in job {{ $labels.job }} (threshold '
+            f"{thr}), and over the last {o['window']} more than {_pct(1 - hi)} of the steps "
+            f"took over {factor} times the median step or more than {_pct(lo)} under 1/"
+            f"{factor} of it: frequent jitter, not a rare long step such as a checkpoint. "
+            "Synchronous training turns this jitter into idle time on every rank."
+        ),
+    }
 
-        worst = _listing(
-            f"topk(1, {drops(THIS_JOB)})",
-            "rank {{ $s.Labels.rank }} on {{ $s.Labels.node }}, {{ $s.Value | humanizePercentage }}",
-            "rank",
-        )
-        return {
-            "expr": f"\ncount by (job) (\n    {drops()}\n  > {thr}\n)\n",
-            "summary": (
-                "The syncscope agents of {{ $value }} rank(s) in job {{ $labels.job }} "
-                "are dropping records."
-            ),
-            "description": (
-                "{{ $value }} rank(s) of job {{ $labels.job }} drop more than "
-                f"{_pct(thr)} as many step records as they deliver (worst: {worst}). The agent "
-                "drops rather than block training when the exporter is slow or unreachable, so "
-                "syncscope's view of these ranks is incomplete."
-            ),
-        }
-    if name == "SyncscopeExporterDown":
-        exporter = cfg["selectors"]["exporter"]
 
-        def up(*matchers: str) -> str:
-            parts = [m for m in (exporter, *matchers) if m]
-            return f"up{{{', '.join(parts)}}}" if parts else "up"
+def _straggler_text(
+    cfg: Mapping[str, Any],
+    a: Mapping[str, Any],
+    level: Mapping[str, Any],
+    thr: Any,
+    w: Mapping[str, Any],
+) -> dict[str, Any]:
+    straggler = _listing(
+        f"{STRAGGLER_RATIO}{{{THIS_JOB}}}",
+        "{{ $s.Labels.rank }} (node {{ $s.Labels.node }})",
+        "rank",
+        limit=3,
+    )
+    return {
+        "expr": f"max by (job) ({STRAGGLER_RATIO}) > {thr}",
+        "summary": f"Job {{{{ $labels.job }}}} has a straggler: rank {straggler}.",
+        "description": (
+            f"Rank {straggler} of job {{{{ $labels.job }}}} arrives at collectives last, "
+            "{{ $value | humanizePercentage }} of a step after the earliest rank (threshold "
+            f"{_pct(thr)}, averaged over {w['straggler']}). Every other rank waits for it; "
+            f"{M.STRAGGLER_CAUSE.name} names the suspected cause."
+        ),
+    }
 
-        # The share of exporters down per scrape job: a rolling restart of many nodes is one
-        # small share at a time, not one alert per node.
-        share = f"count by (job) ({up()} == 0) / count by (job) ({up()})"
-        expr = f"{share} > {thr}"
-        if a.get("none_scraped_severity") == level["severity"]:
-            # No exporter target at all: every exporter gone, or discovery broken.
-            expr = f"\n  {share} > {thr}\nor\n  absent({up()})\n"
-        down = _listing(f"{up(THIS_JOB)} == 0", "{{ $s.Labels.instance }}", "instance")
-        n_down = f"{{{{ {_query(f'count({up(THIS_JOB)} == 0)')} | first | value }}}}"
-        n_all = f"{{{{ {_query(f'count({up(THIS_JOB)})')} | first | value }}}}"
-        return {
-            "expr": expr,
-            "summary": (
-                "{{ if $labels.job }}{{ $value | humanizePercentage }} of the syncscope "
-                "exporters of scrape job {{ $labels.job }} are down.{{ else }}Prometheus "
-                "scrapes no syncscope exporter at all.{{ end }}"
-            ),
-            "description": (
-                f"{{{{ if $labels.job }}}}Prometheus has failed to scrape {n_down} of the {n_all} "
-                "syncscope exporters of scrape job {{ $labels.job }} "
-                f"(threshold: more than {_pct(thr)}) for {a['for']}: {down}. The ranks on those "
-                "nodes are invisible.{{ else }}No scrape target matches "
-                f"{up()} for {a['for']}: every exporter is gone, or service discovery no longer "
-                "finds them. syncscope sees no rank at all.{{ end }}"
-            ),
-        }
-    if name == "SyncscopeRankSilent":
-        ts = _sel(cfg, M.RANK_LAST_REPORT_TIMESTAMP_SECONDS.name)
-        ts_job = _sel(cfg, M.RANK_LAST_REPORT_TIMESTAMP_SECONDS.name, THIS_JOB)
-        lookback = a["lookback"]
-        # Silent: a rank of the job seen in the lookback (the exporter forgets a rank after
-        # --expire-after, so its series may be gone) that has not reported within the
-        # threshold, while another rank of the job has, and no rank of the job has stepped
-        # within it. A job whose ranks all stop together (its end) has no rank reporting; an
-        # exporter restart hides ranks, but the others keep stepping; a dead or frozen rank
-        # stops its peers at the next collective while their agents keep reporting.
-        silent = (
-            f"max by (node, rank) (last_over_time({ts_job}[{lookback}]))"
-            f" unless on (rank) (time() - {ts_job} <= {thr})"
+
+def _sync_amplification_text(
+    cfg: Mapping[str, Any],
+    a: Mapping[str, Any],
+    level: Mapping[str, Any],
+    thr: Any,
+    w: Mapping[str, Any],
+) -> dict[str, Any]:
+    return {
+        "expr": f"{SYNC_AMPLIFICATION} > {thr}",
+        "summary": (
+            "Ranks of job {{ $labels.job }} spend {{ $value | humanizePercentage }} "
+            "of their step time waiting for peers."
+        ),
+        "description": (
+            "Ranks of job {{ $labels.job }} spend {{ $value | humanizePercentage }} of their "
+            "step time waiting at collectives for the last peer to arrive (threshold "
+            f"{_pct(thr)}). Local jitter is being amplified into job-wide idle time."
+        ),
+    }
+
+
+def _fabric_contention_text(
+    cfg: Mapping[str, Any],
+    a: Mapping[str, Any],
+    level: Mapping[str, Any],
+    thr: Any,
+    w: Mapping[str, Any],
+) -> dict[str, Any]:
+    return {
+        "expr": f"{CONTENTION} > {thr}",
+        "summary": (
+            "{{ $labels.op }} on group {{ $labels.group }} of job {{ $labels.job }} "
+            "transfers slower than its own baseline."
+        ),
+        "description": (
+            "The transfer of {{ $labels.op }} on group {{ $labels.group }} of job "
+            "{{ $labels.job }} (after the last rank arrives) takes "
+            '{{ printf "%.2f" $value }} times its 10th percentile of the last '
+            f"{w['contention_baseline']} (threshold {thr}): the time goes to the fabric "
+            "(queueing on shared links), not to waiting for peers."
+        ),
+    }
+
+
+def _slow_link_text(
+    cfg: Mapping[str, Any],
+    a: Mapping[str, Any],
+    level: Mapping[str, Any],
+    thr: Any,
+    w: Mapping[str, Any],
+) -> dict[str, Any]:
+    return {
+        "expr": f"{LINK_CAPACITY_RATIO} < {thr}",
+        "summary": "The link of node {{ $labels.node }} is slow for job {{ $labels.job }}.",
+        "description": (
+            "Node {{ $labels.node }} of job {{ $labels.job }} has a link known to carry "
+            "{{ $value | humanizePercentage }} of what the job's median node's does "
+            f"(threshold {_pct(thr)}; negotiated speed or shaping, "
+            f"{M.NODE_LINK_CAPACITY_BYTES_PER_SECOND.name}). Every collective of the job "
+            "moves at the pace of its slowest link."
+        ),
+    }
+
+
+def _locality_fault_text(
+    cfg: Mapping[str, Any],
+    a: Mapping[str, Any],
+    level: Mapping[str, Any],
+    thr: Any,
+    w: Mapping[str, Any],
+) -> dict[str, Any]:
+    faults = _listing(
+        f"{LOCALITY_FAULT}{{{THIS_JOB}}}",
+        "rank {{ $s.Labels.rank }} on {{ $s.Labels.node }} {{ $s.Labels.fault }}",
+        "rank",
+    )
+    return {
+        "expr": f"count by (job) (max by (job, node, rank) ({LOCALITY_FAULT}))",
+        "summary": (
+            "The GPUs of {{ $value }} rank(s) in job {{ $labels.job }} have a locality fault."
+        ),
+        "description": (
+            f"GPUs of job {{{{ $labels.job }}}} report locality faults ({faults}): a PCIe "
+            "link below its maximum width (pcie_width) or generation (pcie_generation), or a "
+            "process on another NUMA node than its GPU (numa_mismatch). Their transfers cost "
+            "more than their peers', which makes those ranks likely stragglers."
+        ),
+    }
+
+
+def _pacing_engaged_long_text(
+    cfg: Mapping[str, Any],
+    a: Mapping[str, Any],
+    level: Mapping[str, Any],
+    thr: Any,
+    w: Mapping[str, Any],
+) -> dict[str, Any]:
+    return {
+        "expr": f"{PACING_ACTIVE} > 0",
+        "summary": f"Pacing has been engaged in job {{{{ $labels.job }}}} for {a['for']}.",
+        "description": (
+            "The pacing controller has delayed ranks of job {{ $labels.job }} without a "
+            f"break for {a['for']} ({{{{ $value }}}} rank(s) paced now). Pacing absorbs "
+            "transient imbalance; a persistent one has a structural cause (a straggler, a "
+            "locality fault, contention) that pacing only hides."
+        ),
+    }
+
+
+def _agent_dropping_records_text(
+    cfg: Mapping[str, Any],
+    a: Mapping[str, Any],
+    level: Mapping[str, Any],
+    thr: Any,
+    w: Mapping[str, Any],
+) -> dict[str, Any]:
+    # Over the job's steps per rank (recorded): one pass over the ranks, not two.
+    def drops(*matchers: str) -> str:
+        steps = f"{STEPS_RATE}{{{', '.join(matchers)}}}" if matchers else STEPS_RATE
+        return (
+            "sum by (job, node, rank) "
+            f"({_rate(cfg, M.AGENT_RECORDS_DROPPED_TOTAL.name, *matchers)})"
+            f" / on (job) group_left () {steps}"
         )
-        ranks = _listing(silent, "{{ $s.Labels.rank }} (node {{ $s.Labels.node }})", "rank")
-        return {
-            # Counted, not listed: the ranks seen over the lookback (the recorded count's
-            # maximum, one series per job) minus those reporting now; the job's steps from the
-            # node histograms. Issue 20: per-rank last_over_time over 1h read every rank's
-            # 240 samples every evaluation.
-            "expr": f"""
+
+    worst = _listing(
+        f"topk(1, {drops(THIS_JOB)})",
+        "rank {{ $s.Labels.rank }} on {{ $s.Labels.node }}, {{ $s.Value | humanizePercentage }}",
+        "rank",
+    )
+    return {
+        "expr": f"\ncount by (job) (\n    {drops()}\n  > {thr}\n)\n",
+        "summary": (
+            "The syncscope agents of {{ $value }} rank(s) in job {{ $labels.job }} "
+            "are dropping records."
+        ),
+        "description": (
+            "{{ $value }} rank(s) of job {{ $labels.job }} drop more than "
+            f"{_pct(thr)} as many step records as they deliver (worst: {worst}). The agent "
+            "drops rather than block training when the exporter is slow or unreachable, so "
+            "syncscope's view of these ranks is incomplete."
+        ),
+    }
+
+
+def _exporter_down_text(
+    cfg: Mapping[str, Any],
+    a: Mapping[str, Any],
+    level: Mapping[str, Any],
+    thr: Any,
+    w: Mapping[str, Any],
+) -> dict[str, Any]:
+    exporter = cfg["selectors"]["exporter"]
+
+    def up(*matchers: str) -> str:
+        parts = [m for m in (exporter, *matchers) if m]
+        return f"up{{{', '.join(parts)}}}" if parts else "up"
+
+    # The share of exporters down per scrape job: a rolling restart of many nodes is one
+    # small share at a time, not one alert per node.
+    share = f"count by (job) ({up()} == 0) / count by (job) ({up()})"
+    expr = f"{share} > {thr}"
+    if a.get("none_scraped_severity") == level["severity"]:
+        # No exporter target at all: every exporter gone, or discovery broken.
+        expr = f"\n  {share} > {thr}\nor\n  absent({up()})\n"
+    down = _listing(f"{up(THIS_JOB)} == 0", "{{ $s.Labels.instance }}", "instance")
+    n_down = f"{{{{ {_query(f'count({up(THIS_JOB)} == 0)')} | first | value }}}}"
+    n_all = f"{{{{ {_query(f'count({up(THIS_JOB)})')} | first | value }}}}"
+    return {
+        "expr": expr,
+        "summary": (
+            "{{ if $labels.job }}{{ $value | humanizePercentage }} of the syncscope "
+            "exporters of scrape job {{ $labels.job }} are down.{{ else }}Prometheus "
+            "scrapes no syncscope exporter at all.{{ end }}"
+        ),
+        "description": (
+            f"{{{{ if $labels.job }}}}Prometheus has failed to scrape {n_down} of the {n_all} "
+            "syncscope exporters of scrape job {{ $labels.job }} "
+            f"(threshold: more than {_pct(thr)}) for {a['for']}: {down}. The ranks on those "
+            "nodes are invisible.{{ else }}No scrape target matches "
+            f"{up()} for {a['for']}: every exporter is gone, or service discovery no longer "
+            "finds them. syncscope sees no rank at all.{{ end }}"
+        ),
+    }
+
+
+def _rank_silent_text(
+    cfg: Mapping[str, Any],
+    a: Mapping[str, Any],
+    level: Mapping[str, Any],
+    thr: Any,
+    w: Mapping[str, Any],
+) -> dict[str, Any]:
+    ts = _sel(cfg, M.RANK_LAST_REPORT_TIMESTAMP_SECONDS.name)
+    ts_job = _sel(cfg, M.RANK_LAST_REPORT_TIMESTAMP_SECONDS.name, THIS_JOB)
+    lookback = a["lookback"]
+    # Silent: a rank of the job seen in the lookback (the exporter forgets a rank after
+    # --expire-after, so its series may be gone) that has not reported within the
+    # threshold, while another rank of the job has, and no rank of the job has stepped
+    # within it. A job whose ranks all stop together (its end) has no rank reporting; an
+    # exporter restart hides ranks, but the others keep stepping; a dead or frozen rank
+    # stops its peers at the next collective while their agents keep reporting.
+    silent = (
+        f"max by (node, rank) (last_over_time({ts_job}[{lookback}]))"
+        f" unless on (rank) (time() - {ts_job} <= {thr})"
+    )
+    ranks = _listing(silent, "{{ $s.Labels.rank }} (node {{ $s.Labels.node }})", "rank")
+    return {
+        # Counted, not listed: the ranks seen over the lookback (the recorded count's
+        # maximum, one series per job) minus those reporting now; the job's steps from the
+        # node histograms. Issue 20: per-rank last_over_time over 1h read every rank's
+        # 240 samples every evaluation.
+        "expr": f"""
   (
       max_over_time({RANKS_REPORTING}[{lookback}])
     - on (job)
@@ -822,18 +890,48 @@ and on (job)
 and on (job)
   (sum by (job) (increase({_sel(cfg, STEP_SECONDS_COUNT)}[{_seconds(thr)}])) == 0)
 """,
-            "summary": (
-                "{{ $value }} rank(s) of job {{ $labels.job }} stopped reporting, "
-                "and the job stopped stepping."
-            ),
-            "description": (
-                f"Rank(s) {ranks} of job {{{{ $labels.job }}}} sent no step record or heartbeat "
-                f"for more than {thr}s while the job's other ranks still report but have "
-                f"completed no step in {thr}s: the job waits for the silent ranks (a dead or "
-                "frozen process, or a lost node)."
-            ),
-        }
-    raise KeyError(f"{name}: no expression defined for this alert")
+        "summary": (
+            "{{ $value }} rank(s) of job {{ $labels.job }} stopped reporting, "
+            "and the job stopped stepping."
+        ),
+        "description": (
+            f"Rank(s) {ranks} of job {{{{ $labels.job }}}} sent no step record or heartbeat "
+            f"for more than {thr}s while the job's other ranks still report but have "
+            f"completed no step in {thr}s: the job waits for the silent ranks (a dead or "
+            "frozen process, or a lost node)."
+        ),
+    }
+
+
+# Each alert's expression and annotations, by name: one function per alert.
+ALERT_TEXTS: dict[str, Callable[..., dict[str, Any]]] = {
+    "SyncscopeStepTimeCVHigh": _step_time_cv_high_text,
+    "SyncscopeStraggler": _straggler_text,
+    "SyncscopeSyncAmplification": _sync_amplification_text,
+    "SyncscopeFabricContention": _fabric_contention_text,
+    "SyncscopeSlowLink": _slow_link_text,
+    "SyncscopeLocalityFault": _locality_fault_text,
+    "SyncscopePacingEngagedLong": _pacing_engaged_long_text,
+    "SyncscopeAgentDroppingRecords": _agent_dropping_records_text,
+    "SyncscopeExporterDown": _exporter_down_text,
+    "SyncscopeRankSilent": _rank_silent_text,
+}
+
+
+def _alert_texts(cfg: Mapping[str, Any], name: str, level: Mapping[str, Any]) -> dict[str, Any]:
+    """Expression and annotations for one alert at one severity level.
+
+    Conditions that hold per rank (a fault, pacing, drops, silence) alert once per training
+    job, with the count as the value and the ranks in the annotations: one alert per rank
+    would page a thousand times for one incident.
+    """
+    a = cfg["alerts"][name]
+    thr: Any = level.get("threshold")
+    w = cfg["windows"]
+    text = ALERT_TEXTS.get(name)
+    if text is None:
+        raise KeyError(f"{name}: no expression defined for this alert")
+    return text(cfg, a, level, thr, w)
 
 
 # Where each alert's dashboard_url points (monitoring/dashboards.py has the same uids; a unit
