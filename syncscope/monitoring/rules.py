@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -600,13 +600,19 @@ def _seconds(x: float) -> str:
     return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
-def _step_time_cv_high_text(
-    cfg: Mapping[str, Any],
-    a: Mapping[str, Any],
-    level: Mapping[str, Any],
-    thr: Any,
-    w: Mapping[str, Any],
-) -> dict[str, Any]:
+class AlertInput(NamedTuple):
+    """What an alert's text is made from: the thresholds, its own entry there, one severity
+    level of it, that level's threshold, and the windows."""
+
+    cfg: Mapping[str, Any]
+    a: Mapping[str, Any]
+    level: Mapping[str, Any]
+    thr: Any
+    w: Mapping[str, Any]
+
+
+def _step_time_cv_high_text(alert: AlertInput) -> dict[str, Any]:
+    a, thr = alert.a, alert.thr
     # The exporter's CV covers its last STEP_WINDOW steps, so one checkpoint (a single
     # step many times the others) lifts it for as many steps, which at multi-second steps
     # outlasts any for:. The step-duration histogram over a window of time says whether
@@ -644,13 +650,8 @@ and on (job)
     }
 
 
-def _straggler_text(
-    cfg: Mapping[str, Any],
-    a: Mapping[str, Any],
-    level: Mapping[str, Any],
-    thr: Any,
-    w: Mapping[str, Any],
-) -> dict[str, Any]:
+def _straggler_text(alert: AlertInput) -> dict[str, Any]:
+    thr, w = alert.thr, alert.w
     straggler = _listing(
         f"{STRAGGLER_RATIO}{{{THIS_JOB}}}",
         "{{ $s.Labels.rank }} (node {{ $s.Labels.node }})",
@@ -669,13 +670,8 @@ def _straggler_text(
     }
 
 
-def _sync_amplification_text(
-    cfg: Mapping[str, Any],
-    a: Mapping[str, Any],
-    level: Mapping[str, Any],
-    thr: Any,
-    w: Mapping[str, Any],
-) -> dict[str, Any]:
+def _sync_amplification_text(alert: AlertInput) -> dict[str, Any]:
+    thr = alert.thr
     return {
         "expr": f"{SYNC_AMPLIFICATION} > {thr}",
         "summary": (
@@ -690,13 +686,8 @@ def _sync_amplification_text(
     }
 
 
-def _fabric_contention_text(
-    cfg: Mapping[str, Any],
-    a: Mapping[str, Any],
-    level: Mapping[str, Any],
-    thr: Any,
-    w: Mapping[str, Any],
-) -> dict[str, Any]:
+def _fabric_contention_text(alert: AlertInput) -> dict[str, Any]:
+    thr, w = alert.thr, alert.w
     return {
         "expr": f"{CONTENTION} > {thr}",
         "summary": (
@@ -713,13 +704,8 @@ def _fabric_contention_text(
     }
 
 
-def _slow_link_text(
-    cfg: Mapping[str, Any],
-    a: Mapping[str, Any],
-    level: Mapping[str, Any],
-    thr: Any,
-    w: Mapping[str, Any],
-) -> dict[str, Any]:
+def _slow_link_text(alert: AlertInput) -> dict[str, Any]:
+    thr = alert.thr
     return {
         "expr": f"{LINK_CAPACITY_RATIO} < {thr}",
         "summary": "The link of node {{ $labels.node }} is slow for job {{ $labels.job }}.",
@@ -733,13 +719,7 @@ def _slow_link_text(
     }
 
 
-def _locality_fault_text(
-    cfg: Mapping[str, Any],
-    a: Mapping[str, Any],
-    level: Mapping[str, Any],
-    thr: Any,
-    w: Mapping[str, Any],
-) -> dict[str, Any]:
+def _locality_fault_text(alert: AlertInput) -> dict[str, Any]:
     faults = _listing(
         f"{LOCALITY_FAULT}{{{THIS_JOB}}}",
         "rank {{ $s.Labels.rank }} on {{ $s.Labels.node }} {{ $s.Labels.fault }}",
@@ -759,13 +739,8 @@ def _locality_fault_text(
     }
 
 
-def _pacing_engaged_long_text(
-    cfg: Mapping[str, Any],
-    a: Mapping[str, Any],
-    level: Mapping[str, Any],
-    thr: Any,
-    w: Mapping[str, Any],
-) -> dict[str, Any]:
+def _pacing_engaged_long_text(alert: AlertInput) -> dict[str, Any]:
+    a = alert.a
     return {
         "expr": f"{PACING_ACTIVE} > 0",
         "summary": f"Pacing has been engaged in job {{{{ $labels.job }}}} for {a['for']}.",
@@ -778,13 +753,9 @@ def _pacing_engaged_long_text(
     }
 
 
-def _agent_dropping_records_text(
-    cfg: Mapping[str, Any],
-    a: Mapping[str, Any],
-    level: Mapping[str, Any],
-    thr: Any,
-    w: Mapping[str, Any],
-) -> dict[str, Any]:
+def _agent_dropping_records_text(alert: AlertInput) -> dict[str, Any]:
+    cfg, thr = alert.cfg, alert.thr
+
     # Over the job's steps per rank (recorded): one pass over the ranks, not two.
     def drops(*matchers: str) -> str:
         steps = f"{STEPS_RATE}{{{', '.join(matchers)}}}" if matchers else STEPS_RATE
@@ -814,13 +785,8 @@ def _agent_dropping_records_text(
     }
 
 
-def _exporter_down_text(
-    cfg: Mapping[str, Any],
-    a: Mapping[str, Any],
-    level: Mapping[str, Any],
-    thr: Any,
-    w: Mapping[str, Any],
-) -> dict[str, Any]:
+def _exporter_down_text(alert: AlertInput) -> dict[str, Any]:
+    cfg, a, level, thr = alert.cfg, alert.a, alert.level, alert.thr
     exporter = cfg["selectors"]["exporter"]
 
     def up(*matchers: str) -> str:
@@ -855,13 +821,8 @@ def _exporter_down_text(
     }
 
 
-def _rank_silent_text(
-    cfg: Mapping[str, Any],
-    a: Mapping[str, Any],
-    level: Mapping[str, Any],
-    thr: Any,
-    w: Mapping[str, Any],
-) -> dict[str, Any]:
+def _rank_silent_text(alert: AlertInput) -> dict[str, Any]:
+    cfg, a, thr = alert.cfg, alert.a, alert.thr
     ts = _sel(cfg, M.RANK_LAST_REPORT_TIMESTAMP_SECONDS.name)
     ts_job = _sel(cfg, M.RANK_LAST_REPORT_TIMESTAMP_SECONDS.name, THIS_JOB)
     lookback = a["lookback"]
@@ -904,7 +865,7 @@ and on (job)
 
 
 # Each alert's expression and annotations, by name: one function per alert.
-ALERT_TEXTS: dict[str, Callable[..., dict[str, Any]]] = {
+ALERT_TEXTS: dict[str, Callable[[AlertInput], dict[str, Any]]] = {
     "SyncscopeStepTimeCVHigh": _step_time_cv_high_text,
     "SyncscopeStraggler": _straggler_text,
     "SyncscopeSyncAmplification": _sync_amplification_text,
@@ -931,7 +892,7 @@ def _alert_texts(cfg: Mapping[str, Any], name: str, level: Mapping[str, Any]) ->
     text = ALERT_TEXTS.get(name)
     if text is None:
         raise KeyError(f"{name}: no expression defined for this alert")
-    return text(cfg, a, level, thr, w)
+    return text(AlertInput(cfg, a, level, thr, w))
 
 
 # Where each alert's dashboard_url points (monitoring/dashboards.py has the same uids; a unit
