@@ -39,7 +39,7 @@ class AgentConfig:
     send_timeout_s: float = 1.0
     ring_slots: int = 16384  # shm:// only: records the ring holds for the exporter (160 B each)
     # The transport's work falls on every Nth step boundary, the same steps on every rank, so
-    # the ranks pause together rather than each at its own phase (issue 18). shm://: the
+    # the ranks pause together rather than each at its own phase. shm://: the
     # training thread moves queued rows into the ring there (its first Python code after a
     # step's kernels runs on cold CPU caches, ~30 µs on a 10 ms CPU step, so once per N steps
     # costs less than every step). http/unix: the reporter flushes at the first such boundary

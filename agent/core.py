@@ -147,7 +147,7 @@ class Agent:
             self.patch.install()
         self.clock.instrument(model, optimizer)
         # The transport's work falls on step boundaries every rank agrees on, so the ranks
-        # pause together (issue 18): the ring is pumped at every `align_every_steps`-th step
+        # pause together: the ring is pumped at every `align_every_steps`-th step
         # (shm_ring.py); the HTTP reporter's thread is woken at the first such step of each
         # flush interval (transport.py), so the clock calls it at every step.
         if isinstance(self.reporter, ShmTransport):

@@ -155,7 +155,7 @@ class CudaPhaseClock(PhaseClock):
         self.max_events = max_events
         # The resolver wakes at every `resolve_every`-th step end, the same steps on every rank
         # (its queries and elapsed times, ~10 µs a step, would otherwise hold the GIL at each
-        # rank's own phase: issue 18), and after `poll_interval_s` without one (long steps,
+        # rank's own phase), and after `poll_interval_s` without one (long steps,
         # none at all).
         self.resolve_every = max(1, resolve_every)
         self.poll_interval_s = poll_interval_s

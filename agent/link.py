@@ -1,5 +1,5 @@
 """The network link a rank's collectives leave the node by: its name, what it is known to carry,
-and its byte counters, for the slow-link verdict (issue 16).
+and its byte counters, for the slow-link verdict.
 
 Which interface: the one the process group was told to use (GLOO_SOCKET_IFNAME, then
 NCCL_SOCKET_IFNAME, first name of a comma list, NCCL's ``^`` exclusions and ``=`` exact

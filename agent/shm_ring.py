@@ -1,4 +1,4 @@
-"""Shared-memory transport to a local exporter: a file ring under /dev/shm, no thread (issue 18).
+"""Shared-memory transport to a local exporter: a file ring under /dev/shm, no thread.
 
 Why: the HTTP reporter (transport.py) drains the queues on a daemon thread once a second and
 holds the GIL for JSON and HTTP while it does (0.3-0.8 ms, more after a backlog), each rank at

@@ -609,7 +609,7 @@ class TopologySampler:
     Resamples fall on multiples of `interval_s` of the wall clock, not `interval_s` after this
     rank's first sample: the reporter flushes at the same step on every rank (transport.py), so
     every rank's NVML reads land in the same flush rather than one rank's in every flush, which
-    a synchronous job would pay for at each (issue 18)."""
+    a synchronous job would pay for at each."""
 
     def __init__(
         self,

@@ -99,7 +99,7 @@ def split_batch(steps: list[tuple], colls: list[tuple], limit: int) -> list[tupl
 class Reporter:
     """Owns the daemon thread; `flush()` is also called once more at close.
 
-    When flushes happen (issue 18): in synchronous training a pause on any rank delays every
+    When flushes happen: in synchronous training a pause on any rank delays every
     rank, so a flush at each rank's own phase would, across a thousand ranks, put someone's
     pause into nearly every step. The phase clock calls `at_step(step)` at every step end; it
     wakes the thread at the first step boundary after each `flush_interval_s` tick of the wall

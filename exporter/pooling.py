@@ -19,16 +19,15 @@ transfer. A ring agrees across nodes once it spans more steps than the nodes' re
 scrapes lag each other; strides of 8 to 512 steps keep one ring agreed whether steps take 10 ms
 or 10 s and scrapes come every 1 or 15 s, at 36 series per node and job. The number of slots
 sets how long a sample stays visible (slots × stride steps), not how many distinct samples a
-window sees (that is the stride's); issue 20 cut them from 8 rings of 4 strides (64 series) to
-fit 40 series per rank.
+window sees (that is the stride's); 4 rings rather than 8 keep a rank within 40 series.
 
-Issue 15 replaced a rolling minimum over 256 calls by this: the minimum of many samples sits
+Not a rolling minimum over many calls: the minimum of many samples sits
 several standard deviations of the transfer below its typical value, and every rank's lead and
 the amplification read that bias as waiting (3× the true amplification on a clean run).
 Nothing here compares clocks across processes; ranks' reports arrive in step order, so a step
 is complete for a rank once it has reported that step or a later one.
 
-Cost (issue 20): what each call does is proportional to what it receives or pools, never to the
+Cost: what each call does is proportional to what it receives or pools, never to the
 number of ranks. `complete` reads the lowest newest step over the reporting ranks, kept as counts
 per step, rather than asking every rank about every pending step; pending steps sit in a heap;
 each kind's transfer mean is recomputed only when a pooled step changed it. Pending rows hold

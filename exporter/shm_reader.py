@@ -1,4 +1,4 @@
-"""The exporter's side of the shared-memory transport (agent/shm_ring.py, issue 18).
+"""The exporter's side of the shared-memory transport (agent/shm_ring.py).
 
 A thread of the exporter scans the ring directory once per interval, reads every ring's new
 records and folds them into the store through the same validation and `Store.ingest` as an

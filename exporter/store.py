@@ -59,7 +59,7 @@ STEP_BUCKETS = (
     60.0,
 )
 # Each step's duration over its rank's median step (RATIO_MEDIAN_EVERY steps old at most): the
-# jitter histogram, alike at 10 ms and 10 s steps (issue 17: absolute buckets 1, 2.5, 5 s cannot
+# jitter histogram, alike at 10 ms and 10 s steps (absolute buckets 1, 2.5, 5 s cannot
 # show 10 % jitter on a 1.2 s step). 1 is left out: the median splits steps half and half.
 RATIO_BUCKETS = (0.5, 0.8, 0.9, 0.95, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0, 5.0)
 RATIO_MEDIAN_EVERY = 16
@@ -344,7 +344,7 @@ class Store:
     """Thread-safe: ingest runs in the server's threads, scrapes in others.
 
     What an ingest costs is proportional to the records it brings and the steps they complete,
-    not to the ranks there are (issue 20): expiry and staleness pop the ranks silent too long
+    not to the ranks there are: expiry and staleness pop the ranks silent too long
     from orders by last report (`ByLastReport`), and each job's pool keeps its reporting ranks.
     """
 

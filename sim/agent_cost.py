@@ -1,4 +1,4 @@
-"""The agent's own cost at job scale: measured per-rank pauses fed into the simulator (issue 18).
+"""The agent's own cost at job scale: measured per-rank pauses fed into the simulator.
 
 In synchronous training a step ends when the last rank arrives, so a pause on any one rank
 delays them all. Two ways the agent takes time from a rank are modelled, both as the compute

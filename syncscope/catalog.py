@@ -76,7 +76,7 @@ CLOCK_EVENT_REASONS = (
 
 # A rank's series name its node (the hostname its agent reports), so a page names where it is.
 RANK = ("job", "node", "rank", "local_rank")
-# What every rank of a node shares or sums to is exposed once per node (issue 20: series per
+# What every rank of a node shares or sums to is exposed once per node (series per
 # rank, and what the rules re-read every evaluation, fall 8× on an 8-GPU node).
 NODE = ("job", "node")
 COLLECTIVE = (*NODE, "op", "group")

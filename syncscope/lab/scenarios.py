@@ -1,5 +1,5 @@
 """Fabric scenarios on emulated nodes, shared by the tests (one run each) and the bench (many):
-a throttled node's link, and a competing flow between nodes for part of a run (issue 16).
+a throttled node's link, and a competing flow between nodes for part of a run.
 
 Each runs one gloo job on 2 emulated nodes × 2 ranks (syncscope.lab.nodes) whose exporters read the
 job-wide view back from a real Prometheus with syncscope's rules, and returns what the rules,

@@ -182,7 +182,7 @@ def _step_rules(cfg: Mapping[str, Any], *, o: Any) -> list[dict[str, Any]]:
 """,
         ),
     ]
-    # Every rule reads the job's buckets once (issue 20: each quantile re-reading every node's
+    # Every rule reads the job's buckets once (each quantile re-reading every node's
     # buckets cost three passes over the largest family).
     rules.append(_record(STEP_BUCKET_RATE, f"sum by (job, le) ({_rate(cfg, STEP_SECONDS_BUCKET)})"))
     for q in cfg["step_quantiles"]:
@@ -227,7 +227,7 @@ def _phase_and_sampled_transfer_rules(cfg: Mapping[str, Any]) -> list[dict[str, 
             f"{PHASE_RATE}\n/ ignoring (phase) group_left ()\n  sum by (job) ({PHASE_RATE})\n",
         ),
         _record(COMM_EXPOSED_RATIO, f'sum without (phase) ({PHASE_RATIO}{{phase="comm_exposed"}})'),
-        # Job-wide truth from every node (issue 15). At step k a rank's collective time is
+        # Job-wide truth from every node. At step k a rank's collective time is
         # d(r,k) = T(k) + W(r,k), transfer plus wait for the last rank; the job's T(k) is the
         # minimum over nodes of each node's minimum in step k. Each exporter keeps its minimum
         # at sampled steps in rings indexed alike everywhere (exporter/pooling.py); a slot
@@ -509,7 +509,7 @@ def _link_pacing_locality_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
 """,
         ),
         # One series (value 1) per (rank, fault) that has it: healthy GPUs write nothing
-        # (issue 20: three 0/1 series per rank were the costliest rule at 1024 × 8).
+        # (three 0/1 series per rank were the costliest rule at 1024 × 8).
         _record(
             LOCALITY_FAULT,
             f"""
@@ -840,8 +840,8 @@ def _rank_silent_text(alert: AlertInput) -> dict[str, Any]:
     return {
         # Counted, not listed: the ranks seen over the lookback (the recorded count's
         # maximum, one series per job) minus those reporting now; the job's steps from the
-        # node histograms. Issue 20: per-rank last_over_time over 1h read every rank's
-        # 240 samples every evaluation.
+        # node histograms (a per-rank last_over_time over 1h would read every rank's
+        # 240 samples every evaluation).
         "expr": f"""
   (
       max_over_time({RANKS_REPORTING}[{lookback}])
@@ -936,7 +936,7 @@ def alerting_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 SLOW_GROUP = "syncscope.slow"
-# The recording rules in groups (issue 20). Prometheus evaluates groups concurrently, each
+# The recording rules in groups. Prometheus evaluates groups concurrently, each
 # one's rules in order; a rule reading another group's result sees its last evaluation. A chain
 # that must be fresh within one evaluation (the straggler's lead, skew and lag) stays in one
 # group; the order here is also promtool's group_eval_order (deploy/prometheus/tests).
