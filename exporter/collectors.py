@@ -106,8 +106,8 @@ def collect_steps(view: StoreView) -> Iterable[Metric]:
             phases.add_metric([*labels, phase.label], r.phase_seconds_total[phase])
         if r.step_time_cv is not None:
             cv.add_metric(labels, r.step_time_cv)
-        if r.arrival_lead_s is not None:
-            lead.add_metric(labels, r.arrival_lead_s)
+        if r.node_lead_s is not None:
+            lead.add_metric(labels, r.node_lead_s)
         last.add_metric(labels, r.last_report_unix_s)
         dropped.add_metric(labels, r.dropped_total)
     return [hist, ratio, world, steps, phases, cv, lead, last, dropped]

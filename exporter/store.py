@@ -148,6 +148,10 @@ class RankView:
     recent_steps: tuple[RecentStep, ...]
     step_ratio_bucket_counts: tuple[int, ...] = ()  # per RATIO_BUCKETS bound, then +Inf
     step_ratio_sum: float = 0.0
+    # This exporter's own lead (over the rank blocked least on this node), what the
+    # syncscope_arrival_lead_seconds gauge exports; arrival_lead_s is job-wide where
+    # Prometheus is read back, and that is what the diagnosis, the page and /v1/state use.
+    node_lead_s: float | None = None
 
     def label_values(self, job: str) -> list[str]:
         """Its values for the catalog's RANK labels (job, node, rank, local_rank)."""
@@ -627,6 +631,7 @@ def _rank_view(s: RankState, now: float, stale_after: float, keep: int | None) -
         step_time_cv=s.cv(),
         phase_shares=shares,
         arrival_lead_s=lead,
+        node_lead_s=lead,
         wait_mean_s=(sum(r.wait_s for r in last) / len(durations)) if durations else None,
         collectives=tuple(
             CollectiveView(op, g, t.calls, t.seconds, t.bytes, t.wait_seconds)

@@ -168,8 +168,9 @@ RANK_COLLECTIVE_SECONDS_TOTAL = MetricSpec(
 ARRIVAL_LEAD_SECONDS = _rank(
     "syncscope_arrival_lead_seconds",
     "gauge",
-    "How early this rank arrives at collectives, per step: job-wide while the exporter reads "
-    "Prometheus back, else relative to the last rank on this node (mean of the last 64 steps).",
+    "How early this rank arrives at collectives, per step, relative to the rank on this node "
+    "that waits least (the exporter's own measurement, mean of the last 64 steps). Job-wide: "
+    "the recording rule job_rank:syncscope_arrival_lead_seconds:avg.",
     "seconds",
 )
 STEP_TIME_CV = _rank(

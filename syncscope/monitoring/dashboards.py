@@ -1088,12 +1088,12 @@ def _overview_synchronization(
                 8,
                 ts(
                     "Arrival lead: the latest ranks",
-                    "How early each rank reaches collectives compared with the last one "
-                    f"(the exporter's rolling mean), for the {TOP} selected ranks lowest "
-                    "over the time range, and the job's median and band. The straggler "
-                    "sits at zero.",
+                    "How early each rank reaches collectives compared with the last one, "
+                    f"job-wide (seconds per step, over {cfg['windows']['straggler']}), for the "
+                    f"{TOP} selected ranks lowest over the time range, and the job's median "
+                    "and band. The straggler sits at zero.",
                     ranks_that_stand_out(
-                        gauge_per_rank(cfg, M.ARRIVAL_LEAD_SECONDS.name), lowest=True
+                        gauge_per_rank(cfg, R.LEAD_AVG, recorded=True), lowest=True
                     ),
                     "s",
                     band=True,
@@ -1398,7 +1398,7 @@ def fabric_locality(cfg: Mapping[str, Any]) -> list[tuple[str, list[tuple[int, i
             per_node(name), "{{node}}", lowest=lowest, by=by_node, matchers=(NODE,)
         )
 
-    lead = gauge_per_rank(cfg, M.ARRIVAL_LEAD_SECONDS.name)
+    lead = gauge_per_rank(cfg, R.LEAD_AVG, recorded=True)
     waiting = ratio_lead_per_step()
     gpu_rank = lambda m: gauge_per_rank(cfg, m)  # noqa: E731
     # The Topology table's rows: 20 selected ranks with a GPU, those with locality faults

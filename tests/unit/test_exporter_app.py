@@ -262,3 +262,31 @@ def test_jitter_shows_at_any_step_length(client, step_s):
     assert sum(jittery.values()) == sum(steady.values()) == 180
     assert jittery["0.95"] == jittery["1.05"] == jittery["1.1"] == 60
     assert steady["1.05"] == 180
+
+
+def test_the_lead_gauge_is_node_local_and_the_state_job_wide():
+    """One meaning per number: with Prometheus's job-wide leads read back, /v1/state (and the
+    diagnosis) carry them, while the syncscope_arrival_lead_seconds gauge stays the exporter's
+    own measurement over this node's ranks (rank 1 blocked 30 ms more than rank 0)."""
+    from syncscope.exporter.jobwide import JobWide
+    from syncscope.exporter.store import Store
+
+    settings = Settings(max_body_bytes=200_000)
+    store = Store(settings)
+    job_wide = JobWide({0: 0.050, 1: 0.080}, None, None, 0.0)
+    store.job_wide = lambda job, as_of=None: job_wide  # as a PrometheusReader would
+    agents = [{**BATCH_V2["agent"], "rank": r, "local_rank": r, "hostname": "h"} for r in (0, 1)]
+    with TestClient(create_app(settings, store)) as c:
+        for agent in agents:  # both report before any step, so that every step pools both
+            batch = {**BATCH_V2, "agent": agent, "steps": [], "collectives": []}
+            assert c.post("/v1/ingest", json=batch).status_code == 200
+        for agent, exposed_ms in zip(agents, (20, 50), strict=True):
+            steps = [[*row[:7], exposed_ms * MS, 0] for row in BATCH_V2["steps"]]
+            batch = {**BATCH_V2, "agent": agent, "steps": steps}
+            assert c.post("/v1/ingest", json=batch).status_code == 200
+        gauge = parse_samples(c.get("/metrics").text, "syncscope_arrival_lead_seconds")
+        state = c.get("/v1/state").json()["jobs"]["j"]
+    node_local = {dict(k)["rank"]: v for k, v in gauge.items()}
+    assert node_local == {"0": pytest.approx(0.0), "1": pytest.approx(0.030)}, node_local
+    leads = {r["rank"]: r["arrival_lead_s"] for r in state["ranks"]}
+    assert leads == {0: pytest.approx(0.050), 1: pytest.approx(0.080)}, leads
