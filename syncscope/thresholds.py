@@ -12,7 +12,9 @@ import re
 from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 THRESHOLDS_FILE = "thresholds.json"
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -24,6 +26,83 @@ def duration_seconds(text: str) -> float:
     if not parts or "".join(n + u for n, u in parts) != text:
         raise ValueError(f"not a Prometheus duration: {text!r}")
     return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+def _duration(text: str) -> str:
+    duration_seconds(text)  # ValueError: not a Prometheus duration
+    return text
+
+
+Duration = Annotated[str, AfterValidator(_duration)]
+Share = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    comment: str | None = Field(None, alias="_comment")
+
+
+class Level(_Model):
+    severity: Literal["warning", "critical"]
+    threshold: float | None = None
+
+
+class Outliers(_Model):
+    window: Duration
+    quantiles: tuple[Share, Share, Share]
+    factor: Annotated[float, Field(gt=1.0)]
+
+
+class Alert(_Model):
+    for_: Duration = Field(alias="for")
+    keep_firing_for: Duration | None = None
+    levels: Annotated[list[Level], Field(min_length=1)]
+    outliers: Outliers | None = None
+    none_scraped_severity: Literal["warning", "critical"] | None = None
+    lookback: Duration | None = None
+
+
+class Windows(_Model):
+    rate: Duration
+    straggler: Duration
+    transfer: Duration
+    contention_baseline: Duration
+
+
+class Intervals(_Model):
+    slow_rules: Duration
+
+
+class Selectors(_Model):
+    rank: str
+    exporter: str
+
+
+class Diagnosis(_Model):
+    verdict_score: Share
+    skew_floor_s: Annotated[float, Field(ge=0.0)]
+    skew_step_fraction: Share
+    last_arrival_share: Share
+    cause_share: Share
+    idle_share_full: Share
+    spike_share_full: Share
+    clock_ratio: Share
+    min_aligned_steps: Annotated[int, Field(ge=1)]
+
+
+class Thresholds(_Model):
+    """The thresholds file, typed: what load_config checks every file and override against."""
+
+    selectors: Selectors
+    windows: Windows
+    intervals: Intervals
+    step_quantiles: Annotated[list[Share], Field(min_length=1)]
+    contention_max_skew_ratio: Annotated[float, Field(ge=0.0)]
+    runbook_url_base: str
+    dashboard_url_base: str
+    diagnosis: Diagnosis
+    alerts: dict[str, Alert]
 
 
 def thresholds_text() -> str:
@@ -45,7 +124,20 @@ def load_config(
         raise ValueError(f"thresholds file {path or THRESHOLDS_FILE}: {exc}") from exc
     for dotted, value in (overrides or {}).items():
         set_path(cfg, dotted, value)
+    validate(cfg, str(path or THRESHOLDS_FILE))
     return cfg
+
+
+def validate(cfg: Mapping[str, Any], source: str = THRESHOLDS_FILE) -> Thresholds:
+    """The thresholds as the typed model; ValueError naming each bad key (and where it came
+    from) when a value has the wrong type or range or a key is unknown."""
+    try:
+        return Thresholds.model_validate(cfg)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        raise ValueError(f"thresholds file {source}: {problems}") from None
 
 
 def set_path(cfg: dict[str, Any], dotted: str, value: Any) -> None:
