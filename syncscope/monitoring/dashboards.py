@@ -41,6 +41,7 @@ from grafana_foundation_sdk.models import prometheus as pm
 from syncscope import catalog as M
 from syncscope.catalog import STEP_WINDOW
 from syncscope.monitoring import rules as R
+from syncscope.monitoring.promql import sel
 from syncscope.thresholds import load_config
 from syncscope.wire import Phase
 
@@ -84,11 +85,6 @@ PHASE_COLUMNS = {
 }
 # A dashboard link keeps the time range and the data source.
 KEEP = "${__url_time_range}&${datasource:queryparam}"
-
-
-def sel(cfg: Mapping[str, Any], metric: str, *matchers: str) -> str:
-    parts = [m for m in (cfg["selectors"]["rank"], *matchers) if m]
-    return f"{metric}{{{', '.join(parts)}}}" if parts else metric
 
 
 def rec(name: str, *matchers: str) -> str:

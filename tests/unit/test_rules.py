@@ -373,3 +373,16 @@ def test_thresholds_file_is_plain_json():
 
     data = json.loads(thresholds_text())
     assert set(data["alerts"]) == {a["alert"] for a in alert_rules(rules_doc())}
+
+
+def test_each_alert_is_declared_where_its_promtool_tests_are():
+    """One function per alert, in the module of its area; the promtool test file of that area
+    (deploy/prometheus/tests/<area>.test.yml) tests it. Every alert of the thresholds has one."""
+    from syncscope.monitoring.alerts import ALERT_TEXTS
+
+    assert set(ALERT_TEXTS) == set(load_config()["alerts"])
+    for name, text in ALERT_TEXTS.items():
+        area = text.__module__.rsplit(".", 1)[1]
+        tests = ROOT / "deploy" / "prometheus" / "tests" / f"{area}.test.yml"
+        assert tests.exists(), (name, area)
+        assert f"alertname: {name}" in tests.read_text(), (name, tests)

@@ -1,0 +1,60 @@
+"""PromQL text shared by the rules, the alerts and the dashboards: selectors with the rank
+selector applied, rates over the configured window, and the template queries alert annotations
+run (Prometheus's `query`), declared once."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from syncscope import catalog as M
+
+# The step-duration histogram's series, which rules read directly.
+STEP_SECONDS_SUM = M.STEP_DURATION_SECONDS.name + "_sum"
+STEP_SECONDS_COUNT = M.STEP_DURATION_SECONDS.name + "_count"
+STEP_SECONDS_BUCKET = M.STEP_DURATION_SECONDS.name + "_bucket"
+
+
+def sel(cfg: Mapping[str, Any], metric: str, *matchers: str) -> str:
+    """``metric{<rank selector>, matchers}``; no braces at all when there is nothing to match."""
+    parts = [m for m in (cfg["selectors"]["rank"], *matchers) if m]
+    return f"{metric}{{{', '.join(parts)}}}" if parts else metric
+
+
+def rate(cfg: Mapping[str, Any], metric: str, *matchers: str, window: str | None = None) -> str:
+    return f"rate({sel(cfg, metric, *matchers)}[{window or cfg['windows']['rate']}])"
+
+
+def pct(x: float) -> str:
+    return f"{x * 100:g}%"
+
+
+# Alert annotations may run PromQL of their own (Prometheus' template function `query`): a
+# per-job alert names its worst rank or a few examples there, where labels would split it into
+# one alert per rank. THIS_JOB stands for the alert's own job in such a query.
+THIS_JOB = "job=__this_job__"
+
+
+def template_query(promql: str) -> str:
+    """A template pipeline running ``promql`` (``THIS_JOB`` filled in from ``$labels.job``)."""
+    if "`" in promql:
+        raise ValueError("annotation queries are Go raw strings: no backquotes")
+    n = promql.count(THIS_JOB)
+    text = promql.replace("%", "%%").replace(THIS_JOB, "job=%q")
+    return f"query (printf `{text}`{' $labels.job' * n})"
+
+
+def listing(promql: str, item: str, sort_label: str, limit: int = 5) -> str:
+    """``item`` (a template over ``$s``) for the first ``limit`` series of ``promql``, comma
+    separated, sorted by ``sort_label`` (as text); an ellipsis when there are more."""
+    return (
+        f'{{{{ range $i, $s := {template_query(promql)} | sortByLabel "{sort_label}" }}}}'
+        f"{{{{ if lt $i {limit} }}}}{{{{ if $i }}}}, {{{{ end }}}}{item}"
+        f"{{{{ else if eq $i {limit} }}}}, ...{{{{ end }}}}{{{{ end }}}}"
+    )
+
+
+def seconds(x: float) -> str:
+    """A PromQL duration for ``x`` seconds (whole milliseconds)."""
+    ms = round(float(x) * 1000)
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
