@@ -26,6 +26,7 @@ from syncscope.monitoring.promql import (
     rate,
     sel,
 )
+from syncscope.monitoring.uids import FABRIC_UID, OVERVIEW_UID
 from syncscope.recorded import (  # the recorded series' names, declared there once
     BUS_BANDWIDTH,
     COMM_EXPOSED_RATIO,
@@ -574,16 +575,14 @@ def _alert_texts(cfg: Mapping[str, Any], name: str, level: Mapping[str, Any]) ->
     return text(AlertInput(cfg, a, level, thr, w))
 
 
-# Where each alert's dashboard_url points (monitoring/dashboards.py has the same uids; a unit
-# test keeps the two in step) and whether it can select the alert's training job there.
-OVERVIEW_DASHBOARD = "syncscope-job-overview"
-FABRIC_DASHBOARD = "syncscope-fabric-locality"
+# Which dashboard each alert's dashboard_url points to, and whether it can select the alert's
+# training job there.
 _FABRIC_ALERTS = {"SyncscopeFabricContention", "SyncscopeSlowLink", "SyncscopeLocalityFault"}
 _NOT_A_TRAINING_JOB = {"SyncscopeExporterDown"}  # its job label is the scrape job
 
 
 def dashboard_url(cfg: Mapping[str, Any], alert: str) -> str:
-    uid = FABRIC_DASHBOARD if alert in _FABRIC_ALERTS else OVERVIEW_DASHBOARD
+    uid = FABRIC_UID if alert in _FABRIC_ALERTS else OVERVIEW_UID
     url = f"{cfg['dashboard_url_base'].rstrip('/')}/d/{uid}"
     if alert in _NOT_A_TRAINING_JOB:
         return url

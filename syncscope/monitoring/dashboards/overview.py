@@ -1,0 +1,646 @@
+"""The job overview dashboard, one function per row."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from grafana_foundation_sdk.builders import (
+    bargauge,
+)
+
+from syncscope import catalog as M
+from syncscope.catalog import STEP_WINDOW
+from syncscope.monitoring import rules as R
+from syncscope.monitoring.dashboards.common import (
+    ALERT_PREFIX,
+    BY_RANK,
+    DS,
+    JOB,
+    MAX_SERIES,
+    NODE,
+    RANK,
+    RATE,
+    TOP,
+    TRIAGE_ROWS,
+)
+from syncscope.monitoring.dashboards.panels import (
+    alert_steps,
+    prop,
+    q,
+    stat_panel,
+    steps,
+    table_panel,
+    ts,
+    value_map,
+)
+from syncscope.monitoring.dashboards.queries import (
+    gauge_per_rank,
+    ranks_that_stand_out,
+    ratio_per_rank,
+    rec,
+)
+from syncscope.monitoring.dashboards.triage import triage
+from syncscope.monitoring.promql import sel
+
+
+def job_overview(cfg: Mapping[str, Any]) -> list[tuple[str, list[tuple[int, int, Any]]]]:
+    """Rows of (width, height, panel): triage first, then the paper's failure modes."""
+    straggler = cfg["alerts"]["SyncscopeStraggler"]["levels"][0]["threshold"]
+    diagnosis = cfg["diagnosis"]["verdict_score"]
+    phases = M.PHASE_SECONDS_TOTAL.name
+    busy = ratio_per_rank(
+        cfg, (phases, ('phase!~"comm_exposed|pacing"',)), (M.STEPS_TOTAL.name, ())
+    )
+    exposed = ratio_per_rank(cfg, (phases, ('phase="comm_exposed"',)), (phases, ()))
+    selected = sel(cfg, phases, JOB, NODE, RANK)
+    selected_steps = sel(cfg, M.STEPS_TOTAL.name, JOB, NODE, RANK)
+    by_phase = (
+        f"sum by (phase) (rate({selected}[{RATE}]))\n/ on () group_left ()\n"
+        f"  (sum(rate({selected_steps}[{RATE}])) > 0)"
+    )
+    every_rank_phase = (
+        f"sum by ({BY_RANK}, phase) (rate({sel(cfg, phases, JOB)}[{RATE}]))\n"
+        f"/ ignoring (phase) group_left ()\n"
+        f"  (sum by ({BY_RANK}) (rate({sel(cfg, M.STEPS_TOTAL.name, JOB)}[{RATE}])) > 0)"
+    )
+    engagements = ratio_per_rank(
+        cfg, (M.PACING_ENGAGEMENTS_TOTAL.name, ()), (M.STEPS_TOTAL.name, ())
+    )
+    dropped = ratio_per_rank(
+        cfg, (M.AGENT_RECORDS_DROPPED_TOTAL.name, ()), (M.STEPS_TOTAL.name, ())
+    )
+    exporter = cfg["selectors"]["exporter"]
+    return [
+        _overview_triage_which_ranks_are_late(cfg),
+        _overview_job_health(cfg, straggler=straggler),
+        _overview_step_time_and_phases(
+            cfg, busy=busy, exposed=exposed, by_phase=by_phase, every_rank_phase=every_rank_phase
+        ),
+        _overview_where_the_job_waits(cfg),
+        _overview_synchronization(cfg, straggler=straggler, diagnosis=diagnosis),
+        _overview_pacing(cfg, engagements=engagements),
+        _overview_alerts_agents_and_exporters(cfg, dropped=dropped, exporter=exporter),
+    ]
+
+
+def _overview_triage_which_ranks_are_late(
+    cfg: Mapping[str, Any],
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Triage: which ranks are late, where, why, since when, at what cost."""
+    return ("Triage: which ranks are late, where, why, since when, at what cost", triage(cfg))
+
+
+def _overview_job_health(
+    cfg: Mapping[str, Any], *, straggler: Any
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Job health."""
+    return (
+        "Job health",
+        [
+            (
+                4,
+                4,
+                stat_panel(
+                    "Throughput",
+                    "Steps per second, averaged over the job's ranks.",
+                    [q(rec(R.STEPS_RATE), "{{job}}")],
+                    "suffix: steps/s",
+                ),
+            ),
+            (
+                4,
+                4,
+                stat_panel(
+                    "Mean step time",
+                    "Mean wall time of a step over all ranks.",
+                    [q(rec(R.STEP_MEAN), "{{job}}")],
+                    "s",
+                ),
+            ),
+            (
+                4,
+                4,
+                stat_panel(
+                    "Step-time CV",
+                    f"Coefficient of variation of step time over the last {STEP_WINDOW} steps, "
+                    "noisiest rank. Orange/red at the SyncscopeStepTimeCVHigh levels.",
+                    [q(rec(R.STEP_CV), "{{job}}")],
+                    "none",
+                    thresholds=alert_steps(cfg, "SyncscopeStepTimeCVHigh"),
+                ),
+            ),
+            (
+                4,
+                4,
+                stat_panel(
+                    "Sync amplification",
+                    "Share of rank time spent waiting at collectives for the "
+                    "last peer (paper §3.3). Orange at the SyncscopeSyncAmplification threshold.",
+                    [q(rec(R.SYNC_AMPLIFICATION), "{{job}}")],
+                    "percentunit",
+                    thresholds=alert_steps(cfg, "SyncscopeSyncAmplification"),
+                ),
+            ),
+            (
+                4,
+                4,
+                stat_panel(
+                    "Exposed communication",
+                    "Share of step time in communication that backward did not hide.",
+                    [q(rec(R.COMM_EXPOSED_RATIO), "{{job}}")],
+                    "percentunit",
+                ),
+            ),
+            (
+                4,
+                4,
+                stat_panel(
+                    "Arrival skew",
+                    "Latest minus earliest rank, as a share of the mean step (orange from "
+                    "the SyncscopeStraggler threshold).",
+                    [q(rec(R.SKEW_RATIO), "{{job}}")],
+                    "percentunit",
+                    thresholds=steps((straggler, "orange")),
+                ),
+            ),
+        ],
+    )
+
+
+def _overview_step_time_and_phases_1(
+    cfg: Mapping[str, Any], *, busy: Any, by_phase: Any, every_rank_phase: Any
+) -> list[tuple[int, int, Any]]:
+    """Overview row "Step time and phases", panels, part 1."""
+    return [
+        (
+            12,
+            8,
+            ts(
+                "Step time",
+                "Mean and quantiles of step wall time, job-wide (every node's "
+                "step-duration histogram pooled).",
+                [
+                    q(rec(R.STEP_MEAN), "mean"),
+                    q(rec(R.STEP_QUANTILE), "p{{quantile}}"),
+                ],
+                "s",
+            ),
+        ),
+        (
+            12,
+            8,
+            ts(
+                "Busy time per step: the slowest ranks",
+                f"Each rank's seconds per step outside exposed communication and "
+                f"pacing (its phases' sum less the time it waits), for the {TOP} "
+                "selected ranks highest over the time range, against the job's median "
+                "and 10th-90th percentile band. A straggler sits above the band.",
+                ranks_that_stand_out(busy),
+                "s",
+                band=True,
+            ),
+        ),
+        (
+            8,
+            8,
+            ts(
+                "Phase shares",
+                "Share of step wall time per phase, job-wide; they add up to 1.",
+                [q(rec(R.PHASE_RATIO), "{{phase}}")],
+                "percentunit",
+                stack=True,
+                max_val=1,
+            ),
+        ),
+        (
+            8,
+            8,
+            ts(
+                "Phases of the selected ranks",
+                "Seconds per step in each phase, averaged over the selected ranks "
+                "(pick a rank or a node above; All: the whole job).",
+                [q(by_phase, "{{phase}}")],
+                "s",
+                stack=True,
+            ),
+        ),
+        (
+            8,
+            8,
+            ts(
+                "Phases of the selected ranks against the job's median rank",
+                "The selected ranks' seconds per step in each phase minus the job's "
+                "median rank's: a straggler's slow phase is above zero, its exposed "
+                "communication below (it waits least).",
+                [
+                    q(
+                        f"{by_phase}\n- on (phase)\n  "
+                        f"quantile by (phase) (0.5, {every_rank_phase})",
+                        "{{phase}}",
+                    )
+                ],
+                "s",
+                min_val=None,
+            ),
+        ),
+    ]
+
+
+def _overview_step_time_and_phases_2(
+    cfg: Mapping[str, Any], *, exposed: Any
+) -> list[tuple[int, int, Any]]:
+    """Overview row "Step time and phases", panels, part 2."""
+    return [
+        (
+            12,
+            8,
+            ts(
+                "Step-time CV: the noisiest ranks",
+                f"The {TOP} selected ranks with the highest coefficient of variation "
+                "over the time range, and the job's median and band. Dashed lines: "
+                "the SyncscopeStepTimeCVHigh levels.",
+                ranks_that_stand_out(gauge_per_rank(cfg, M.STEP_TIME_CV.name)),
+                "none",
+                thresholds=alert_steps(cfg, "SyncscopeStepTimeCVHigh"),
+                band=True,
+            ),
+        ),
+        (
+            12,
+            8,
+            ts(
+                "Exposed communication: the ranks that wait least",
+                "Share of each rank's wall time in exposed communication, for the "
+                f"{TOP} selected ranks lowest over the time range, and the job's median "
+                "and band. The straggler has the least: the others wait for it.",
+                ranks_that_stand_out(exposed, lowest=True),
+                "percentunit",
+                band=True,
+            ),
+        ),
+    ]
+
+
+def _overview_step_time_and_phases(
+    cfg: Mapping[str, Any], *, busy: Any, exposed: Any, by_phase: Any, every_rank_phase: Any
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Step time and phases."""
+    return (
+        "Step time and phases",
+        [
+            *_overview_step_time_and_phases_1(
+                cfg, busy=busy, by_phase=by_phase, every_rank_phase=every_rank_phase
+            ),
+            *_overview_step_time_and_phases_2(cfg, exposed=exposed),
+        ],
+    )
+
+
+def _overview_where_the_job_waits(
+    cfg: Mapping[str, Any],
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Where the job waits: process groups and the wait chain."""
+    return (
+        "Where the job waits: process groups and the wait chain",
+        [
+            (
+                12,
+                8,
+                ts(
+                    "Rank-time lost per process group",
+                    "Share of the job's rank-time each process group's collectives take "
+                    "beyond the rank that spends least in them (groups by their mesh "
+                    f"dimension: dp, tp, pp, shard, ...), over {cfg['windows']['straggler']}. "
+                    "Where a tensor- or pipeline-parallel job loses its time.",
+                    [q(rec(R.GROUP_WAIT), "{{group}}")],
+                    "percentunit",
+                    stack=True,
+                ),
+            ),
+            (
+                12,
+                8,
+                table_panel(
+                    "Who waits for whom",
+                    f"While a straggler is named: the {TRIAGE_ROWS} ranks that wait most, "
+                    "the group each waits in most and the rank it waits for there (empty: "
+                    "a rank its exporter does not see), seconds per step. Follow Waits for "
+                    "to the straggler.",
+                    [
+                        q(
+                            f"topk({TRIAGE_ROWS}, {sel(cfg, M.VICTIM_WAIT_SECONDS.name, JOB)})",
+                            instant=True,
+                            table_format=True,
+                        )
+                    ],
+                    unit="s",
+                    hide=("Time", "job", "__name__", "instance"),
+                    rename={
+                        "rank": "Rank",
+                        "node": "Node",
+                        "group": "Group",
+                        "waits_for": "Waits for",
+                        "Value": "Wait per step",
+                    },
+                    sort=("Value", True),
+                ),
+            ),
+        ],
+    )
+
+
+def _overview_synchronization(
+    cfg: Mapping[str, Any], *, straggler: Any, diagnosis: Any
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Synchronization."""
+    return (
+        "Synchronization",
+        [
+            (
+                12,
+                8,
+                ts(
+                    "Amplification, exposed communication, pacing",
+                    "Job-wide shares of rank time. Dashed line: the SyncscopeSyncAmplification threshold.",
+                    [
+                        q(rec(R.SYNC_AMPLIFICATION), "waiting for peers"),
+                        q(rec(R.COMM_EXPOSED_RATIO), "exposed communication"),
+                        q(rec(R.PACING_RATIO), "pacing delay"),
+                    ],
+                    "percentunit",
+                    thresholds=alert_steps(cfg, "SyncscopeSyncAmplification"),
+                ),
+            ),
+            (
+                12,
+                8,
+                ts(
+                    "Arrival lead: the latest ranks",
+                    "How early each rank reaches collectives compared with the last one, "
+                    f"job-wide (seconds per step, over {cfg['windows']['straggler']}), for the "
+                    f"{TOP} selected ranks lowest over the time range, and the job's median "
+                    "and band. The straggler sits at zero.",
+                    ranks_that_stand_out(
+                        gauge_per_rank(cfg, R.LEAD_AVG, recorded=True), lowest=True
+                    ),
+                    "s",
+                    band=True,
+                ),
+            ),
+            (
+                12,
+                8,
+                ts(
+                    "Arrival skew",
+                    "Latest minus earliest rank, as a share of the mean step. Dashed "
+                    "line: the SyncscopeStraggler threshold.",
+                    [q(rec(R.SKEW_RATIO), "{{job}}")],
+                    "percentunit",
+                    thresholds=steps((straggler, "orange")),
+                ),
+            ),
+            (
+                12,
+                8,
+                bargauge.Panel()
+                .title("Diagnosis")
+                .description(
+                    "The exporters' local score (0..1) for each failure mode of paper "
+                    "§3.3, highest over the job's exporters."
+                )
+                .datasource(DS)
+                .unit("percentunit")
+                .min(0)
+                .max(1)
+                .thresholds(steps((diagnosis, "orange")))
+                .with_target(
+                    q(
+                        f"max by (mode) ({sel(cfg, M.DIAGNOSIS.name, JOB)})",
+                        "{{mode}}",
+                        instant=True,
+                    ).ref_id("A")
+                ),
+            ),
+        ],
+    )
+
+
+def _overview_pacing(
+    cfg: Mapping[str, Any], *, engagements: Any
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Pacing."""
+    return (
+        "Pacing",
+        [
+            (
+                8,
+                8,
+                ts(
+                    "Ranks paced",
+                    "Share of the job's ranks whose pacing controller is delaying them "
+                    "now (paper §4.3, §5.3). Engaged without a break for long: see "
+                    "SyncscopePacingEngagedLong.",
+                    [
+                        q(
+                            f"{rec(R.PACING_ACTIVE)}\n/ on (job)\n  {rec(R.WORLD_SIZE)}",
+                            "ranks paced",
+                        )
+                    ],
+                    "percentunit",
+                    max_val=1,
+                ),
+            ),
+            (
+                8,
+                8,
+                ts(
+                    "Pacing delay: the most delayed ranks",
+                    f"Current delay of the {TOP} selected ranks delayed most over the "
+                    "time range, the job's median delay and median engage threshold.",
+                    [
+                        *ranks_that_stand_out(
+                            gauge_per_rank(cfg, M.PACING_CURRENT_DELAY_SECONDS.name),
+                            band=False,
+                        ),
+                        q(
+                            "quantile by (job) (0.5, "
+                            f"{sel(cfg, M.PACING_CURRENT_DELAY_SECONDS.name, JOB)})",
+                            "median",
+                        ),
+                        q(
+                            "quantile by (job) (0.5, "
+                            f"{sel(cfg, M.PACING_THRESHOLD_SECONDS.name, JOB)})",
+                            "median threshold",
+                        ),
+                    ],
+                    "s",
+                ),
+            ),
+            (
+                8,
+                8,
+                ts(
+                    "Pacing engagements per step",
+                    f"Engagements per step of the {TOP} selected ranks engaging most "
+                    "often over the time range, and the job's median and band.",
+                    ranks_that_stand_out(engagements),
+                    "short",
+                    band=True,
+                ),
+            ),
+        ],
+    )
+
+
+def _overview_alerts_agents_and_exporters_1(
+    cfg: Mapping[str, Any], *, dropped: Any
+) -> list[tuple[int, int, Any]]:
+    """Overview row "Alerts, agents and exporters", panels, part 1."""
+    return [
+        (
+            12,
+            8,
+            table_panel(
+                "Active syncscope alerts",
+                "Pending and firing syncscope alerts (ALERTS) and how long each has "
+                "been active (ALERTS_FOR_STATE).",
+                [
+                    q(
+                        f'ALERTS{{alertname=~"{ALERT_PREFIX}.+"}}',
+                        instant=True,
+                        table_format=True,
+                    ),
+                    q(
+                        f'time() - ALERTS_FOR_STATE{{alertname=~"{ALERT_PREFIX}.+"}}',
+                        instant=True,
+                        table_format=True,
+                    ),
+                ],
+                hide=("Time", "__name__", "Value #A"),
+                rename={
+                    "alertname": "Alert",
+                    "severity": "Severity",
+                    "alertstate": "State",
+                    "job": "Job",
+                    "Value #B": "Active for",
+                },
+                sort=("Value #B", True),
+                columns={
+                    "Active for": [prop("unit", "dtdurations")],
+                    "State": [
+                        prop(
+                            "mappings",
+                            [
+                                {
+                                    "type": "value",
+                                    "options": {
+                                        "firing": {"color": "red", "index": 0},
+                                        "pending": {"color": "orange", "index": 1},
+                                    },
+                                }
+                            ],
+                        ),
+                        prop("custom.cellOptions", {"type": "color-text"}),
+                    ],
+                },
+            ),
+        ),
+        (
+            12,
+            8,
+            ts(
+                "Records dropped and rejected",
+                f"Agent records dropped per step by the {TOP} selected ranks dropping "
+                "most (exporter slow or unreachable), and records the exporters "
+                "rejected and ingested per second.",
+                [
+                    *ranks_that_stand_out(dropped, "dropped/step rank {{rank}}", band=False),
+                    q(
+                        f"sum by (reason) (rate({M.EXPORTER_INGEST_REJECTED_TOTAL.name}[{RATE}]))",
+                        "rejected/s {{reason}}",
+                    ),
+                    q(
+                        f"sum(rate({M.EXPORTER_INGEST_RECORDS_TOTAL.name}[{RATE}]))",
+                        "ingested/s",
+                    ),
+                ],
+                "short",
+            ),
+        ),
+    ]
+
+
+def _overview_alerts_agents_and_exporters_2(
+    cfg: Mapping[str, Any], *, exporter: Any
+) -> list[tuple[int, int, Any]]:
+    """Overview row "Alerts, agents and exporters", panels, part 2."""
+    return [
+        (
+            8,
+            6,
+            table_panel(
+                "Exporters",
+                "Scrape success of the syncscope exporters, down ones first (at most "
+                f"{MAX_SERIES} listed).",
+                [
+                    q(
+                        f"bottomk({MAX_SERIES}, up{{{exporter}}})",
+                        instant=True,
+                        table_format=True,
+                    )
+                ],
+                hide=("Time", "__name__", "job"),
+                rename={"instance": "Exporter", "Value": "Scrape"},
+                sort=("Value", False),
+                mappings=value_map((0, "down", "red"), (1, "up", "green")),
+                thresholds=steps((1, "green"), base="red"),
+            ),
+        ),
+        (
+            8,
+            6,
+            stat_panel(
+                "Collectors succeeding",
+                "Whether each exporter collector succeeded at the last scrape, on "
+                "every exporter (failing: on at least one).",
+                [
+                    q(
+                        f"min by (collector) ({M.EXPORTER_COLLECTOR_SUCCESS.name})",
+                        "{{collector}}",
+                    )
+                ],
+                "none",
+                mappings=value_map((0, "failing", "red"), (1, "ok", "green")),
+                thresholds=steps((1, "green"), base="red"),
+            ),
+        ),
+        (
+            8,
+            6,
+            ts(
+                "Collector duration",
+                "Time each exporter collector took at scrape time, slowest exporter.",
+                [
+                    q(
+                        f"max by (collector) ({M.EXPORTER_COLLECTOR_DURATION_SECONDS.name})",
+                        "{{collector}}",
+                    )
+                ],
+                "s",
+            ),
+        ),
+    ]
+
+
+def _overview_alerts_agents_and_exporters(
+    cfg: Mapping[str, Any], *, dropped: Any, exporter: Any
+) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Alerts, agents and exporters."""
+    return (
+        "Alerts, agents and exporters",
+        [
+            *_overview_alerts_agents_and_exporters_1(cfg, dropped=dropped),
+            *_overview_alerts_agents_and_exporters_2(cfg, exporter=exporter),
+        ],
+    )
