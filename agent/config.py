@@ -73,13 +73,37 @@ class AgentConfig:
                 values[name] = float(raw)
             else:
                 values[name] = raw
-        if "job" not in values and env.get("TORCHELASTIC_RUN_ID"):
-            values["job"] = env["TORCHELASTIC_RUN_ID"]
+        if "job" not in values:
+            launcher_job = launcher_job_id(env)
+            if launcher_job:
+                values["job"] = launcher_job
         values.update({k: v for k, v in overrides.items() if v is not None})
         config = cls(**values)  # type: ignore[arg-type]
         if config.detail not in DETAIL_LEVELS:
             raise ValueError(f"detail must be one of {DETAIL_LEVELS}, not {config.detail!r}")
         return config
+
+
+def launcher_job_id(env: Mapping[str, str] = os.environ) -> str | None:
+    """The job's identity from its launcher, the same in every incarnation of the job: a
+    torchelastic run id (torchrun's default "none" is no id), else Slurm's job id."""
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return run_id
+    return env.get("SLURM_JOB_ID") or None
+
+
+# Where a node's name comes from, first found: syncscope's own setting; Kubernetes' node name
+# (set through the downward API: fieldRef spec.nodeName, as deploy/kubernetes does); Slurm's.
+# A pod's hostname is the pod's name, which joins with no node_exporter or dcgm-exporter series.
+NODE_NAME_VARIABLES = ("SYNCSCOPE_NODE", "NODE_NAME", "SLURMD_NODENAME")
+
+
+def node_name(env: Mapping[str, str] = os.environ) -> str:
+    for variable in NODE_NAME_VARIABLES:
+        if env.get(variable):
+            return env[variable][:MAX_LABEL_LEN]
+    return socket.gethostname()[:MAX_LABEL_LEN]
 
 
 def process_identity(env: Mapping[str, str] = os.environ) -> dict[str, object]:
@@ -99,6 +123,6 @@ def process_identity(env: Mapping[str, str] = os.environ) -> dict[str, object]:
         "rank": rank,
         "local_rank": local_rank,
         "world_size": world,
-        "hostname": socket.gethostname()[:MAX_LABEL_LEN],
+        "hostname": node_name(env),
         "pid": os.getpid(),
     }

@@ -11,8 +11,8 @@ Addresses exist only inside the namespaces made here; the root namespace gets no
 Each node's exporter runs in the root namespace on 127.0.0.1 and takes its ranks' records on
 a unix socket, which crosses network namespaces because the filesystem is shared; the
 FileStore rendezvous does too. With ``hostnames`` each rank also gets its own UTS namespace
-named ``node<i>``, so the exporters see a distinct hostname per node (the agent takes its
-hostname from the kernel and has no override). Needs root and iproute2; where refused,
+named ``node<i>`` (and SYNCSCOPE_NODE says the same), so the exporters see a distinct node per
+node. Needs root and iproute2; where refused,
 entering raises `NodesUnavailable`.
 
     with EmulatedNodes(nodes=2, ranks_per_node=2) as cluster:
@@ -297,11 +297,14 @@ class EmulatedNodes:
 
     def _rank_env(self, rank: int) -> dict[str, str]:
         node = self.node_of(rank)
-        return {
+        env = {
             "SYNCSCOPE_EXPORTER": node.ingest_url,
             "GLOO_SOCKET_IFNAME": node.ifname,
             "MASTER_ADDR": self.nodes[0].address,
         }
+        if self.hostnames:  # the node label, whatever the machine's environment says (NODE_NAME)
+            env["SYNCSCOPE_NODE"] = f"node{node.index}"
+        return env
 
     def launch(
         self,
