@@ -24,11 +24,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from syncscope.shm_layout import (  # noqa: F401 - the layout, re-exported for the writer's users
+from syncscope.shm_layout import (
     CLOSED_AT,
     COLL_SLOT,
     DEFAULT_CAPACITY,
-    DEFAULT_DIR,
     DROPPED_AT,
     GROUP_BYTES,
     HEAD,
@@ -47,9 +46,7 @@ from syncscope.shm_layout import (  # noqa: F401 - the layout, re-exported for t
     READER_AT,
     SLOT_BYTES,
     STEP_SLOT,
-    SUFFIX,
     VERSION,
-    WRITE_SEQ,
     WRITE_SEQ_AT,
     Q,
     q,

@@ -151,7 +151,7 @@ class PrometheusReader:
 
     def read_once(self) -> bool:
         try:
-            replies = {name: self._query(name) for name in self.QUERIES}
+            replies = {name: self.api.instant(name) for name in self.QUERIES}
         except (
             OSError,
             ValueError,
@@ -171,6 +171,3 @@ class PrometheusReader:
         self.reads += 1
         self.last_error = None
         return True
-
-    def _query(self, promql: str) -> list[dict[str, Any]]:
-        return self.api.instant(promql)

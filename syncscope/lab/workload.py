@@ -72,11 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 MICRO_BATCHES = 2  # --parallel pp: GPipe's micro-batches per step
 
 
-def pipeline(
-    net: Any, args: argparse.Namespace, world: int, rank: int
-) -> tuple[Any, Any, bool, bool]:
+def pipeline(net: Any, args: argparse.Namespace, world: int, rank: int) -> tuple[Any, Any, bool]:
     """This rank's stage of `net` (a pair of ranks, two stages, fully_shard across pairs) and
-    its schedule: (stage module, schedule, first stage, last stage)."""
+    its schedule: (stage module, schedule, whether it is the first stage)."""
     import torch
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -97,7 +95,7 @@ def pipeline(
     torch.manual_seed(args.seed)
     stage = PipelineStage(net, index, 2, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = ScheduleGPipe(stage, MICRO_BATCHES, loss_fn=nn.functional.mse_loss)
-    return net, schedule, index == 0, index == 1
+    return net, schedule, index == 0
 
 
 def parallelize(net: Any, args: argparse.Namespace, world: int) -> Any:
@@ -213,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.parallel == "pp":
         if args.accumulate != 1 or world % 2:
             raise SystemExit("--parallel pp: an even world size, no --accumulate")
-        model, schedule, first, last_stage = pipeline(Net(), args, world, rank)
+        model, schedule, first = pipeline(Net(), args, world, rank)
     else:
         model = parallelize(Net(), args, world)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -244,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             if first:
                 schedule.step(x)
             else:
-                schedule.step(target=y, losses=[] if last_stage else None)
+                schedule.step(target=y, losses=[])
         for micro in range(args.accumulate if schedule is None else 0):
             last_micro = micro == args.accumulate - 1
             with contextlib.nullcontext() if last_micro else no_sync(model):

@@ -10,16 +10,14 @@ from pathlib import Path
 
 import pytest
 from syncscope.agent.shm_ring import (
-    HEADER_BYTES,
-    SLOT_BYTES,
-    Q,
     ShmRing,
     ShmTransport,
-    ring_dir,
 )
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.shm_reader import RingReader, ShmPoller
 from syncscope.exporter.store import Store
+
+from syncscope.shm_layout import HEADER_BYTES, SLOT_BYTES, Q, ring_dir
 
 MS = 1_000_000
 IDENTITY = {

@@ -10,7 +10,7 @@ from grafana_foundation_sdk.builders import (
 )
 
 from syncscope import catalog as M
-from syncscope.monitoring import rules as R
+from syncscope import recorded as R
 from syncscope.monitoring.dashboards.common import (
     BY_RANK,
     DS,

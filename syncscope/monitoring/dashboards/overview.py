@@ -10,8 +10,8 @@ from grafana_foundation_sdk.builders import (
 )
 
 from syncscope import catalog as M
+from syncscope import recorded as R
 from syncscope.catalog import STEP_WINDOW
-from syncscope.monitoring import rules as R
 from syncscope.monitoring.dashboards.common import (
     ALERT_PREFIX,
     BY_RANK,

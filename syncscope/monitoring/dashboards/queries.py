@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from syncscope import catalog as M
-from syncscope.monitoring import rules as R
+from syncscope import recorded as R
 from syncscope.monitoring.dashboards.common import (
     BAND,
     BY_RANK,

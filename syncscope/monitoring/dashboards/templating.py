@@ -9,7 +9,7 @@ from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.models import dashboard as dm
 
 from syncscope import catalog as M
-from syncscope.monitoring import rules as R
+from syncscope import recorded as R
 from syncscope.monitoring.dashboards.common import (
     ALERT_PREFIX,
     ANNOTATION_STEP,

@@ -8,7 +8,7 @@ from typing import Any
 from grafana_foundation_sdk.models import dashboard as dm
 
 from syncscope import catalog as M
-from syncscope.monitoring import rules as R
+from syncscope import recorded as R
 from syncscope.monitoring.dashboards.common import (
     FABRIC_UID,
     JOB,
