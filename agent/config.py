@@ -48,6 +48,17 @@ class AgentConfig:
     token: str | None = None  # bearer token for TCP ingest
     record: str | None = None  # also append step records as JSON lines here ({rank} is replaced)
     patch_collectives: bool = True
+    # The work this rank does per step (syncscope_rank_samples_total, _tokens_total). Unset,
+    # it is read from the model's inputs (agent/phases.py) where they say it unambiguously;
+    # `agent.count(samples=, tokens=)` in a step overrides both for that step.
+    samples_per_step: int | None = None
+    tokens_per_step: int | None = None
+    # The keyword argument of the model's forward that holds the batch when forward gets no
+    # positional one (Hugging Face models: input_ids; the integration sets main_input_name).
+    batch_argument: str = "input_ids"
+    # Read the work from the model's inputs. Off for inputs whose leading dimension is not
+    # the batch (sequence-first RNN or transformer inputs): then only what is set counts.
+    detect_work: bool = True
     disable: bool = False  # hard off switch: attach() returns an agent that does nothing
 
     @classmethod

@@ -28,7 +28,7 @@ from syncscope.agent.shm_ring import ShmTransport
 from syncscope.agent.step_pacing import StepPacer
 from syncscope.agent.transport import Reporter
 
-from syncscope.wire import MAX_LABEL_LEN
+from syncscope.wire import MAX_LABEL_LEN, MAX_WORK
 
 if TYPE_CHECKING:
     from syncscope.agent.nccl_trace import FlightRecorderReader, StepTimeline
@@ -47,6 +47,11 @@ class RankAgent(Protocol):
 
     def step(self) -> AbstractContextManager[None]:
         """`with agent.step():` marks one training step when no optimizer hook does."""
+        ...
+
+    def count(self, samples: int | None = None, tokens: int | None = None) -> None:
+        """Add to the work this rank does in the current step; replaces what the model's
+        inputs or the per-step settings say for this step. Call it before the step ends."""
         ...
 
     def close(self) -> None:
@@ -130,6 +135,7 @@ class Agent:
         )
         if self.patch is not None:
             self.clock.blocked = self.patch.blocked
+        self._count_work(torch, model, config)
         self.record = RecordWriter(config.record, self.identity) if config.record else None
         self.arrival = LocalArrival(self.record) if config.pacing or self.record else None
         self.pacer: PacingController | None = None
@@ -191,6 +197,12 @@ class Agent:
         topology = None
         with contextlib.suppress(Exception):  # static facts, sampled once, off the hot path
             topology = with_link(self.topology, self.link, self.labels.facts)()
+        if topology:
+            from syncscope.agent.topology import ENERGY_KEY
+
+            # Written once into the ring's header: a counter frozen there would read as a GPU
+            # that draws no energy. No series instead (docs/gpu.md).
+            topology = {k: v for k, v in topology.items() if k != ENERGY_KEY}
         return ShmTransport(
             identity=self.identity,
             url=url,
@@ -205,6 +217,21 @@ class Agent:
     def step(self) -> _StepContext:
         """`with agent.step():` marks one training step when no optimizer hook does."""
         return _StepContext(self.clock)
+
+    def count(self, samples: int | None = None, tokens: int | None = None) -> None:
+        """Add to the work this rank does in the current step: samples and/or tokens.
+
+        Calls in one step add up (once per micro-batch, or once with the step's totals); for
+        that step they replace what the model's inputs show and the `samples_per_step` /
+        `tokens_per_step` settings. Call it before the step ends (before `optimizer.step()`,
+        or inside `with agent.step()`):
+
+            agent.count(samples=len(batch), tokens=batch["input_ids"].numel())
+        """
+        try:
+            self.clock.count(samples, tokens)
+        except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
+            self._on_error(exc)
 
     def close(self) -> None:
         """Remove hooks and patches, send what is left. Safe to call twice."""
@@ -241,6 +268,17 @@ class Agent:
         }
 
     # -- construction -------------------------------------------------------------------------
+    def _count_work(self, torch: Any, model: Any, config: AgentConfig) -> None:
+        """Samples and tokens per step: as set, else read from the model's inputs."""
+        clock = self.clock
+        if config.samples_per_step is not None and config.samples_per_step >= 0:
+            clock.samples_per_step = min(MAX_WORK, config.samples_per_step)
+        if config.tokens_per_step is not None and config.tokens_per_step >= 0:
+            clock.tokens_per_step = min(MAX_WORK, config.tokens_per_step)
+        both_set = clock.samples_per_step >= 0 and clock.tokens_per_step >= 0
+        if model is not None and torch is not None and config.detect_work and not both_set:
+            clock.count_inputs(torch, config.batch_argument)
+
     def _make_clock(
         self,
         torch: Any,
@@ -367,6 +405,9 @@ class InertAgent:
 
     def step(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    def count(self, samples: int | None = None, tokens: int | None = None) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -18,8 +18,8 @@ Where the GPU's time goes between two consecutive events (k = this step):
   other         the rest (loss, clipping, logging ...)
 The phases of a step add up to the GPU's step time (step end k-1 -> step end k). A step reaches
 the reporter as the same tuple the CPU clock emits, GPU phases in place of CPU ones (pacing
-stays the CPU delay the controller inserted); DDP's `ddp_grad_sync` records carry the GPU's
-exposed communication. If the queue of unresolved steps is full, an event cannot be had or
+stays the CPU delay the controller inserted, the work counts are the CPU clock's); DDP's
+`ddp_grad_sync` records carry the GPU's exposed communication. If the queue of unresolved steps is full, an event cannot be had or
 queried, or the stream is capturing a CUDA graph, a step goes out with its CPU phases instead,
 and the next step starts a new chain.
 
@@ -59,6 +59,7 @@ from syncscope.agent.phases import (
     OPTIMIZER,
     PACING,
     ROW_PHASES,
+    ROW_WORK,
     STEP_END,
     STEP_START,
     PhaseClock,
@@ -333,7 +334,7 @@ class CudaPhaseClock(PhaseClock):
                 op, group, nbytes, _cpu_ns, rec_step = record
                 record = (op, group, nbytes, comm[i], rec_step)
             gpu_ddp.append(record)
-        self._emit((step, end_ns, total, *phases), gpu_ddp)
+        self._emit((step, end_ns, total, *phases, *cpu[ROW_WORK:]), gpu_ddp)
 
     def _emit_cpu(self, cpu: tuple, ddp: list) -> None:
         """A step that goes out with its CPU phases (no usable events)."""

@@ -17,6 +17,18 @@ A step runs from one optimizer post-hook to the next (or one `with agent.step()`
 Micro-steps under gradient accumulation are summed; a DDP micro-step under `no_sync()` has no
 exposed communication and emits no sync record.
 
+The work a step did (samples and tokens, the row's last two fields) is, in this order: what the
+user counted in the step (`agent.count`), the configured per-step numbers, or what the model's
+inputs show, read in the forward wrapper from shapes alone (no tensor data, nothing dynamo
+could trace): the leading dimension of forward's first positional argument (or of the keyword
+argument `batch_argument` when there is none) is the batch, and an int32/int64 tensor of two
+dimensions holds tokens (batch x sequence length). Every forward with gradients enabled adds to
+its step (micro-batches of gradient accumulation add up); forwards without gradients
+(evaluation inside the loop) are not training work. A step in which any such forward's batch
+is not a tensor with a leading dimension (a dict, a tuple, a scalar) reports its samples as
+not known (-1), and its tokens too unless every batch was a token tensor: no number rather
+than a guess.
+
 Why a parameter hook and not a hook on the forward output: a hook registered on the output every
 step costs 8-12 µs per step on a DDP backward (bench/bench_hook_costs.py), a post-accumulate-
 grad hook registered once costs ~0.3 µs when it fires. Which parameter's gradient comes first is
@@ -43,7 +55,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from syncscope.wire import DDP_GRAD_SYNC, Phase
+from syncscope.wire import DDP_GRAD_SYNC, MAX_WORK, UNKNOWN_WORK, Phase
 
 # Positions in the per-step accumulator, as plain ints: indexing a list with an IntEnum member
 # costs an __index__ call on the hot path. `other` is not accumulated (see PhaseClock).
@@ -53,8 +65,10 @@ BACKWARD = int(Phase.BACKWARD)
 OPTIMIZER = int(Phase.OPTIMIZER)
 COMM = int(Phase.COMM_EXPOSED)
 PACING = int(Phase.PACING)
-# A step row is (step, end_ns, total_ns, *accumulated phases): where the phases start.
+# A step row is (step, end_ns, total_ns, *accumulated phases, samples, tokens): where the
+# phases start and where the work counts start (wire.StepRowWithWork).
 ROW_PHASES = 3
+ROW_WORK = 9
 # The boundaries, as a subclass's `mark` hears of them (CudaPhaseClock records a CUDA event at
 # each); on CPU `mark` is None and costs one attribute test per boundary.
 STEP_START, FWD_PRE, FWD_POST, BWD_START, BWD_END, COMM_END, OPT_PRE, OPT_POST, STEP_END = range(9)
@@ -66,8 +80,8 @@ _now = time.perf_counter_ns
 class PhaseClock:
     """Accumulates per-phase nanoseconds for the current step and emits one tuple per step.
 
-    Emitted tuple: (step, end_ns, total_ns, data, forward, backward, optimizer, comm, pacing).
-    `other` is derived later (total minus the rest) off the training thread.
+    Emitted tuple: (step, end_ns, total_ns, data, forward, backward, optimizer, comm, pacing,
+    samples, tokens). `other` is derived later (total minus the rest) off the training thread.
     """
 
     def __init__(
@@ -133,6 +147,19 @@ class PhaseClock:
         # accrued since the last boundary moves from the phase that just ended to `comm`.
         self.blocked: Any = None
         self.blocked_seen = 0
+        # Work per step (the module docstring): counted by the user this step, configured per
+        # step, seen in the model's inputs. -1: none of that. `inputs` is what the forward
+        # wrapper reads them with (count_inputs), None while nothing is read.
+        self.inputs: tuple[Any, frozenset[Any], str, Callable[[], bool]] | None = None
+        self.samples_per_step = UNKNOWN_WORK
+        self.tokens_per_step = UNKNOWN_WORK
+        self.counted_samples = UNKNOWN_WORK
+        self.counted_tokens = UNKNOWN_WORK
+        self.seen_batches = 0  # forwards this step whose batch was a tensor with a batch dim
+        self.seen_samples = 0
+        self.seen_tokens = 0
+        self.unclear_samples = False  # a forward this step had no such batch
+        self.unclear_tokens = False  # ... or one that was not a token tensor
 
     # -- wiring -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -155,6 +182,41 @@ class PhaseClock:
         if optimizer is not None:
             handles.append(optimizer.register_step_pre_hook(self.optimizer_pre))
             handles.append(optimizer.register_step_post_hook(self.optimizer_post))
+
+    def count_inputs(self, torch: Any, batch_argument: str) -> None:
+        """Read each forward's batch size (and tokens) from the model's inputs from now on."""
+        self.inputs = (
+            torch.Tensor,
+            frozenset((torch.int64, torch.int32)),
+            batch_argument,
+            torch.is_grad_enabled,
+        )
+
+    def count(self, samples: int | None, tokens: int | None) -> None:
+        """Add work to the current step (what `agent.count` calls); it replaces the step's
+        configured and detected numbers. Negative numbers are ignored; sums stop at the wire's
+        MAX_WORK (beyond it the exporter would refuse the whole batch)."""
+        if samples is not None and samples >= 0:
+            self.counted_samples = min(MAX_WORK, max(0, self.counted_samples) + int(samples))
+        if tokens is not None and tokens >= 0:
+            self.counted_tokens = min(MAX_WORK, max(0, self.counted_tokens) + int(tokens))
+
+    def _work(self) -> tuple[int, int]:
+        """This step's (samples, tokens), UNKNOWN_WORK where not known; resets the counts."""
+        samples, tokens = self.counted_samples, self.counted_tokens
+        if samples < 0:
+            samples = self.samples_per_step
+            if samples < 0 and self.seen_batches and not self.unclear_samples:
+                samples = self.seen_samples
+        if tokens < 0:
+            tokens = self.tokens_per_step
+            if tokens < 0 and self.seen_batches and not self.unclear_tokens:
+                tokens = self.seen_tokens
+        self.counted_samples = self.counted_tokens = UNKNOWN_WORK
+        if self.seen_batches or self.unclear_samples:
+            self.seen_batches = self.seen_samples = self.seen_tokens = 0
+            self.unclear_samples = self.unclear_tokens = False
+        return samples, tokens
 
     def uninstrument(self) -> None:
         """Remove every hook `instrument` added. Safe to call twice."""
@@ -199,6 +261,19 @@ class PhaseClock:
                 clock.fwd_start = t
                 if clock.mark is not None:
                     clock.mark(FWD_PRE)
+                inputs = clock.inputs
+                if inputs is not None and inputs[3]():  # shapes only: what the batch holds
+                    x: Any = args[0] if args else kwargs.get(inputs[2])
+                    shape = x.shape if isinstance(x, inputs[0]) else None
+                    if shape:
+                        clock.seen_batches += 1
+                        clock.seen_samples += shape[0]
+                        if len(shape) == 2 and x.dtype in inputs[1]:
+                            clock.seen_tokens += shape[0] * shape[1]
+                        else:
+                            clock.unclear_tokens = True
+                    else:
+                        clock.unclear_samples = clock.unclear_tokens = True
             except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
                 clock.on_error(exc)
             out = _call_traced(original, *args, **kwargs)
@@ -367,6 +442,9 @@ class PhaseClock:
             self.acc = [0, 0, 0, 0, 0, 0]
             self.step_start = t
             self.idle_since = t
+            # Forwards before the first marked step are no step's work (a user's count is).
+            self.seen_batches = self.seen_samples = self.seen_tokens = 0
+            self.unclear_samples = self.unclear_tokens = False
             if self.blocked is not None:  # waits before the first step are no step's
                 self.blocked_seen = self.blocked.ns
         elif self.idle_since == 0:
@@ -378,8 +456,9 @@ class PhaseClock:
         steps = self.steps
         total = t - self.step_start
         if len(steps) < self.steps_max:
-            steps.append((self.step, t, total, *acc))
+            steps.append((self.step, t, total, *acc, *self._work()))
         else:
+            self._work()  # the dropped step's work must not count in the next one
             self.dropped += 1
         self.step += 1
         self.acc = [0, 0, 0, 0, 0, 0]

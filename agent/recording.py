@@ -9,6 +9,7 @@ from typing import Any, TextIO
 from syncscope.wire import PHASES, Phase
 
 OTHER = Phase.OTHER.label
+WORK_AT = len(PHASES) - 1  # a row's accumulated phases (all but `other`), then its work counts
 
 
 class RecordWriter:
@@ -26,11 +27,13 @@ class RecordWriter:
     def write(
         self, steps: list[tuple], wait_by_step: Mapping[int, float], clock_offset_ns: int
     ) -> None:
-        """Step rows as queued (step, end_ns, total_ns, *phase ns); waits in seconds by step."""
+        """Step rows as queued (step, end_ns, total_ns, *phase ns, samples, tokens); waits in
+        seconds by step. A line has `samples` and `tokens` only where they are known."""
         if self._file is None:
             return  # a flush that outlived close(): the records still go to the exporter
         rank, world, write = self.rank, self.world_size, self._file.write
-        for step, end_ns, total, *phase_ns in steps:
+        for step, end_ns, total, *rest in steps:
+            phase_ns = rest[:WORK_AT]
             phases = dict(zip(PHASES, (ns / 1e9 for ns in phase_ns), strict=False))
             phases[OTHER] = max(0, total - sum(phase_ns)) / 1e9
             line = {
@@ -42,6 +45,9 @@ class RecordWriter:
                 "wait_s": wait_by_step.get(step, 0.0),
                 "end_unix_s": (end_ns + clock_offset_ns) / 1e9,
             }
+            for key, value in zip(("samples", "tokens"), rest[WORK_AT:], strict=False):
+                if value >= 0:
+                    line[key] = value
             write(json.dumps(line) + "\n")
 
     def close(self) -> None:

@@ -45,6 +45,7 @@ from syncscope.shm_layout import (
     READ_SEQ_AT,
     READER_AT,
     SLOT_BYTES,
+    STEP_FIELDS,
     STEP_SLOT,
     VERSION,
     WRITE_SEQ_AT,
@@ -53,8 +54,13 @@ from syncscope.shm_layout import (
     ring_dir,
     ring_name,
 )
+from syncscope.wire import UNKNOWN_WORK
 
 log = logging.getLogger("syncscope.agent")
+
+
+def _without_work(row: tuple) -> tuple:
+    return (*row, UNKNOWN_WORK, UNKNOWN_WORK)
 
 
 class ShmRing:
@@ -113,8 +119,10 @@ class ShmRing:
 
     def take_steps(self, rows: deque) -> None:
         """Every row queued in `rows` now, popped into the ring (those it has no room for are
-        dropped and counted)."""
-        self._take(rows, STEP_SLOT, KIND_STEP, None)
+        dropped and counted). Rows come from one clock, so the first row's length says whether
+        they carry their work: rows of the 9-field wire form go in with it unknown."""
+        fields = None if not rows or len(rows[0]) == STEP_FIELDS else _without_work
+        self._take(rows, STEP_SLOT, KIND_STEP, fields)
 
     def take_collectives(self, rows: deque) -> None:
         self._take(rows, COLL_SLOT, KIND_COLLECTIVE, self._collective_fields)

@@ -4,7 +4,8 @@ What a rank sends in each batch's `topology` field: a flat dict of at most 64 ke
 are str, int, float or None (see `KEYS`). Identity, PCIe links, NVLink, NUMA placement and the
 nearest NIC are read once; SM clock, throttle reasons, temperature, power and the *current*
 PCIe link are re-read every `interval_s` from the reporter's background thread, never from the
-training thread. Anything NVML or sysfs cannot say is "unknown" (strings) or None (numbers),
+training thread; so is the GPU's total-energy counter (NVML, millijoules since the driver
+loaded; sent as joules, exported as syncscope_gpu_energy_joules_total). Anything NVML or sysfs cannot say is "unknown" (strings) or None (numbers),
 never an error: VMs report NUMA and NVLink as "not supported", containers hide /sys/class/*.
 
 Both sources sit behind small interfaces with their I/O injected, the way prometheus_client's
@@ -61,6 +62,7 @@ KEYS = (
     "throttle_reasons",
     "temperature_celsius",
     "power_watts",
+    "energy_joules",
     "topology_source",
     # the network link of the rank's collectives (agent/link.py), GPU or not
     "link_interface",
@@ -70,6 +72,8 @@ KEYS = (
     "link_tx_bytes",
     "link_rx_bytes",
 )
+# The topology key of the GPU's energy counter (joules since the driver loaded).
+ENERGY_KEY = "energy_joules"
 # NVML clocks-event reason "GPU idle": the PCIe link may have trained down to save power, so a
 # current link generation/width read now says nothing about the link under load.
 CLOCKS_EVENT_GPU_IDLE = 0x1
@@ -168,6 +172,7 @@ class NvmlDevice(Protocol):
     def clocks_event_reasons(self) -> int: ...
     def temperature_c(self) -> int: ...
     def power_mw(self) -> int: ...
+    def total_energy_mj(self) -> int: ...
 
 
 ANSWERS = (
@@ -185,9 +190,16 @@ ANSWERS = (
     "clocks_event_reasons",
     "temperature_c",
     "power_mw",
+    "total_energy_mj",
 )
 STATIC_ANSWERS = ANSWERS[:10]
-DYNAMIC_ANSWERS = ("sm_clock_mhz", "clocks_event_reasons", "temperature_c", "power_mw")
+DYNAMIC_ANSWERS = (
+    "sm_clock_mhz",
+    "clocks_event_reasons",
+    "temperature_c",
+    "power_mw",
+    "total_energy_mj",
+)
 
 
 @dataclass(frozen=True)
@@ -313,6 +325,10 @@ class PynvmlDevice:
 
     def power_mw(self) -> int:
         return self.nvml.nvmlDeviceGetPowerUsage(self.handle)
+
+    def total_energy_mj(self) -> int:
+        """Millijoules since the driver loaded (Volta and later; NotSupported before)."""
+        return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
 
 
 class NvmlProvider:
@@ -579,7 +595,8 @@ def static_topology(
 def dynamic_sample(
     nvml: NvmlProvider | None, sysfs: SysfsReader, bus_id: str | None
 ) -> dict[str, Any]:
-    """What changes during a run: clocks, throttling, temperature, power, the current link."""
+    """What changes during a run: clocks, throttling, temperature, power, energy, the current
+    link."""
     a = nvml.answers(DYNAMIC_ANSWERS) if nvml is not None else dict.fromkeys(DYNAMIC_ANSWERS)
     link = {}
     if nvml is not None:
@@ -592,12 +609,14 @@ def dynamic_sample(
         if pci is not None:
             link = {"pcie_link_width": pci.link_width, "pcie_link_generation": pci.link_generation}
     mhz, power = _int_or_none(a["sm_clock_mhz"]), a["power_mw"]
+    energy = _int_or_none(a["total_energy_mj"])
     return {
         **link,
         "sm_clock_hertz": mhz * 1_000_000 if mhz is not None else None,
         "throttle_reasons": _int_or_none(a["clocks_event_reasons"]),
         "temperature_celsius": _int_or_none(a["temperature_c"]),
         "power_watts": power / 1000.0 if isinstance(power, (int, float)) else None,
+        ENERGY_KEY: energy / 1000.0 if energy is not None and energy >= 0 else None,
     }
 
 

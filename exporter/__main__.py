@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also read agents' shared-memory rings in this directory (agents attached with "
         "exporter='shm:///that/dir'; default: none)",
     )
+    p.add_argument(
+        "--powercap-root",
+        default=d.powercap_root,
+        help="Linux powercap directory the CPU packages' RAPL energy is read from, e.g. the "
+        "host's /sys mounted elsewhere in a container ('' for none; default %(default)s)",
+    )
     p.add_argument("--log-level", default=d.log_level)
     return p
 
@@ -88,6 +94,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         log_level=args.log_level,
         prometheus_url=args.prometheus_url,
         prometheus_interval_s=args.prometheus_interval,
+        powercap_root=args.powercap_root or None,
     )
 
 

@@ -18,6 +18,7 @@ from prometheus_client.process_collector import ProcessCollector
 from pydantic import Field, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 from syncscope.exporter.collectors import StoreCollector
+from syncscope.exporter.energy import PowercapReader
 from syncscope.exporter.jobwide import PrometheusReader
 from syncscope.exporter.page import install_page
 from syncscope.exporter.settings import Settings
@@ -166,6 +167,8 @@ def create_app(
     if settings.prometheus_url and store.job_wide is None:
         reader = PrometheusReader(settings.prometheus_url, settings.prometheus_interval_s)
         store.job_wide = reader.get
+    if settings.powercap_root and store.cpu_energy is None:
+        store.cpu_energy = PowercapReader(settings.powercap_root)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(store))
     registry.register(ProcessCollector(registry=None))

@@ -17,6 +17,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from syncscope.exporter.energy import collect_cpu_energy
 from syncscope.exporter.gpu import collect_gpu, topology_number
 from syncscope.exporter.store import RATIO_BUCKETS, STEP_BUCKETS, RankView, Store, StoreView
 
@@ -111,6 +112,19 @@ def collect_steps(view: StoreView) -> Iterable[Metric]:
         last.add_metric(labels, r.last_report_unix_s)
         dropped.add_metric(labels, r.dropped_total)
     return [hist, ratio, world, steps, phases, cv, lead, last, dropped]
+
+
+def collect_work(view: StoreView) -> Iterable[Metric]:
+    """Per rank the samples and tokens its steps reported; a rank whose steps never said how
+    many has no series (not a zero: nothing says it did no work)."""
+    samples = counter(M.RANK_SAMPLES_TOTAL)
+    tokens = counter(M.RANK_TOKENS_TOTAL)
+    for r, labels in rank_views(view):
+        if r.samples_total is not None:
+            samples.add_metric(labels, r.samples_total)
+        if r.tokens_total is not None:
+            tokens.add_metric(labels, r.tokens_total)
+    return [samples, tokens]
 
 
 def collect_collectives(view: StoreView) -> Iterable[Metric]:
@@ -249,6 +263,8 @@ COLLECTORS: dict[str, Callable[[StoreView], Iterable[Metric]]] = {
     "links": collect_links,
     "exporter": collect_exporter,
     "gpu": collect_gpu,
+    "work": collect_work,
+    "energy": collect_cpu_energy,
 }
 
 

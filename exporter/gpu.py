@@ -14,16 +14,28 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from syncscope.exporter.store import StoreView, clean_label
 
-from syncscope.catalog import CATALOG, GPU_INFO, GPU_PREFIX
+from syncscope.catalog import CATALOG, GPU_ENERGY_JOULES_TOTAL, GPU_INFO, GPU_PREFIX, MetricSpec
 
 UNKNOWN = "unknown"
 # The topology keys behind GPU_INFO's own labels, in label order.
 INFO_KEYS = ("gpu_uuid", "pci_bus_id", "gpu_name", "gpu_numa_node", "nic", "nic_distance")
-# Every other GPU family is a gauge named GPU_PREFIX + the topology key it reports.
+# Every other GPU family is named GPU_PREFIX + the topology key it reports: gauges, and the
+# energy counter (whose key has no "_total": its family's name).
 GAUGES = tuple(s for s in CATALOG if s.condition == "gpu" and s is not GPU_INFO)
+ENERGY_KEY = GPU_ENERGY_JOULES_TOTAL.family.removeprefix(GPU_PREFIX)
+
+
+def _family(spec: MetricSpec) -> tuple[str, GaugeMetricFamily | CounterMetricFamily]:
+    """(the topology key, an empty family) of one GPU spec."""
+    if spec.type == "counter":
+        counter = CounterMetricFamily(spec.family, spec.help, labels=spec.labels)
+        return spec.family.removeprefix(GPU_PREFIX), counter
+    return spec.name.removeprefix(GPU_PREFIX), GaugeMetricFamily(
+        spec.name, spec.help, labels=spec.labels
+    )
 
 
 def _text(topology: Mapping[str, Any], key: str) -> str:
@@ -50,10 +62,7 @@ def has_gpu(topology: Mapping[str, Any] | None) -> bool:
 
 def collect_gpu(view: StoreView) -> Iterable[Metric]:
     info = GaugeMetricFamily(GPU_INFO.name, GPU_INFO.help, labels=GPU_INFO.labels)
-    gauges = [
-        (s.name.removeprefix(GPU_PREFIX), GaugeMetricFamily(s.name, s.help, labels=s.labels))
-        for s in GAUGES
-    ]
+    gauges = [_family(s) for s in GAUGES]
     for job, rank in view.ranks():
         topology = rank.topology
         if topology is None or not has_gpu(topology):

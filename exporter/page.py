@@ -26,6 +26,8 @@ from syncscope.exporter.diagnosis import (
     locality_fault,
     throttle_reasons,
 )
+from syncscope.exporter.energy import CpuEnergy
+from syncscope.exporter.gpu import ENERGY_KEY, has_gpu, topology_number
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import JobView, RankView, Store, StoreView
 
@@ -306,7 +308,82 @@ def _banner(job: JobView, live: Sequence[RankView]) -> tuple[str, str]:
     )
 
 
-def _cards(live: Sequence[RankView], diag: Diagnosis, settings: Settings) -> str:
+def _fmt_count(value: float) -> str:
+    """1234.5 -> '1,234', 2.5e6 -> '2.5 M': rates of samples and tokens."""
+    for scale, suffix in ((1e9, " G"), (1e6, " M")):
+        if value >= scale:
+            return f"{value / scale:.1f}{suffix}"
+    return f"{value:,.0f}" if value >= 10 else f"{value:.2f}"
+
+
+def _fmt_joules(value: float) -> str:
+    for scale, unit in ((1e9, "GJ"), (1e6, "MJ"), (1e3, "kJ")):
+        if value >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} J"
+
+
+def _work_card(live: Sequence[RankView]) -> tuple[str, str, str, str]:
+    """Samples and tokens per second of the ranks here: what the job gets done."""
+    samples = [r.samples_per_s for r in live if r.samples_per_s is not None]
+    tokens = [r.tokens_per_s for r in live if r.tokens_per_s is not None]
+    if not samples and not tokens:
+        return (
+            "Work done",
+            "—",
+            "samples not known: the model's inputs do not say; set samples_per_step or call "
+            "agent.count()",
+            "",
+        )
+    value = f"{_fmt_count(sum(samples))} samples/s" if samples else "samples not known"
+    counted = f"{_fmt_count(sum(tokens))} tokens/s" if tokens else "tokens not known"
+    ranks = max(len(samples), len(tokens))
+    note = f"{counted} · {ranks} rank{'s' if ranks != 1 else ''} here, last {STEP_WINDOW} steps"
+    return "Work done", value, note, ""
+
+
+def gpu_energy_line(ranks: Sequence[RankView]) -> tuple[str, bool]:
+    """(what the ranks' GPUs used or why no GPU energy is known, whether it is known)."""
+    gpus = [r.topology for r in ranks if r.topology is not None and has_gpu(r.topology)]
+    known = [j for j in (topology_number(t.get(ENERGY_KEY)) for t in gpus) if j is not None]
+    if known:
+        n = len(known)
+        return (
+            f"GPU: {_fmt_joules(sum(known))} on {n} GPU{'s' if n != 1 else ''} since driver load",
+            True,
+        )
+    if not gpus:
+        return "GPU: no NVML (no rank here reports a GPU)", False
+    if not any("nvml" in str(t.get("topology_source", "")) for t in gpus):
+        return "GPU: no NVML (GPU facts from sysfs only)", False
+    if not any(ENERGY_KEY in t for t in gpus):
+        # agent/core.py leaves it out of the ring's header, where it would never change
+        return "GPU: not sent (the shared-memory transport sends GPU state once)", False
+    return "GPU: NVML has no energy counter on these GPUs", False
+
+
+def cpu_energy_line(energy: CpuEnergy | None) -> tuple[str, bool]:
+    """(what the host's CPU packages used or why that is not known, whether it is known)."""
+    if energy is None:
+        return "CPU: not read (no --powercap-root)", False
+    if not energy.packages:
+        return f"CPU: {energy.missing}", False
+    n = len(energy.packages)
+    total = sum(p.joules for p in energy.packages)
+    return f"CPU: {_fmt_joules(total)} on {n} package{'s' if n != 1 else ''} since first read", True
+
+
+def _energy_card(ranks: Sequence[RankView], cpu: CpuEnergy | None) -> tuple[str, str, str, str]:
+    """Which energy is measured here and why the rest is not (per sample: in Prometheus)."""
+    (gpu_text, gpu_known), (cpu_text, cpu_known) = gpu_energy_line(ranks), cpu_energy_line(cpu)
+    sources = [name for name, known in (("GPU", gpu_known), ("CPU", cpu_known)) if known]
+    value = " + ".join(sources) + " measured" if sources else "not measured"
+    return "Energy", value, f"{gpu_text} · {cpu_text}", ""
+
+
+def _cards(
+    live: Sequence[RankView], diag: Diagnosis, settings: Settings, cpu: CpuEnergy | None = None
+) -> str:
     series = _job_series(live)[-(TREND_STEPS + CV_WINDOW - 1) :]
     trend = series[-TREND_STEPS:]
     medians = [r.step_time_median_s for r in live if r.step_time_median_s]
@@ -352,6 +429,8 @@ def _cards(live: Sequence[RankView], diag: Diagnosis, settings: Settings) -> str
             f"{live[0].steps_total} steps so far (rank {live[0].rank})" if live else "",
             "",
         ),
+        _work_card(live),
+        _energy_card(live, cpu),
     ]
     return (
         '<div class="cards">'
@@ -551,7 +630,9 @@ def _topology(ranks: Sequence[RankView]) -> str:
     )
 
 
-def _job_section(job: JobView, settings: Settings, now: float) -> tuple[str, str]:
+def _job_section(
+    job: JobView, settings: Settings, now: float, cpu: CpuEnergy | None = None
+) -> tuple[str, str]:
     ranks = job.ranks
     live = [r for r in ranks if not r.stale]
     banner, headline = _banner(job, live)
@@ -562,7 +643,7 @@ def _job_section(job: JobView, settings: Settings, now: float) -> tuple[str, str
         f'<div class="job-head"><h2 id="{_e(ident)}">Job <code>{_e(job.name)}</code></h2>'
         f'<span class="muted">{len(live)} of {len(ranks)} ranks reporting · world size {world}'
         f" · {_scope(job, world - len(ranks), now)}</span></div>"
-        f"{banner}{_cards(live or ranks, job.diagnosis, settings)}"
+        f"{banner}{_cards(live or ranks, job.diagnosis, settings, cpu)}"
         '<div class="split"><div class="panel">'
         f"{_modes_table(job.diagnosis)}</div>"
         f'<div class="panel"><h3>Topology</h3>{_topology(ranks)}</div></div>'
@@ -612,7 +693,7 @@ def render_status(view: StoreView, settings: Settings) -> str:
     sections, headlines = [], []
     for name in sorted(jobs):
         try:
-            section, headline = _job_section(jobs[name], settings, now)
+            section, headline = _job_section(jobs[name], settings, now, view.cpu_energy)
         except Exception as exc:  # noqa: BLE001 - one odd job must not blank the whole page
             headline = f"Job {name} could not be shown."
             section = (

@@ -32,3 +32,6 @@ class Settings:
     # the exporter's view is node-local and it says so.
     prometheus_url: str | None = None
     prometheus_interval_s: float = 15.0
+    # Linux powercap, where the host's CPU package energy (RAPL) is read at each snapshot
+    # (exporter/energy.py); None or "": not read.
+    powercap_root: str | None = "/sys/class/powercap"

@@ -46,9 +46,8 @@ from syncscope.shm_layout import (
     READ_SEQ_AT,
     READER_AT,
     SLOT_BYTES,
-    STEP_SLOT,
+    STEP_SLOTS,
     SUFFIX,
-    VERSION,
     WRITE_SEQ_AT,
     Q,
     q,
@@ -99,7 +98,7 @@ class RingReader:
             magic, version, slot, capacity, *_rest, meta_len, _hb, pid = HEAD.unpack_from(
                 self.mm, 0
             )
-            if magic != MAGIC or version != VERSION or slot != SLOT_BYTES:
+            if magic != MAGIC or version not in STEP_SLOTS or slot != SLOT_BYTES:
                 raise BadRing(f"{path}: unknown ring format")
             if not 2 <= capacity <= MAX_CAPACITY or st.st_size != HEADER_BYTES + capacity * slot:
                 raise BadRing(f"{path}: ring size does not match its header")
@@ -114,6 +113,7 @@ class RingReader:
         I32.pack_into(self.mm, READER_AT, 1)  # the agent leaves the file to us at close
         self.path = path
         self.capacity = capacity
+        self.step_slot = STEP_SLOTS[version]  # the step row's layout in this ring's version
         self.pid = int(pid)
         self.agent: dict[str, Any] = meta["agent"]
         topology = meta.get("topology")
@@ -134,7 +134,7 @@ class RingReader:
 
     def read(self, limit: int) -> tuple[list[tuple], list[tuple]]:
         """Up to `limit` new records as wire rows (steps, collectives); advances the cursor."""
-        mm, cap = self.mm, self.capacity
+        mm, cap, step_slot = self.mm, self.capacity, self.step_slot
         wseq, rseq = self.header(WRITE_SEQ_AT), self.header(READ_SEQ_AT)
         if wseq < rseq or wseq - rseq > cap:  # a cursor no producer could have left
             self.torn += abs(wseq - rseq)
@@ -147,7 +147,7 @@ class RingReader:
             at = HEADER_BYTES + (seq % cap) * SLOT_BYTES
             stamp, kind = Q.unpack_from(mm, at)[0], Q.unpack_from(mm, at + 8)[0]
             if kind == KIND_STEP:
-                fields = STEP_SLOT.unpack_from(mm, at)
+                fields = step_slot.unpack_from(mm, at)
                 if stamp == seq + 1 == fields[-1]:
                     steps.append(fields[2:-1])
                     continue

@@ -15,7 +15,7 @@ import statistics
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -40,6 +40,7 @@ from syncscope.wire import (
 
 if TYPE_CHECKING:  # diagnosis reads the views defined here; the store imports it when it runs
     from syncscope.exporter.diagnosis import Diagnosis
+    from syncscope.exporter.energy import CpuEnergy
 
 STEP_BUCKETS = (
     0.001,
@@ -152,6 +153,12 @@ class RankView:
     # syncscope_arrival_lead_seconds gauge exports; arrival_lead_s is job-wide where
     # Prometheus is read back, and that is what the diagnosis, the page and /v1/state use.
     node_lead_s: float | None = None
+    # Work the rank reported (samples, tokens): totals over the exporter's life (None: never
+    # known, so no series), and per second over its last STEP_WINDOW steps that said.
+    samples_total: int | None = None
+    tokens_total: int | None = None
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
 
     def label_values(self, job: str) -> list[str]:
         """Its values for the catalog's RANK labels (job, node, rank, local_rank)."""
@@ -204,6 +211,8 @@ class StoreView:
     ingested_records: int
     rejected: Mapping[str, int]  # refusals by reason
     jobs: Mapping[str, JobView]  # by name
+    # The host's CPU package energy (exporter.energy, read with the snapshot); None: not read.
+    cpu_energy: CpuEnergy | None = None
 
     def ranks(self) -> Iterator[tuple[str, RankView]]:
         """Every rank of every job, with its job's name."""
@@ -276,6 +285,11 @@ class RankState:
     dropped_before: int = 0  # records lost by earlier incarnations of this rank
     dropped_current: int = 0
     window: deque[float] = field(default_factory=deque)  # recent step durations (CV)
+    samples_total: int | None = None  # None until a step says how many
+    tokens_total: int | None = None
+    work: deque[tuple[float, int, int]] = field(
+        default_factory=deque
+    )  # recent (d, samples, tokens)
     recent: deque[RecentStep] = field(default_factory=deque)
     pacing: PacingState | None = None  # as the current incarnation last reported it
     pacing_delay_before: float = 0.0
@@ -364,6 +378,8 @@ class Store:
         # job -> the job-wide view read back from Prometheus, if the exporter was given one.
         # (job, as_of=unix s) -> Prometheus's job-wide view as of then (exporter.jobwide)
         self.job_wide: Callable[..., JobWide | None] | None = None
+        # Reads the host's CPU package energy with each snapshot (exporter.energy), if set.
+        self.cpu_energy: Callable[[], CpuEnergy] | None = None
         self.started_unix_s = time.time()
         self.ingested_records = 0
         self.rejected: dict[str, int] = {}
@@ -438,6 +454,7 @@ class Store:
         state.dropped_current = 0
         state.pacing = None
         state.window = deque(maxlen=self.settings.step_window)
+        state.work = deque(maxlen=self.settings.step_window)
         state.recent = deque(maxlen=self.settings.recent_steps)
         pool.forget(state.rank)
 
@@ -462,8 +479,9 @@ class Store:
     def _steps(self, state: RankState, pool: JobPool, rows: list[StepSeconds]) -> None:
         if not state.window.maxlen:
             state.window = deque(state.window, maxlen=self.settings.step_window)
+            state.work = deque(state.work, maxlen=self.settings.step_window)
             state.recent = deque(state.recent, maxlen=self.settings.recent_steps)
-        for step, d, _end_unix_s, values in rows:
+        for step, d, _end_unix_s, values, samples, tokens in rows:
             state.steps_total += 1
             state.step_seconds_sum += d
             state.step_bucket_counts[bisect.bisect_left(STEP_BUCKETS, d)] += 1
@@ -476,6 +494,12 @@ class Store:
             for i, v in enumerate(values):
                 state.phase_seconds[i] += v
             state.window.append(d)
+            if samples >= 0 or tokens >= 0:  # work a step did not report is not zero work
+                if samples >= 0:
+                    state.samples_total = (state.samples_total or 0) + samples
+                if tokens >= 0:
+                    state.tokens_total = (state.tokens_total or 0) + tokens
+                state.work.append((d, samples, tokens))
             pool.add_step(state.rank, step, d, values)
 
     def _pool(self, job: str, pool: JobPool, now: float) -> None:
@@ -569,7 +593,13 @@ class Store:
             jobs[name] = JobView(
                 tuple(ranks), diagnosis, name, *pooled.get(name, (0, 0.0, ())), job_wide=job_wide
             )
-        return StoreView(started, now, ingested, rejected, jobs)
+        cpu_energy = None
+        if self.cpu_energy is not None:
+            try:
+                cpu_energy = self.cpu_energy()
+            except Exception:  # noqa: BLE001 - energy is never worth a failed snapshot
+                cpu_energy = None
+        return StoreView(started, now, ingested, rejected, jobs, cpu_energy)
 
 
 def with_job_transfer(transfers: dict[Any, float], job_transfer_s: float) -> dict[Any, float]:
@@ -643,4 +673,18 @@ def _rank_view(s: RankState, now: float, stale_after: float, keep: int | None) -
         recent_steps=recent,
         step_ratio_bucket_counts=tuple(s.ratio_bucket_counts),
         step_ratio_sum=s.ratio_sum,
+        samples_total=s.samples_total,
+        tokens_total=s.tokens_total,
+        samples_per_s=_per_second(s.work, 1),
+        tokens_per_s=_per_second(s.work, 2),
     )
+
+
+def _per_second(work: Iterable[tuple[float, int, int]], at: int) -> float | None:
+    """Samples (at=1) or tokens (at=2) per second of the steps that reported them."""
+    count, seconds = 0.0, 0.0
+    for row in work:
+        if row[at] >= 0:
+            count += row[at]
+            seconds += row[0]
+    return count / seconds if seconds > 0 else None

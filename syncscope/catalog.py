@@ -25,6 +25,8 @@ CONDITIONS = (
     "rejections",
     "process",
     "prometheus",
+    "work",
+    "rapl",
 )
 
 
@@ -80,7 +82,8 @@ RANK = ("job", "node", "rank", "local_rank")
 # rank, and what the rules re-read every evaluation, fall 8× on an 8-GPU node).
 NODE = ("job", "node")
 COLLECTIVE = (*NODE, "op", "group")
-GPU_PREFIX = "syncscope_gpu_"  # every GPU gauge is GPU_PREFIX + the topology key it reports
+# Every GPU family is GPU_PREFIX + the topology key it reports (a counter: + "_total").
+GPU_PREFIX = "syncscope_gpu_"
 
 
 def _rank(
@@ -193,6 +196,21 @@ AGENT_RECORDS_DROPPED_TOTAL = _rank(
     "counter",
     "Records the rank's agent could not deliver.",
 )
+# -- per rank: work done (agent/phases.py says how a step's work is known)
+RANK_SAMPLES_TOTAL = _rank(
+    "syncscope_rank_samples_total",
+    "counter",
+    "Samples this rank processed in its training steps, as the user set them or as the "
+    "model's inputs show (their leading dimension); absent where neither says.",
+    condition="work",
+)
+RANK_TOKENS_TOTAL = _rank(
+    "syncscope_rank_tokens_total",
+    "counter",
+    "Tokens this rank processed in its training steps, as the user set them or as the "
+    "model's token-id inputs show (batch x sequence length, padding included).",
+    condition="work",
+)
 # -- per rank: pacing controller
 PACING_ACTIVE = _rank(
     "syncscope_pacing_active",
@@ -257,6 +275,15 @@ GPU_THROTTLE_REASONS = _gpu(
 )
 GPU_TEMPERATURE_CELSIUS = _gpu("temperature_celsius", "GPU core temperature.", "celsius")
 GPU_POWER_WATTS = _gpu("power_watts", "GPU board power draw.", "watts")
+GPU_ENERGY_JOULES_TOTAL = MetricSpec(
+    GPU_PREFIX + "energy_joules_total",
+    "counter",
+    "Energy the rank's GPU used since its driver loaded (NVML total energy; absent where NVML "
+    "has no such counter).",
+    RANK,
+    "gpu",
+    "joules",
+)
 # -- per exporter: local diagnosis
 DIAGNOSIS = MetricSpec(
     "syncscope_diagnosis",
@@ -342,6 +369,16 @@ NODE_LINK_BYTES_TOTAL = MetricSpec(
     ("job", "node", "interface", "direction"),
     "link",
     "bytes",
+)
+# The host's CPU packages (exporter/energy.py): shared by every rank of the node.
+NODE_CPU_ENERGY_JOULES_TOTAL = MetricSpec(
+    "syncscope_node_cpu_energy_joules_total",
+    "counter",
+    "Energy of each CPU package of the node since the exporter first read it (RAPL through "
+    "Linux powercap), once per job with ranks reporting there.",
+    (*NODE, "package"),
+    "rapl",
+    "joules",
 )
 # -- exporter self-metrics
 EXPORTER_COLLECTOR_DURATION_SECONDS = MetricSpec(
@@ -433,6 +470,7 @@ SECTIONS = (
         "per rank: liveness and transport",
         (RANK_LAST_REPORT_TIMESTAMP_SECONDS, AGENT_RECORDS_DROPPED_TOTAL),
     ),
+    Section("per rank: work done", (RANK_SAMPLES_TOTAL, RANK_TOKENS_TOTAL)),
     Section(
         "per node: steps, collectives and world size, over the node's ranks",
         (
@@ -469,8 +507,10 @@ SECTIONS = (
             GPU_THROTTLE_REASONS,
             GPU_TEMPERATURE_CELSIUS,
             GPU_POWER_WATTS,
+            GPU_ENERGY_JOULES_TOTAL,
         ),
     ),
+    Section("per node: CPU package energy", (NODE_CPU_ENERGY_JOULES_TOTAL,)),
     Section(
         "per exporter: local diagnosis and per-step pooling",
         (
@@ -531,6 +571,9 @@ CONTRACT_HEADER = """\
 #              | rejections (no series before the exporter's first rejected record)
 #              | process (prometheus_client's process collector; Linux only)
 #              | prometheus (synthesised by Prometheus)
+#              | work (where the rank's samples or tokens are known: set by the user, or
+#                read from the model's inputs)
+#              | rapl (where the exporter can read the host's RAPL package counters)
 """
 
 

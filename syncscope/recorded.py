@@ -50,3 +50,15 @@ CONTENTION = "job_op_group:syncscope_fabric_contention:index"
 PACING_ACTIVE = "job:syncscope_pacing_active:sum"
 PACING_RATIO = "job:syncscope_pacing_delay:ratio"
 LOCALITY_FAULT = "job_rank_fault:syncscope_gpu_locality:bool"
+# Work and energy (syncscope.monitoring.rules' work area): samples and tokens per second over the
+# job's ranks (sum) and per GPU (mean over the ranks that report them), the job's energy per
+# second by source and in all, and energy per unit of work.
+SAMPLES_RATE = "job:syncscope_rank_samples:rate"
+SAMPLES_PER_GPU = "job:syncscope_rank_samples:avg_rate"
+TOKENS_RATE = "job:syncscope_rank_tokens:rate"
+TOKENS_PER_GPU = "job:syncscope_rank_tokens:avg_rate"
+GPU_ENERGY_RATE = "job:syncscope_gpu_energy_joules:rate"
+CPU_ENERGY_RATE = "job:syncscope_node_cpu_energy_joules:rate"
+ENERGY_RATE = "job:syncscope_energy_joules:rate"
+ENERGY_PER_SAMPLE = "job:syncscope_energy_joules_per_sample:ratio"
+ENERGY_PER_TOKEN = "job:syncscope_energy_joules_per_token:ratio"

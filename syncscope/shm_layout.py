@@ -14,6 +14,9 @@ exporter, exporter/shm_reader.py). Layout, little-endian:
     128 ... meta: JSON of the agent's identity and its static topology (written once)
   slots: capacity x SLOT_BYTES; slot i holds record seq where seq % capacity == i:
     stamp (Q, seq + 1), kind (Q), payload, stamp again (Q, seq + 1)
+    a step's payload (version 2): the wire's 11-field step row, the step's work (samples,
+    tokens; -1: not known) last; version 1 had the 9 fields before them and padding in their
+    place. The agent writes VERSION; the exporter reads both (STEP_SLOTS).
 
 Protocol: the producer writes a slot only while write_seq - read_seq < capacity, then publishes
 write_seq; the consumer reads [read_seq, write_seq) and publishes read_seq after copying. A full
@@ -32,7 +35,7 @@ import urllib.parse
 from typing import Any
 
 MAGIC = b"SSRING01"
-VERSION = 1
+VERSION = 2  # 2: step slots carry the step's work (samples, tokens)
 HEADER_BYTES = 4096
 META_OFFSET = 128
 SLOT_BYTES = 160
@@ -59,11 +62,15 @@ READER_AT = 80
 Q = struct.Struct("<Q")
 q = struct.Struct("<q")
 I32 = struct.Struct("<I")
-# stamp, kind, 9 x int64 (a step row), 32 pad, stamp
-STEP_SLOT = struct.Struct("<QQ9q64xQ")
+# stamp, kind, 11 x int64 (a step row: wire.StepRowWithWork), 48 pad, stamp
+STEP_SLOT = struct.Struct("<QQ11q48xQ")
+STEP_FIELDS = 11
+# Version 1: stamp, kind, 9 x int64 (a step row without its work), 64 pad, stamp
+STEP_SLOT_V1 = struct.Struct("<QQ9q64xQ")
+STEP_SLOTS = {1: STEP_SLOT_V1, VERSION: STEP_SLOT}  # by the ring's version: what a reader reads
 # stamp, kind, op, group, bytes, duration_ns, step, 16 pad, stamp
 COLL_SLOT = struct.Struct(f"<QQ{OP_BYTES}s{GROUP_BYTES}sqqq16xQ")
-assert STEP_SLOT.size == SLOT_BYTES and COLL_SLOT.size == SLOT_BYTES
+assert all(slot.size == SLOT_BYTES for slot in (*STEP_SLOTS.values(), COLL_SLOT))
 
 
 def ring_dir(url: str) -> str:

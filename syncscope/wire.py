@@ -3,7 +3,9 @@
 Two versions, told apart by `schema_version`, both accepted by the exporter:
 
 - **2** (what the agent sends): records as rows of integers, exactly the tuples the training
-  thread queued, nanoseconds on the agent's monotonic clock plus one clock offset per batch.
+  thread queued, nanoseconds on the agent's monotonic clock plus one clock offset per batch. A
+  step row has 11 fields, the last two the step's work (samples, tokens; -1: not known); rows
+  of 9 fields, without them, as agents sent before work was counted, are still accepted.
   The reporter serialises its queues without building a Python object per record, which is
   most of what a flush costs the training process (bench/bench_agent_overhead.py).
 - **1**: records as objects in seconds, for people and other clients writing batches by hand.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 try:  # present wherever pydantic is (the exporter); the agent never evaluates these bounds
     from annotated_types import Ge, Le, MaxLen
@@ -87,11 +89,17 @@ MAX_SECONDS = 86_400.0  # a single step or collective longer than a day is garba
 MAX_BYTES = float(1 << 50)  # 1 PiB per call
 MAX_NANOS = int(MAX_SECONDS * 1e9)
 MAX_UNIX_S = 1e11
+# Samples or tokens one rank processes in one step: far above any real batch, far below what
+# would make a counter's float lose single units within a job's life.
+MAX_WORK = 1 << 40
+# A step row's work count that is not known (the model's inputs did not say, nobody set it).
+UNKNOWN_WORK = -1
 
 Seconds = Annotated[float, Ge(0.0), Le(MAX_SECONDS)]
 Count = Annotated[int, Ge(0), Le(1 << 62)]
 Label = Annotated[str, MaxLen(MAX_LABEL_LEN)]
 Nanos = Annotated[int, Ge(0), Le(MAX_NANOS)]
+Work = Annotated[int, Ge(UNKNOWN_WORK), Le(MAX_WORK)]
 # Topology values are free-form but bounded: short text, finite numbers (JSON's 1e999 parses
 # to inf, which would poison every later JSON answer), and at most MAX_TOPOLOGY_ENTRIES keys.
 TopologyValue = (
@@ -137,6 +145,9 @@ class StepRecord:
     duration_s: Seconds
     end_unix_s: Annotated[float, Ge(0.0), Le(MAX_UNIX_S)]
     phases: Phases = field(default_factory=Phases)
+    # Work this rank did in the step; None: not known (no series rather than a guess).
+    samples: Annotated[int, Ge(0), Le(MAX_WORK)] | None = None
+    tokens: Annotated[int, Ge(0), Le(MAX_WORK)] | None = None
 
 
 @dataclass
@@ -163,16 +174,35 @@ class PacingState:
 
 
 # A step as a row (version 2): [step, end_ns (agent monotonic clock), duration_ns, data_ns,
-# forward_ns, backward_ns, optimizer_ns, comm_exposed_ns, pacing_ns], integer nanoseconds;
-# `other` is what the phases leave of the duration.
-StepRow = tuple[Count, Count, Nanos, Nanos, Nanos, Nanos, Nanos, Nanos, Nanos]
+# forward_ns, backward_ns, optimizer_ns, comm_exposed_ns, pacing_ns, samples, tokens], integer
+# nanoseconds; `other` is what the phases leave of the duration; samples and tokens are the
+# work this rank did in the step, UNKNOWN_WORK (-1) where not known. The 9-field row without
+# them (agents before work was counted) is still accepted. Tried in that order: a current
+# row validates at the cost of one row type, not of the union.
+StepRowWithWork = tuple[Count, Count, Nanos, Nanos, Nanos, Nanos, Nanos, Nanos, Nanos, Work, Work]
+StepRowWithoutWork = tuple[Count, Count, Nanos, Nanos, Nanos, Nanos, Nanos, Nanos, Nanos]
+
+
+class _InOrder:
+    """Pydantic's union_mode="left_to_right" for the union it annotates, without importing
+    pydantic here (the agent imports this module; pydantic calls this where it validates)."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
+        schema = handler(source)
+        if schema.get("type") == "union":
+            schema["mode"] = "left_to_right"
+        return schema
+
+
+StepRow = Annotated[StepRowWithWork | StepRowWithoutWork, _InOrder()]
 # A collective as a row: [op, group, bytes, duration_ns, step].
 CollectiveRow = tuple[Label, Label, Annotated[int, Ge(0), Le(int(MAX_BYTES))], Nanos, Count]
 
 # Rows in seconds, what the exporter's store folds in whichever version arrived:
-# (step, duration_s, end_unix_s, (seconds per phase, in PHASES order)) and
-# (op, group, bytes, duration_s, step).
-StepSeconds = tuple[int, float, float, tuple[float, ...]]
+# (step, duration_s, end_unix_s, (seconds per phase, in PHASES order), samples, tokens) and
+# (op, group, bytes, duration_s, step); samples and tokens are UNKNOWN_WORK where not known.
+StepSeconds = tuple[int, float, float, tuple[float, ...], int, int]
+_NO_WORK = (UNKNOWN_WORK, UNKNOWN_WORK)
 CollectiveSeconds = tuple[str, str, float, float, int]
 
 
@@ -207,7 +237,9 @@ class BatchV1(_Batch):
         for s in self.steps:
             p = s.phases
             phases = (p.data, p.forward, p.backward, p.optimizer, p.comm_exposed, p.pacing, p.other)
-            out.append((s.step, s.duration_s, s.end_unix_s, phases))
+            samples = UNKNOWN_WORK if s.samples is None else s.samples
+            tokens = UNKNOWN_WORK if s.tokens is None else s.tokens
+            out.append((s.step, s.duration_s, s.end_unix_s, phases, samples, tokens))
         return out
 
     def collective_rows(self) -> list[CollectiveSeconds]:
@@ -230,13 +262,14 @@ class BatchV2(_Batch):
         """Seconds and unix time; raises BadRows for an end time no clock offset explains."""
         offset = self.clock_offset_ns
         out: list[StepSeconds] = []
-        for step, end, total, data, fwd, bwd, opt, comm, pacing in self.steps:
+        for step, end, total, data, fwd, bwd, opt, comm, pacing, *work in self.steps:
             end_unix_s = (end + offset) / 1e9
             if not 0.0 <= end_unix_s <= MAX_UNIX_S:
                 raise BadRows(f"step {step}: end_ns + clock_offset_ns is not a unix time")
             other = max(0, total - data - fwd - bwd - opt - comm - pacing)
             phases = (data / 1e9, fwd / 1e9, bwd / 1e9, opt / 1e9, comm / 1e9, pacing / 1e9)
-            out.append((step, total / 1e9, end_unix_s, (*phases, other / 1e9)))
+            samples, tokens = work or _NO_WORK
+            out.append((step, total / 1e9, end_unix_s, (*phases, other / 1e9), samples, tokens))
         return out
 
     def collective_rows(self) -> list[CollectiveSeconds]:

@@ -7,7 +7,7 @@
 
 Each module imports without its framework; constructing a callback without the framework raises
 ImportError naming the package to install. Nothing here uses more than the public agent API:
-`attach()` and the `RankAgent` it returns (`agent.step()`, `agent.close()`).
+`attach()` and the `RankAgent` it returns (`agent.step()`, `agent.count()`, `agent.close()`).
 """
 
 __all__: list[str] = []

@@ -8,6 +8,12 @@ and step times are still measured, and the time blocked in the gradient sync lan
 The optimizer's step hooks mark the steps (Trainer calls `optimizer.step()` once per real step,
 after gradient accumulation); accelerate's `AcceleratedOptimizer` wrapper is looked through to
 the torch optimizer inside it, which is where those hooks fire.
+
+Work done: Trainer calls the model with keyword arguments only, so the agent reads each
+forward's batch from the model's `main_input_name` (`input_ids` for text: samples and tokens,
+padding included, as Trainer's own `num_input_tokens_seen` counts them; `pixel_values`,
+`input_values`, ...: samples). Every micro-batch of gradient accumulation adds to its step;
+evaluation runs without gradients and is not counted.
 """
 
 from __future__ import annotations
@@ -60,11 +66,15 @@ class SyncscopeCallback(_TrainerCallback or object):  # type: ignore[misc]
         if self.agent is not None:
             return
         wrapped = getattr(self.trainer, "model_wrapped", None) if self.trainer is not None else None
+        config = dict(self.config)
+        main_input = getattr(model, "main_input_name", None)  # PreTrainedModel's, unwrapped
+        if isinstance(main_input, str) and main_input:
+            config.setdefault("batch_argument", main_input)
         self.agent = attach(
             model=wrapped if wrapped is not None else model,
             optimizer=_torch_optimizer(optimizer) if optimizer is not None else None,
             exporter=self.exporter,
-            **self.config,
+            **config,
         )
 
     def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:

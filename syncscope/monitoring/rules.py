@@ -31,7 +31,12 @@ from syncscope.recorded import (  # the recorded series' names, declared there o
     BUS_BANDWIDTH,
     COMM_EXPOSED_RATIO,
     CONTENTION,
+    CPU_ENERGY_RATE,
     DDP_BUS_BANDWIDTH,
+    ENERGY_PER_SAMPLE,
+    ENERGY_PER_TOKEN,
+    ENERGY_RATE,
+    GPU_ENERGY_RATE,
     GROUP_WAIT,
     JITTER_QUANTILES,
     LEAD_AVG,
@@ -44,6 +49,8 @@ from syncscope.recorded import (  # the recorded series' names, declared there o
     PHASE_RATE,
     PHASE_RATIO,
     RANKS_REPORTING,
+    SAMPLES_PER_GPU,
+    SAMPLES_RATE,
     SKEW,
     SKEW_RATIO,
     STEP_BUCKET_RATE,
@@ -59,6 +66,8 @@ from syncscope.recorded import (  # the recorded series' names, declared there o
     SYNC_AMPLIFICATION,
     SYNC_PER_STEP,
     SYNC_PER_STEP_MIN,
+    TOKENS_PER_GPU,
+    TOKENS_RATE,
     TRANSFER_INFLATION,
     TRANSFER_NODE_MIN,
     TRANSFER_PER_CALL,
@@ -153,6 +162,7 @@ def recording_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
         *_bus_bandwidth_rules(cfg, factors=factors, ops=ops),
         *_fabric_rules(cfg, w=w, no_ddp=no_ddp),
         *_link_pacing_locality_rules(cfg),
+        *_work_and_energy_rules(cfg),
     ]
 
 
@@ -526,6 +536,36 @@ max by (job, node, rank, fault) (
     return rules
 
 
+def _work_and_energy_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Work done and the energy it took: samples and tokens per second over the job's ranks
+    and per GPU (the mean over the ranks that report them); joules per second from the GPUs'
+    counters, the nodes' CPU packages and both; joules per sample and per token wherever the
+    job has both energy and work. Ranks that do not report work are in neither the sum nor the
+    mean: no series, not zero."""
+    samples, tokens = M.RANK_SAMPLES_TOTAL.name, M.RANK_TOKENS_TOTAL.name
+    by_source = f"""
+sum by (job) (
+    label_replace({GPU_ENERGY_RATE}, "source", "gpu", "", "")
+  or
+    label_replace({CPU_ENERGY_RATE}, "source", "cpu", "", "")
+)
+"""
+    return [
+        _record(SAMPLES_RATE, f"sum by (job) ({rate(cfg, samples)})"),
+        _record(SAMPLES_PER_GPU, f"avg by (job) ({rate(cfg, samples)})"),
+        _record(TOKENS_RATE, f"sum by (job) ({rate(cfg, tokens)})"),
+        _record(TOKENS_PER_GPU, f"avg by (job) ({rate(cfg, tokens)})"),
+        _record(GPU_ENERGY_RATE, f"sum by (job) ({rate(cfg, M.GPU_ENERGY_JOULES_TOTAL.name)})"),
+        _record(
+            CPU_ENERGY_RATE, f"sum by (job) ({rate(cfg, M.NODE_CPU_ENERGY_JOULES_TOTAL.name)})"
+        ),
+        # Each source once: a GPU-less job has only its CPUs, a host without RAPL only GPUs.
+        _record(ENERGY_RATE, by_source),
+        _record(ENERGY_PER_SAMPLE, f"{ENERGY_RATE}\n/\n  ({SAMPLES_RATE} > 0)\n"),
+        _record(ENERGY_PER_TOKEN, f"{ENERGY_RATE}\n/\n  ({TOKENS_RATE} > 0)\n"),
+    ]
+
+
 _METRIC_TOKEN = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
@@ -667,6 +707,16 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
         CONTENTION,
         LOCALITY_FAULT,
         GROUP_WAIT,
+        # Work and energy: rates for people and days-long panels, no alert reads them.
+        SAMPLES_RATE,
+        SAMPLES_PER_GPU,
+        TOKENS_RATE,
+        TOKENS_PER_GPU,
+        GPU_ENERGY_RATE,
+        CPU_ENERGY_RATE,
+        ENERGY_RATE,
+        ENERGY_PER_SAMPLE,
+        ENERGY_PER_TOKEN,
     ),
 }
 ALERTS_GROUP = "syncscope.alerts"

@@ -16,7 +16,7 @@ client = app_tests.client  # the exporter in-process, lifespan included
 
 # Conditions under which the scrape below must show series: everything but a named straggler
 # (it needs a slow rank) and what only Prometheus synthesises.
-SHOWN = {"always", "gpu", "pacing", "rejections", "process"}
+SHOWN = {"always", "gpu", "pacing", "rejections", "process", "work"}
 
 
 def test_the_contract_file_is_the_catalogs_output():
@@ -81,8 +81,13 @@ def test_a_real_scrape_emits_exactly_the_declared_families_types_and_labels(clie
         "throttle_reasons": 0,
         "temperature_celsius": 45,
         "power_watts": 350.5,
+        "energy_joules": 1.25e6,
     }
     assert client.post("/v1/ingest", json=gpu_rank).status_code == 200
+    working = copy.deepcopy(app_tests.BATCH_V2)  # rows with their work: samples, tokens
+    working["agent"] = {**working["agent"], "rank": 2, "local_rank": 0, "incarnation": "c1"}
+    working["steps"] = [[*row, 32, 32 * 512] for row in working["steps"]]
+    assert client.post("/v1/ingest", json=working).status_code == 200
     assert client.post("/v1/ingest", content=b"{not json").status_code == 400  # a rejection
 
     by_family = {m.family: m for m in CATALOG}

@@ -232,7 +232,7 @@ def test_time_blocked_in_a_collective_inside_forward_is_exposed_communication(
     rows = list(agent.queues.steps)
     agent.close()
     assert len(rows) == 5
-    for _step, _end, total, data, fwd, bwd, optim, comm, pacing in rows:
+    for _step, _end, total, data, fwd, bwd, optim, comm, pacing, _samples, _tokens in rows:
         assert comm >= wait_s * 1e9, rows  # a sleep never ends early
         assert fwd < comm, rows
         assert data + fwd + bwd + optim + comm + pacing <= total, rows
@@ -250,7 +250,7 @@ def test_waits_before_the_first_marked_step_are_in_no_step(gloo_world_of_one, mo
         assert agent.patch.blocked.ns > 0
         with agent.step():
             time.sleep(0.01)
-        ((_step, _end, total, *phases),) = list(agent.queues.steps)
+        ((_step, _end, total, *phases, _samples, _tokens),) = list(agent.queues.steps)
     finally:
         agent.close()
     assert phases[Phase.COMM_EXPOSED] == 0 and sum(phases) <= total, (phases, total)

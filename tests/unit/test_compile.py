@@ -1,5 +1,6 @@
 """Attaching syncscope never changes what torch.compile captures: the same graphs, of the same
-nodes, with and without the agent, attached before or after compiling; phases still measured."""
+nodes, with and without the agent, attached before or after compiling; phases still measured,
+and each step's samples still read from the model's inputs."""
 
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def sequential() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
 
 
-def captured(make, when: str | None, per_block: bool, steps: int = 3) -> tuple[list, list]:
-    """(node count of every graph dynamo handed the backend, forward ns per step)."""
+def captured(make, when: str | None, per_block: bool, steps: int = 3) -> tuple[list, list, list]:
+    """(node count of every graph dynamo handed the backend, forward ns per step, samples per
+    step)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     graphs: list[int] = []
@@ -62,10 +64,11 @@ def captured(make, when: str | None, per_block: bool, steps: int = 3) -> tuple[l
             opt.step()
             opt.zero_grad()
         forward = [row[4] for row in agent.queues.steps] if agent is not None else []
+        samples = [row[9] for row in agent.queues.steps] if agent is not None else []
     finally:
         if agent is not None:
             agent.close()
-    return graphs, forward
+    return graphs, forward, samples
 
 
 @pytest.mark.parametrize(
@@ -76,11 +79,12 @@ def captured(make, when: str | None, per_block: bool, steps: int = 3) -> tuple[l
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_the_same_graphs_are_captured_with_the_agent(make, per_block, when, monkeypatch):
     monkeypatch.delenv("SYNCSCOPE_EXPORTER", raising=False)
-    without, _ = captured(make, None, per_block)
+    without, _, _ = captured(make, None, per_block)
     assert without, "the counting backend saw no graph even without the agent"
-    with_agent, forward = captured(make, when, per_block)
+    with_agent, forward, samples = captured(make, when, per_block)
     assert with_agent == without
     assert len(forward) == 3 and all(ns > 0 for ns in forward), forward
+    assert samples == [4, 4, 4]
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -101,8 +105,9 @@ def test_per_block_compile_under_fsdp2_captures_the_same_graphs(
         fully_shard(net, mesh=mesh)
         return net
 
-    without, _ = captured(sharded, None, per_block=True)
+    without, _, _ = captured(sharded, None, per_block=True)
     assert without
-    with_agent, forward = captured(sharded, when, per_block=True)
+    with_agent, forward, samples = captured(sharded, when, per_block=True)
     assert with_agent == without
     assert len(forward) == 3 and all(ns > 0 for ns in forward), forward
+    assert samples == [4, 4, 4]

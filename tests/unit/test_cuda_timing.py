@@ -15,7 +15,7 @@ from syncscope.agent.capture_mode import (
 )
 from syncscope.agent.cuda_timing import CudaPhaseClock, torch_stream_of
 from syncscope.agent.nccl_trace import StepTimeline
-from syncscope.agent.phases import Clocks, timed_backward
+from syncscope.agent.phases import ROW_WORK, Clocks, timed_backward
 
 from syncscope.wire import DDP_GRAD_SYNC
 
@@ -114,7 +114,19 @@ class Loop:
 
 def phases_ms(record: tuple) -> dict[str, float]:
     names = ("data", "forward", "backward", "optimizer", "comm_exposed", "pacing")
-    return {n: v / MS for n, v in zip(names, record[3:], strict=True)} | {"total": record[2] / MS}
+    phases = record[3:ROW_WORK]
+    return {n: v / MS for n, v in zip(names, phases, strict=True)} | {"total": record[2] / MS}
+
+
+def test_gpu_timed_steps_carry_the_work_the_cpu_clock_counted():
+    """A step goes out with GPU phases, and with the samples and tokens of its own CPU step."""
+    loop = Loop()
+    for k in range(4):
+        loop.clock.count(samples=10 + k, tokens=None if k == 2 else 100 * k)
+        loop.step()
+    loop.stream.run_all()
+    assert loop.clock.resolve() == 4 and loop.clock.gpu_steps == 3
+    assert [r[ROW_WORK:] for r in loop.steps] == [(10, 0), (11, 100), (12, -1), (13, 300)]
 
 
 def test_gpu_phases_are_the_gpu_time_between_boundaries_and_add_up():
@@ -135,7 +147,7 @@ def test_gpu_phases_are_the_gpu_time_between_boundaries_and_add_up():
         assert p["comm_exposed"] == pytest.approx(4.0)
         assert p["optimizer"] == pytest.approx(2.0)
         assert p["total"] == pytest.approx(24.5)  # + loss and clipping, which are "other"
-        assert sum(r[3:]) <= r[2]
+        assert sum(r[3:ROW_WORK]) <= r[2]
     ddp = list(loop.colls)
     assert len(ddp) == 5 and all(c[0] == DDP_GRAD_SYNC for c in ddp)
     assert [c[3] for c in ddp[1:]] == [4 * MS] * 4  # the GPU's exposed communication
@@ -453,4 +465,4 @@ def test_with_real_torch_hooks_on_cpu():
     for r in list(steps)[1:]:
         p = phases_ms(r)
         assert p["data"] >= 1.5 and p["forward"] > 0 and p["backward"] > 0 and p["optimizer"] > 0
-        assert sum(r[3:]) <= r[2]
+        assert sum(r[3:ROW_WORK]) <= r[2]

@@ -56,9 +56,10 @@ def sink():
 
 
 def queued(n: int) -> tuple[deque, deque]:
-    """What the phase clock queues: 20 ms steps (2 ms of each phase), one 3 ms DDP sync each."""
+    """What the phase clock queues: 20 ms steps (2 ms of each phase) of 16 samples, tokens not
+    known (-1), one 3 ms DDP sync each."""
     end0 = time.perf_counter_ns()
-    steps = deque((i, end0 + i * 20 * MS, 20 * MS, *[2 * MS] * 6) for i in range(n))
+    steps = deque((i, end0 + i * 20 * MS, 20 * MS, *[2 * MS] * 6, 16, -1) for i in range(n))
     colls = deque(("ddp_grad_sync", "default_pg", 1 << 20, 3 * MS, i) for i in range(n))
     return steps, colls
 
@@ -83,8 +84,8 @@ def test_batches_parse_as_sent_and_replies_reach_the_estimate(sink, estimate):
     # What the agent sent goes through the exporter's own parser unchanged.
     ingest = parse_batch(sink.bodies[0])
     assert ingest.batch.schema_version == SCHEMA_VERSION == 2
-    step, duration, end_unix_s, phases = ingest.steps[5]
-    assert (step, duration) == (5, pytest.approx(0.020))
+    step, duration, end_unix_s, phases, samples, tokens = ingest.steps[5]
+    assert (step, duration, samples, tokens) == (5, pytest.approx(0.020), 16, -1)
     assert phases == pytest.approx((0.002,) * 6 + (0.008,))  # other: what the phases leave
     assert before - 1 < end_unix_s - 5 * 0.020 < before + 1  # monotonic clock mapped to unix
     assert ingest.collectives[5] == ("ddp_grad_sync", "default_pg", float(1 << 20), 0.003, 5)

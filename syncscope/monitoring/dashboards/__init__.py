@@ -208,7 +208,17 @@ def rule_dependencies(cfg: Mapping[str, Any]) -> dict[str, set[str]]:
 # Recorded series that exclude DDP's gradient sync: empty for a job whose only collective is
 # DDP's own (the contention index has DDP's part too).
 NEEDS_COLLECTIVES = {R.BUS_BANDWIDTH, R.TRANSFER_PER_CALL}
-NEEDS = ("gpu", "pacing", "straggler", "rejections", "alerts", "collectives", "link")
+NEEDS = (
+    "gpu",
+    "pacing",
+    "straggler",
+    "rejections",
+    "alerts",
+    "collectives",
+    "link",
+    "work",
+    "rapl",
+)
 
 
 def needs(expr: str, cfg: Mapping[str, Any]) -> list[str]:
@@ -218,7 +228,8 @@ def needs(expr: str, cfg: Mapping[str, Any]) -> list[str]:
     the pacing controller on, while the exporter names a straggler, or once it has rejected a
     record; alerts: ALERTS or ALERTS_FOR_STATE, only while an alert is pending or firing;
     collectives: collectives other than DDP's gradient sync; link: the ranks' link facts
-    (agent/link.py).
+    (agent/link.py); work: ranks whose samples or tokens are known; rapl: an exporter that
+    reads its host's CPU package energy. A query reading energy of either source lists both.
     """
     conditions = R.series_conditions()
     deps = rule_dependencies(cfg)
@@ -302,15 +313,18 @@ def variable_values(
     rank: str = RANK_ALL,
     rate_interval: str = "1m",
     range_: str = "1h",
+    interval: str = "1m",
 ) -> dict[str, str]:
     """Values for every variable the panel queries use (regular expressions for the label
-    variables; ``range_`` stands for ``$__range``, the dashboard's time range)."""
+    variables; ``range_`` stands for ``$__range``, the dashboard's time range, ``interval`` for
+    ``$__interval``, the step between a panel's points)."""
     return {
         "job": job,
         "node": node,
         "rank": rank,
         "__rate_interval": rate_interval,
         "__range": range_,
+        "__interval": interval,
     }
 
 

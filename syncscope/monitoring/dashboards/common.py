@@ -25,6 +25,7 @@ NODE = 'node=~"$node"'
 RANK = 'rank=~"$rank"'
 RATE = "$__rate_interval"
 RANGE = "$__range"
+INTERVAL = "$__interval"  # the step between a panel's points: days-long panels average over it
 NODE_ALL = ".*"
 RANK_ALL = ".+"
 BY_RANK = "job, node, rank"

@@ -35,7 +35,9 @@ from syncscope.monitoring.dashboards.panels import (
     value_map,
 )
 from syncscope.monitoring.dashboards.queries import (
+    energy_by_source,
     gauge_per_rank,
+    joules_per,
     ranks_that_stand_out,
     ratio_per_rank,
     rec,
@@ -74,6 +76,7 @@ def job_overview(cfg: Mapping[str, Any]) -> list[tuple[str, list[tuple[int, int,
     return [
         _overview_triage_which_ranks_are_late(cfg),
         _overview_job_health(cfg, straggler=straggler),
+        _overview_work_and_energy(cfg),
         _overview_step_time_and_phases(
             cfg, busy=busy, exposed=exposed, by_phase=by_phase, every_rank_phase=every_rank_phase
         ),
@@ -164,6 +167,67 @@ def _overview_job_health(
                     thresholds=steps((straggler, "orange")),
                 ),
             ),
+        ],
+    )
+
+
+def _job_and_per_gpu(title: str, desc: str, job: str, per_gpu: str) -> Any:
+    """The job's rate and the mean GPU's, the latter on the right axis (N GPUs apart)."""
+    panel = ts(title, desc, [q(rec(job), "job"), q(rec(per_gpu), "per GPU")], "short")
+    return panel.override_by_name("per GPU", [prop("custom.axisPlacement", "right")])
+
+
+def _overview_work_and_energy(cfg: Mapping[str, Any]) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Work done and the energy it takes."""
+    slow = cfg["intervals"]["slow_rules"]
+    per_unit = ts(
+        "Joules per sample",
+        "Energy per sample over each point's interval, and per token (right axis): the job's "
+        "joules (GPUs' NVML counters and the nodes' CPU packages, where measured) over the "
+        "samples its ranks processed. Built for ranges of days: a job whose energy grows "
+        "faster than its output shows it here.",
+        [q(joules_per(R.SAMPLES_RATE), "per sample"), q(joules_per(R.TOKENS_RATE), "per token")],
+        "joule",
+    ).override_by_name("per token", [prop("custom.axisPlacement", "right")])
+    return (
+        "Work done and the energy it takes",
+        [
+            (
+                6,
+                8,
+                _job_and_per_gpu(
+                    "Samples per second",
+                    "Samples the job's ranks process per second, and per GPU (right axis: the "
+                    "mean over ranks that report samples). Ranks whose samples are not known "
+                    "(set samples_per_step or call agent.count()) count in neither.",
+                    R.SAMPLES_RATE,
+                    R.SAMPLES_PER_GPU,
+                ),
+            ),
+            (
+                6,
+                8,
+                _job_and_per_gpu(
+                    "Tokens per second",
+                    "Tokens the job's ranks process per second (token-id inputs: batch x "
+                    "sequence length), and per GPU (right axis).",
+                    R.TOKENS_RATE,
+                    R.TOKENS_PER_GPU,
+                ),
+            ),
+            (
+                6,
+                8,
+                ts(
+                    "Power",
+                    "The job's joules per second: its GPUs' energy counters and its nodes' CPU "
+                    "packages (RAPL), stacked. A source not measured has no line.",
+                    [q(expr, legend) for expr, legend in energy_by_source()],
+                    "watt",
+                    stack=True,
+                ),
+            ),
+            (6, 8, per_unit.interval(slow)),
         ],
     )
 

@@ -10,6 +10,7 @@ from syncscope import recorded as R
 from syncscope.monitoring.dashboards.common import (
     BAND,
     BY_RANK,
+    INTERVAL,
     JOB,
     NODE,
     RANGE,
@@ -146,3 +147,22 @@ def ratio_lead_per_step() -> PerRank:
         return f"max by ({BY_RANK}) ({lead})\n/ on (job) group_left ()\n  {rec(R.STEP_MEAN)}"
 
     return expr
+
+
+# ------------------------------------------------------------------------------ work and energy
+
+
+def energy_by_source() -> list[tuple[str, str]]:
+    """(query, legend) of the job's joules per second from each source: its GPUs' counters and
+    its nodes' CPU packages (each present only where measured)."""
+    return [(rec(R.GPU_ENERGY_RATE), "GPUs"), (rec(R.CPU_ENERGY_RATE), "CPU packages")]
+
+
+def joules_per(work: str) -> str:
+    """Joules per sample (``work`` = the recorded samples rate) or per token over each point's
+    interval: the recorded energy rate's sum over the interval over the work rate's. Two series
+    per job at the slow rules' interval, so a range of days stays cheap; every minute weighs
+    by its work, and energy spent while the job processed nothing counts against the work
+    around it."""
+    energy = f"sum_over_time({rec(R.ENERGY_RATE)}[{INTERVAL}])"
+    return f"{energy}\n/ on (job)\n  (sum_over_time({rec(work)}[{INTERVAL}]) > 0)"
