@@ -254,33 +254,52 @@ def group_members(rank: RankView, group: str) -> tuple[int, ...]:
 
 
 def wait_chain(
-    ranks: Sequence[RankView], root: int, min_wait_s: float, window: int = STEP_WINDOW
+    ranks: Sequence[RankView],
+    root: int,
+    min_wait_s: float,
+    window: int = STEP_WINDOW,
+    job_leads: Mapping[int, float] | None = None,
 ) -> tuple[Victim, ...]:
     """Each rank here (but the root) that waits at least `min_wait_s` per step: the group it
     waits in most (its collectives' waits) and whom it waits for there: the root where the
     root is in that group, else the member of the group blocked least in collectives (who
     itself waits elsewhere, or for nobody): a rank that waits for a rank in another group is
-    a victim, and following `waits_for` from any victim leads to the root."""
-    here = {r.rank: r for r in ranks}
-    exposed = (Phase.COMM_EXPOSED,)
-    blocked = {r.rank: _phase_means(r, window, exposed).get(Phase.COMM_EXPOSED, 0.0) for r in ranks}
+    a victim, and following `waits_for` from any victim leads to the root.
+
+    `job_leads` (rank -> its blocked time per step beyond the job's least blocked rank, from
+    Prometheus) reaches past this node: a rank here that waits for a rank elsewhere waits as
+    long as its node's peers, so its wait beyond them is nil; its job-wide lead is its wait,
+    the group its collectives take longest in is where it waits, and members elsewhere are
+    compared by their leads."""
+    if job_leads:
+        blocked = dict(job_leads)
+    else:
+        exposed = (Phase.COMM_EXPOSED,)
+        blocked = {
+            r.rank: _phase_means(r, window, exposed).get(Phase.COMM_EXPOSED, 0.0) for r in ranks
+        }
     out = []
     for r in ranks:
-        if r.rank == root or r.steps_total <= 0:
+        if r.rank == root or r.steps_total <= 0 or not r.collectives:
             continue
         waits: dict[str, float] = {}
         for c in r.collectives:
             waits[c.group] = waits.get(c.group, 0.0) + c.wait_seconds / r.steps_total
-        if not waits:
-            continue
         group, wait = max(waits.items(), key=lambda kv: kv[1])
+        lead = (job_leads or {}).get(r.rank)
         if wait < min_wait_s:
-            continue
+            if lead is None or lead < min_wait_s:
+                continue
+            # It waits for a rank elsewhere, as long as its node's peers do.
+            spent: dict[str, float] = {}
+            for c in r.collectives:
+                spent[c.group] = spent.get(c.group, 0.0) + c.seconds
+            group, wait = max(spent, key=spent.__getitem__), lead
         members = group_members(r, group)
         if root in members:
             whom: int | None = root
         else:
-            peers = [m for m in members if m != r.rank and m in here]
+            peers = [m for m in members if m != r.rank and m in blocked]
             whom = min(peers, key=lambda m: blocked[m]) if peers else None
         out.append(Victim(r.rank, group, whom, wait))
     return tuple(out)
@@ -470,12 +489,15 @@ def _diagnose(
 
 
 def _victims(
-    live: Sequence[RankView], straggler: Straggler | None, t: Thresholds
+    live: Sequence[RankView],
+    straggler: Straggler | None,
+    t: Thresholds,
+    job_leads: Mapping[int, float] | None = None,
 ) -> tuple[Victim, ...]:
     """The wait chain to a named straggler; a rank waits if it waits a quarter of the lateness."""
     if straggler is None:
         return ()
-    return wait_chain(live, straggler.rank, 0.25 * straggler.lateness_s, t.window)
+    return wait_chain(live, straggler.rank, 0.25 * straggler.lateness_s, t.window, job_leads)
 
 
 def _below_score(ratio: float, line: float, t: Thresholds) -> float:
@@ -590,5 +612,9 @@ def _job_wide(
             f"does (line {t.slow_link_ratio:.0%}; job-wide, from Prometheus)",
         )
     return dataclasses.replace(
-        local, modes=modes, straggler=straggler, skew_s=skew, victims=_victims(live, straggler, t)
+        local,
+        modes=modes,
+        straggler=straggler,
+        skew_s=skew,
+        victims=_victims(live, straggler, t, job_wide.leads),
     )

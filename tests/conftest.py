@@ -279,3 +279,18 @@ class Webhook:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def chain_end(waits_for: dict[int, int | None], rank: int) -> int | None:
+    """Where following whom each victim waits for from `rank` ends: the first rank that is
+    no victim (the root, if the chain is right), or None on a cycle."""
+    seen, at = set(), rank
+    while at in waits_for:
+        if at in seen:
+            return None
+        seen.add(at)
+        nxt = waits_for[at]
+        if nxt is None:
+            return None
+        at = nxt
+    return at

@@ -274,3 +274,37 @@ def test_the_wait_chain_leads_every_victim_to_the_root() -> None:
     # a rank whose group lies beyond this exporter: it waits for a rank it cannot name
     alone = wait_chain([ranks[0], ranks[3]], root=3, min_wait_s=0.005)
     assert [(v.rank, v.group, v.waits_for) for v in alone] == [(0, "tp", None)]
+
+
+def test_the_wait_chain_crosses_nodes_with_the_job_wide_leads() -> None:
+    """HSDP on two nodes: shard pairs {0,1} (node 0) and {2,3} (node 1), replicate pairs {0,2}
+    {1,3}; rank 3 is slow. On node 0 ranks 0 and 1 wait alike (for ranks elsewhere), so
+    neither waits beyond the other here; with the job-wide leads each is a victim in the group
+    its collectives take longest in (replicate): 1 waits for the root there, 0 for rank 2,
+    which Prometheus says is blocked less than rank 0."""
+    base = ranks_of("forward_straggler")[0]
+    steps = 100
+    replicate = {0: "0,2", 1: "1,3"}
+    ranks = []
+    for rank in (0, 1):
+        colls = (  # (group, seconds per step, wait beyond this node's least per step)
+            CollectiveView("all_gather", "shard", steps, steps * 0.004, 1e6, steps * 0.0002),
+            CollectiveView("all_reduce", "replicate", steps, steps * 0.035, 1e6, steps * 0.0003),
+        )
+        ranks.append(
+            replace(
+                base,
+                rank=rank,
+                steps_total=steps,
+                collectives=colls,
+                topology={"group.shard": "0,1", "group.replicate": replicate[rank]},
+            )
+        )
+    leads = {0: 0.031, 1: 0.030, 2: 0.029, 3: 0.0}
+    chain = wait_chain(ranks, root=3, min_wait_s=0.0075, job_leads=leads)
+    assert [(v.rank, v.group, v.waits_for, v.wait_s) for v in chain] == [
+        (0, "replicate", 2, 0.031),
+        (1, "replicate", 3, 0.030),
+    ]
+    # Without the job-wide view the node sees no wait: no victims rather than wrong ones.
+    assert wait_chain(ranks, root=3, min_wait_s=0.0075) == ()

@@ -233,6 +233,10 @@ def _numbers(value: object) -> set[float]:
     return set()
 
 
+# Config numbers an alert shares with the exporter's diagnosis, declared once there.
+SHARED_WITH_THE_EXPORTER = {"SyncscopeStraggler": [("diagnosis", "skew_floor_s")]}
+
+
 def test_thresholds_live_in_one_place():
     """An alert expression holds its own level's threshold and its own parameters from the
     config (other levels' thresholds excluded) and no other number."""
@@ -244,7 +248,9 @@ def test_thresholds_live_in_one_place():
         params = _numbers({k: v for k, v in spec.items() if k != "levels"})
         # Numbers standing alone: not part of a name, a duration ([1m]) or a decimal.
         numbers = {float(n) for n in re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])", alert["expr"])}
-        allowed = {0.0} | params | ({float(level["threshold"])} if "threshold" in level else set())
+        shared = {float(cfg[a][b]) for a, b in SHARED_WITH_THE_EXPORTER.get(alert["alert"], ())}
+        allowed = {0.0} | params | shared
+        allowed |= {float(level["threshold"])} if "threshold" in level else set()
         assert numbers <= allowed, (alert["alert"], numbers)
         if "threshold" in level:
             assert float(level["threshold"]) in numbers, alert["alert"]
