@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Every GPU check the GPU issue asks for, in one run of under 8 minutes on the device machine,
+# its figures in one file ($OUT/gpu-figures.txt) and each check's whole log beside it.
+#
+# On the device (one call; the wheels it lacks travel from here, made by scripts/device-wheels):
+#   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=560)
+# Here (no GPU) it runs in seconds and says what it skipped and why.
+#
+# Sections, each under its own timeout so that one hang cannot cost the rest:
+#   versions    GPU, driver, torch, CUDA, NCCL
+#   install     the exporter's web stack from .whl/, syncscope itself (editable, no deps)
+#   tests/gpu   pytest: NVML topology, fixture capture, DDP/NCCL phases and Flight Recorder,
+#               attach() with a real exporter, reduce-overhead compile, CUDA-graph capture
+#   overhead    bench/bench_gpu_overhead.py, agent vs none, interleaved rounds
+#   energy      NVML's energy counter over a fixed matmul load, and what the agent reports
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d /tmp/gpu-check.XXXXXX)}
+mkdir -p "$OUT"
+FIG="$OUT/gpu-figures.txt"
+PY=${PYTHON:-python3}
+: >"$FIG"
+say() { echo "$*" | tee -a "$FIG"; }
+section() { say ""; say "== $1 ($(date -u +%H:%M:%S))"; }
+
+# run NAME SECONDS CMD...: the command's log to $OUT/NAME.log, its last lines and status to FIG
+run() {
+  local name=$1 seconds=$2
+  shift 2
+  timeout "$seconds" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n "${TAIL:-15}" "$OUT/$name.log" | tee -a "$FIG"
+  case $rc in
+    0) say "-- $name: ok" ;;
+    124) say "-- $name: TIMEOUT after ${seconds}s" ;;
+    *) say "-- $name: exit $rc" ;;
+  esac
+  return $rc
+}
+
+section versions
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$FIG" \
+  || say "nvidia-smi: not found"
+"$PY" - <<'PY' 2>&1 | tee -a "$FIG"
+import platform
+try:
+    import torch
+except ImportError:
+    print("torch: not installed")
+else:
+    cuda = torch.cuda.is_available()
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else "n/a"
+    print(f"python {platform.python_version()}, torch {torch.__version__}, "
+          f"CUDA {torch.version.cuda}, available {cuda}, NCCL {nccl}")
+    if cuda:
+        print(f"device: {torch.cuda.get_device_name(0)}")
+PY
+GPU=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
+
+section install
+if [ -d .whl ]; then
+  TAIL=3 run wheels 120 "$PY" -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic
+else
+  say "no .whl/ (scripts/device-wheels makes it): using what $PY has"
+fi
+TAIL=3 run syncscope 120 "$PY" -m pip install -q --no-deps --no-build-isolation -e . \
+  || TAIL=3 run syncscope-copy 120 "$PY" -m pip install -q --no-deps --no-build-isolation .
+
+if [ "$GPU" != 1 ]; then
+  section skipped
+  say "no CUDA GPU here: tests/gpu, the overhead bench and the energy check need one"
+  exit 0
+fi
+
+section tests/gpu
+TAIL=25 run tests-gpu 240 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider
+
+section overhead
+TAIL=25 run overhead 150 "$PY" bench/bench_gpu_overhead.py --rounds 6 --steps 100
+
+section energy
+TAIL=10 run energy 45 "$PY" - <<'PY'
+"""NVML's energy counter across a fixed load, read apart from syncscope, beside the agent's own
+topology reading of the same counter (agent.topology): both in joules, and their difference."""
+import time
+
+import pynvml
+import torch
+
+from syncscope.agent.topology import ENERGY_KEY, TopologySampler, locator_from_torch
+
+pynvml.nvmlInit()
+index = torch.cuda.current_device()
+handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+now = [0.0]  # the sampler's clock: each call below is a new interval, so it reads NVML again
+sampler = TopologySampler(locator_from_torch(torch, index), interval_s=1.0, clock=lambda: now[0])
+
+
+def agent_joules():
+    now[0] += 1.0
+    return (sampler() or {}).get(ENERGY_KEY)
+
+
+x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize()
+mj0 = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+a0 = agent_joules()
+t0 = time.perf_counter()
+while time.perf_counter() - t0 < 10:
+    for _ in range(50):
+        x @ x
+    torch.cuda.synchronize()
+mj1 = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+a1 = agent_joules()
+seconds = time.perf_counter() - t0
+nvml_j = (mj1 - mj0) / 1e3
+print(f"NVML: {nvml_j:.1f} J in {seconds:.1f} s ({nvml_j / seconds:.0f} W)")
+if a0 is None or a1 is None:
+    print(f"agent: no energy reading ({ENERGY_KEY}: {a0!r}, {a1!r})")
+else:
+    agent_j = a1 - a0
+    print(f"agent: {agent_j:.1f} J; differs from NVML by {abs(agent_j - nvml_j) / nvml_j:.1%}")
+PY
+
+say ""
+say "figures: $FIG; logs: $OUT"
