@@ -59,6 +59,11 @@ class AgentConfig:
     # Read the work from the model's inputs. Off for inputs whose leading dimension is not
     # the batch (sequence-first RNN or transformer inputs): then only what is set counts.
     detect_work: bool = True
+    # The number of this incarnation's first step: the steps a restored checkpoint has done,
+    # so that step numbers continue across restarts and the exporter sees the steps a restart
+    # runs again (lost progress). Unset: read from the optimizer's restored state at the first
+    # step where it keeps one (Adam's "step"), else 0.
+    start_step: int | None = None
     disable: bool = False  # hard off switch: attach() returns an agent that does nothing
 
     @classmethod
@@ -115,6 +120,27 @@ def node_name(env: Mapping[str, str] = os.environ) -> str:
         if env.get(variable):
             return env[variable][:MAX_LABEL_LEN]
     return socket.gethostname()[:MAX_LABEL_LEN]
+
+
+def process_started_unix_s(proc: str = "/proc") -> float | None:
+    """When this process started, in unix seconds: now less the process's age, which is the
+    time since boot (/proc/uptime) less the kernel's start time of the process (/proc/self/stat,
+    clock ticks after boot); to a clock tick, where /proc/stat's btime would be to a second.
+    None where either is unreadable or the result is not a time before now."""
+    import time
+
+    try:
+        with open(f"{proc}/self/stat") as f:
+            stat = f.read()
+        # Fields after the command name (which may hold spaces and parentheses); the start
+        # time is field 22 of the whole line, the 20th after the name.
+        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        with open(f"{proc}/uptime") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - age if age >= 0 else None
 
 
 def process_identity(env: Mapping[str, str] = os.environ) -> dict[str, object]:

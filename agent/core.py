@@ -12,13 +12,14 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from syncscope.agent import checkpointing
 from syncscope.agent.collectives import (
     Blocked,
     CollectiveInterceptor,
     GroupLabels,
     bucket_timing_hook,
 )
-from syncscope.agent.config import AgentConfig, process_identity
+from syncscope.agent.config import AgentConfig, process_identity, process_started_unix_s
 from syncscope.agent.link import LinkSampler, with_link
 from syncscope.agent.local_arrival import LocalArrival
 from syncscope.agent.phases import PhaseClock
@@ -52,6 +53,12 @@ class RankAgent(Protocol):
     def count(self, samples: int | None = None, tokens: int | None = None) -> None:
         """Add to the work this rank does in the current step; replaces what the model's
         inputs or the per-step settings say for this step. Call it before the step ends."""
+        ...
+
+    def checkpoint(self, kind: str = "save") -> AbstractContextManager[None]:
+        """`with agent.checkpoint("save"):` (or "load") times the block as checkpoint time,
+        for saves and loads that do not go through torch.save/torch.load or
+        torch.distributed.checkpoint (which are timed without it)."""
         ...
 
     def close(self) -> None:
@@ -122,6 +129,8 @@ class Agent:
             torch, model, ddp_model, ddp_group, ddp_bytes, timeline, cuda_index
         )
         self.queues.clock = self.clock
+        self.clock.events = self.queues.events
+        self._number_steps(optimizer, config)
         self.nccl_reader: FlightRecorderReader | None = None
         self.topology: TopologySampler | None = None
         if cuda_index is not None:
@@ -135,6 +144,7 @@ class Agent:
         )
         if self.patch is not None:
             self.clock.blocked = self.patch.blocked
+        self.checkpoints = checkpointing.CheckpointTimer(self.clock, self._on_error)
         self._count_work(torch, model, config)
         self.record = RecordWriter(config.record, self.identity) if config.record else None
         self.arrival = LocalArrival(self.record) if config.pacing or self.record else None
@@ -152,6 +162,10 @@ class Agent:
         if self.patch is not None:
             self.patch.install()
         self.clock.instrument(model, optimizer)
+        try:
+            checkpointing.install(self.checkpoints)
+        except Exception as exc:  # noqa: BLE001 - no checkpoint time, everything else stands
+            self._on_error(exc)
         # The transport's work falls on step boundaries every rank agrees on, so the ranks
         # pause together: the ring is pumped at every `align_every_steps`-th step
         # (shm_ring.py); the HTTP reporter's thread is woken at the first such step of each
@@ -184,6 +198,8 @@ class Agent:
             topology=with_link(self.topology, self.link, self.labels.facts),
             on_drained=self.arrival.drained if self.arrival is not None else None,
             on_reply=self.arrival.merge_reply if self.arrival is not None else None,
+            events=self.queues.events,
+            on_events=self.record.write_events if self.record is not None else None,
         )
 
     def _shm_transport(self, url: str) -> ShmTransport:
@@ -208,6 +224,7 @@ class Agent:
             url=url,
             steps=self.queues.steps,
             collectives=self.queues.collectives,
+            events=self.queues.events,
             dropped_elsewhere=self._dropped_on_training_thread,
             topology=topology,
             capacity=self.config.ring_slots,
@@ -233,6 +250,25 @@ class Agent:
         except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
             self._on_error(exc)
 
+    def checkpoint(self, kind: str = "save") -> AbstractContextManager[None]:
+        """Time the block as one checkpoint save (kind "save") or load ("load").
+
+        torch.save, torch.load and torch.distributed.checkpoint's save and load are timed
+        without it (agent/checkpointing.py); use it around other ways of saving or loading
+        (safetensors, a framework's own writer). Only the thread that attached the agent is
+        timed, and calls nested in a timed call count once:
+
+            with agent.checkpoint("save"):
+                save_file(model.state_dict(), path)
+        """
+        try:
+            return checkpointing.CheckpointContext(
+                self.checkpoints, checkpointing.checkpoint_kind(kind)
+            )
+        except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
+            self._on_error(exc)
+            return contextlib.nullcontext()
+
     def close(self) -> None:
         """Remove hooks and patches, send what is left. Safe to call twice."""
         if self._closed:
@@ -240,7 +276,10 @@ class Agent:
         self._closed = True
         with contextlib.suppress(Exception):
             self.clock.uninstrument()
+        with contextlib.suppress(Exception):
+            checkpointing.uninstall(self.checkpoints)
         self.clock.after_step = None
+        self.clock.on_first_step = None
         if self.patch is not None:
             self.patch.uninstall()
         if self.nccl_reader is not None:
@@ -268,6 +307,24 @@ class Agent:
         }
 
     # -- construction -------------------------------------------------------------------------
+    def _number_steps(self, optimizer: Any, config: AgentConfig) -> None:
+        """Step numbers that continue across restarts, and what the startup is measured from."""
+        clock = self.clock
+        if config.start_step is not None and config.start_step > 0:
+            clock.step = int(config.start_step)
+        elif config.start_step is None and optimizer is not None:
+            clock.detect_start = optimizer
+        # The process's start on the clock's timeline (perf_counter ns).
+        offset = time.time_ns() - time.perf_counter_ns()
+        clock.process_started_ns = int(self.identity["process_started_unix_s"] * 1e9) - offset
+        clock.on_first_step = self._after_first_step
+
+    def _after_first_step(self) -> None:
+        try:  # a torch.distributed.checkpoint imported after attach() is wrapped now
+            checkpointing.wrap_available()
+        except Exception as exc:  # noqa: BLE001
+            self._on_error(exc)
+
     def _count_work(self, torch: Any, model: Any, config: AgentConfig) -> None:
         """Samples and tokens per step: as set, else read from the model's inputs."""
         clock = self.clock
@@ -409,6 +466,9 @@ class InertAgent:
     def count(self, samples: int | None = None, tokens: int | None = None) -> None:
         pass
 
+    def checkpoint(self, kind: str = "save") -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
     def close(self) -> None:
         pass
 
@@ -424,10 +484,13 @@ class InertAgent:
 def _identity(config: AgentConfig) -> dict[str, Any]:
     """Who reports: the process's rank and host, the job, and this incarnation of the agent."""
     identity = process_identity()
+    now = time.time()
     identity.update(
         job=config.job[:MAX_LABEL_LEN],
         incarnation=uuid.uuid4().hex[:16],
-        started_unix_s=time.time(),
+        started_unix_s=now,
+        # Startup is measured from here: the kernel's start of the process, else attach().
+        process_started_unix_s=process_started_unix_s() or now,
     )
     return identity
 

@@ -29,6 +29,18 @@ is not a tensor with a leading dimension (a dict, a tuple, a scalar) reports its
 not known (-1), and its tokens too unless every batch was a token tensor: no number rather
 than a guess.
 
+Checkpoint saves and loads on the training thread (agent/checkpointing.py) are no phase of
+their own: a call runs between two boundaries, so the phase in progress when it returns (data
+wait, forward, optimizer) is the one it interrupted, and its start moves later by the call's
+duration (`checkpoint_done`), as do the collective waits inside the call (dcp's barriers) on the
+blocked total. The step's total keeps the time, so it lands in `other`, and one event per call
+says how long it took and in which step (the exporter takes it out of productive time). Moving
+a start costs nothing at the boundaries, unlike a second total read at each of them as `blocked`
+is. A step's number starts at `attach(start_step=N)`, or at the restored `step` of an Adam-family
+optimizer's state at the first optimizer step (`detect_start`), so that numbers continue across
+restarts; the first step's end also queues the startup event (process start to that step's
+start, less checkpoint time before it).
+
 Why a parameter hook and not a hook on the forward output: a hook registered on the output every
 step costs 8-12 µs per step on a DDP backward (bench/bench_hook_costs.py), a post-accumulate-
 grad hook registered once costs ~0.3 µs when it fires. Which parameter's gradient comes first is
@@ -55,7 +67,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from syncscope.wire import DDP_GRAD_SYNC, MAX_WORK, UNKNOWN_WORK, Phase
+from syncscope.wire import DDP_GRAD_SYNC, EVENT_STARTUP, MAX_WORK, NO_STEP, UNKNOWN_WORK, Phase
 
 # Positions in the per-step accumulator, as plain ints: indexing a list with an IntEnum member
 # costs an __index__ call on the hot path. `other` is not accumulated (see PhaseClock).
@@ -160,6 +172,20 @@ class PhaseClock:
         self.seen_tokens = 0
         self.unclear_samples = False  # a forward this step had no such batch
         self.unclear_tokens = False  # ... or one that was not a token tensor
+        # Events (startup, checkpoints: wire.EventRow), set by the agent to its events queue.
+        self.events: deque | None = None
+        # Steps are open from instrument(optimizer) on (a step runs from one post-hook to the
+        # next, the first from here), else from the first `with agent.step()`: a checkpoint
+        # before that is in no step, and not part of the startup either.
+        self.steps_open = False
+        self.outside_ns = 0  # checkpoint time in no step before the first step
+        self.first_step = True  # the first step's end queues the startup event
+        # When the process started, on this clock (perf_counter ns); None: not known.
+        self.process_started_ns: int | None = None
+        # The optimizer whose restored state says the first step's number (Adam's "step"),
+        # read once at the first optimizer step; None: the number was given, or no optimizer.
+        self.detect_start: Any = None
+        self.on_first_step: Callable[[], None] | None = None  # the agent's, after the first step
 
     # -- wiring -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -182,6 +208,7 @@ class PhaseClock:
         if optimizer is not None:
             handles.append(optimizer.register_step_pre_hook(self.optimizer_pre))
             handles.append(optimizer.register_step_post_hook(self.optimizer_post))
+            self.steps_open = True
 
     def count_inputs(self, torch: Any, batch_argument: str) -> None:
         """Read each forward's batch size (and tokens) from the model's inputs from now on."""
@@ -411,9 +438,59 @@ class PhaseClock:
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
 
+    # -- checkpoints and the step count ---------------------------------------------------------
+    def checkpoint_done(self, kind: str, end: int, duration: int, waited: int) -> None:
+        """A checkpoint call on the training thread ended at `end` after `duration` ns, `waited`
+        of them blocked in collectives: out of the phase it interrupted (module docstring), one
+        event queued."""
+        if self.fwd_start:
+            self.fwd_start += duration
+        elif self.idle_since:
+            self.idle_since += duration
+        elif self.opt_start:
+            self.opt_start += duration
+        if waited > 0:
+            self.blocked_seen += waited  # the call's own waits are checkpoint time, not comm
+        if self.steps_open:
+            step = self.step
+        else:
+            step = NO_STEP
+            self.outside_ns += duration
+        self._event(kind, step, end, duration)
+
+    def _event(self, kind: str, step: int, end: int, duration: int) -> None:
+        events = self.events
+        if events is None:
+            return
+        if len(events) < (events.maxlen or sys.maxsize):
+            events.append((kind, step, end, max(0, duration)))
+        else:
+            self.dropped += 1
+
+    def _first_step_done(self, start: int) -> None:
+        """The first step has ended; it started at `start`: queue the startup event."""
+        self.first_step = False
+        self.detect_start = None
+        started = self.process_started_ns
+        if started is not None:
+            startup = start - started - self.outside_ns
+            self._event(EVENT_STARTUP, NO_STEP, start, startup)
+        if self.on_first_step is not None:
+            self.on_first_step()
+
+    def _detect_start_step(self) -> None:
+        optimizer, self.detect_start = self.detect_start, None
+        if self.step == 0:
+            self.step = restored_step(optimizer)
+
     # -- optimizer hooks ----------------------------------------------------------------------
     def optimizer_pre(self, *_: Any) -> None:
         self.opt_start = _now()
+        if self.detect_start is not None:
+            try:
+                self._detect_start_step()
+            except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
+                self.on_error(exc)
         if self.mark is not None:
             self.mark(OPT_PRE)
 
@@ -442,6 +519,7 @@ class PhaseClock:
             self.acc = [0, 0, 0, 0, 0, 0]
             self.step_start = t
             self.idle_since = t
+            self.steps_open = True
             # Forwards before the first marked step are no step's work (a user's count is).
             self.seen_batches = self.seen_samples = self.seen_tokens = 0
             self.unclear_samples = self.unclear_tokens = False
@@ -464,6 +542,8 @@ class PhaseClock:
         self.acc = [0, 0, 0, 0, 0, 0]
         self.step_start = t
         self.idle_since = t
+        if self.first_step:
+            self._first_step_done(t - total)
         delay = self._pace(acc[COMM], total) if self.pacer is not None else 0
         if delay > 0:
             time.sleep(delay / 1e9)
@@ -475,6 +555,32 @@ class PhaseClock:
         """With a pacer: the delay (ns) to insert before the next step, its answer to this
         step's exposed communication. CudaPhaseClock answers from the GPU's steps instead."""
         return self.pacer(comm_ns, step_ns)  # type: ignore[misc]
+
+
+def restored_step(optimizer: Any) -> int:
+    """The steps an optimizer's restored state says it has taken (the `step` an Adam-family
+    optimizer keeps per parameter), 0 where it says none: no state yet, no `step` in it, or a
+    step held where reading it could synchronise a device or a process group (only plain
+    numbers and one-element CPU tensors are read)."""
+    state = getattr(optimizer, "state", None)
+    if not state:
+        return 0
+    for per_param in state.values():
+        if not isinstance(per_param, dict):
+            continue
+        value: Any = per_param.get("step")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return max(0, int(value))
+        torch = sys.modules.get("torch")
+        if (
+            torch is not None
+            and type(value) is torch.Tensor
+            and value.device.type == "cpu"
+            and value.numel() == 1
+        ):
+            return max(0, int(value.item()))
+        return 0
+    return 0
 
 
 class _ForwardWrapper:

@@ -1,4 +1,5 @@
-"""The record file (the `record` setting): one JSON line per step, the input of `syncscope project`."""
+"""The record file (the `record` setting): one JSON line per step, the input of `syncscope project`,
+and one per event (startup, checkpoint save or load), which has an "event" key and no "step_s"."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-from syncscope.wire import PHASES, Phase
+from syncscope.wire import EVENT_STARTUP, PHASES, Phase
 
 OTHER = Phase.OTHER.label
 WORK_AT = len(PHASES) - 1  # a row's accumulated phases (all but `other`), then its work counts
@@ -21,6 +22,9 @@ class RecordWriter:
     def __init__(self, path: str, identity: Mapping[str, Any]) -> None:
         self.rank = identity["rank"]
         self.world_size = identity["world_size"]
+        # Which incarnation of the rank a line is from: one file holds every restart's lines.
+        self.incarnation = identity.get("incarnation")
+        self.process_started_unix_s = identity.get("process_started_unix_s")
         self.path = path.replace("{rank}", str(self.rank))
         self._file: TextIO | None = open(self.path, "a", buffering=1)  # noqa: SIM115
 
@@ -48,7 +52,29 @@ class RecordWriter:
             for key, value in zip(("samples", "tokens"), rest[WORK_AT:], strict=False):
                 if value >= 0:
                     line[key] = value
+            if self.incarnation is not None:
+                line["incarnation"] = self.incarnation
             write(json.dumps(line) + "\n")
+
+    def write_events(self, events: list[tuple], clock_offset_ns: int) -> None:
+        """Event rows as queued (kind, step, end_ns, duration_ns): `step` is null outside every
+        step; a startup line also says when the process started."""
+        if self._file is None:
+            return
+        for kind, step, end_ns, duration in events:
+            line: dict[str, Any] = {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "event": kind,
+                "step": step if step >= 0 else None,
+                "duration_s": duration / 1e9,
+                "end_unix_s": (end_ns + clock_offset_ns) / 1e9,
+            }
+            if kind == EVENT_STARTUP and self.process_started_unix_s is not None:
+                line["process_started_unix_s"] = self.process_started_unix_s
+            if self.incarnation is not None:
+                line["incarnation"] = self.incarnation
+            self._file.write(json.dumps(line) + "\n")
 
     def close(self) -> None:
         if self._file is not None:

@@ -29,6 +29,7 @@ from syncscope.shm_layout import (
     COLL_SLOT,
     DEFAULT_CAPACITY,
     DROPPED_AT,
+    EVENT_SLOT,
     GROUP_BYTES,
     HEAD,
     HEADER_BYTES,
@@ -36,6 +37,7 @@ from syncscope.shm_layout import (
     HOUSEKEEPING_EVERY,
     I32,
     KIND_COLLECTIVE,
+    KIND_EVENT,
     KIND_STEP,
     MAGIC,
     META_OFFSET,
@@ -54,13 +56,21 @@ from syncscope.shm_layout import (
     ring_dir,
     ring_name,
 )
-from syncscope.wire import UNKNOWN_WORK
+from syncscope.wire import EVENT_KINDS, UNKNOWN_WORK
 
 log = logging.getLogger("syncscope.agent")
 
 
 def _without_work(row: tuple) -> tuple:
     return (*row, UNKNOWN_WORK, UNKNOWN_WORK)
+
+
+_EVENT_CODES = {kind: code for code, kind in enumerate(EVENT_KINDS)}
+
+
+def _event_fields(row: tuple) -> tuple:
+    kind, step, end, duration = row
+    return (_EVENT_CODES[kind], int(step), int(end), int(duration))
 
 
 class ShmRing:
@@ -126,6 +136,9 @@ class ShmRing:
 
     def take_collectives(self, rows: deque) -> None:
         self._take(rows, COLL_SLOT, KIND_COLLECTIVE, self._collective_fields)
+
+    def take_events(self, rows: deque) -> None:
+        self._take(rows, EVENT_SLOT, KIND_EVENT, _event_fields)
 
     def _take(
         self,
@@ -199,6 +212,7 @@ class ShmTransport:
         dropped_elsewhere: Callable[[], int],
         topology: dict[str, Any] | None = None,
         capacity: int = DEFAULT_CAPACITY,
+        events: deque | None = None,
     ) -> None:
         directory = ring_dir(url)
         os.makedirs(directory, mode=0o770, exist_ok=True)
@@ -209,6 +223,7 @@ class ShmTransport:
         self.path = self.ring.path
         self.steps = steps
         self.collectives = collectives
+        self.events = events
         self.dropped_elsewhere = dropped_elsewhere
         self.errors = 0
         self.pumps = 0
@@ -249,6 +264,8 @@ class ShmTransport:
         if ring is None:
             return
         try:
+            if self.events:  # before the steps: a step's checkpoints come before its row
+                ring.take_events(self.events)
             if self.steps:
                 ring.take_steps(self.steps)
             if self.collectives:

@@ -25,6 +25,7 @@ from typing import Any
 from syncscope.wire import (
     INGEST_PATH,
     MAX_COLLECTIVES_PER_BATCH,
+    MAX_EVENTS_PER_BATCH,
     MAX_STEPS_PER_BATCH,
     SCHEMA_VERSION,
     PacingState,
@@ -118,7 +119,9 @@ class Reporter:
     Two hooks, both called on this thread and only when set (the agent sets them when the local
     arrival estimate has a reader): `on_drained(steps, collectives, clock_offset_ns)` gets every
     flush's rows as queued, also with no exporter; `on_reply(body)` gets the exporter's answer
-    to each batch it accepted.
+    to each batch it accepted. A third, `on_events(events, clock_offset_ns)`, gets each flush's
+    event rows (the record file writes them), only when there are some. Events (startup,
+    checkpoints: a few per run) go with the first request of a flush.
     """
 
     MAX_BACKOFF_S = 2.0
@@ -142,6 +145,8 @@ class Reporter:
         topology: Callable[[], dict[str, Any] | None] | None = None,
         on_drained: Callable[[list[tuple], list[tuple], int], None] | None = None,
         on_reply: Callable[[bytes], None] | None = None,
+        events: deque | None = None,
+        on_events: Callable[[list[tuple], int], None] | None = None,
     ) -> None:
         self.identity = identity
         self.url = url
@@ -156,6 +161,8 @@ class Reporter:
         self.topology = topology
         self.on_drained = on_drained
         self.on_reply = on_reply
+        self.events = events
+        self.on_events = on_events
         self.send_dropped = 0
         self.sent_records = 0
         self.sent_batches = 0
@@ -225,23 +232,29 @@ class Reporter:
     def _flush(self) -> None:
         raw_steps = drain(self.steps, MAX_STEPS_PER_BATCH)
         raw_colls = drain(self.collectives, MAX_COLLECTIVES_PER_BATCH)
-        self._in_flight = len(raw_steps) + len(raw_colls)
+        raw_events = drain(self.events, MAX_EVENTS_PER_BATCH) if self.events else []
+        self._in_flight = len(raw_steps) + len(raw_colls) + len(raw_events)
         self.drained_records += self._in_flight
-        if not raw_steps and not raw_colls and self.url is None:
+        if not raw_steps and not raw_colls and not raw_events and self.url is None:
             return
         offset_ns = time.time_ns() - time.perf_counter_ns()  # the queues' clock -> unix time
         if self.on_drained is not None:
             self.on_drained(raw_steps, raw_colls, offset_ns)
+        if raw_events and self.on_events is not None:
+            self.on_events(raw_events, offset_ns)
         if self.url is not None:
             # The queued tuples go out as they are (wire schema 2): no object per record.
             # While backing off, _send counts them as dropped without building a body.
-            for chunk in split_batch(raw_steps, raw_colls, self.MAX_RECORDS_PER_REQUEST):
-                self._send(*chunk, offset_ns)
+            chunks = split_batch(raw_steps, raw_colls, self.MAX_RECORDS_PER_REQUEST)
+            for i, chunk in enumerate(chunks):
+                self._send(*chunk, offset_ns, raw_events if i == 0 else [])
         else:
             self._in_flight = 0  # kept locally, or nowhere: nothing was meant to be sent
 
-    def _send(self, steps: list[tuple], colls: list[tuple], clock_offset_ns: int) -> None:
-        count = len(steps) + len(colls)
+    def _send(
+        self, steps: list[tuple], colls: list[tuple], clock_offset_ns: int, events: list[tuple]
+    ) -> None:
+        count = len(steps) + len(colls) + len(events)
         now = time.monotonic()
         if now < self._retry_at:
             self.send_dropped += count
@@ -258,6 +271,8 @@ class Reporter:
             "pacing": asdict(pacing) if pacing is not None else None,
             "topology": self.topology() if self.topology is not None else None,
         }
+        if events:
+            batch["events"] = events
         body = json.dumps(batch).encode()
         headers = {"Content-Type": "application/json"}
         if self.token:

@@ -72,6 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="Linux powercap directory the CPU packages' RAPL energy is read from, e.g. the "
         "host's /sys mounted elsewhere in a container ('' for none; default %(default)s)",
     )
+    p.add_argument(
+        "--state-file",
+        default=os.environ.get("SYNCSCOPE_STATE_FILE") or None,
+        help="keep the counters (steps, phases, collectives, work, goodput and badput) in this "
+        "file across the exporter's restarts: written atomically every --state-interval "
+        "seconds and at shutdown, loaded at start; a corrupt file is moved to PATH.corrupt "
+        "(env SYNCSCOPE_STATE_FILE; default: none, counters restart with the exporter)",
+    )
+    p.add_argument(
+        "--state-interval",
+        type=float,
+        default=d.state_interval_s,
+        help="seconds between writes of the state file (default %(default)s)",
+    )
     p.add_argument("--log-level", default=d.log_level)
     return p
 
@@ -95,6 +109,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         prometheus_url=args.prometheus_url,
         prometheus_interval_s=args.prometheus_interval,
         powercap_root=args.powercap_root or None,
+        state_file=args.state_file or None,
+        state_interval_s=args.state_interval,
     )
 
 

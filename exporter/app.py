@@ -169,6 +169,12 @@ def create_app(
         store.job_wide = reader.get
     if settings.powercap_root and store.cpu_energy is None:
         store.cpu_energy = PowercapReader(settings.powercap_root)
+    state_file = None
+    if settings.state_file:  # the counters of the exporter's last run (exporter/state_file.py)
+        from syncscope.exporter.state_file import StateFile
+
+        state_file = StateFile(settings.state_file, store, settings.state_interval_s)
+        state_file.load()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(store))
     registry.register(ProcessCollector(registry=None))
@@ -184,6 +190,8 @@ def create_app(
             reader.start()
         if rings is not None:
             rings.start()
+        if state_file is not None:
+            state_file.start()
         try:
             yield
         finally:
@@ -191,11 +199,14 @@ def create_app(
                 reader.stop()
             if rings is not None:
                 rings.stop()
+            if state_file is not None:
+                state_file.stop()  # after the rings' last records: saves once more
 
     app = FastAPI(title="syncscope exporter", version=__version__, lifespan=lifespan)
     app.state.store = store
     app.state.settings = settings
     app.state.rings = rings
+    app.state.state_file = state_file
 
     @app.exception_handler(BadRequest)
     async def _bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
@@ -249,7 +260,8 @@ def create_app(
     @app.get("/v1/state", summary="Everything the exporter knows, as JSON")
     def state(recent: int = 0) -> JSONResponse:
         view = store.view(recent=max(0, min(recent, settings.recent_steps)))
-        return JSONResponse({**as_json(view), "version": __version__})
+        extra = {"state_file": state_file.status()} if state_file is not None else {}
+        return JSONResponse({**as_json(view), **extra, "version": __version__})
 
     install_page(app, store, settings)
     plain_openapi = app.openapi

@@ -127,6 +127,24 @@ def collect_work(view: StoreView) -> Iterable[Metric]:
     return [samples, tokens]
 
 
+def collect_goodput(view: StoreView) -> Iterable[Metric]:
+    """Per node and job, over its ranks and their incarnations: badput by category, productive
+    step time and the job's earliest process start (what the goodput rules divide by)."""
+    badput = counter(M.NODE_BADPUT_SECONDS_TOTAL)
+    productive = counter(M.NODE_PRODUCTIVE_SECONDS_TOTAL)
+    started = gauge(M.JOB_STARTED_TIMESTAMP_SECONDS)
+    for labels, ranks in node_views(view):
+        for category in M.BADPUT_CATEGORIES:
+            badput.add_metric(
+                [*labels, category], sum(r.badput_s.get(category, 0.0) for r in ranks)
+            )
+        productive.add_metric(labels, sum(r.productive_s for r in ranks))
+        starts = [r.process_started_unix_s for r in ranks if r.process_started_unix_s]
+        if starts:
+            started.add_metric(labels, min(starts))
+    return [badput, productive, started]
+
+
 def collect_collectives(view: StoreView) -> Iterable[Metric]:
     """Per rank its collective time (the straggler rules compare ranks by it); per node and
     (op, group) the sums the fabric rules read (bandwidth, transfer per call)."""
@@ -214,6 +232,16 @@ def collect_diagnosis(view: StoreView) -> Iterable[Metric]:
     return [diag, cause, victim, skew, pooled, transfer, sampled_step, sampled]
 
 
+def collect_verdict(view: StoreView) -> Iterable[Metric]:
+    """The diagnosis's decision verdict per job (the evidence stays in /v1/state, off labels)."""
+    verdict = gauge(M.JOB_VERDICT)
+    for job, data in view.jobs.items():
+        v = data.diagnosis.verdict
+        if v is not None:
+            verdict.add_metric([job, v.verdict, v.hardware], 1.0)
+    return [verdict]
+
+
 def collect_links(view: StoreView) -> Iterable[Metric]:
     """Each node's link, as its ranks report it (agent/link.py): the node is the ranks'
     hostname, so a job's nodes are told apart even where one exporter serves several."""
@@ -260,10 +288,12 @@ COLLECTORS: dict[str, Callable[[StoreView], Iterable[Metric]]] = {
     "collectives": collect_collectives,
     "pacing": collect_pacing,
     "diagnosis": collect_diagnosis,
+    "verdict": collect_verdict,
     "links": collect_links,
     "exporter": collect_exporter,
     "gpu": collect_gpu,
     "work": collect_work,
+    "goodput": collect_goodput,
     "energy": collect_cpu_energy,
 }
 

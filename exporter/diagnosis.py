@@ -24,12 +24,19 @@ The rules (docs/diagnosis.md gives the reasoning and the recorded scenarios they
                       (step minus exposed communication and pacing, above that rank's median),
                       median over ranks; 30 % scores 1.
   locality            1 when a rank reports a PCIe link narrower than its maximum or a process
-                      on another NUMA node than its GPU.
+                      on another NUMA node than its GPU (only over ranks that report a GPU; its
+                      reason claims no health it has no facts for).
 
 A named straggler gets a cause: gpu_throttle (clock-event reasons that slow the GPU are set, its
 SM clock is below 90 % of its peers' median, and compute phases make up ≥ 80 % of its lateness),
 locality (a fault its peers do not share, and compute or data make up ≥ 80 % of its lateness),
 the phase (data, forward, backward, optimizer) that makes up ≥ 80 % of its lateness, or unknown.
+
+The decision verdict (`Diagnosis.verdict`, `job_verdict`) joins the modes with the hardware's
+health: none while the job loses no time (no straggler, no amplification, jitter, slow link or
+contention verdict); "infrastructure", naming the node, GPU or link, when a health check fails;
+else "coupling" — "structural coupling, not infrastructure" where every check passed, and with
+"hardware health not known" where some could not be made (a host with no GPU telemetry).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from syncscope.exporter.gpu import has_gpu
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.pooling import NodeInflation
 from syncscope.exporter.settings import Settings
@@ -64,6 +72,19 @@ CAUSES = (*(p.label for p in CAUSE_PHASES), "gpu_throttle", "locality", "unknown
 
 # The NVML clock-event ("throttle") reasons that mean the GPU is being slowed down.
 THROTTLE_BITS = {r.bit: r.words for r in CLOCK_EVENT_REASONS if r.slows}
+# The software power cap is set whenever a busy GPU reaches its power limit, routine under full
+# load: for the verdict it is a fault only where it holds that GPU's clock below its peers'.
+POWER_CAP_BIT = 0x4
+
+# The decision verdict: what the time the job loses is due to, and what is known of its hardware.
+VERDICTS = ("coupling", "infrastructure")
+HARDWARE = ("healthy", "unknown", "unhealthy")
+# Modes whose verdict is time lost to the job's coupling; a straggler counts unless its cause is
+# its hardware (then a health check fails and the verdict is infrastructure).
+COUPLING_MODES = ("straggler", "sync_amplification", "runtime_jitter")
+HARDWARE_CAUSES = ("gpu_throttle", "locality")
+# Modes whose verdict is time lost to the infrastructure itself: a slow link, a contended fabric.
+INFRASTRUCTURE_MODES = ("slow_link", "fabric_contention")
 
 
 @dataclass(frozen=True)
@@ -98,6 +119,23 @@ class Victim:
 
 
 @dataclass(frozen=True)
+class JobVerdict:
+    """Whether the time the job loses goes to its coupling or to its infrastructure, with the
+    evidence (the seed scenario's decision rule: cost up "despite healthy hardware metrics" is a
+    structural coupling problem). Health is claimed only from facts: `passed` lists the checks
+    made, `unknown` those that could not be (no GPU telemetry, an idle GPU's link, one node's
+    view of the links). XID and ECC errors are not among them: the agent does not read them."""
+
+    verdict: str  # one of VERDICTS
+    hardware: str  # one of HARDWARE: every check passed / none failed, some unknown / one failed
+    reason: str  # one line, as the page and the demo say it
+    coupling: Mapping[str, float | None]  # coupling mode detected -> share of step time it costs
+    faults: tuple[str, ...]  # what is not healthy, named: the rank, its GPU and node, the link
+    passed: tuple[str, ...]  # the health checks that passed
+    unknown: tuple[str, ...]  # the health checks that could not be made, and why
+
+
+@dataclass(frozen=True)
 class Diagnosis:
     """One job's diagnosis on this node (its JSON is the `diagnosis` of /v1/state)."""
 
@@ -107,6 +145,8 @@ class Diagnosis:
     steps_compared: int  # steps reported by every live rank that the per-step rules used
     error: str | None = field(default=None, metadata=OMIT_IF_NONE)  # a rule's failure
     victims: tuple[Victim, ...] = ()  # while a straggler is named: the ranks here that wait
+    # The decision verdict; None while the job loses no time (or nothing reports).
+    verdict: JobVerdict | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 @dataclass(frozen=True)
@@ -353,10 +393,15 @@ def diagnose_job(
     failure it returns no verdicts and the error in `error`.
     """
     try:
-        diagnosis = _diagnose(ranks, settings, thresholds, node_transfer)
-        return _job_wide(diagnosis, ranks, settings, thresholds, job_wide)
+        local, shares = _diagnose(ranks, settings, thresholds, node_transfer)
+        diagnosis = _job_wide(local, ranks, settings, thresholds, job_wide)
     except Exception as exc:  # noqa: BLE001 - a diagnosis bug must not take /metrics down
         return Diagnosis({}, None, None, 0, error=f"{type(exc).__name__}: {exc}"[:200])
+    try:
+        verdict = job_verdict(diagnosis, ranks, thresholds, job_wide, shares)
+    except Exception as exc:  # noqa: BLE001 - nor may a verdict bug cost the modes
+        return dataclasses.replace(diagnosis, error=f"verdict: {type(exc).__name__}: {exc}"[:200])
+    return dataclasses.replace(diagnosis, verdict=verdict)
 
 
 def _diagnose(
@@ -364,10 +409,13 @@ def _diagnose(
     settings: Settings,
     t: Thresholds,
     node_transfer: NodeInflation | None = None,
-) -> Diagnosis:
+) -> tuple[Diagnosis, dict[str, float]]:
+    """The node's diagnosis, and the share of step time each coupling mode it measured costs
+    (sync_amplification: idle at the sync; runtime_jitter: lost to spikes) for the verdict."""
     live = [r for r in ranks if not r.stale and r.steps_total > 0]
+    shares: dict[str, float] = {}
     if not live:
-        return Diagnosis({}, None, None, 0)
+        return Diagnosis({}, None, None, 0), shares
     step = _median([r.step_time_median_s for r in live if r.step_time_median_s]) or 0.0
     aligned = _aligned(live, t.window) if len(live) >= 2 else []
     enough = len(aligned) >= t.min_aligned_steps
@@ -428,6 +476,7 @@ def _diagnose(
     )
     if enough and mean_step > 0:
         idle = statistics.mean(idles) / mean_step
+        shares["sync_amplification"] = idle
         blame = f", mostly for rank {straggler.rank}" if straggler is not None else ""
         modes["sync_amplification"] = (
             min(1.0, idle / t.idle_share_full),
@@ -454,6 +503,7 @@ def _diagnose(
         waits = [r.wait_mean_s for r in live if r.wait_mean_s is not None]
         if waits and step > 0:
             idle = statistics.mean(waits) / step
+            shares["sync_amplification"] = idle
             modes["sync_amplification"] = (
                 min(1.0, idle / t.idle_share_full),
                 f"ranks wait for peers {idle:.0%} of each step (estimated)",
@@ -465,27 +515,72 @@ def _diagnose(
         worst, worst_rank = max(spikes, key=lambda x: x[0])
         cvs = [r.step_time_cv for r in live if r.step_time_cv is not None]
         cv = f"; step-time CV {statistics.median(cvs):.2f}" if cvs else ""
+        shares["runtime_jitter"] = typical
         modes["runtime_jitter"] = (
             min(1.0, typical / t.spike_share_full),
             f"ranks lose {typical:.0%} of step time to irregular spikes in their own work "
             f"(worst: rank {worst_rank.rank}, {worst:.0%}){cv}",
         )
 
-    topologies = [r for r in live if r.topology]
-    if topologies:
-        faults = [(r.rank, locality_fault(r.topology)) for r in topologies]
+    # Only ranks that report a GPU: a CPU rank's topology holds its network link alone.
+    gpus = [r for r in live if has_gpu(r.topology)]
+    if gpus:
+        faults = [(r.rank, locality_fault(r.topology)) for r in gpus]
         faults = [(rank, f) for rank, f in faults if f]
         if faults:
             more = f" (+{len(faults) - 1} more ranks)" if len(faults) > 1 else ""
             reason = f"rank {faults[0][0]}: {faults[0][1]}{more}"
         else:
-            reason = "PCIe links at full width, processes on their GPU's NUMA node"
+            reason = _no_locality_fault(gpus)
         modes["locality"] = (1.0 if faults else 0.0, reason)
 
     verdicts = {
         m: ModeVerdict(round(s, 4), s >= t.verdict_score, why) for m, (s, why) in modes.items()
     }
-    return Diagnosis(verdicts, straggler, skew, len(aligned), victims=_victims(live, straggler, t))
+    victims = _victims(live, straggler, t)
+    return Diagnosis(verdicts, straggler, skew, len(aligned), victims=victims), shares
+
+
+def _rank_list(ranks: Sequence[int]) -> str:
+    """'rank 3', 'ranks 0–2, 5'."""
+    spans: list[list[int]] = []
+    for n in sorted(set(ranks)):
+        if spans and spans[-1][1] == n - 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    text = ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in spans)
+    return ("ranks " if len(set(ranks)) > 1 else "rank ") + text
+
+
+def _no_locality_fault(gpus: Sequence[RankView]) -> str:
+    """The locality reason where no rank has a fault: what was seen, and what was not read."""
+    blind_link = [
+        r.rank
+        for r in gpus
+        if (_number((r.topology or {}).get("pcie_link_width")) or 0) <= 0
+        or (_number((r.topology or {}).get("pcie_link_max_width")) or 0) <= 0
+    ]
+    blind_numa = [r.rank for r in gpus if _numa_mismatch(r.topology) is None]
+    return "; ".join(
+        (
+            f"PCIe link width not read for {_rank_list(blind_link)}"
+            if blind_link
+            else "PCIe links at full width",
+            f"NUMA placement not known for {_rank_list(blind_numa)}"
+            if blind_numa
+            else "processes on their GPU's NUMA node",
+        )
+    )
+
+
+def _numa_mismatch(topology: Mapping[str, Any] | None) -> bool | None:
+    """True: the process runs off its GPU's NUMA node; False: on it; None: not known."""
+    value = (topology or {}).get("numa_mismatch")
+    if isinstance(value, bool):
+        return value
+    number = _number(value)
+    return None if number is None else number == 1
 
 
 def _victims(
@@ -618,3 +713,219 @@ def _job_wide(
         skew_s=skew,
         victims=_victims(live, straggler, t, job_wide.leads),
     )
+
+
+def _gpu_where(r: RankView) -> str:
+    """rank 2's GPU 0000:1b:00.0 on node n1: where to look."""
+    topo = r.topology or {}
+    ident = next(
+        (
+            str(topo[k])
+            for k in ("pci_bus_id", "gpu_uuid", "gpu_name")
+            if isinstance(topo.get(k), str) and topo[k] not in ("", "unknown")
+        ),
+        "",
+    )
+    gpu = f"GPU {ident}" if ident else "GPU"
+    return f"rank {r.rank}'s {gpu} on node {r.hostname or 'unknown'}"
+
+
+def _throttle_fault(r: RankView, peers: Sequence[RankView], t: Thresholds) -> str | None:
+    """What slows a rank's GPU, in words: any slowing clock-event reason but the software power
+    cap, which counts only where its SM clock is below clock_ratio × its peers' median."""
+    topo = r.topology or {}
+    mask = max(0, int(_number(topo.get("throttle_reasons")) or 0))
+    own = _number(topo.get("sm_clock_hertz"))
+    clocks = [_number((p.topology or {}).get("sm_clock_hertz")) for p in peers]
+    peer_clock = _median([c for c in clocks if c])
+    slower = bool(own and peer_clock and own < t.clock_ratio * peer_clock)
+    reasons = [
+        words
+        for bit, words in THROTTLE_BITS.items()
+        if mask & bit and (bit != POWER_CAP_BIT or slower)
+    ]
+    if not reasons:
+        return None
+    clock = (
+        f", SM clock {own / 1e6:.0f} MHz vs peers' {peer_clock / 1e6:.0f} MHz"
+        if own and peer_clock
+        else f", SM clock {own / 1e6:.0f} MHz"
+        if own
+        else ""
+    )
+    return f"{', '.join(reasons)}{clock}"
+
+
+def hardware_checks(
+    live: Sequence[RankView],
+    diagnosis: Diagnosis,
+    job_wide: JobWide | None,
+    t: Thresholds = DEFAULT_THRESHOLDS,
+) -> tuple[list[str], list[str], list[str]]:
+    """(faults, passed, unknown): the health checks the exporter's facts allow, each fault
+    naming its rank, GPU and node or the node's link.
+
+    Per GPU (from the topology its agent samples): throttling (clock-event reasons), PCIe link
+    width and generation against their maxima (a generation only where NVML says the link was
+    read under load: the agent keeps the last loaded reading while the GPU idles), the process's
+    NUMA node against its GPU's. For the job: each node's link against the median node's (the
+    slow_link mode; one node has no such link) and a contended fabric. A rank without GPU facts
+    makes the GPU checks unknown, never passed."""
+    faults: list[str] = []
+    passed: list[str] = []
+    unknown: list[str] = []
+    gpus = [r for r in live if has_gpu(r.topology)]
+    bare = [r.rank for r in live if not has_gpu(r.topology)]
+    if bare:
+        unknown.append(f"no GPU telemetry from {_rank_list(bare)}" if gpus else "no GPU telemetry")
+
+    def check(name: str, ok_words: str, per_rank: Any) -> None:
+        blind: list[int] = []
+        failed = False
+        for r in gpus:
+            result = per_rank(r)
+            if result is None:
+                blind.append(r.rank)
+            elif result:
+                faults.append(f"{_gpu_where(r)}: {result}")
+                failed = True
+        if blind:
+            unknown.append(f"{name} not read for {_rank_list(blind)}")
+        elif gpus and not failed:
+            passed.append(ok_words)
+
+    def throttle(r: RankView) -> str | None:
+        if _number((r.topology or {}).get("throttle_reasons")) is None:
+            return None
+        return _throttle_fault(r, [p for p in gpus if p is not r], t) or ""
+
+    def link(key: str, prefix: str) -> Any:
+        def per_rank(r: RankView) -> str | None:
+            topo = r.topology or {}
+            now, most = _number(topo.get(key)), _number(topo.get(key.replace("link_", "link_max_")))
+            if now is None or most is None or now <= 0 or most <= 0:
+                return None
+            if key == "pcie_link_generation" and _number(topo.get("throttle_reasons")) is None:
+                return None  # without NVML nothing says the link was read under load
+            return f"PCIe link {prefix}{int(now)} of {prefix}{int(most)}" if now < most else ""
+
+        return per_rank
+
+    def numa(r: RankView) -> str | None:
+        mismatch = _numa_mismatch(r.topology)
+        if mismatch is None:
+            return None
+        return "process on another NUMA node than its GPU" if mismatch else ""
+
+    check("throttle reasons", "no GPU slowed by throttling", throttle)
+    check("PCIe link width", "PCIe links at full width", link("pcie_link_width", "x"))
+    check(
+        "PCIe link generation (under load)",
+        "PCIe links at full generation",
+        link("pcie_link_generation", "gen "),
+    )
+    check("NUMA placement", "processes on their GPU's NUMA node", numa)
+
+    slow_link = diagnosis.modes.get("slow_link")
+    hosts = {r.hostname for r in live}
+    elsewhere = max((r.world_size for r in live), default=0) - len(live)
+    if slow_link is not None and job_wide is not None and job_wide.link_ratios:
+        node, ratio = min(job_wide.link_ratios.items(), key=lambda kv: kv[1])
+        if slow_link.verdict:
+            faults.append(
+                f"node {node}'s link: carries {ratio:.0%} of what the job's median node's does"
+            )
+        else:
+            passed.append(
+                f"every node's link carries at least {t.slow_link_ratio:.0%} of the median"
+            )
+    elif len(hosts) == 1 and elsewhere <= 0:
+        passed.append("one node: no link between nodes")
+    else:
+        unknown.append("links between nodes not compared (needs the job-wide view)")
+    contention = diagnosis.modes.get("fabric_contention")
+    if contention is not None and contention.verdict:
+        faults.append(f"the fabric: {contention.reason}")
+    s = diagnosis.straggler
+    if (
+        s is not None
+        and s.cause in HARDWARE_CAUSES
+        and not any(f.startswith(f"rank {s.rank}'s ") for f in faults)
+    ):
+        faults.append(f"rank {s.rank} (the straggler): {s.cause_reason}")
+    return faults, passed, unknown
+
+
+def job_verdict(
+    diagnosis: Diagnosis,
+    ranks: Sequence[RankView],
+    t: Thresholds = DEFAULT_THRESHOLDS,
+    job_wide: JobWide | None = None,
+    shares: Mapping[str, float] | None = None,
+) -> JobVerdict | None:
+    """The decision verdict for a diagnosed job: None while it loses no time (no straggler and
+    no amplification, jitter, slow-link or contention verdict); "infrastructure" when a health
+    check fails (hardware "unhealthy"); else "coupling", hardware "healthy" where every check
+    passed and "unknown" where some could not be made. `shares`: the share of step time the
+    node measured idle at the sync and lost to spikes (job-wide amplification replaces the
+    first where Prometheus gives it)."""
+    live = [r for r in ranks if not r.stale and r.steps_total > 0]
+    modes = diagnosis.modes
+    s = diagnosis.straggler
+    losing = [
+        m for m in (*COUPLING_MODES, *INFRASTRUCTURE_MODES) if m in modes and modes[m].verdict
+    ]
+    if s is not None and "straggler" not in losing:
+        losing.insert(0, "straggler")
+    if not live or not losing:
+        return None
+    step = _median([r.step_time_median_s for r in live if r.step_time_median_s])
+    measured = dict(shares or {})
+    if job_wide is not None and job_wide.amplification is not None:
+        measured["sync_amplification"] = job_wide.amplification
+    coupling: dict[str, float | None] = {}
+    words = []
+    for mode in COUPLING_MODES:
+        if mode not in losing:
+            continue
+        if mode == "straggler":
+            if s is None or s.cause in HARDWARE_CAUSES:
+                continue
+            share = s.lateness_s / step if step else None
+            late = f", {share:.0%} of a step late" if share is not None else ""
+            words.append(f"straggler rank {s.rank} (cause {s.cause}{late})")
+        else:
+            share = measured.get(mode)
+            what = (
+                "of each step idle at the sync"
+                if mode == "sync_amplification"
+                else "of step time lost to spikes"
+            )
+            pct = f" ({share:.0%} {what})" if share is not None else ""
+            words.append(f"{mode.replace('_', ' ')}{pct}")
+        coupling[mode] = round(share, 4) if share is not None else None
+    faults, passed, unknown = hardware_checks(live, diagnosis, job_wide, t)
+    if faults:
+        also = f"; the job also loses time to {', '.join(words)}" if words else ""
+        return JobVerdict(
+            "infrastructure",
+            "unhealthy",
+            f"infrastructure: {'; '.join(faults)}{also}",
+            coupling,
+            tuple(faults),
+            tuple(passed),
+            tuple(unknown),
+        )
+    if not coupling:
+        return None
+    evidence = ", ".join(words)
+    if unknown:
+        reason = f"structural coupling: {evidence}; hardware health not known: {'; '.join(unknown)}"
+        health = "unknown"
+    else:
+        reason = (
+            f"structural coupling, not infrastructure: {evidence}; hardware checks passed: "
+            f"{', '.join(passed)}"
+        )
+        health = "healthy"
+    return JobVerdict("coupling", health, reason, coupling, (), tuple(passed), tuple(unknown))

@@ -443,6 +443,32 @@ def _cards(
     )
 
 
+# The decision verdict's line, in words first: (tag class, tag text) per verdict and health.
+VERDICT_TAGS = {
+    ("coupling", "healthy"): ("tag-warn", "▲ coupling, not infrastructure"),
+    ("coupling", "unknown"): ("tag-warn", "▲ coupling · hardware health not known"),
+    ("infrastructure", "unhealthy"): ("tag-bad", "⚠ infrastructure"),
+}
+
+
+def _verdict_line(diag: Diagnosis) -> str:
+    """The decision verdict: coupling or infrastructure, with its evidence, or none."""
+    v = diag.verdict
+    if v is None:
+        text = (
+            "none: the job loses no time to coupling or to its infrastructure"
+            if diag.modes
+            else "none yet: the diagnosis needs a few steps"
+        )
+        return f'<p class="job-verdict" data-verdict="none"><strong>Verdict:</strong> {text}.</p>'
+    kind, tag = VERDICT_TAGS.get((v.verdict, v.hardware), ("tag", v.verdict))
+    return (
+        f'<p class="job-verdict" data-verdict="{_e(v.verdict)}" data-hardware="{_e(v.hardware)}">'
+        f'<strong>Verdict:</strong> <span class="tag {kind}">{_e(tag)}</span> '
+        f"{_e(_capital(v.reason))}.</p>"
+    )
+
+
 def _modes_table(diag: Diagnosis) -> str:
     rows = []
     for mode, title in MODE_NAMES.items():
@@ -583,7 +609,7 @@ def _topology(ranks: Sequence[RankView]) -> str:
         f"<p>{len(ranks)} of {world} ranks report to this exporter, on "
         f'{len(hosts)} host{"s" if len(hosts) != 1 else ""}.</p><ul class="hosts">{"".join(lines)}</ul>'
     )
-    with_topo = [(r, r.topology) for r in ranks if r.topology]
+    with_topo = [(r, r.topology) for r in ranks if has_gpu(r.topology)]
     if not with_topo:
         return (
             summary + '<p class="muted">No GPU topology reported: CPU ranks (gloo), or NVML '
@@ -630,6 +656,38 @@ def _topology(ranks: Sequence[RankView]) -> str:
     )
 
 
+GOODPUT_WORDS = {
+    "startup": "startup",
+    "checkpoint_save": "checkpoint saves",
+    "checkpoint_load": "checkpoint loads",
+    "lost_progress": "lost progress",
+    "data_wait": "data wait",
+    "sync_wait": "sync wait",
+    "pacing": "pacing",
+    "nothing_running": "nothing running",
+}
+
+
+def _goodput_line(job: JobView, world: int, now: float) -> str:
+    """Goodput since the job's first process started, and where the rest went."""
+    g = job.goodput
+    if g is None:
+        return '<p class="goodput muted"><strong>Goodput:</strong> not known yet.</p>'
+    hours = max(0.0, now - g.started_unix_s) / 3600
+    since = f"{hours:.1f} h" if hours >= 1 else f"{hours * 60:.0f} min"
+    whose = f"all {g.ranks} ranks" if g.ranks >= world else f"the {g.ranks} ranks here only"
+    shares = ", ".join(
+        f"{GOODPUT_WORDS.get(c, c)} {v:.1%}"
+        for c, v in sorted(g.badput.items(), key=lambda kv: -kv[1])
+        if v >= 0.0005
+    )
+    return (
+        f'<p class="goodput" data-goodput="{g.ratio:.4f}"><strong>Goodput:</strong> '
+        f"{g.ratio:.1%} of the rank-time since the job started {since} ago ({_e(whose)}, "
+        f"restarts included) · badput: {_e(shares) or 'none'}</p>"
+    )
+
+
 def _job_section(
     job: JobView, settings: Settings, now: float, cpu: CpuEnergy | None = None
 ) -> tuple[str, str]:
@@ -644,8 +702,9 @@ def _job_section(
         f'<span class="muted">{len(live)} of {len(ranks)} ranks reporting · world size {world}'
         f" · {_scope(job, world - len(ranks), now)}</span></div>"
         f"{banner}{_cards(live or ranks, job.diagnosis, settings, cpu)}"
+        f"{_goodput_line(job, world, now)}"
         '<div class="split"><div class="panel">'
-        f"{_modes_table(job.diagnosis)}</div>"
+        f"{_verdict_line(job.diagnosis)}{_modes_table(job.diagnosis)}</div>"
         f'<div class="panel"><h3>Topology</h3>{_topology(ranks)}</div></div>'
         f'<div class="panel"><h3>Ranks</h3>{phase_legend()}{_ranks_table(job, now)}</div></section>'
     )

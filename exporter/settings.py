@@ -35,3 +35,8 @@ class Settings:
     # Linux powercap, where the host's CPU package energy (RAPL) is read at each snapshot
     # (exporter/energy.py); None or "": not read.
     powercap_root: str | None = "/sys/class/powercap"
+    # Where the store's counters are kept across the exporter's restarts (exporter/state_file.py),
+    # written every state_interval_s and at shutdown; None: not kept (the default: a path two
+    # exporters shared would mix their counters).
+    state_file: str | None = None
+    state_interval_s: float = 5.0

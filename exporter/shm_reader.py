@@ -34,11 +34,13 @@ from syncscope.shm_layout import (
     CLOSED_AT,
     COLL_SLOT,
     DROPPED_AT,
+    EVENT_SLOT,
     HEAD,
     HEADER_BYTES,
     HEARTBEAT_AT,
     I32,
     KIND_COLLECTIVE,
+    KIND_EVENT,
     KIND_STEP,
     MAGIC,
     META_OFFSET,
@@ -52,7 +54,7 @@ from syncscope.shm_layout import (
     Q,
     q,
 )
-from syncscope.wire import SCHEMA_VERSION, BadRows, BatchV1, BatchV2
+from syncscope.wire import EVENT_KINDS, SCHEMA_VERSION, BadRows, BatchV1, BatchV2
 
 log = logging.getLogger("syncscope.exporter")
 
@@ -132,17 +134,19 @@ class RingReader:
     def pending(self) -> int:
         return max(0, self.header(WRITE_SEQ_AT) - self.header(READ_SEQ_AT))
 
-    def read(self, limit: int) -> tuple[list[tuple], list[tuple]]:
-        """Up to `limit` new records as wire rows (steps, collectives); advances the cursor."""
+    def read(self, limit: int) -> tuple[list[tuple], list[tuple], list[tuple]]:
+        """Up to `limit` new records as wire rows (steps, collectives, events); advances the
+        cursor."""
         mm, cap, step_slot = self.mm, self.capacity, self.step_slot
         wseq, rseq = self.header(WRITE_SEQ_AT), self.header(READ_SEQ_AT)
         if wseq < rseq or wseq - rseq > cap:  # a cursor no producer could have left
             self.torn += abs(wseq - rseq)
             Q.pack_into(mm, READ_SEQ_AT, wseq)
-            return [], []
+            return [], [], []
         end = min(wseq, rseq + limit)
         steps: list[tuple] = []
         colls: list[tuple] = []
+        events: list[tuple] = []
         for seq in range(rseq, end):
             at = HEADER_BYTES + (seq % cap) * SLOT_BYTES
             stamp, kind = Q.unpack_from(mm, at)[0], Q.unpack_from(mm, at + 8)[0]
@@ -156,14 +160,25 @@ class RingReader:
                 if stamp == seq + 1 == tail:
                     colls.append((_text(op), _text(group), nbytes, duration, step))
                     continue
+            elif kind == KIND_EVENT:
+                _s, _k, code, step, end_ns, duration, tail = EVENT_SLOT.unpack_from(mm, at)
+                if stamp == seq + 1 == tail and 0 <= code < len(EVENT_KINDS):
+                    events.append((EVENT_KINDS[code], step, end_ns, duration))
+                    continue
             self.torn += 1
         Q.pack_into(mm, READ_SEQ_AT, end)  # the slots are copied: the producer may reuse them
         self.read_records += end - rseq
         if end > rseq:
             self.last_progress = time.monotonic()
-        return steps, colls
+        return steps, colls, events
 
-    def batch(self, steps: list[tuple], colls: list[tuple], link: dict[str, Any]) -> dict:
+    def batch(
+        self,
+        steps: list[tuple],
+        colls: list[tuple],
+        link: dict[str, Any],
+        events: list[tuple] | None = None,
+    ) -> dict:
         topology = dict(self.topology) if self.topology else None
         if link:
             topology = {**(topology or {}), **link}
@@ -176,6 +191,7 @@ class RingReader:
             "collectives": colls,
             "pacing": None,
             "topology": topology,
+            "events": events or [],
         }
 
     def heartbeat_unix_s(self) -> float:
@@ -277,10 +293,10 @@ class ShmPoller:
             alive = _alive(ring.pid)
             sent = False
             for _ in range(ring.capacity // MAX_RECORDS_PER_BATCH + 1):
-                steps, colls = ring.read(MAX_RECORDS_PER_BATCH)
-                if not steps and not colls and (sent or closed or not alive):
+                steps, colls, events = ring.read(MAX_RECORDS_PER_BATCH)
+                if not steps and not colls and not events and (sent or closed or not alive):
                     break
-                total += self._ingest(ring, steps, colls)
+                total += self._ingest(ring, steps, colls, events)
                 sent = True
                 if not ring.pending():
                     break
@@ -295,14 +311,18 @@ class ShmPoller:
         self.ingested_records += total
         return total
 
-    def _ingest(self, ring: RingReader, steps: list[tuple], colls: list[tuple]) -> int:
-        raw = ring.batch(steps, colls, _link_counters(ring.topology, self.sys_class_net))
+    def _ingest(
+        self, ring: RingReader, steps: list[tuple], colls: list[tuple], events: list[tuple]
+    ) -> int:
+        link = _link_counters(ring.topology, self.sys_class_net)
+        raw = ring.batch(steps, colls, link, events)
+        count = len(steps) + len(colls) + len(events)
         try:
             batch = Ingest.of(_adapter.validate_python(raw))
         except (ValidationError, BadRows):
-            ring.torn += len(steps) + len(colls)
+            ring.torn += count
             if self.reject is not None:
                 self.reject("invalid_schema", 1)
             return 0
         reply = self.ingest(batch)
-        return len(steps) + len(colls) if reply.get("accepted") else 0
+        return count if reply.get("accepted") else 0

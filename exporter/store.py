@@ -24,9 +24,10 @@ from syncscope.exporter.pooling import JobPool, Sample
 from syncscope.exporter.settings import Settings
 
 from syncscope.arrival import collective_key, key_text
-from syncscope.catalog import STEP_WINDOW
+from syncscope.catalog import BADPUT_CATEGORIES, LOST_PROGRESS, STEP_WINDOW
 from syncscope.thresholds import duration_seconds, load_config
 from syncscope.wire import (
+    EVENT_STARTUP,
     MAX_LABEL_LEN,
     MAX_TOPOLOGY_ENTRIES,
     MAX_TOPOLOGY_TEXT,
@@ -34,6 +35,7 @@ from syncscope.wire import (
     PHASES,
     Batch,
     CollectiveSeconds,
+    EventSeconds,
     PacingState,
     StepSeconds,
 )
@@ -83,11 +85,12 @@ class Ingest:
     batch: Batch
     steps: list[StepSeconds]
     collectives: list[CollectiveSeconds]
+    events: list[EventSeconds] = field(default_factory=list)
 
     @classmethod
     def of(cls, batch: Batch) -> Ingest:
         """Raises wire.BadRows for rows the schema's bounds let through but that make no sense."""
-        return cls(batch, batch.step_rows(), batch.collective_rows())
+        return cls(batch, batch.step_rows(), batch.collective_rows(), batch.event_rows())
 
 
 def clean_label(value: str, limit: int = MAX_LABEL_LEN) -> str:
@@ -159,6 +162,14 @@ class RankView:
     tokens_total: int | None = None
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
+    # The rank's life across its incarnations (exporter/store.py, "goodput"): the earliest
+    # process start seen, productive step time (step less data wait, exposed communication,
+    # pacing and checkpoint time inside steps), badput seconds by category
+    # (catalog.BADPUT_CATEGORIES) and the steps its restarts ran again.
+    process_started_unix_s: float | None = None
+    productive_s: float = 0.0
+    badput_s: Mapping[str, float] = field(default_factory=dict)
+    lost_steps: int = 0
 
     def label_values(self, job: str) -> list[str]:
         """Its values for the catalog's RANK labels (job, node, rank, local_rank)."""
@@ -189,6 +200,53 @@ class RankView:
 
 
 @dataclass(frozen=True)
+class Goodput:
+    """The job's life as the ranks here saw it: goodput over the rank-seconds since its
+    earliest process start, and each badput category's share of them (the recording rules'
+    job-wide figures, over this node's ranks only)."""
+
+    started_unix_s: float
+    ranks: int
+    ratio: float  # (productive - lost progress) / (ranks x (now - started))
+    # category -> share: BADPUT_CATEGORIES, then data_wait, sync_wait, pacing and
+    # nothing_running (the rest, not below 0); with the ratio they add up to 1.
+    badput: Mapping[str, float]
+
+
+# The shares besides BADPUT_CATEGORIES: from the phase counters, and what is left.
+PHASE_BADPUT = (("data_wait", "data"), ("sync_wait", "comm_exposed"), ("pacing", "pacing"))
+NOTHING_RUNNING = "nothing_running"
+
+
+def goodput(ranks: Iterable[RankView], now: float) -> Goodput | None:
+    """Goodput of `ranks` since the earliest of their processes started; None before any
+    rank said when it started."""
+    ranks = list(ranks)
+    starts = [r.process_started_unix_s for r in ranks if r.process_started_unix_s]
+    if not starts:
+        return None
+    started = min(starts)
+    rank_seconds = len(ranks) * (now - started)
+    if rank_seconds <= 0:
+        return None
+    productive = sum(r.productive_s for r in ranks)
+    seconds = {c: sum(r.badput_s.get(c, 0.0) for r in ranks) for c in BADPUT_CATEGORIES}
+    for name, phase in PHASE_BADPUT:
+        at = PHASES.index(phase)
+        seconds[name] = sum(r.phase_seconds_total[at] for r in ranks if r.phase_seconds_total)
+    # Everything a rank-second was spent on but productive steps (lost progress is part of
+    # those) and the categories above: no step, no startup, no checkpoint running.
+    busy = productive + sum(v for c, v in seconds.items() if c != LOST_PROGRESS)
+    seconds[NOTHING_RUNNING] = max(0.0, rank_seconds - busy)
+    return Goodput(
+        started_unix_s=started,
+        ranks=len(ranks),
+        ratio=(productive - seconds[LOST_PROGRESS]) / rank_seconds,
+        badput={c: v / rank_seconds for c, v in seconds.items()},
+    )
+
+
+@dataclass(frozen=True)
 class JobView:
     """One job's ranks on this node and their diagnosis."""
 
@@ -200,6 +258,7 @@ class JobView:
     samples: tuple[Sample, ...] = ()  # the node's minimum at sampled steps (exporter.pooling)
     # Prometheus's job-wide figures, read back (exporter.jobwide); None: a node-local view.
     job_wide: JobWide | None = None
+    goodput: Goodput | None = None  # over this node's ranks (the rules have the job's)
 
 
 @dataclass(frozen=True)
@@ -295,6 +354,26 @@ class RankState:
     pacing_delay_before: float = 0.0
     pacing_engagements_before: int = 0
     topology: dict[str, Any] | None = None  # replaced whole, never changed in place
+    # The rank's life (Store._events, _steps, _new_incarnation): what goodput is made of.
+    process_started_unix_s: float = 0.0  # the earliest of its incarnations; 0: not known
+    productive_s: float = 0.0
+    badput_s: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(BADPUT_CATEGORIES, 0.0)
+    )
+    lost_steps: int = 0
+    # In-step checkpoint seconds by step, until that step's row takes them out of productive.
+    checkpoint_pending: dict[int, float] = field(default_factory=dict)
+    # Step numbers across incarnations: the highest step an earlier incarnation reported, the
+    # mean productive step time (its first step left out) of the latest earlier one with
+    # steps; this incarnation's first and highest step, and its steps after the first with
+    # their productive time.
+    high_step: int = -1
+    previous_step_s: float = 0.0
+    first_step: int = -1
+    max_step: int = -1
+    first_step_s: float = 0.0
+    later_steps: int = 0
+    later_steps_s: float = 0.0
 
     @property
     def dropped_total(self) -> int:
@@ -418,6 +497,11 @@ class Store:
             state.hostname, state.pid = clean_label(a.hostname), a.pid
             state.incarnation = clean_label(a.incarnation)
             state.started_unix_s = a.started_unix_s
+            # Agents before goodput do not say when their process started: their attach, else
+            # the first time this exporter heard of them.
+            started = a.process_started_unix_s or a.started_unix_s or now
+            if not 0 < state.process_started_unix_s <= started:
+                state.process_started_unix_s = started
             state.last_report_unix_s = now
             self._by_report.touch(key, now)
             live = self._live.get(job)
@@ -434,9 +518,12 @@ class Store:
                     for k, v in list(batch.topology.items())[:MAX_TOPOLOGY_ENTRIES]
                 }
             self._collectives(state, pool, ingest.collectives)
+            self._events(state, ingest.events)  # before the steps: a step's checkpoints first
             self._steps(state, pool, ingest.steps)
             self._pool(job, pool, now)
-            self.ingested_records += len(ingest.steps) + len(ingest.collectives)
+            self.ingested_records += (
+                len(ingest.steps) + len(ingest.collectives) + len(ingest.events)
+            )
             transfers = pool.transfers()
         job_wide = self.job_wide(job, as_of=now) if self.job_wide is not None else None
         if job_wide is not None and job_wide.transfer_s is not None and transfers:
@@ -451,6 +538,15 @@ class Store:
             if state.pacing:
                 state.pacing_delay_before += state.pacing.total_delay_s
                 state.pacing_engagements_before += state.pacing.engagements
+        if state.max_step >= 0:  # what the steps of a restart that go back are measured by
+            state.high_step = max(state.high_step, state.max_step)
+            state.previous_step_s = (
+                state.later_steps_s / state.later_steps if state.later_steps else state.first_step_s
+            )
+        state.first_step = state.max_step = -1
+        state.first_step_s = state.later_steps_s = 0.0
+        state.later_steps = 0
+        state.checkpoint_pending = {}  # steps the old incarnation never finished
         state.dropped_current = 0
         state.pacing = None
         state.window = deque(maxlen=self.settings.step_window)
@@ -476,6 +572,19 @@ class Store:
                 state.rank, collective_key(op, group, nbytes), step, duration, totals
             )
 
+    def _events(self, state: RankState, rows: list[EventSeconds]) -> None:
+        """Startup and checkpoint time: badput by category; a checkpoint inside a step also
+        waits for that step's row, to be taken out of its productive time."""
+        badput, pending = state.badput_s, state.checkpoint_pending
+        for kind, step, _end_unix_s, duration in rows:
+            if kind not in badput or kind == LOST_PROGRESS:
+                continue  # a kind this exporter does not know
+            badput[kind] += duration
+            if step >= 0 and kind != EVENT_STARTUP:
+                pending[step] = pending.get(step, 0.0) + duration
+                if len(pending) > MAX_PENDING_CHECKPOINTS:  # rows that never came
+                    del pending[min(pending)]
+
     def _steps(self, state: RankState, pool: JobPool, rows: list[StepSeconds]) -> None:
         if not state.window.maxlen:
             state.window = deque(state.window, maxlen=self.settings.step_window)
@@ -493,6 +602,7 @@ class Store:
                 state.ratio_sum += ratio
             for i, v in enumerate(values):
                 state.phase_seconds[i] += v
+            self._life(state, step, d, values)
             state.window.append(d)
             if samples >= 0 or tokens >= 0:  # work a step did not report is not zero work
                 if samples >= 0:
@@ -501,6 +611,29 @@ class Store:
                     state.tokens_total = (state.tokens_total or 0) + tokens
                 state.work.append((d, samples, tokens))
             pool.add_step(state.rank, step, d, values)
+
+    @staticmethod
+    def _life(state: RankState, step: int, d: float, phases: tuple[float, ...]) -> None:
+        """One step row in the rank's life: productive time, and at an incarnation's first
+        step the steps it runs again (step numbers that continue across restarts go back to
+        the checkpoint it resumed from: lost progress). A lost step costs its productive time:
+        its data wait, exposed communication and pacing are already badput of their own, and
+        counted again they would take goodput below zero on a data-bound job."""
+        checkpoint = state.checkpoint_pending.pop(step, 0.0)
+        waiting = phases[_DATA] + phases[_COMM] + phases[_PACING]
+        own = max(0.0, d - waiting - checkpoint)
+        state.productive_s += own
+        if state.first_step < 0:
+            state.first_step, state.first_step_s = step, own
+            if 0 <= step <= state.high_step:
+                lost = state.high_step - step + 1
+                state.lost_steps += lost
+                state.badput_s[LOST_PROGRESS] += lost * state.previous_step_s
+        else:
+            state.later_steps += 1
+            state.later_steps_s += own
+        if step > state.max_step:
+            state.max_step = step
 
     def _pool(self, job: str, pool: JobPool, now: float) -> None:
         """Pool the steps every live rank of the job has delivered into the ranks' recent steps.
@@ -534,6 +667,34 @@ class Store:
                 self.job_ranks.pop(state.job, None)
                 self.pools.pop(state.job, None)
                 self._live.pop(state.job, None)
+
+    def adopt(self, states: Iterable[RankState], pooled: Mapping[str, tuple[int, float]]) -> int:
+        """Take in ranks' totals from an earlier run of the exporter (exporter/state_file.py),
+        each as silent since now: they expire after expire_after_s unless they report again,
+        and a rank that reports with the same incarnation carries on counting from them.
+        `pooled`: per job, (pooled steps, transfer seconds). Ranks already known, and those
+        beyond the rank and job limits, are left out. Returns the ranks taken in."""
+        now = time.time()
+        taken = 0
+        with self.lock:
+            for state in states:
+                key = (state.job, state.rank)
+                if key in self.ranks or len(self.ranks) >= self.settings.max_ranks:
+                    continue
+                if state.job not in self.pools:
+                    if len(self.pools) >= self.settings.max_jobs:
+                        continue
+                    pool = self.pools[state.job] = JobPool(
+                        baseline_window_s=CONTENTION_BASELINE_S,
+                        recent_window_s=CONTENTION_RECENT_S,
+                    )
+                    steps, seconds = pooled.get(state.job, (0, 0.0))
+                    pool.pooled_steps_total, pool.transfer_seconds_total = steps, seconds
+                self.ranks[key] = state
+                self.job_ranks.setdefault(state.job, {})[state.rank] = state
+                self._by_report.touch(key, now)
+                taken += 1
+        return taken
 
     # -- read side (callers hold no lock; this takes it) ------------------------------------------
     def view(self, recent: int | None = None) -> StoreView:
@@ -591,7 +752,12 @@ class Store:
                     for r in ranks
                 ]
             jobs[name] = JobView(
-                tuple(ranks), diagnosis, name, *pooled.get(name, (0, 0.0, ())), job_wide=job_wide
+                tuple(ranks),
+                diagnosis,
+                name,
+                *pooled.get(name, (0, 0.0, ())),
+                job_wide=job_wide,
+                goodput=goodput(ranks, now),
             )
         cpu_energy = None
         if self.cpu_energy is not None:
@@ -619,6 +785,9 @@ def with_job_transfer(transfers: dict[Any, float], job_transfer_s: float) -> dic
 
 # Steps the node view's arrival lead averages the pooled waits over.
 LEAD_STEPS = 64
+# Steps whose in-step checkpoint time a rank keeps until their row comes.
+MAX_PENDING_CHECKPOINTS = 64
+_DATA, _COMM, _PACING = (PHASES.index(p) for p in ("data", "comm_exposed", "pacing"))
 
 
 def _rank_view(s: RankState, now: float, stale_after: float, keep: int | None) -> RankView:
@@ -677,6 +846,10 @@ def _rank_view(s: RankState, now: float, stale_after: float, keep: int | None) -
         tokens_total=s.tokens_total,
         samples_per_s=_per_second(s.work, 1),
         tokens_per_s=_per_second(s.work, 2),
+        process_started_unix_s=s.process_started_unix_s or None,
+        productive_s=s.productive_s,
+        badput_s=dict(s.badput_s),
+        lost_steps=s.lost_steps,
     )
 
 

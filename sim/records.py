@@ -88,6 +88,8 @@ def _build_run(
     by_rank: dict[int, list[tuple[int, float, list[float], float | None]]] = {}
     sizes: set[int] = set()
     for row in rows:
+        if isinstance(row, dict) and "event" in row:
+            continue  # the record file's event lines (startup, checkpoints) are no steps
         try:
             rank = int(row["rank"])
             step = int(row.get("step", -1))

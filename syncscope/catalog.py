@@ -27,6 +27,7 @@ CONDITIONS = (
     "prometheus",
     "work",
     "rapl",
+    "verdict",
 )
 
 
@@ -308,6 +309,17 @@ VICTIM_WAIT_SECONDS = MetricSpec(
     ("job", "node", "rank", "group", "waits_for"),
     "straggler",
 )
+JOB_VERDICT = MetricSpec(
+    "syncscope_job_verdict",
+    "gauge",
+    "1 while this exporter's diagnosis finds the job losing time, by what: verdict coupling (a "
+    "straggler slowed by its own work, synchronization amplification, runtime jitter) or "
+    "infrastructure (a health check failed: a throttled GPU, a PCIe link below its maximum, a "
+    "NUMA mismatch, a slow link, a contended fabric); hardware healthy (every check passed), "
+    "unknown (some could not be made: no GPU telemetry) or unhealthy. Evidence: /v1/state.",
+    ("job", "verdict", "hardware"),
+    "verdict",
+)
 ARRIVAL_SKEW_SECONDS = MetricSpec(
     "syncscope_arrival_skew_seconds",
     "gauge",
@@ -369,6 +381,41 @@ NODE_LINK_BYTES_TOTAL = MetricSpec(
     ("job", "node", "interface", "direction"),
     "link",
     "bytes",
+)
+# The job's life on each node, over its ranks and their incarnations (exporter/store.py):
+# what goodput and badput are made of. Once per node and job, not per rank (series budget).
+# The badput categories the exporter counts; wire.EVENT_KINDS' names are among them.
+LOST_PROGRESS = "lost_progress"
+BADPUT_CATEGORIES = ("startup", "checkpoint_save", "checkpoint_load", LOST_PROGRESS)
+NODE_BADPUT_SECONDS_TOTAL = MetricSpec(
+    "syncscope_node_badput_seconds_total",
+    "counter",
+    "Rank-seconds the node's ranks lost, by category: startup (process start to the first "
+    "step, less checkpoint loads before it), checkpoint_save and checkpoint_load (torch.save, "
+    "torch.load, torch.distributed.checkpoint and agent.checkpoint() on the training thread), "
+    "lost_progress (steps a restart ran again, times the previous incarnation's mean "
+    "productive step time).",
+    (*NODE, "category"),
+    "always",
+    "seconds",
+)
+NODE_PRODUCTIVE_SECONDS_TOTAL = MetricSpec(
+    "syncscope_node_productive_seconds_total",
+    "counter",
+    "Rank-seconds of the node's ranks in productive step time: each step less its data wait, "
+    "exposed communication, pacing and checkpoint time (lost progress not taken out).",
+    NODE,
+    "always",
+    "seconds",
+)
+JOB_STARTED_TIMESTAMP_SECONDS = MetricSpec(
+    "syncscope_job_started_timestamp_seconds",
+    "gauge",
+    "Unix time the job's earliest process seen on this node started (its first incarnation; "
+    "for agents that do not say, their attach time or the exporter's first report of them).",
+    NODE,
+    "always",
+    "seconds",
 )
 # The host's CPU packages (exporter/energy.py): shared by every rank of the node.
 NODE_CPU_ENERGY_JOULES_TOTAL = MetricSpec(
@@ -512,11 +559,16 @@ SECTIONS = (
     ),
     Section("per node: CPU package energy", (NODE_CPU_ENERGY_JOULES_TOTAL,)),
     Section(
+        "per node: the job's life, goodput and badput across restarts",
+        (NODE_BADPUT_SECONDS_TOTAL, NODE_PRODUCTIVE_SECONDS_TOTAL, JOB_STARTED_TIMESTAMP_SECONDS),
+    ),
+    Section(
         "per exporter: local diagnosis and per-step pooling",
         (
             DIAGNOSIS,
             STRAGGLER_CAUSE,
             VICTIM_WAIT_SECONDS,
+            JOB_VERDICT,
             ARRIVAL_SKEW_SECONDS,
             NODE_POOLED_STEPS_TOTAL,
             NODE_TRANSFER_SECONDS_TOTAL,
@@ -574,6 +626,7 @@ CONTRACT_HEADER = """\
 #              | work (where the rank's samples or tokens are known: set by the user, or
 #                read from the model's inputs)
 #              | rapl (where the exporter can read the host's RAPL package counters)
+#              | verdict (while the exporter's diagnosis finds the job losing time)
 """
 
 

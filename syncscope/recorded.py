@@ -62,3 +62,11 @@ CPU_ENERGY_RATE = "job:syncscope_node_cpu_energy_joules:rate"
 ENERGY_RATE = "job:syncscope_energy_joules:rate"
 ENERGY_PER_SAMPLE = "job:syncscope_energy_joules_per_sample:ratio"
 ENERGY_PER_TOKEN = "job:syncscope_energy_joules_per_token:ratio"
+# Goodput over the job's whole life, across restarts (syncscope.monitoring.rules' goodput area),
+# from counters the exporters keep (and keep across their own restarts with a state file): the
+# rank-seconds since the job's earliest process start (world size x elapsed), badput by
+# category in rank-seconds, goodput and every category's share of those rank-seconds.
+RANK_SECONDS = "job:syncscope_rank_seconds:since_start"
+BADPUT_SECONDS = "job_category:syncscope_badput_seconds:sum"
+GOODPUT = "job:syncscope_goodput:ratio"
+BADPUT_RATIO = "job_category:syncscope_badput:ratio"

@@ -16,7 +16,9 @@ exporter, exporter/shm_reader.py). Layout, little-endian:
     stamp (Q, seq + 1), kind (Q), payload, stamp again (Q, seq + 1)
     a step's payload (version 2): the wire's 11-field step row, the step's work (samples,
     tokens; -1: not known) last; version 1 had the 9 fields before them and padding in their
-    place. The agent writes VERSION; the exporter reads both (STEP_SLOTS).
+    place. The agent writes VERSION; the exporter reads every version (STEP_SLOTS).
+    an event's payload (version 3, KIND_EVENT): the wire's event row, its kind as the index of
+    its name in wire.EVENT_KINDS. Rings of versions 1 and 2 have no events.
 
 Protocol: the producer writes a slot only while write_seq - read_seq < capacity, then publishes
 write_seq; the consumer reads [read_seq, write_seq) and publishes read_seq after copying. A full
@@ -35,7 +37,7 @@ import urllib.parse
 from typing import Any
 
 MAGIC = b"SSRING01"
-VERSION = 2  # 2: step slots carry the step's work (samples, tokens)
+VERSION = 3  # 2: step slots carry the step's work (samples, tokens); 3: event slots
 HEADER_BYTES = 4096
 META_OFFSET = 128
 SLOT_BYTES = 160
@@ -47,6 +49,7 @@ NAME_CACHE = 1024  # (op, group) pairs whose encoded names a ring keeps
 
 KIND_STEP = 1
 KIND_COLLECTIVE = 2
+KIND_EVENT = 3
 OP_BYTES = 32
 GROUP_BYTES = 64
 
@@ -67,10 +70,14 @@ STEP_SLOT = struct.Struct("<QQ11q48xQ")
 STEP_FIELDS = 11
 # Version 1: stamp, kind, 9 x int64 (a step row without its work), 64 pad, stamp
 STEP_SLOT_V1 = struct.Struct("<QQ9q64xQ")
-STEP_SLOTS = {1: STEP_SLOT_V1, VERSION: STEP_SLOT}  # by the ring's version: what a reader reads
+# by the ring's version: what a reader reads
+STEP_SLOTS = {1: STEP_SLOT_V1, 2: STEP_SLOT, VERSION: STEP_SLOT}
 # stamp, kind, op, group, bytes, duration_ns, step, 16 pad, stamp
 COLL_SLOT = struct.Struct(f"<QQ{OP_BYTES}s{GROUP_BYTES}sqqq16xQ")
-assert all(slot.size == SLOT_BYTES for slot in (*STEP_SLOTS.values(), COLL_SLOT))
+# stamp, kind, event kind (index in wire.EVENT_KINDS), step (-1: none), end_ns, duration_ns,
+# 104 pad, stamp
+EVENT_SLOT = struct.Struct("<QQqqqq104xQ")
+assert all(slot.size == SLOT_BYTES for slot in (*STEP_SLOTS.values(), COLL_SLOT, EVENT_SLOT))
 
 
 def ring_dir(url: str) -> str:

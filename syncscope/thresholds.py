@@ -44,7 +44,7 @@ class _Model(BaseModel):
 
 
 class Level(_Model):
-    severity: Literal["warning", "critical"]
+    severity: Literal["info", "warning", "critical"]
     threshold: float | None = None
 
 

@@ -6,6 +6,8 @@ Two versions, told apart by `schema_version`, both accepted by the exporter:
   thread queued, nanoseconds on the agent's monotonic clock plus one clock offset per batch. A
   step row has 11 fields, the last two the step's work (samples, tokens; -1: not known); rows
   of 9 fields, without them, as agents sent before work was counted, are still accepted.
+  Rare events (`events`: startup, checkpoint saves and loads) come as rows of their own; a
+  batch without them, as agents sent before there were events, is still accepted.
   The reporter serialises its queues without building a Python object per record, which is
   most of what a flush costs the training process (bench/bench_agent_overhead.py).
 - **1**: records as objects in seconds, for people and other clients writing batches by hand.
@@ -81,6 +83,7 @@ GROUP_FACT = "group."
 
 MAX_STEPS_PER_BATCH = 4096
 MAX_COLLECTIVES_PER_BATCH = 16384
+MAX_EVENTS_PER_BATCH = 1024
 MAX_LABEL_LEN = 64
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_TOPOLOGY_ENTRIES = 64
@@ -122,6 +125,9 @@ class AgentInfo:
     hostname: Label = ""
     pid: Annotated[int, Ge(0)] = 0
     started_unix_s: Annotated[float, Ge(0.0), Le(1e11)] = 0.0
+    # When the training process started (the kernel's start time of the process, else the
+    # agent's attach time); 0: not said (agents before goodput was measured).
+    process_started_unix_s: Annotated[float, Ge(0.0), Le(1e11)] = 0.0
 
 
 @dataclass
@@ -161,6 +167,31 @@ class CollectiveRecord:
     step: Count = 0
 
 
+# What an event row's kind says (agent/checkpointing.py, agent/phases.py):
+#   startup          process start to the first step's start, less checkpoint time before it
+#   checkpoint_save  a checkpoint save on the training thread (torch.save, dcp.save, or
+#   checkpoint_load  ... a load; `with agent.checkpoint(kind)`), one call counted once
+# An event's step is the step it fell in (its time is part of that step's `other`), or
+# NO_STEP: outside every step (before the first, or a startup). The exporter ignores kinds it
+# does not know, so that a newer agent's events never cost its batch.
+EVENT_STARTUP = "startup"
+EVENT_CHECKPOINT_SAVE = "checkpoint_save"
+EVENT_CHECKPOINT_LOAD = "checkpoint_load"
+EVENT_KINDS = (EVENT_STARTUP, EVENT_CHECKPOINT_SAVE, EVENT_CHECKPOINT_LOAD)
+NO_STEP = -1
+EventStep = Annotated[int, Ge(NO_STEP), Le(1 << 62)]
+
+
+@dataclass
+class EventRecord:
+    """One rare event of a rank (version 1): what kind, in which step, how long."""
+
+    kind: Label
+    duration_s: Seconds
+    end_unix_s: Annotated[float, Ge(0.0), Le(MAX_UNIX_S)]
+    step: EventStep = NO_STEP
+
+
 @dataclass
 class PacingState:
     """The pacing controller's state at the time of the batch (paper §5.3)."""
@@ -197,6 +228,9 @@ class _InOrder:
 StepRow = Annotated[StepRowWithWork | StepRowWithoutWork, _InOrder()]
 # A collective as a row: [op, group, bytes, duration_ns, step].
 CollectiveRow = tuple[Label, Label, Annotated[int, Ge(0), Le(int(MAX_BYTES))], Nanos, Count]
+# An event as a row: [kind, step (NO_STEP: outside every step), end_ns (agent monotonic
+# clock), duration_ns]; a startup's end is the first step's start.
+EventRow = tuple[Label, EventStep, Count, Nanos]
 
 # Rows in seconds, what the exporter's store folds in whichever version arrived:
 # (step, duration_s, end_unix_s, (seconds per phase, in PHASES order), samples, tokens) and
@@ -204,6 +238,8 @@ CollectiveRow = tuple[Label, Label, Annotated[int, Ge(0), Le(int(MAX_BYTES))], N
 StepSeconds = tuple[int, float, float, tuple[float, ...], int, int]
 _NO_WORK = (UNKNOWN_WORK, UNKNOWN_WORK)
 CollectiveSeconds = tuple[str, str, float, float, int]
+# (kind, step, end_unix_s, duration_s)
+EventSeconds = tuple[str, int, float, float]
 
 
 class BadRows(ValueError):
@@ -231,6 +267,7 @@ class BatchV1(_Batch):
     collectives: Annotated[list[CollectiveRecord], MaxLen(MAX_COLLECTIVES_PER_BATCH)] = field(
         default_factory=list
     )
+    events: Annotated[list[EventRecord], MaxLen(MAX_EVENTS_PER_BATCH)] = field(default_factory=list)
 
     def step_rows(self) -> list[StepSeconds]:
         out: list[StepSeconds] = []
@@ -245,6 +282,9 @@ class BatchV1(_Batch):
     def collective_rows(self) -> list[CollectiveSeconds]:
         return [(c.op, c.group, c.bytes, c.duration_s, c.step) for c in self.collectives]
 
+    def event_rows(self) -> list[EventSeconds]:
+        return [(e.kind, e.step, e.end_unix_s, e.duration_s) for e in self.events]
+
 
 @dataclass(kw_only=True)
 class BatchV2(_Batch):
@@ -257,6 +297,7 @@ class BatchV2(_Batch):
     collectives: Annotated[list[CollectiveRow], MaxLen(MAX_COLLECTIVES_PER_BATCH)] = field(
         default_factory=list
     )
+    events: Annotated[list[EventRow], MaxLen(MAX_EVENTS_PER_BATCH)] = field(default_factory=list)
 
     def step_rows(self) -> list[StepSeconds]:
         """Seconds and unix time; raises BadRows for an end time no clock offset explains."""
@@ -274,6 +315,17 @@ class BatchV2(_Batch):
 
     def collective_rows(self) -> list[CollectiveSeconds]:
         return [(op, g, float(b), d / 1e9, step) for op, g, b, d, step in self.collectives]
+
+    def event_rows(self) -> list[EventSeconds]:
+        """Seconds and unix time; raises BadRows for an end time no clock offset explains."""
+        offset = self.clock_offset_ns
+        out: list[EventSeconds] = []
+        for kind, step, end, duration in self.events:
+            end_unix_s = (end + offset) / 1e9
+            if not 0.0 <= end_unix_s <= MAX_UNIX_S:
+                raise BadRows(f"event {kind}: end_ns + clock_offset_ns is not a unix time")
+            out.append((kind, step, end_unix_s, duration / 1e9))
+        return out
 
 
 Batch = BatchV1 | BatchV2

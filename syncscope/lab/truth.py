@@ -46,7 +46,8 @@ class Truth:
 
 
 def read_records(paths: Iterable[str]) -> dict[int, dict[int, dict[str, Any]]]:
-    """{rank: {step: record}} from record files; a later line for the same step wins."""
+    """{rank: {step: record}} from record files' step lines (event lines, which have an "event"
+    key, are left out); a later line for the same step wins."""
     by_rank: dict[int, dict[int, dict[str, Any]]] = {}
     for path in paths:
         with open(path) as f:
@@ -54,6 +55,8 @@ def read_records(paths: Iterable[str]) -> dict[int, dict[int, dict[str, Any]]]:
                 if not line.strip():
                     continue
                 rec = json.loads(line)
+                if "event" in rec:
+                    continue
                 by_rank.setdefault(int(rec["rank"]), {})[int(rec["step"])] = rec
     return by_rank
 

@@ -12,6 +12,12 @@ model is data-parallel with DDP by default; `--parallel` runs it the ways large 
           GPipe over 2 micro-batches; the first half of the layers, then the rest and the head),
           fully_shard across pairs; the slow rank's stage sleeps in each micro-batch's forward
 `--accumulate N` runs N micro-batches per optimizer step (DDP's under no_sync()).
+`--checkpoint-every N --checkpoint-dir DIR` saves model, optimizer and step count with torch.save
+every N steps, one file per rank, and a run that finds one there resumes from it: the agent is
+attached with start_step (the step numbers go on) and the load is timed as checkpoint time. Each
+rank also appends what its saves and loads took, timed here around the calls, to
+DIR/measured-{rank}.jsonl (what the goodput test checks the exporter's checkpoint badput with).
+`--steps` counts from step 0 of the first run, so a resumed run ends at the same step.
 """
 
 from __future__ import annotations
@@ -60,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-agent", action="store_true", help="run without syncscope (baseline)")
     p.add_argument("--pacing", action="store_true")
     p.add_argument("--detail", default=None, choices=["default", "buckets"])
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: never)")
+    p.add_argument(
+        "--checkpoint-dir", default=None, help="where checkpoints go and are resumed from"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--result",
@@ -70,6 +80,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 MICRO_BATCHES = 2  # --parallel pp: GPipe's micro-batches per step
+
+
+class Checkpoints:
+    """One rank's checkpoints in a directory: `DIR/rank{rank}.pt` holds model, optimizer and the
+    steps done; `DIR/latest-{rank}` the steps done as text, written after the checkpoint (as
+    Megatron's latest_checkpointed_iteration.txt is), so the step count is known before the
+    agent is attached and the checkpoint itself is loaded under it."""
+
+    def __init__(self, directory: str, rank: int) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, f"rank{rank}.pt")
+        self.latest = os.path.join(directory, f"latest-{rank}")
+        self.measured = open(  # noqa: SIM115 - line-buffered, open for the run
+            os.path.join(directory, f"measured-{rank}.jsonl"), "a", buffering=1
+        )
+
+    def steps_done(self) -> int:
+        try:
+            with open(self.latest) as f:
+                return int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def _note(self, kind: str, step: int, seconds: float) -> None:
+        import json
+
+        self.measured.write(json.dumps({"kind": kind, "step": step, "seconds": seconds}) + "\n")
+
+    def save(self, model: Any, opt: Any, steps_done: int) -> None:
+        import torch
+
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": steps_done}
+        tmp = self.path + ".tmp"
+        t0 = time.perf_counter()
+        torch.save(state, tmp)
+        self._note("save", steps_done, time.perf_counter() - t0)
+        os.replace(tmp, self.path)
+        with open(self.latest + ".tmp", "w") as f:
+            f.write(str(steps_done))
+        os.replace(self.latest + ".tmp", self.latest)
+
+    def load(self, model: Any, opt: Any, steps_done: int) -> None:
+        import torch
+
+        t0 = time.perf_counter()
+        state = torch.load(self.path, weights_only=True)
+        self._note("load", steps_done, time.perf_counter() - t0)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
 
 
 def pipeline(net: Any, args: argparse.Namespace, world: int, rank: int) -> tuple[Any, Any, bool]:
@@ -215,11 +274,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = parallelize(Net(), args, world)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    checkpoints = Checkpoints(args.checkpoint_dir, rank) if args.checkpoint_dir else None
+    start = checkpoints.steps_done() if checkpoints is not None else 0
     agent = None
     if not args.no_agent:
         from syncscope.agent import attach
 
-        agent = attach(model=model, optimizer=opt, pacing=args.pacing or None, detail=args.detail)
+        agent = attach(
+            model=model,
+            optimizer=opt,
+            pacing=args.pacing or None,
+            detail=args.detail,
+            start_step=start if checkpoints is not None else None,
+        )
+    if checkpoints is not None and start:
+        checkpoints.load(model, opt, start)  # under the agent: checkpoint time, not startup
     x = torch.randn(args.batch, args.hidden)
     y = torch.randn(args.batch, 1)
     probe = torch.ones(256)
@@ -231,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         slow_from[0] = time.monotonic() + args.slow_after
         onset = time.time() + args.slow_after
         print(f"syncscope-workload: rank {rank} slow from unix {onset:.3f}", flush=True)
-    step = 0
+    step = start
     last = time.perf_counter()
     # With --duration, only rank 0's clock decides (by broadcast) so that all ranks stop together.
     while step < args.steps if args.steps else True:
@@ -251,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         if args.extra_allreduce:
             dist.all_reduce(probe)
+        if (
+            checkpoints is not None
+            and args.checkpoint_every
+            and (step + 1) % args.checkpoint_every == 0
+        ):
+            checkpoints.save(model, opt, step + 1)
         now = time.perf_counter()
         times.append(now - last)
         last = now

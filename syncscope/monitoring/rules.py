@@ -28,6 +28,8 @@ from syncscope.monitoring.promql import (
 )
 from syncscope.monitoring.uids import FABRIC_UID, OVERVIEW_UID
 from syncscope.recorded import (  # the recorded series' names, declared there once
+    BADPUT_RATIO,
+    BADPUT_SECONDS,
     BUS_BANDWIDTH,
     COMM_EXPOSED_RATIO,
     CONTENTION,
@@ -36,6 +38,7 @@ from syncscope.recorded import (  # the recorded series' names, declared there o
     ENERGY_PER_SAMPLE,
     ENERGY_PER_TOKEN,
     ENERGY_RATE,
+    GOODPUT,
     GPU_ENERGY_RATE,
     GROUP_WAIT,
     JITTER_QUANTILES,
@@ -48,6 +51,7 @@ from syncscope.recorded import (  # the recorded series' names, declared there o
     PACING_RATIO,
     PHASE_RATE,
     PHASE_RATIO,
+    RANK_SECONDS,
     RANKS_REPORTING,
     SAMPLES_PER_GPU,
     SAMPLES_RATE,
@@ -163,6 +167,7 @@ def recording_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
         *_fabric_rules(cfg, w=w, no_ddp=no_ddp),
         *_link_pacing_locality_rules(cfg),
         *_work_and_energy_rules(cfg),
+        *_goodput_rules(cfg),
     ]
 
 
@@ -566,6 +571,77 @@ sum by (job) (
     ]
 
 
+def _goodput_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Goodput and badput over the job's whole life, across its restarts and checkpoints: the
+    counters' values as they stand (no range, so a job of days costs one sample per series),
+    over the rank-seconds since the job's earliest process start. Goodput is productive step
+    time less the steps restarts ran again; badput by category: startup, checkpoint saves and
+    loads, lost progress (the exporters' counters), data wait, synchronization wait (exposed
+    communication) and pacing (the phase counters), and nothing running: the rest, not below
+    0. Goodput and the shares add up to 1."""
+    badput = M.NODE_BADPUT_SECONDS_TOTAL.name
+    productive = f"sum by (job) ({sel(cfg, M.NODE_PRODUCTIVE_SECONDS_TOTAL.name)})"
+    phases = sel(cfg, M.PHASE_SECONDS_TOTAL.name, 'phase=~"data|comm_exposed|pacing"')
+    # The phases' counters read once, each phase named as its category.
+    by_phase = f"sum by (job, phase) ({phases})"
+    for phase, category in (
+        ("data", "data_wait"),
+        ("comm_exposed", "sync_wait"),
+        ("pacing", "pacing"),
+    ):
+        by_phase = (
+            f"label_replace(\n{_indent(by_phase, 2)},\n"
+            f'  "category", "{category}", "phase", "{phase}"\n)'
+        )
+    lost_only = f'category="{M.LOST_PROGRESS}"'
+    lost = f"sum by (job) ({sel(cfg, badput, lost_only)})"
+    rank_seconds = f"({RANK_SECONDS} > 0)"
+    return [
+        # World size x seconds since the earliest process start any exporter saw for the job.
+        _record(
+            RANK_SECONDS,
+            f"""
+  {WORLD_SIZE}
+* on (job)
+  (time() - min by (job) ({sel(cfg, M.JOB_STARTED_TIMESTAMP_SECONDS.name)}))
+""",
+        ),
+        _record(
+            BADPUT_SECONDS,
+            f"""
+  sum by (job, category) ({sel(cfg, badput)})
+or
+  sum by (job, category) (
+{_indent(by_phase, 4)}
+  )
+""",
+        ),
+        _record(GOODPUT, f"\n  ({productive} - on (job) {lost})\n/ on (job)\n  {rank_seconds}\n"),
+        _record(
+            BADPUT_RATIO,
+            f"""
+  {BADPUT_SECONDS}
+/ on (job) group_left ()
+  {rank_seconds}
+or
+  label_replace(
+    clamp_min(
+        (
+            {RANK_SECONDS}
+          - on (job) {productive}
+          - on (job) sum by (job) ({BADPUT_SECONDS}{{category!="{M.LOST_PROGRESS}"}})
+        )
+      / on (job)
+        {rank_seconds},
+      0
+    ),
+    "category", "nothing_running", "", ""
+  )
+""",
+        ),
+    ]
+
+
 _METRIC_TOKEN = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
@@ -717,6 +793,11 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
         ENERGY_RATE,
         ENERGY_PER_SAMPLE,
         ENERGY_PER_TOKEN,
+        # Goodput over the job's life: counters as they stand, for days-long panels.
+        RANK_SECONDS,
+        BADPUT_SECONDS,
+        GOODPUT,
+        BADPUT_RATIO,
     ),
 }
 ALERTS_GROUP = "syncscope.alerts"

@@ -72,12 +72,23 @@ def test_the_inert_agent_has_the_same_interface(monkeypatch, agents):
     monkeypatch.setenv("SYNCSCOPE_DISABLE", "1")
     inert = attach()
     assert isinstance(inert, InertAgent)
-    assert {"step", "count", "close", "errors", "last_error", "dropped_total", "stats"} == MEMBERS
+    assert {
+        "step",
+        "count",
+        "checkpoint",
+        "close",
+        "errors",
+        "last_error",
+        "dropped_total",
+        "stats",
+    } == MEMBERS
     for name in MEMBERS:
         assert hasattr(live, name) and hasattr(inert, name), name
     assert inert.stats.keys() == live.stats.keys()
     with inert.step():
         inert.count(samples=4, tokens=16)
+    with inert.checkpoint("load"):
+        pass
     inert.close()
     inert.close()
     assert (inert.errors, inert.last_error, inert.dropped_total) == (0, None, 0)

@@ -132,6 +132,7 @@ def test_alerts_have_severity_for_annotations_and_a_runbook_anchor():
         "SyncscopeStepTimeCVHigh",
         "SyncscopeStraggler",
         "SyncscopeSyncAmplification",
+        "SyncscopeStructuralCoupling",
         "SyncscopeFabricContention",
         "SyncscopeSlowLink",
         "SyncscopeLocalityFault",
@@ -203,6 +204,7 @@ def test_recording_rule_names_follow_level_metric_operations():
                 "slot",
                 "node",
                 "le",
+                "category",
             }, rule["record"]
 
 
@@ -300,6 +302,7 @@ MUTATIONS = [
     ),
     ("alerts.SyncscopeRankSilent.levels.0.threshold", 600, "health", "SyncscopeRankSilent"),
     ("alerts.SyncscopePacingEngagedLong.for", "20m", "pacing", "SyncscopePacingEngagedLong"),
+    ("alerts.SyncscopeStructuralCoupling.for", "16m", "sync", "SyncscopeStructuralCoupling"),
     ("windows.straggler", "1m", "sync", "straggler"),
     # The checkpoint gate: a narrower factor lets steady steps across the widest bucket page
     # ("ckpt10"); a tail quantile beyond the checkpoints' 1% lets the checkpoints page.

@@ -88,10 +88,10 @@ def test_ring_wraps_around_many_times(tmp_path: Path) -> None:
         colls.append(coll_row(s))
         tr.pump()
         if s % 3 == 2:  # the reader keeps up, three steps (6 records) at a time
-            st, co = reader.read(1000)
+            st, co, _ev = reader.read(1000)
             got += st
             assert [c[-1] for c in co] == [r[0] for r in st]
-    st, _ = reader.read(1000)
+    st, _, _ev = reader.read(1000)
     got += st
     assert [r[0] for r in got] == list(range(100))
     assert tr.dropped_total == 0 and reader.torn == 0
@@ -110,11 +110,11 @@ def test_absent_reader_drops_and_counts_never_blocks(tmp_path: Path) -> None:
     assert not steps and not colls
     # A reader that comes later gets the oldest 16 (tail drop) and makes room again.
     reader = RingReader(tr.path)
-    st, co = reader.read(100)
+    st, co, _ev = reader.read(100)
     assert len(st) + len(co) == 16 and st[0][0] == 0
     steps.append(step_row(1000))
     tr.pump()
-    st, _ = reader.read(100)
+    st, _, _ev = reader.read(100)
     assert [r[0] for r in st] == [1000]
 
 
@@ -150,7 +150,7 @@ def test_torn_slot_is_rejected_and_counted(tmp_path: Path) -> None:
     # Slot 1 caught half-written: its trailing stamp is not yet the new one.
     Q.pack_into(ring.mm, HEADER_BYTES + 2 * SLOT_BYTES - 8, 0)
     reader = RingReader(ring.path)
-    st, _ = reader.read(10)
+    st, _, _ev = reader.read(10)
     assert [r[0] for r in st] == [0, 2]
     assert reader.torn == 1
     assert reader.batch(st, [], {})["dropped_total"] == 1
@@ -160,7 +160,7 @@ def test_unpublished_records_are_not_read(tmp_path: Path) -> None:
     ring = ShmRing(str(tmp_path / "u.ring"), {"agent": IDENTITY}, capacity=8)
     ring.take_steps(deque([step_row(0)]))
     reader = RingReader(ring.path)
-    assert reader.read(10) == ([], [])
+    assert reader.read(10) == ([], [], [])
     ring.publish()
     assert len(reader.read(10)[0]) == 1
 
@@ -212,19 +212,20 @@ def test_agent_over_shm_has_no_reporter_thread(tmp_path: Path) -> None:
         opt.zero_grad()
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
-    assert agent.stats["sent_records"] == 4  # pumped at step 4, the same step on every rank
+    # pumped at step 4, the same step on every rank: 4 step rows and the startup event
+    assert agent.stats["sent_records"] == 5
     for _ in range(3):
         with agent.step():
             pass
-    assert agent.stats["sent_records"] == 8  # manual steps 5..7: pumped at step 8
+    assert agent.stats["sent_records"] == 9  # manual steps 5..7: pumped at step 8
     store = Store(Settings())
     poller = ShmPoller(str(tmp_path), store.ingest)
     poller.poll_once()
-    assert store.ingested_records == 8
+    assert store.ingested_records == 9
     agent.close()  # sends the rest
     agent.close()
     poller.poll_once()
-    assert store.ingested_records == 8 and agent.stats["dropped_records"] == 0
+    assert store.ingested_records == 9 and agent.stats["dropped_records"] == 0
 
 
 def test_exporter_app_reads_rings(tmp_path: Path) -> None:

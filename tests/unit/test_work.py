@@ -30,6 +30,7 @@ from syncscope.shm_layout import (  # noqa: E402
     META_OFFSET,
     SLOT_BYTES,
     STEP_SLOT_V1,
+    VERSION,
     WRITE_SEQ_AT,
 )
 from tests.conftest import by_rank, parse_samples  # noqa: E402
@@ -231,6 +232,7 @@ def test_the_record_file_has_the_work_where_known(monkeypatch, tmp_path):
     finally:
         agent.close()
     lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    lines = [line for line in lines if "event" not in line]  # the startup's line
     assert [line.get("samples") for line in lines] == [3, 4]
     assert all("tokens" not in line for line in lines)
     assert all(sum(line["phases"].values()) == pytest.approx(line["step_s"]) for line in lines)
@@ -291,7 +293,7 @@ def test_ring_steps_carry_their_work_and_rows_without_it_go_in_as_unknown(tmp_pa
     ring.take_steps(deque([tuple(row(2))]))  # a producer of the 9-field rows
     ring.publish()
     reader = RingReader(ring.path)
-    steps, colls = reader.read(10)
+    steps, colls, _events = reader.read(10)
     assert [s[9:] for s in steps] == [(32, 4096), (-1, 7), UNKNOWN]
     store = Store(Settings())  # what the exporter's poller does with them
     store.ingest(parse_batch(json.dumps(reader.batch(steps, colls, {})).encode()))
@@ -314,10 +316,10 @@ def version_1_ring(path: Path, version: int = 1) -> None:
 
 def test_a_version_1_ring_is_read_with_its_work_unknown_and_an_unknown_version_refused(tmp_path):
     version_1_ring(tmp_path / "old.ring")
-    steps, _ = RingReader(str(tmp_path / "old.ring")).read(10)
+    steps, _, _events = RingReader(str(tmp_path / "old.ring")).read(10)
     assert steps == [tuple(row(0))]  # 9 fields: no work in that layout
     assert parse_batch(json.dumps(batch(0, [list(steps[0])])).encode()).steps[0][4:] == UNKNOWN
-    version_1_ring(tmp_path / "future.ring", version=3)
+    version_1_ring(tmp_path / "future.ring", version=VERSION + 1)
     with pytest.raises(BadRing):
         RingReader(str(tmp_path / "future.ring"))
 

@@ -16,6 +16,7 @@ ALERT_TEXTS: dict[str, Callable[[AlertInput], dict[str, Any]]] = {
     "SyncscopeStepTimeCVHigh": step.step_time_cv_high_text,
     "SyncscopeStraggler": sync.straggler_text,
     "SyncscopeSyncAmplification": sync.sync_amplification_text,
+    "SyncscopeStructuralCoupling": sync.structural_coupling_text,
     "SyncscopeFabricContention": fabric.fabric_contention_text,
     "SyncscopeSlowLink": fabric.slow_link_text,
     "SyncscopeLocalityFault": locality.locality_fault_text,

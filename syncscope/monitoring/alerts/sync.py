@@ -6,7 +6,7 @@ from typing import Any
 
 from syncscope import catalog as M
 from syncscope.monitoring.alerts.base import AlertInput
-from syncscope.monitoring.promql import THIS_JOB, listing, pct
+from syncscope.monitoring.promql import THIS_JOB, listing, pct, sel
 from syncscope.recorded import SKEW, STRAGGLER_RATIO, SYNC_AMPLIFICATION
 
 
@@ -47,5 +47,31 @@ def sync_amplification_text(alert: AlertInput) -> dict[str, Any]:
             "Ranks of job {{ $labels.job }} spend {{ $value | humanizePercentage }} of their "
             "step time waiting at collectives for the last peer to arrive (threshold "
             f"{pct(thr)}). Local jitter is being amplified into job-wide idle time."
+        ),
+    }
+
+
+def structural_coupling_text(alert: AlertInput) -> dict[str, Any]:
+    # Every exporter of the job that gives a verdict says coupling with its hardware known
+    # healthy: one that says infrastructure, or cannot tell (no GPU telemetry), keeps it silent.
+    healthy = sel(alert.cfg, M.JOB_VERDICT.name, 'verdict="coupling"', 'hardware="healthy"')
+    other = sel(alert.cfg, M.JOB_VERDICT.name, 'hardware!="healthy"')
+    score = alert.cfg["diagnosis"]["verdict_score"]
+    modes = listing(
+        f"max by (mode) ({M.DIAGNOSIS.name}{{{THIS_JOB}}}) >= {score:g}",
+        "{{ $s.Labels.mode }}",
+        "mode",
+    )
+    return {
+        "expr": f"count by (job) ({healthy})\nunless on (job) {other}\n",
+        "summary": "Job {{ $labels.job }} loses time to structural coupling, not infrastructure.",
+        "description": (
+            "The exporters of job {{ $labels.job }} ({{ $value }} with a verdict) find it "
+            f"losing time to its coupling (detected: {modes}) while every hardware check they "
+            "can make passes: no GPU slowed by throttling, PCIe links at full width and "
+            "generation, processes on their GPU's NUMA node, no slow link between nodes (XID "
+            "and ECC errors are not read). More or other hardware will not buy this time back. "
+            "The evidence (modes, their share of step time, the checks passed) is in each "
+            "exporter's /v1/state and status page."
         ),
     }

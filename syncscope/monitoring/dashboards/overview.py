@@ -8,6 +8,7 @@ from typing import Any
 from grafana_foundation_sdk.builders import (
     bargauge,
 )
+from grafana_foundation_sdk.models import common as cm
 
 from syncscope import catalog as M
 from syncscope import recorded as R
@@ -35,8 +36,10 @@ from syncscope.monitoring.dashboards.panels import (
     value_map,
 )
 from syncscope.monitoring.dashboards.queries import (
+    badput_shares,
     energy_by_source,
     gauge_per_rank,
+    gpu_hours,
     joules_per,
     ranks_that_stand_out,
     ratio_per_rank,
@@ -77,6 +80,7 @@ def job_overview(cfg: Mapping[str, Any]) -> list[tuple[str, list[tuple[int, int,
         _overview_triage_which_ranks_are_late(cfg),
         _overview_job_health(cfg, straggler=straggler),
         _overview_work_and_energy(cfg),
+        _overview_goodput_and_cost(cfg),
         _overview_step_time_and_phases(
             cfg, busy=busy, exposed=exposed, by_phase=by_phase, every_rank_phase=every_rank_phase
         ),
@@ -228,6 +232,63 @@ def _overview_work_and_energy(cfg: Mapping[str, Any]) -> tuple[str, list[tuple[i
                 ),
             ),
             (6, 8, per_unit.interval(slow)),
+        ],
+    )
+
+
+def _overview_goodput_and_cost(cfg: Mapping[str, Any]) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: Goodput and cost, over the job's whole life (its restarts included)."""
+    slow = cfg["intervals"]["slow_rules"]
+    goodput = (
+        "Productive step time, less the steps restarts ran again, over the rank-seconds since "
+        "the job's first process started (world size x elapsed): each step less its data "
+        "wait, exposed communication, pacing and checkpoint time counts. From counters the "
+        "exporters keep across the job's restarts (and their own, with --state-file)."
+    )
+    bars = ts(
+        "Badput by category",
+        "Where the rank-seconds since the job started went besides goodput, as shares: "
+        "startup (process start to the first step), checkpoint saves and loads, lost progress "
+        "(steps a restart ran again), data wait, synchronization wait (exposed communication), "
+        "pacing, and nothing running (no process or no step: between restarts, after the end). "
+        "With goodput they add up to 100%.",
+        [q(badput_shares(), "{{category}}")],
+        "percentunit",
+        stack=True,
+        max_val=1,
+    )
+    return (
+        "Goodput and cost",
+        [
+            (
+                4,
+                8,
+                stat_panel("Goodput", goodput, [q(rec(R.GOODPUT), "{{job}}")], "percentunit"),
+            ),
+            (
+                4,
+                8,
+                stat_panel(
+                    "GPU-hours lost",
+                    "GPU-hours (one GPU a rank) since the job started that did not go into "
+                    "productive steps that counted (1 - goodput), of those below (the job's "
+                    "world size x elapsed hours).",
+                    [q(gpu_hours(lost=True), "lost"), q(gpu_hours(), "since start")],
+                    "h",
+                ),
+            ),
+            (
+                8,
+                8,
+                ts(
+                    "Goodput since the job started",
+                    goodput,
+                    [q(rec(R.GOODPUT), "goodput")],
+                    "percentunit",
+                    max_val=1,
+                ).interval(slow),
+            ),
+            (8, 8, bars.draw_style(cm.GraphDrawStyle.BARS).interval(slow)),
         ],
     )
 

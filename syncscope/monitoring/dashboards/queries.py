@@ -166,3 +166,18 @@ def joules_per(work: str) -> str:
     around it."""
     energy = f"sum_over_time({rec(R.ENERGY_RATE)}[{INTERVAL}])"
     return f"{energy}\n/ on (job)\n  (sum_over_time({rec(work)}[{INTERVAL}]) > 0)"
+
+
+# ------------------------------------------------------------------------------ goodput
+
+
+def badput_shares() -> str:
+    """Each badput category's share of the rank-seconds since the job started (recorded)."""
+    return rec(R.BADPUT_RATIO)
+
+
+def gpu_hours(lost: bool = False) -> str:
+    """Rank-hours (GPU-hours, one GPU a rank) since the job's first process started; with
+    ``lost``, those not spent on productive steps that counted (1 - goodput)."""
+    hours = f"{rec(R.RANK_SECONDS)} / 3600"
+    return f"{hours}\n* on (job)\n  (1 - {rec(R.GOODPUT)})" if lost else hours

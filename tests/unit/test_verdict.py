@@ -1,0 +1,261 @@
+"""The decision verdict (issue 31 item 5): coupling or infrastructure, on recorded real runs.
+
+The timing data is the recorded 4-rank gloo runs of tests/fixtures/scenarios (no GPU: their
+ranks send no topology); GPU facts are laid over them, from the `gpu` helper of
+test_diagnosis or from the replayed `degraded` NVML fixture (tests/fixtures/gpu). Expected
+strings are written out by hand from the rule in docs/diagnosis.md, never taken from the code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from syncscope.agent.topology import DeviceLocator, TopologySampler
+from syncscope.exporter import diagnosis as diagnosis_module
+from syncscope.exporter.collectors import collect_verdict
+from syncscope.exporter.diagnosis import Diagnosis, JobVerdict, diagnose_job
+from syncscope.exporter.jobwide import JobWide
+from syncscope.exporter.page import render_status
+from syncscope.exporter.store import JobView, RankView, StoreView, as_json
+
+from tests.fixtures.gpu import load_case
+from tests.unit.test_diagnosis import SETTINGS, diagnose, gpu, ranks_of
+
+HEALTHY_CHECKS = (
+    "no GPU slowed by throttling",
+    "PCIe links at full width",
+    "PCIe links at full generation",
+    "processes on their GPU's NUMA node",
+    "one node: no link between nodes",
+)
+
+
+def verdict_of(ranks: list[RankView], **kw: Any) -> JobVerdict | None:
+    out = diagnose_job(ranks, SETTINGS, **kw) if kw else diagnose(ranks)
+    assert out.error is None, out.error
+    return out.verdict
+
+
+def degraded_topology(tmp_path: Path) -> dict[str, Any]:
+    """What the agent's sampler sends from the constructed two-socket box: x8 of x16, GPU on
+    NUMA node 1 with the process on node 0, HW slowdown + HW thermal (0x48) at 1410 MHz."""
+    device, sysfs = load_case("degraded", tmp_path)
+    sample = TopologySampler(
+        DeviceLocator(pci_bus_id="0000:1b:00.0"), open_nvml=lambda _loc: device, sysfs=sysfs
+    )()
+    assert sample is not None
+    return sample
+
+
+# -- none ------------------------------------------------------------------------------------
+def test_a_clean_job_gets_no_verdict_healthy_or_not() -> None:
+    clean = ranks_of("balanced")  # skew 1.1 ms, 23 % idle, 8 % spikes: no mode detected
+    assert verdict_of(clean) is None
+    assert "verdict" not in as_json(diagnose(clean))  # absent from /v1/state, not null
+    assert verdict_of(gpu(clean)) is None
+    # A throttling GPU on a job that loses nothing measured is no verdict either.
+    hot = gpu(clean, r2={"sm_clock_hertz": 1.41e9, "throttle_reasons": 0x40})
+    assert verdict_of(hot) is None
+
+
+# -- coupling ----------------------------------------------------------------------------------
+def test_a_30ms_straggler_without_gpu_telemetry_is_coupling_with_health_unknown() -> None:
+    v = verdict_of(ranks_of("forward_straggler"))  # rank 2 slowed 30 ms, CPU ranks
+    assert v is not None
+    assert (v.verdict, v.hardware) == ("coupling", "unknown")
+    assert set(v.coupling) == {"straggler", "sync_amplification"}
+    # 30 ms late on a ~40 ms step; ranks idle at the sync about half of each step
+    assert 0.5 <= (v.coupling["straggler"] or 0) <= 1.0
+    assert 0.25 <= (v.coupling["sync_amplification"] or 0) <= 0.75
+    assert v.faults == ()
+    assert v.unknown == ("no GPU telemetry",)
+    assert v.passed == ("one node: no link between nodes",)
+    assert "hardware health not known: no GPU telemetry" in v.reason
+    assert "straggler rank 2 (cause forward" in v.reason
+    assert "not infrastructure" not in v.reason and "healthy" not in v.reason
+
+
+def test_a_30ms_straggler_on_healthy_gpus_is_structural_coupling_not_infrastructure() -> None:
+    v = verdict_of(gpu(ranks_of("forward_straggler")))
+    assert v is not None
+    assert (v.verdict, v.hardware) == ("coupling", "healthy")
+    assert v.passed == HEALTHY_CHECKS and v.unknown == () and v.faults == ()
+    assert v.reason.startswith("structural coupling, not infrastructure: straggler rank 2")
+    assert v.reason.endswith("hardware checks passed: " + ", ".join(HEALTHY_CHECKS))
+
+
+def test_jitter_and_a_data_straggler_are_coupling_too() -> None:
+    jitter = verdict_of(gpu(ranks_of("jitter")))
+    assert jitter is not None and jitter.verdict == "coupling"
+    assert set(jitter.coupling) == {"sync_amplification", "runtime_jitter"}  # no straggler
+    assert 0.25 <= (jitter.coupling["runtime_jitter"] or 0) <= 0.5  # 150 ms stalls, 30 % steps
+    data = verdict_of(gpu(ranks_of("data_straggler")))
+    assert data is not None and data.verdict == "coupling" and "cause data" in data.reason
+
+
+def test_a_software_power_cap_at_the_peers_clock_is_not_a_fault() -> None:
+    # Routine at full load; it only counts where it holds the clock below 90 % of its peers'.
+    capped = gpu(ranks_of("forward_straggler"), r2={"throttle_reasons": 0x4})
+    v = verdict_of(capped)
+    assert v is not None and (v.verdict, v.hardware) == ("coupling", "healthy")
+    slowed = gpu(
+        ranks_of("forward_straggler"), r2={"throttle_reasons": 0x4, "sm_clock_hertz": 1.5e9}
+    )
+    v = verdict_of(slowed)
+    assert v is not None and v.verdict == "infrastructure"
+    assert v.faults == (
+        "rank 2's GPU NVIDIA H100 on node vm: software power cap, SM clock 1500 MHz vs peers' "
+        "1980 MHz",
+    )
+
+
+# -- infrastructure ----------------------------------------------------------------------------
+def test_a_throttled_gpu_is_infrastructure_naming_the_rank_gpu_and_reason() -> None:
+    ranks = gpu(
+        ranks_of("forward_straggler"), r2={"sm_clock_hertz": 1.41e9, "throttle_reasons": 0x40}
+    )
+    v = verdict_of(ranks)
+    assert v is not None and (v.verdict, v.hardware) == ("infrastructure", "unhealthy")
+    assert v.faults == (
+        "rank 2's GPU NVIDIA H100 on node vm: hardware thermal slowdown, SM clock 1410 MHz vs "
+        "peers' 1980 MHz",
+    )
+    assert v.reason.startswith("infrastructure: rank 2's GPU NVIDIA H100 on node vm")
+    # its lateness is the GPU's (cause gpu_throttle), not coupling; the waiting it causes stays
+    assert "straggler" not in v.coupling and "sync_amplification" in v.coupling
+    assert "no GPU slowed by throttling" not in v.passed
+
+
+def test_the_degraded_gpu_fixture_is_infrastructure_naming_each_fault(tmp_path: Path) -> None:
+    ranks = ranks_of("forward_straggler")
+    healthy = gpu(ranks)
+    ranks = [replace(healthy[0], topology=degraded_topology(tmp_path)), *healthy[1:]]
+    v = verdict_of(ranks)
+    assert v is not None and (v.verdict, v.hardware) == ("infrastructure", "unhealthy")
+    where = "rank 0's GPU 0000:1b:00.0 on node vm"
+    assert v.faults == (
+        f"{where}: hardware slowdown, hardware thermal slowdown, SM clock 1410 MHz vs peers' "
+        "1980 MHz",
+        f"{where}: PCIe link x8 of x16",
+        f"{where}: process on another NUMA node than its GPU",
+    )
+    # its generation (5 of 5) and the single node pass; the other checks failed
+    assert v.passed == ("PCIe links at full generation", "one node: no link between nodes")
+
+
+def test_a_slow_link_is_infrastructure_naming_the_nodes_link() -> None:
+    # The job-wide view (Prometheus): node n2's link carries a quarter of the median node's.
+    wide = JobWide(link_ratios={"vm": 1.0, "n2": 0.25, "n3": 1.0})
+    v = verdict_of(ranks_of("balanced"), job_wide=wide)
+    assert v is not None and (v.verdict, v.hardware) == ("infrastructure", "unhealthy")
+    assert v.faults == ("node n2's link: carries 25% of what the job's median node's does",)
+    assert v.coupling == {}  # the clean job loses time only to the link
+    # Links at 60 % and up pass (the line is 50 %) and the straggler is coupling again.
+    fine = JobWide(link_ratios={"vm": 1.0, "n2": 0.6, "n3": 1.0})
+    v = verdict_of(gpu(ranks_of("forward_straggler")), job_wide=fine)
+    assert v is not None and (v.verdict, v.hardware) == ("coupling", "healthy")
+    assert "every node's link carries at least 50% of the median" in v.passed
+
+
+def test_a_pcie_generation_below_max_counts_only_when_read_under_load() -> None:
+    slow_gen = {"pcie_link_generation": 3}
+    v = verdict_of(gpu(ranks_of("forward_straggler"), r1=slow_gen))
+    assert v is not None and v.verdict == "infrastructure"
+    assert v.faults == ("rank 1's GPU NVIDIA H100 on node vm: PCIe link gen 3 of gen 5",)
+    # Without NVML's clock-event reasons nothing says the link was read under load.
+    sysfs_only = {"pcie_link_generation": 3, "throttle_reasons": None}
+    v = verdict_of(gpu(ranks_of("forward_straggler"), r1=sysfs_only))
+    assert v is not None and (v.verdict, v.hardware) == ("coupling", "unknown")
+    assert "throttle reasons not read for rank 1" in v.unknown
+    assert "PCIe link generation (under load) not read for rank 1" in v.unknown
+
+
+# -- health is never claimed without its facts ---------------------------------------------
+def test_an_idle_gpus_link_and_a_node_local_view_leave_health_unknown() -> None:
+    # The captured H100 idle: current link not reported (the agent drops idle readings).
+    idle = {"pcie_link_width": None, "pcie_link_generation": None, "throttle_reasons": 0x1}
+    ranks = gpu(ranks_of("forward_straggler"), **{f"r{i}": idle for i in range(4)})
+    out = diagnose(ranks)
+    assert out.verdict is not None and out.verdict.hardware == "unknown"
+    assert "PCIe link width not read for ranks 0–3" in out.verdict.unknown
+    assert out.modes["locality"].reason == (
+        "PCIe link width not read for ranks 0–3; processes on their GPU's NUMA node"
+    )
+    # Half of an 8-rank job here, no job-wide view: the links between nodes are not compared.
+    half = [replace(r, world_size=8) for r in gpu(ranks_of("forward_straggler"))]
+    v = verdict_of(half)
+    assert v is not None and (v.verdict, v.hardware) == ("coupling", "unknown")
+    assert v.unknown == ("links between nodes not compared (needs the job-wide view)",)
+
+
+def test_a_cpu_ranks_link_facts_are_not_gpu_telemetry() -> None:
+    """The demo's ranks send their network link only: no locality claim, health unknown."""
+    link = {
+        "link_interface": "lo",
+        "link_speed_bytes_per_second": None,
+        "link_capacity_bytes_per_second": None,
+        "link_tx_bytes": 123,
+        "link_rx_bytes": 456,
+    }
+    ranks = [replace(r, topology=link) for r in ranks_of("forward_straggler")]
+    out = diagnose(ranks)
+    assert "locality" not in out.modes  # was "PCIe links at full width, processes on ..."
+    assert out.verdict is not None and out.verdict.unknown == ("no GPU telemetry",)
+    html = render_status(view_of(ranks, out), SETTINGS)
+    assert "PCIe links at full width" not in html
+    assert "hardware health not known: no GPU telemetry" in html
+
+
+# -- where it shows --------------------------------------------------------------------------
+def view_of(ranks: list[RankView], out: Diagnosis) -> StoreView:
+    return StoreView(0.0, 0.0, 1, {}, {"j": JobView(tuple(ranks), out, "j")})
+
+
+@pytest.mark.parametrize(
+    ("ranks", "labels"),
+    [
+        (lambda: ranks_of("balanced"), []),
+        (
+            lambda: ranks_of("forward_straggler"),
+            [{"job": "j", "verdict": "coupling", "hardware": "unknown"}],
+        ),
+        (
+            lambda: gpu(ranks_of("forward_straggler")),
+            [{"job": "j", "verdict": "coupling", "hardware": "healthy"}],
+        ),
+        (
+            lambda: gpu(ranks_of("forward_straggler"), r2={"numa_mismatch": 1}),
+            [{"job": "j", "verdict": "infrastructure", "hardware": "unhealthy"}],
+        ),
+    ],
+)
+def test_the_metric_has_the_verdict_and_no_evidence_in_labels(ranks: Any, labels: list) -> None:
+    rs = ranks()
+    (family,) = collect_verdict(view_of(rs, diagnose(rs)))
+    assert family.name == "syncscope_job_verdict"
+    assert [s.labels for s in family.samples] == labels
+    assert all(s.value == 1.0 for s in family.samples)
+
+
+def test_the_status_page_says_the_verdict_near_the_diagnosis() -> None:
+    healthy = gpu(ranks_of("forward_straggler"))
+    html = render_status(view_of(healthy, diagnose(healthy)), SETTINGS)
+    assert 'data-verdict="coupling" data-hardware="healthy"' in html
+    assert "▲ coupling, not infrastructure" in html
+    assert html.index('class="job-verdict"') < html.index('<table class="modes">')
+    clean = ranks_of("balanced")
+    html = render_status(view_of(clean, diagnose(clean)), SETTINGS)
+    assert 'data-verdict="none"' in html and "loses no time" in html
+
+
+def test_a_failing_verdict_keeps_the_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_a: Any, **_k: Any) -> None:
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(diagnosis_module, "job_verdict", broken)
+    out = diagnose_job(ranks_of("forward_straggler"), SETTINGS)
+    assert out.straggler is not None and out.straggler.rank == 2
+    assert out.verdict is None and out.error == "verdict: ZeroDivisionError: boom"
