@@ -10,6 +10,14 @@ import sys
 from syncscope.exporter.settings import Settings
 
 
+def _price(text: str) -> float:
+    """A GPU-hour's price: a finite number, not below 0 (argparse names the flag on error)."""
+    value = float(text)
+    if not 0.0 <= value < float("inf"):
+        raise ValueError(text)
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = Settings()
     p = argparse.ArgumentParser(prog="syncscope-exporter", description="syncscope node sidecar")
@@ -86,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.state_interval_s,
         help="seconds between writes of the state file (default %(default)s)",
     )
+    p.add_argument(
+        "--price-per-gpu-hour",
+        type=_price,
+        default=os.environ.get("SYNCSCOPE_PRICE_PER_GPU_HOUR") or None,
+        help="what one GPU-hour costs on this node, in your currency: cost per million tokens "
+        "and the cost of lost time follow (env SYNCSCOPE_PRICE_PER_GPU_HOUR; default: none)",
+    )
     p.add_argument("--log-level", default=d.log_level)
     return p
 
@@ -111,6 +126,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         powercap_root=args.powercap_root or None,
         state_file=args.state_file or None,
         state_interval_s=args.state_interval,
+        price_per_gpu_hour=args.price_per_gpu_hour,
     )
 
 

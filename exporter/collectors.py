@@ -145,6 +145,15 @@ def collect_goodput(view: StoreView) -> Iterable[Metric]:
     return [badput, productive, started]
 
 
+def collect_price(view: StoreView) -> Iterable[Metric]:
+    """The GPU-hour's price, per job and node this exporter serves, where it was given one."""
+    price = gauge(M.GPU_HOUR_PRICE)
+    if view.price_per_gpu_hour is not None:
+        for labels, _ranks in node_views(view):
+            price.add_metric(labels, view.price_per_gpu_hour)
+    return [price]
+
+
 def collect_collectives(view: StoreView) -> Iterable[Metric]:
     """Per rank its collective time (the straggler rules compare ranks by it); per node and
     (op, group) the sums the fabric rules read (bandwidth, transfer per call)."""
@@ -295,6 +304,7 @@ COLLECTORS: dict[str, Callable[[StoreView], Iterable[Metric]]] = {
     "work": collect_work,
     "goodput": collect_goodput,
     "energy": collect_cpu_energy,
+    "price": collect_price,
 }
 
 

@@ -40,3 +40,6 @@ class Settings:
     # exporters shared would mix their counters).
     state_file: str | None = None
     state_interval_s: float = 5.0
+    # The price of one GPU-hour on this node (one GPU a rank), for the cost rules; None: no
+    # price, no cost series.
+    price_per_gpu_hour: float | None = None

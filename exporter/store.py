@@ -272,6 +272,7 @@ class StoreView:
     jobs: Mapping[str, JobView]  # by name
     # The host's CPU package energy (exporter.energy, read with the snapshot); None: not read.
     cpu_energy: CpuEnergy | None = None
+    price_per_gpu_hour: float | None = None  # the exporter's setting (cost rules)
 
     def ranks(self) -> Iterator[tuple[str, RankView]]:
         """Every rank of every job, with its job's name."""
@@ -765,7 +766,9 @@ class Store:
                 cpu_energy = self.cpu_energy()
             except Exception:  # noqa: BLE001 - energy is never worth a failed snapshot
                 cpu_energy = None
-        return StoreView(started, now, ingested, rejected, jobs, cpu_energy)
+        return StoreView(
+            started, now, ingested, rejected, jobs, cpu_energy, self.settings.price_per_gpu_hour
+        )
 
 
 def with_job_transfer(transfers: dict[Any, float], job_transfer_s: float) -> dict[Any, float]:

@@ -28,6 +28,7 @@ CONDITIONS = (
     "work",
     "rapl",
     "verdict",
+    "price",
 )
 
 
@@ -408,6 +409,14 @@ NODE_PRODUCTIVE_SECONDS_TOTAL = MetricSpec(
     "always",
     "seconds",
 )
+GPU_HOUR_PRICE = MetricSpec(
+    "syncscope_gpu_hour_price",
+    "gauge",
+    "The price of one GPU-hour on this node (the exporter's --price-per-gpu-hour, in the "
+    "operator's currency), per job it serves: what the cost rules multiply GPU-hours by.",
+    NODE,
+    "price",
+)
 JOB_STARTED_TIMESTAMP_SECONDS = MetricSpec(
     "syncscope_job_started_timestamp_seconds",
     "gauge",
@@ -560,7 +569,12 @@ SECTIONS = (
     Section("per node: CPU package energy", (NODE_CPU_ENERGY_JOULES_TOTAL,)),
     Section(
         "per node: the job's life, goodput and badput across restarts",
-        (NODE_BADPUT_SECONDS_TOTAL, NODE_PRODUCTIVE_SECONDS_TOTAL, JOB_STARTED_TIMESTAMP_SECONDS),
+        (
+            NODE_BADPUT_SECONDS_TOTAL,
+            NODE_PRODUCTIVE_SECONDS_TOTAL,
+            JOB_STARTED_TIMESTAMP_SECONDS,
+            GPU_HOUR_PRICE,
+        ),
     ),
     Section(
         "per exporter: local diagnosis and per-step pooling",
@@ -627,6 +641,7 @@ CONTRACT_HEADER = """\
 #                read from the model's inputs)
 #              | rapl (where the exporter can read the host's RAPL package counters)
 #              | verdict (while the exporter's diagnosis finds the job losing time)
+#              | price (where the exporter is given --price-per-gpu-hour)
 """
 
 

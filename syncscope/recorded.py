@@ -70,3 +70,10 @@ RANK_SECONDS = "job:syncscope_rank_seconds:since_start"
 BADPUT_SECONDS = "job_category:syncscope_badput_seconds:sum"
 GOODPUT = "job:syncscope_goodput:ratio"
 BADPUT_RATIO = "job_category:syncscope_badput:ratio"
+# Cost, where exporters are given a GPU-hour's price (--price-per-gpu-hour): what the job's
+# GPUs cost per hour (each node's price x its ranks, one GPU a rank), per million tokens and
+# per million samples at the current rates, and per hour of it not going into goodput.
+COST_PER_HOUR = "job:syncscope_cost_per_hour:sum"
+COST_PER_MILLION_TOKENS = "job:syncscope_cost_per_million_tokens:ratio"
+COST_PER_MILLION_SAMPLES = "job:syncscope_cost_per_million_samples:ratio"
+LOST_COST_PER_HOUR = "job:syncscope_lost_cost_per_hour:product"

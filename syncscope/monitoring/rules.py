@@ -33,6 +33,9 @@ from syncscope.recorded import (  # the recorded series' names, declared there o
     BUS_BANDWIDTH,
     COMM_EXPOSED_RATIO,
     CONTENTION,
+    COST_PER_HOUR,
+    COST_PER_MILLION_SAMPLES,
+    COST_PER_MILLION_TOKENS,
     CPU_ENERGY_RATE,
     DDP_BUS_BANDWIDTH,
     ENERGY_PER_SAMPLE,
@@ -47,6 +50,7 @@ from syncscope.recorded import (  # the recorded series' names, declared there o
     LINK_CAPACITY_RATIO,
     LINK_UTILIZATION,
     LOCALITY_FAULT,
+    LOST_COST_PER_HOUR,
     PACING_ACTIVE,
     PACING_RATIO,
     PHASE_RATE,
@@ -168,6 +172,7 @@ def recording_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
         *_link_pacing_locality_rules(cfg),
         *_work_and_energy_rules(cfg),
         *_goodput_rules(cfg),
+        *_cost_rules(cfg),
     ]
 
 
@@ -642,6 +647,36 @@ or
     ]
 
 
+def _cost_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What the job costs, where its exporters are given a GPU-hour's price: per hour (each
+    node's price times its ranks, one GPU a rank), per million tokens and samples at the
+    current rates, and per hour the share not going into goodput (1 - goodput) costs. No
+    price, no series."""
+    ranks = f"count by (job, node) ({sel(cfg, M.STEPS_TOTAL.name)})"
+    price = sel(cfg, M.GPU_HOUR_PRICE.name)
+    per_second = f"({COST_PER_HOUR} / 3600)"
+    return [
+        _record(
+            COST_PER_HOUR,
+            f"""
+sum by (job) (
+    {price}
+  * on (job, node)
+    {ranks}
+)
+""",
+        ),
+        _record(
+            COST_PER_MILLION_TOKENS, f"\n  {per_second}\n/ on (job)\n  ({TOKENS_RATE} > 0)\n* 1e6\n"
+        ),
+        _record(
+            COST_PER_MILLION_SAMPLES,
+            f"\n  {per_second}\n/ on (job)\n  ({SAMPLES_RATE} > 0)\n* 1e6\n",
+        ),
+        _record(LOST_COST_PER_HOUR, f"\n  {COST_PER_HOUR}\n* on (job)\n  (1 - {GOODPUT})\n"),
+    ]
+
+
 _METRIC_TOKEN = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
@@ -798,6 +833,11 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
         BADPUT_SECONDS,
         GOODPUT,
         BADPUT_RATIO,
+        # Cost: only where exporters are given a price.
+        COST_PER_HOUR,
+        COST_PER_MILLION_TOKENS,
+        COST_PER_MILLION_SAMPLES,
+        LOST_COST_PER_HOUR,
     ),
 }
 ALERTS_GROUP = "syncscope.alerts"

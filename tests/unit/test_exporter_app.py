@@ -290,3 +290,27 @@ def test_the_lead_gauge_is_node_local_and_the_state_job_wide():
     assert node_local == {"0": pytest.approx(0.0), "1": pytest.approx(0.030)}, node_local
     leads = {r["rank"]: r["arrival_lead_s"] for r in state["ranks"]}
     assert leads == {0: pytest.approx(0.050), 1: pytest.approx(0.080)}, leads
+
+
+def test_a_gpu_hour_price_is_exported_per_job_and_node_only_where_given():
+    """--price-per-gpu-hour: one series per job and node the exporter serves, the price as
+    given; none without it; a price that is not a finite number >= 0 is refused by name."""
+    from syncscope.exporter.__main__ import build_parser, settings_from_args
+
+    batch = {**BATCH, "agent": {**BATCH["agent"], "hostname": "h"}}
+    with TestClient(create_app(Settings(price_per_gpu_hour=2.5))) as priced:
+        assert priced.post("/v1/ingest", json=batch).status_code == 200
+        text = priced.get("/metrics").text
+    assert parse_samples(text, "syncscope_gpu_hour_price") == {(("job", "j"), ("node", "h")): 2.5}
+    with TestClient(create_app(Settings())) as plain:
+        assert plain.post("/v1/ingest", json=batch).status_code == 200
+        assert "syncscope_gpu_hour_price{" not in plain.get("/metrics").text
+    parser = build_parser()
+    assert (
+        settings_from_args(parser.parse_args(["--price-per-gpu-hour", "3"])).price_per_gpu_hour
+        == 3.0
+    )
+    assert settings_from_args(parser.parse_args([])).price_per_gpu_hour is None
+    for bad in ("-1", "nan", "inf", "cheap"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--price-per-gpu-hour", bad])

@@ -218,6 +218,7 @@ NEEDS = (
     "link",
     "work",
     "rapl",
+    "price",
 )
 
 
@@ -229,7 +230,8 @@ def needs(expr: str, cfg: Mapping[str, Any]) -> list[str]:
     record; alerts: ALERTS or ALERTS_FOR_STATE, only while an alert is pending or firing;
     collectives: collectives other than DDP's gradient sync; link: the ranks' link facts
     (agent/link.py); work: ranks whose samples or tokens are known; rapl: an exporter that
-    reads its host's CPU package energy. A query reading energy of either source lists both.
+    reads its host's CPU package energy (a query reading energy of either source lists both);
+    price: exporters given a GPU-hour's price.
     """
     conditions = R.series_conditions()
     deps = rule_dependencies(cfg)

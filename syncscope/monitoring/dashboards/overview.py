@@ -289,8 +289,52 @@ def _overview_goodput_and_cost(cfg: Mapping[str, Any]) -> tuple[str, list[tuple[
                 ).interval(slow),
             ),
             (8, 8, bars.draw_style(cm.GraphDrawStyle.BARS).interval(slow)),
+            *_overview_cost(slow),
         ],
     )
+
+
+def _overview_cost(slow: str) -> list[tuple[int, int, Any]]:
+    """Overview row "Goodput and cost", the cost panels: empty unless the exporters are given
+    a GPU-hour's price (--price-per-gpu-hour)."""
+    price = "From the exporters' --price-per-gpu-hour (one GPU a rank); empty without it."
+    return [
+        (
+            6,
+            6,
+            stat_panel(
+                "Cost per million tokens",
+                f"What the job's GPUs cost per hour over the tokens it processes per hour, per "
+                f"million, at the current rates. {price}",
+                [
+                    q(rec(R.COST_PER_MILLION_TOKENS), "tokens"),
+                    q(rec(R.COST_PER_MILLION_SAMPLES), "samples"),
+                ],
+                "none",
+            ),
+        ),
+        (
+            6,
+            6,
+            stat_panel(
+                "Cost of lost time per hour",
+                f"The job's cost per hour times the share of its rank-time since it started "
+                f"that went into no goodput (1 - goodput). {price}",
+                [q(rec(R.LOST_COST_PER_HOUR), "lost"), q(rec(R.COST_PER_HOUR), "all")],
+                "none",
+            ),
+        ),
+        (
+            12,
+            6,
+            ts(
+                "Cost per hour",
+                f"The job's GPUs' cost per hour, and the part of it going into no goodput. {price}",
+                [q(rec(R.COST_PER_HOUR), "cost"), q(rec(R.LOST_COST_PER_HOUR), "lost")],
+                "none",
+            ).interval(slow),
+        ),
+    ]
 
 
 def _overview_step_time_and_phases_1(
