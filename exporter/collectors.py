@@ -129,11 +129,14 @@ def collect_work(view: StoreView) -> Iterable[Metric]:
 
 def collect_goodput(view: StoreView) -> Iterable[Metric]:
     """Per node and job, over its ranks and their incarnations: badput by category, productive
-    step time and the job's earliest process start (what the goodput rules divide by)."""
+    step time, the job's earliest process start (what the goodput rules divide by) and the
+    ranks' restarts."""
     badput = counter(M.NODE_BADPUT_SECONDS_TOTAL)
     productive = counter(M.NODE_PRODUCTIVE_SECONDS_TOTAL)
     started = gauge(M.JOB_STARTED_TIMESTAMP_SECONDS)
+    restarts = counter(M.NODE_RESTARTS_TOTAL)
     for labels, ranks in node_views(view):
+        restarts.add_metric(labels, sum(r.restarts for r in ranks))
         for category in M.BADPUT_CATEGORIES:
             badput.add_metric(
                 [*labels, category], sum(r.badput_s.get(category, 0.0) for r in ranks)
@@ -142,7 +145,7 @@ def collect_goodput(view: StoreView) -> Iterable[Metric]:
         starts = [r.process_started_unix_s for r in ranks if r.process_started_unix_s]
         if starts:
             started.add_metric(labels, min(starts))
-    return [badput, productive, started]
+    return [badput, productive, started, restarts]
 
 
 def collect_price(view: StoreView) -> Iterable[Metric]:

@@ -409,6 +409,14 @@ NODE_PRODUCTIVE_SECONDS_TOTAL = MetricSpec(
     "always",
     "seconds",
 )
+NODE_RESTARTS_TOTAL = MetricSpec(
+    "syncscope_node_restarts_total",
+    "counter",
+    "Restarts of the node's ranks the exporter saw (a rank reporting as a new incarnation of "
+    "itself), summed over its ranks: the scenario's 're-runs increase', per day in the trends.",
+    NODE,
+    "always",
+)
 GPU_HOUR_PRICE = MetricSpec(
     "syncscope_gpu_hour_price",
     "gauge",
@@ -573,6 +581,7 @@ SECTIONS = (
             NODE_BADPUT_SECONDS_TOTAL,
             NODE_PRODUCTIVE_SECONDS_TOTAL,
             JOB_STARTED_TIMESTAMP_SECONDS,
+            NODE_RESTARTS_TOTAL,
             GPU_HOUR_PRICE,
         ),
     ),

@@ -77,3 +77,11 @@ COST_PER_HOUR = "job:syncscope_cost_per_hour:sum"
 COST_PER_MILLION_TOKENS = "job:syncscope_cost_per_million_tokens:ratio"
 COST_PER_MILLION_SAMPLES = "job:syncscope_cost_per_million_samples:ratio"
 LOST_COST_PER_HOUR = "job:syncscope_lost_cost_per_hour:product"
+# Trends over days, against the job's own first days ("runtime variance grows", "re-runs
+# increase"): the job's restarts so far, and per day its restarts, its step-time CV and its
+# throughput per GPU (samples, and steps where samples are not known).
+RESTARTS = "job:syncscope_node_restarts:sum"
+RESTARTS_PER_DAY = "job:syncscope_restarts:increase1d"
+STEP_CV_PER_DAY = "job:syncscope_step_time_cv:avg_over_1d"
+SAMPLES_PER_GPU_PER_DAY = "job:syncscope_rank_samples:avg_rate_avg_over_1d"
+STEPS_RATE_PER_DAY = "job:syncscope_steps:rate_avg_over_1d"

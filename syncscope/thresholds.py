@@ -68,6 +68,7 @@ class Windows(_Model):
     straggler: Duration
     transfer: Duration
     contention_baseline: Duration
+    trend: Duration  # the trends' day: restarts, step-time CV and throughput per GPU per day
 
 
 class Intervals(_Model):

@@ -57,18 +57,23 @@ from syncscope.recorded import (  # the recorded series' names, declared there o
     PHASE_RATIO,
     RANK_SECONDS,
     RANKS_REPORTING,
+    RESTARTS,
+    RESTARTS_PER_DAY,
     SAMPLES_PER_GPU,
+    SAMPLES_PER_GPU_PER_DAY,
     SAMPLES_RATE,
     SKEW,
     SKEW_RATIO,
     STEP_BUCKET_RATE,
     STEP_CV,
+    STEP_CV_PER_DAY,
     STEP_JITTER,
     STEP_MEAN,
     STEP_OUTLIER_QUANTILE,
     STEP_QUANTILE,
     STEP_RATIO_BUCKET_RATE,
     STEPS_RATE,
+    STEPS_RATE_PER_DAY,
     STRAGGLER_LAG,
     STRAGGLER_RATIO,
     SYNC_AMPLIFICATION,
@@ -173,6 +178,7 @@ def recording_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
         *_work_and_energy_rules(cfg),
         *_goodput_rules(cfg),
         *_cost_rules(cfg),
+        *_trend_rules(cfg),
     ]
 
 
@@ -677,6 +683,22 @@ sum by (job) (
     ]
 
 
+def _trend_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per day (windows.trend), for panels over the job's life: its restarts (the per-node counters summed
+    first, so the day's increase reads one series a job), and the day's mean step-time CV and
+    throughput per GPU from series already recorded per job. A day not yet full averages what
+    it has."""
+    restarts = M.NODE_RESTARTS_TOTAL.name
+    day = cfg["windows"]["trend"]
+    return [
+        _record(RESTARTS, f"sum by (job) ({sel(cfg, restarts)})"),
+        _record(RESTARTS_PER_DAY, f"increase({RESTARTS}[{day}])"),
+        _record(STEP_CV_PER_DAY, f"avg_over_time({STEP_CV}[{day}])"),
+        _record(SAMPLES_PER_GPU_PER_DAY, f"avg_over_time({SAMPLES_PER_GPU}[{day}])"),
+        _record(STEPS_RATE_PER_DAY, f"avg_over_time({STEPS_RATE}[{day}])"),
+    ]
+
+
 _METRIC_TOKEN = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
@@ -838,6 +860,12 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
         COST_PER_MILLION_TOKENS,
         COST_PER_MILLION_SAMPLES,
         LOST_COST_PER_HOUR,
+        # Trends over days: per-job series over a day of themselves (1440 samples a job).
+        RESTARTS,
+        RESTARTS_PER_DAY,
+        STEP_CV_PER_DAY,
+        SAMPLES_PER_GPU_PER_DAY,
+        STEPS_RATE_PER_DAY,
     ),
 }
 ALERTS_GROUP = "syncscope.alerts"

@@ -81,6 +81,7 @@ def job_overview(cfg: Mapping[str, Any]) -> list[tuple[str, list[tuple[int, int,
         _overview_job_health(cfg, straggler=straggler),
         _overview_work_and_energy(cfg),
         _overview_goodput_and_cost(cfg),
+        _overview_trends(cfg),
         _overview_step_time_and_phases(
             cfg, busy=busy, exposed=exposed, by_phase=by_phase, every_rank_phase=every_rank_phase
         ),
@@ -290,6 +291,56 @@ def _overview_goodput_and_cost(cfg: Mapping[str, Any]) -> tuple[str, list[tuple[
             ),
             (8, 8, bars.draw_style(cm.GraphDrawStyle.BARS).interval(slow)),
             *_overview_cost(slow),
+        ],
+    )
+
+
+def _overview_trends(cfg: Mapping[str, Any]) -> tuple[str, list[tuple[int, int, Any]]]:
+    """Overview row: the job against its own first days (set the time range to its life)."""
+    day = cfg["windows"]["trend"]
+    life = (
+        f"Each point: the {day} up to it. Set the time range to the job's life to read it "
+        "against its own first days (the scenario: runtime variance grows, re-runs increase)."
+    )
+    return (
+        "Trends over days",
+        [
+            (
+                8,
+                8,
+                ts(
+                    "Step-time CV per day",
+                    f"The mean over the day of the job's step-time CV (its most variable "
+                    f"rank's). {life}",
+                    [q(rec(R.STEP_CV_PER_DAY), "CV")],
+                    "none",
+                ).interval("1h"),
+            ),
+            (
+                8,
+                8,
+                ts(
+                    "Throughput per GPU per day",
+                    f"Samples per second per GPU (the mean over ranks that report them), and "
+                    f"steps per second, each averaged over the day. {life}",
+                    [
+                        q(rec(R.SAMPLES_PER_GPU_PER_DAY), "samples/s per GPU"),
+                        q(rec(R.STEPS_RATE_PER_DAY), "steps/s"),
+                    ],
+                    "none",
+                ).interval("1h"),
+            ),
+            (
+                8,
+                8,
+                ts(
+                    "Restarts per day",
+                    f"Ranks that came back as a new incarnation of themselves in the day, all "
+                    f"nodes. {life}",
+                    [q(rec(R.RESTARTS_PER_DAY), "restarts")],
+                    "none",
+                ).interval("1h"),
+            ),
         ],
     )
 
