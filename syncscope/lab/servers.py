@@ -1,8 +1,8 @@
-"""The real servers syncscope starts on this machine, all on 127.0.0.1: its exporter, Prometheus
-and Alertmanager.
+"""The real servers syncscope starts on this machine, all on 127.0.0.1: its exporter, Prometheus,
+Alertmanager, and VictoriaMetrics with vmalert.
 
-The demo uses them; so do the tests and benches that need a live exporter, Prometheus or
-Alertmanager.
+The demo uses them; so do the tests and benches that need a live exporter, Prometheus,
+Alertmanager or VictoriaMetrics.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class _Server:
     """A server binary on 127.0.0.1 with its config in ``workdir``, stopped by ``stop()``."""
 
     ready_path = "/-/ready"
+    listen_flag = "--web.listen-address"  # VictoriaMetrics' binaries: -httpListenAddr
 
     def __init__(self, binary: str, args: list[str], port: int | None) -> None:
         self.port = port or free_port()
@@ -71,7 +72,7 @@ class _Server:
         self.address = f"127.0.0.1:{self.port}"
         self.name = os.path.basename(binary)
         self.proc = subprocess.Popen(
-            [binary, *args, f"--web.listen-address={self.address}"],
+            [binary, *args, f"{self.listen_flag}={self.address}"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -210,3 +211,136 @@ class Alertmanager(_Server):
         """The alerts Alertmanager holds now (API v2)."""
         result: list[dict[str, Any]] = get_json(self.url + "/api/v2/alerts")
         return result
+
+
+# VictoriaMetrics' query settings that make its answers Prometheus's (docs/victoriametrics.md):
+# Prometheus's fixed 5 min lookback in place of one guessed from the samples' spacing, no
+# response cache (data is imported into the past, which a cached answer would hide), and no
+# 30 s hold-back of the newest points.
+VICTORIAMETRICS_PROMETHEUS_FLAGS = (
+    "-search.maxLookback=5m",
+    "-search.disableCache",
+    "-search.latencyOffset=0s",
+)
+
+
+def _vm_binary(name: str) -> str:
+    binary = shutil.which(name)
+    if binary is None:
+        raise FileNotFoundError(f"{name} is not installed (scripts/setup test installs it)")
+    return binary
+
+
+class VictoriaMetrics(_Server):
+    """A real single-node VictoriaMetrics on 127.0.0.1 with its storage in ``workdir``.
+
+    It serves Prometheus's query API (``self.api``, ``query``) and takes samples through
+    ``import_prometheus`` (exposition text with millisecond timestamps) or remote write
+    (``self.url + "/api/v1/write"``). Retention is 100 years so that data at a fixed past
+    time is kept.
+    """
+
+    ready_path = "/health"
+    listen_flag = "-httpListenAddr"
+
+    def __init__(
+        self, workdir: str, port: int | None = None, extra: list[str] | None = None
+    ) -> None:
+        storage = os.path.join(workdir, "victoria-metrics-data")
+        args = [
+            f"-storageDataPath={storage}",
+            "-retentionPeriod=100y",
+            *VICTORIAMETRICS_PROMETHEUS_FLAGS,
+            *(extra or []),
+        ]
+        super().__init__(_vm_binary("victoria-metrics"), args, port)
+        self.api = PrometheusAPI(self.url, timeout=10.0)
+
+    def query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
+        """An instant query, now or at unix time ``at``."""
+        return self.api.instant(promql, at)
+
+    def import_prometheus(self, text: str) -> None:
+        """Import exposition-format lines (``name{labels} value timestamp_ms``), then make
+        them searchable at once (VictoriaMetrics otherwise shows new rows within a second)."""
+        request = urllib.request.Request(
+            self.url + "/api/v1/import/prometheus", data=text.encode(), method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=30) as r:  # noqa: S310 - our own 127.0.0.1 server
+            r.read()
+        self.force_flush()
+
+    def force_flush(self) -> None:
+        with urllib.request.urlopen(self.url + "/internal/force_flush", timeout=10) as r:  # noqa: S310
+            r.read()
+
+
+def vmalert_replay(
+    rule_file: str,
+    datasource_url: str,
+    time_from: float,
+    time_to: float,
+    rules_delay: str = "1s",
+    timeout: float = 300,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``vmalert -replay``: evaluate ``rule_file`` against ``datasource_url`` at every
+    evaluation from ``time_from`` to ``time_to`` (unix seconds) and write the results back to it.
+
+    Groups run one after the other, and each group's rules one after the other over the whole
+    range, ``rules_delay`` apart so that a rule reads the previous rule's results. Raises
+    RuntimeError (with the end of vmalert's log) when vmalert fails.
+    """
+
+    def rfc3339(t: float) -> str:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+    args = [
+        _vm_binary("vmalert"),
+        f"-rule={rule_file}",
+        f"-datasource.url={datasource_url}",
+        f"-remoteWrite.url={datasource_url}",
+        # Replay's range queries take this as their step: 0 is each group's interval (the
+        # default, 5m, would record one point in five).
+        "-datasource.queryStep=0s",
+        "-remoteWrite.flushInterval=100ms",
+        f"-replay.timeFrom={rfc3339(time_from)}",
+        f"-replay.timeTo={rfc3339(time_to)}",
+        f"-replay.rulesDelay={rules_delay}",
+        "-replay.maxDatapointsPerQuery=10000",  # VictoriaMetrics answers at most 30000
+        "-replay.disableProgressBar",
+        "-httpListenAddr=127.0.0.1:0",
+    ]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        log = (done.stderr or done.stdout)[-3000:]
+        raise RuntimeError(f"vmalert -replay exited with {done.returncode}:\n{log}")
+    return done
+
+
+class VMAlert(_Server):
+    """A real vmalert on 127.0.0.1 evaluating ``rule_file`` against ``datasource_url`` (a
+    VictoriaMetrics), writing recorded series and alert state back to it and sending alerts to
+    ``notifier_url`` (an Alertmanager) when given."""
+
+    ready_path = "/health"
+    listen_flag = "-httpListenAddr"
+
+    def __init__(
+        self,
+        rule_file: str,
+        datasource_url: str,
+        port: int | None = None,
+        notifier_url: str | None = None,
+        evaluation_interval: str = "15s",
+    ) -> None:
+        args = [
+            f"-rule={rule_file}",
+            f"-datasource.url={datasource_url}",
+            f"-remoteWrite.url={datasource_url}",
+            f"-remoteRead.url={datasource_url}",
+            f"-evaluationInterval={evaluation_interval}",
+        ]
+        if notifier_url:
+            args.append(f"-notifier.url={notifier_url}")
+        super().__init__(_vm_binary("vmalert"), args, port)
+        self.api = PrometheusAPI(self.url, timeout=10.0)

@@ -16,6 +16,12 @@ def add_subcommands(sub: Any) -> None:
     )
     _threshold_options(rules)
     rules.add_argument("--out", type=Path, help="write syncscope.rules.yml into this folder")
+    rules.add_argument(
+        "--engine",
+        choices=("prometheus", "vmalert"),
+        default="prometheus",
+        help="the evaluator: Prometheus (default) or vmalert with VictoriaMetrics",
+    )
     rules.set_defaults(func=_rules)
 
     dash = sub.add_parser("dashboards", help="write syncscope's Grafana dashboards (JSON)")
@@ -61,15 +67,15 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _rules(args: argparse.Namespace) -> int:
-    from syncscope.monitoring import rules
+    from syncscope.monitoring import engines
 
     overrides = _overrides(args)
     if overrides is None:
         return 2
     if args.out:
-        print(rules.write_rules(args.out, overrides))
+        print(engines.write_rules(args.out, overrides, args.engine))
     else:
-        sys.stdout.write(rules.render_rules_yaml(load_config(overrides)))
+        sys.stdout.write(engines.render_rules_yaml(load_config(overrides), args.engine))
     return 0
 
 

@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 
 from syncscope import catalog
-from syncscope.monitoring import dashboards, prometheus_config, rules
+from syncscope.monitoring import dashboards, engines, prometheus_config, rules
 from syncscope.thresholds import load_config
 
 RULES_PATH = "deploy/prometheus/rules/syncscope.rules.yml"
+# The same rules as vmalert (VictoriaMetrics) takes them: syncscope/monitoring/engines.py.
+VMALERT_RULES_PATH = "deploy/victoriametrics/rules/syncscope.rules.yml"
 PROMETHEUS_RULE_PATH = "deploy/kubernetes/common/prometheusrule.yaml"
 COMPOSE_PROMETHEUS_PATH = "deploy/prometheus/prometheus.yml"
 CONTRACT_PATH = "deploy/metrics-contract.txt"
@@ -39,6 +41,7 @@ def checked_in_files(root: Path) -> dict[Path, str]:
     cfg = load_config()
     files: dict[str, str] = {
         RULES_PATH: rules.render_rules_yaml(cfg),
+        VMALERT_RULES_PATH: engines.render_rules_yaml(cfg, "vmalert"),
         PROMETHEUS_RULE_PATH: rules.render_prometheus_rule_yaml(cfg),
         COMPOSE_PROMETHEUS_PATH: prometheus_config.compose_config(),
         CONTRACT_PATH: catalog.contract_text(),
