@@ -46,7 +46,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from syncscope.exporter.gpu import has_gpu
 from syncscope.exporter.jobwide import JobWide
@@ -57,6 +57,9 @@ from syncscope.exporter.store import OMIT_IF_NONE, RankView, RecentStep
 from syncscope.catalog import CLOCK_EVENT_REASONS, STEP_WINDOW
 from syncscope.thresholds import load_config
 from syncscope.wire import GROUP_FACT, Phase
+
+if TYPE_CHECKING:
+    from syncscope.exporter.verdict import JobVerdict
 
 CAUSE_PHASES = (Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 COMPUTE_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
@@ -72,19 +75,6 @@ CAUSES = (*(p.label for p in CAUSE_PHASES), "gpu_throttle", "locality", "unknown
 
 # The NVML clock-event ("throttle") reasons that mean the GPU is being slowed down.
 THROTTLE_BITS = {r.bit: r.words for r in CLOCK_EVENT_REASONS if r.slows}
-# The software power cap is set whenever a busy GPU reaches its power limit, routine under full
-# load: for the verdict it is a fault only where it holds that GPU's clock below its peers'.
-POWER_CAP_BIT = 0x4
-
-# The decision verdict: what the time the job loses is due to, and what is known of its hardware.
-VERDICTS = ("coupling", "infrastructure")
-HARDWARE = ("healthy", "unknown", "unhealthy")
-# Modes whose verdict is time lost to the job's coupling; a straggler counts unless its cause is
-# its hardware (then a health check fails and the verdict is infrastructure).
-COUPLING_MODES = ("straggler", "sync_amplification", "runtime_jitter")
-HARDWARE_CAUSES = ("gpu_throttle", "locality")
-# Modes whose verdict is time lost to the infrastructure itself: a slow link, a contended fabric.
-INFRASTRUCTURE_MODES = ("slow_link", "fabric_contention")
 
 
 @dataclass(frozen=True)
@@ -116,23 +106,6 @@ class Victim:
     group: str
     waits_for: int | None
     wait_s: float  # per step, in that group
-
-
-@dataclass(frozen=True)
-class JobVerdict:
-    """Whether the time the job loses goes to its coupling or to its infrastructure, with the
-    evidence (the seed scenario's decision rule: cost up "despite healthy hardware metrics" is a
-    structural coupling problem). Health is claimed only from facts: `passed` lists the checks
-    made, `unknown` those that could not be (no GPU telemetry, an idle GPU's link, one node's
-    view of the links). XID and ECC errors are not among them: the agent does not read them."""
-
-    verdict: str  # one of VERDICTS
-    hardware: str  # one of HARDWARE: every check passed / none failed, some unknown / one failed
-    reason: str  # one line, as the page and the demo say it
-    coupling: Mapping[str, float | None]  # coupling mode detected -> share of step time it costs
-    faults: tuple[str, ...]  # what is not healthy, named: the rank, its GPU and node, the link
-    passed: tuple[str, ...]  # the health checks that passed
-    unknown: tuple[str, ...]  # the health checks that could not be made, and why
 
 
 @dataclass(frozen=True)
@@ -184,19 +157,19 @@ class Thresholds:
 DEFAULT_THRESHOLDS = Thresholds.from_config(load_config())
 
 
-def _median(values: list[float]) -> float | None:
+def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _number(value: Any) -> float | None:
+def number(value: Any) -> float | None:
     """A finite number from a topology field (agents send numbers, or numbers as text)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         return None
     try:
-        number = float(value)
+        parsed = float(value)
     except (ValueError, OverflowError):
         return None
-    return number if math.isfinite(number) else None
+    return parsed if math.isfinite(parsed) else None
 
 
 def _phase_means(
@@ -217,20 +190,20 @@ def locality_fault(topology: Mapping[str, Any] | None) -> str | None:
     if not topology:
         return None
     width, max_width = (
-        _number(topology.get("pcie_link_width")),
-        _number(topology.get("pcie_link_max_width")),
+        number(topology.get("pcie_link_width")),
+        number(topology.get("pcie_link_max_width")),
     )
     if width is not None and max_width is not None and 0 < width < max_width:
         return f"PCIe link x{int(width)} of x{int(max_width)}"
     mismatch = topology.get("numa_mismatch")
-    if mismatch is True or _number(mismatch) == 1:
+    if mismatch is True or number(mismatch) == 1:
         return "process on another NUMA node than its GPU"
     return None
 
 
 def throttle_reasons(topology: Mapping[str, Any] | None) -> list[str]:
     """The slowing-down clock-event reasons a rank's GPU reports, in words."""
-    mask = _number((topology or {}).get("throttle_reasons"))
+    mask = number((topology or {}).get("throttle_reasons"))
     if not mask:
         return []
     return [name for bit, name in THROTTLE_BITS.items() if int(mask) & bit]
@@ -239,9 +212,9 @@ def throttle_reasons(topology: Mapping[str, Any] | None) -> list[str]:
 def _throttled(straggler: RankView, peers: Sequence[RankView], t: Thresholds) -> str | None:
     topo = straggler.topology or {}
     reasons = throttle_reasons(topo)
-    own = _number(topo.get("sm_clock_hertz"))
-    clocks = [_number((p.topology or {}).get("sm_clock_hertz")) for p in peers]
-    peer_clock = _median([c for c in clocks if c])
+    own = number(topo.get("sm_clock_hertz"))
+    clocks = [number((p.topology or {}).get("sm_clock_hertz")) for p in peers]
+    peer_clock = median([c for c in clocks if c])
     if not reasons or not own or not peer_clock or own >= t.clock_ratio * peer_clock:
         return None
     return (
@@ -398,7 +371,10 @@ def diagnose_job(
     except Exception as exc:  # noqa: BLE001 - a diagnosis bug must not take /metrics down
         return Diagnosis({}, None, None, 0, error=f"{type(exc).__name__}: {exc}"[:200])
     try:
-        verdict = job_verdict(diagnosis, ranks, thresholds, job_wide, shares)
+        # Imported here: the verdict reads this module's facts (a cycle at import time).
+        from syncscope.exporter import verdict as decision
+
+        verdict = decision.job_verdict(diagnosis, ranks, thresholds, job_wide, shares)
     except Exception as exc:  # noqa: BLE001 - nor may a verdict bug cost the modes
         return dataclasses.replace(diagnosis, error=f"verdict: {type(exc).__name__}: {exc}"[:200])
     return dataclasses.replace(diagnosis, verdict=verdict)
@@ -416,7 +392,7 @@ def _diagnose(
     shares: dict[str, float] = {}
     if not live:
         return Diagnosis({}, None, None, 0), shares
-    step = _median([r.step_time_median_s for r in live if r.step_time_median_s]) or 0.0
+    step = median([r.step_time_median_s for r in live if r.step_time_median_s]) or 0.0
     aligned = _aligned(live, t.window) if len(live) >= 2 else []
     enough = len(aligned) >= t.min_aligned_steps
     signal = _sync_signal(aligned) if enough else "wait_s"
@@ -541,7 +517,7 @@ def _diagnose(
     return Diagnosis(verdicts, straggler, skew, len(aligned), victims=victims), shares
 
 
-def _rank_list(ranks: Sequence[int]) -> str:
+def rank_list(ranks: Sequence[int]) -> str:
     """'rank 3', 'ranks 0–2, 5'."""
     spans: list[list[int]] = []
     for n in sorted(set(ranks)):
@@ -558,29 +534,29 @@ def _no_locality_fault(gpus: Sequence[RankView]) -> str:
     blind_link = [
         r.rank
         for r in gpus
-        if (_number((r.topology or {}).get("pcie_link_width")) or 0) <= 0
-        or (_number((r.topology or {}).get("pcie_link_max_width")) or 0) <= 0
+        if (number((r.topology or {}).get("pcie_link_width")) or 0) <= 0
+        or (number((r.topology or {}).get("pcie_link_max_width")) or 0) <= 0
     ]
-    blind_numa = [r.rank for r in gpus if _numa_mismatch(r.topology) is None]
+    blind_numa = [r.rank for r in gpus if numa_mismatch(r.topology) is None]
     return "; ".join(
         (
-            f"PCIe link width not read for {_rank_list(blind_link)}"
+            f"PCIe link width not read for {rank_list(blind_link)}"
             if blind_link
             else "PCIe links at full width",
-            f"NUMA placement not known for {_rank_list(blind_numa)}"
+            f"NUMA placement not known for {rank_list(blind_numa)}"
             if blind_numa
             else "processes on their GPU's NUMA node",
         )
     )
 
 
-def _numa_mismatch(topology: Mapping[str, Any] | None) -> bool | None:
+def numa_mismatch(topology: Mapping[str, Any] | None) -> bool | None:
     """True: the process runs off its GPU's NUMA node; False: on it; None: not known."""
     value = (topology or {}).get("numa_mismatch")
     if isinstance(value, bool):
         return value
-    number = _number(value)
-    return None if number is None else number == 1
+    read = number(value)
+    return None if read is None else read == 1
 
 
 def _victims(
@@ -643,7 +619,7 @@ def _job_wide(
         return local  # the whole job reports here: the node's view is the job's
     modes = dict(local.modes)
     straggler, skew = local.straggler, local.skew_s
-    step = _median([r.step_time_median_s for r in live if r.step_time_median_s]) or 0.0
+    step = median([r.step_time_median_s for r in live if r.step_time_median_s]) or 0.0
 
     def verdict(score: float, why: str) -> ModeVerdict:
         return ModeVerdict(round(score, 4), score >= t.verdict_score, why)
@@ -713,219 +689,3 @@ def _job_wide(
         skew_s=skew,
         victims=_victims(live, straggler, t, job_wide.leads),
     )
-
-
-def _gpu_where(r: RankView) -> str:
-    """rank 2's GPU 0000:1b:00.0 on node n1: where to look."""
-    topo = r.topology or {}
-    ident = next(
-        (
-            str(topo[k])
-            for k in ("pci_bus_id", "gpu_uuid", "gpu_name")
-            if isinstance(topo.get(k), str) and topo[k] not in ("", "unknown")
-        ),
-        "",
-    )
-    gpu = f"GPU {ident}" if ident else "GPU"
-    return f"rank {r.rank}'s {gpu} on node {r.hostname or 'unknown'}"
-
-
-def _throttle_fault(r: RankView, peers: Sequence[RankView], t: Thresholds) -> str | None:
-    """What slows a rank's GPU, in words: any slowing clock-event reason but the software power
-    cap, which counts only where its SM clock is below clock_ratio × its peers' median."""
-    topo = r.topology or {}
-    mask = max(0, int(_number(topo.get("throttle_reasons")) or 0))
-    own = _number(topo.get("sm_clock_hertz"))
-    clocks = [_number((p.topology or {}).get("sm_clock_hertz")) for p in peers]
-    peer_clock = _median([c for c in clocks if c])
-    slower = bool(own and peer_clock and own < t.clock_ratio * peer_clock)
-    reasons = [
-        words
-        for bit, words in THROTTLE_BITS.items()
-        if mask & bit and (bit != POWER_CAP_BIT or slower)
-    ]
-    if not reasons:
-        return None
-    clock = (
-        f", SM clock {own / 1e6:.0f} MHz vs peers' {peer_clock / 1e6:.0f} MHz"
-        if own and peer_clock
-        else f", SM clock {own / 1e6:.0f} MHz"
-        if own
-        else ""
-    )
-    return f"{', '.join(reasons)}{clock}"
-
-
-def hardware_checks(
-    live: Sequence[RankView],
-    diagnosis: Diagnosis,
-    job_wide: JobWide | None,
-    t: Thresholds = DEFAULT_THRESHOLDS,
-) -> tuple[list[str], list[str], list[str]]:
-    """(faults, passed, unknown): the health checks the exporter's facts allow, each fault
-    naming its rank, GPU and node or the node's link.
-
-    Per GPU (from the topology its agent samples): throttling (clock-event reasons), PCIe link
-    width and generation against their maxima (a generation only where NVML says the link was
-    read under load: the agent keeps the last loaded reading while the GPU idles), the process's
-    NUMA node against its GPU's. For the job: each node's link against the median node's (the
-    slow_link mode; one node has no such link) and a contended fabric. A rank without GPU facts
-    makes the GPU checks unknown, never passed."""
-    faults: list[str] = []
-    passed: list[str] = []
-    unknown: list[str] = []
-    gpus = [r for r in live if has_gpu(r.topology)]
-    bare = [r.rank for r in live if not has_gpu(r.topology)]
-    if bare:
-        unknown.append(f"no GPU telemetry from {_rank_list(bare)}" if gpus else "no GPU telemetry")
-
-    def check(name: str, ok_words: str, per_rank: Any) -> None:
-        blind: list[int] = []
-        failed = False
-        for r in gpus:
-            result = per_rank(r)
-            if result is None:
-                blind.append(r.rank)
-            elif result:
-                faults.append(f"{_gpu_where(r)}: {result}")
-                failed = True
-        if blind:
-            unknown.append(f"{name} not read for {_rank_list(blind)}")
-        elif gpus and not failed:
-            passed.append(ok_words)
-
-    def throttle(r: RankView) -> str | None:
-        if _number((r.topology or {}).get("throttle_reasons")) is None:
-            return None
-        return _throttle_fault(r, [p for p in gpus if p is not r], t) or ""
-
-    def link(key: str, prefix: str) -> Any:
-        def per_rank(r: RankView) -> str | None:
-            topo = r.topology or {}
-            now, most = _number(topo.get(key)), _number(topo.get(key.replace("link_", "link_max_")))
-            if now is None or most is None or now <= 0 or most <= 0:
-                return None
-            if key == "pcie_link_generation" and _number(topo.get("throttle_reasons")) is None:
-                return None  # without NVML nothing says the link was read under load
-            return f"PCIe link {prefix}{int(now)} of {prefix}{int(most)}" if now < most else ""
-
-        return per_rank
-
-    def numa(r: RankView) -> str | None:
-        mismatch = _numa_mismatch(r.topology)
-        if mismatch is None:
-            return None
-        return "process on another NUMA node than its GPU" if mismatch else ""
-
-    check("throttle reasons", "no GPU slowed by throttling", throttle)
-    check("PCIe link width", "PCIe links at full width", link("pcie_link_width", "x"))
-    check(
-        "PCIe link generation (under load)",
-        "PCIe links at full generation",
-        link("pcie_link_generation", "gen "),
-    )
-    check("NUMA placement", "processes on their GPU's NUMA node", numa)
-
-    slow_link = diagnosis.modes.get("slow_link")
-    hosts = {r.hostname for r in live}
-    elsewhere = max((r.world_size for r in live), default=0) - len(live)
-    if slow_link is not None and job_wide is not None and job_wide.link_ratios:
-        node, ratio = min(job_wide.link_ratios.items(), key=lambda kv: kv[1])
-        if slow_link.verdict:
-            faults.append(
-                f"node {node}'s link: carries {ratio:.0%} of what the job's median node's does"
-            )
-        else:
-            passed.append(
-                f"every node's link carries at least {t.slow_link_ratio:.0%} of the median"
-            )
-    elif len(hosts) == 1 and elsewhere <= 0:
-        passed.append("one node: no link between nodes")
-    else:
-        unknown.append("links between nodes not compared (needs the job-wide view)")
-    contention = diagnosis.modes.get("fabric_contention")
-    if contention is not None and contention.verdict:
-        faults.append(f"the fabric: {contention.reason}")
-    s = diagnosis.straggler
-    if (
-        s is not None
-        and s.cause in HARDWARE_CAUSES
-        and not any(f.startswith(f"rank {s.rank}'s ") for f in faults)
-    ):
-        faults.append(f"rank {s.rank} (the straggler): {s.cause_reason}")
-    return faults, passed, unknown
-
-
-def job_verdict(
-    diagnosis: Diagnosis,
-    ranks: Sequence[RankView],
-    t: Thresholds = DEFAULT_THRESHOLDS,
-    job_wide: JobWide | None = None,
-    shares: Mapping[str, float] | None = None,
-) -> JobVerdict | None:
-    """The decision verdict for a diagnosed job: None while it loses no time (no straggler and
-    no amplification, jitter, slow-link or contention verdict); "infrastructure" when a health
-    check fails (hardware "unhealthy"); else "coupling", hardware "healthy" where every check
-    passed and "unknown" where some could not be made. `shares`: the share of step time the
-    node measured idle at the sync and lost to spikes (job-wide amplification replaces the
-    first where Prometheus gives it)."""
-    live = [r for r in ranks if not r.stale and r.steps_total > 0]
-    modes = diagnosis.modes
-    s = diagnosis.straggler
-    losing = [
-        m for m in (*COUPLING_MODES, *INFRASTRUCTURE_MODES) if m in modes and modes[m].verdict
-    ]
-    if s is not None and "straggler" not in losing:
-        losing.insert(0, "straggler")
-    if not live or not losing:
-        return None
-    step = _median([r.step_time_median_s for r in live if r.step_time_median_s])
-    measured = dict(shares or {})
-    if job_wide is not None and job_wide.amplification is not None:
-        measured["sync_amplification"] = job_wide.amplification
-    coupling: dict[str, float | None] = {}
-    words = []
-    for mode in COUPLING_MODES:
-        if mode not in losing:
-            continue
-        if mode == "straggler":
-            if s is None or s.cause in HARDWARE_CAUSES:
-                continue
-            share = s.lateness_s / step if step else None
-            late = f", {share:.0%} of a step late" if share is not None else ""
-            words.append(f"straggler rank {s.rank} (cause {s.cause}{late})")
-        else:
-            share = measured.get(mode)
-            what = (
-                "of each step idle at the sync"
-                if mode == "sync_amplification"
-                else "of step time lost to spikes"
-            )
-            pct = f" ({share:.0%} {what})" if share is not None else ""
-            words.append(f"{mode.replace('_', ' ')}{pct}")
-        coupling[mode] = round(share, 4) if share is not None else None
-    faults, passed, unknown = hardware_checks(live, diagnosis, job_wide, t)
-    if faults:
-        also = f"; the job also loses time to {', '.join(words)}" if words else ""
-        return JobVerdict(
-            "infrastructure",
-            "unhealthy",
-            f"infrastructure: {'; '.join(faults)}{also}",
-            coupling,
-            tuple(faults),
-            tuple(passed),
-            tuple(unknown),
-        )
-    if not coupling:
-        return None
-    evidence = ", ".join(words)
-    if unknown:
-        reason = f"structural coupling: {evidence}; hardware health not known: {'; '.join(unknown)}"
-        health = "unknown"
-    else:
-        reason = (
-            f"structural coupling, not infrastructure: {evidence}; hardware checks passed: "
-            f"{', '.join(passed)}"
-        )
-        health = "healthy"
-    return JobVerdict("coupling", health, reason, coupling, (), tuple(passed), tuple(unknown))

@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 from syncscope.agent.topology import DeviceLocator, TopologySampler
-from syncscope.exporter import diagnosis as diagnosis_module
+from syncscope.exporter import verdict as verdict_module
 from syncscope.exporter.collectors import collect_verdict
-from syncscope.exporter.diagnosis import Diagnosis, JobVerdict, diagnose_job
+from syncscope.exporter.diagnosis import Diagnosis, diagnose_job
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.page import render_status
 from syncscope.exporter.store import JobView, RankView, StoreView, as_json
+from syncscope.exporter.verdict import JobVerdict
 
 from tests.fixtures.gpu import load_case
 from tests.unit.test_diagnosis import SETTINGS, diagnose, gpu, ranks_of
@@ -255,7 +256,7 @@ def test_a_failing_verdict_keeps_the_modes(monkeypatch: pytest.MonkeyPatch) -> N
     def broken(*_a: Any, **_k: Any) -> None:
         raise ZeroDivisionError("boom")
 
-    monkeypatch.setattr(diagnosis_module, "job_verdict", broken)
+    monkeypatch.setattr(verdict_module, "job_verdict", broken)
     out = diagnose_job(ranks_of("forward_straggler"), SETTINGS)
     assert out.straggler is not None and out.straggler.rank == 2
     assert out.verdict is None and out.error == "verdict: ZeroDivisionError: boom"

@@ -1,0 +1,276 @@
+"""The decision verdict (the seed scenario's decision rule): whether the time a diagnosed job
+loses goes to its coupling or to its infrastructure, with the evidence.
+
+None while the job loses no time (no straggler, no amplification, jitter, slow link or contention
+verdict); "infrastructure", naming the node, GPU or link, when a health check fails; else
+"coupling" — "structural coupling, not infrastructure" where every check passed, and with
+"hardware health not known" where some could not be made (a host with no GPU telemetry).
+exporter.diagnosis.diagnose_job adds it to its Diagnosis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from syncscope.exporter.diagnosis import (
+    DEFAULT_THRESHOLDS,
+    THROTTLE_BITS,
+    Diagnosis,
+    Thresholds,
+    median,
+    numa_mismatch,
+    number,
+    rank_list,
+)
+from syncscope.exporter.gpu import has_gpu
+from syncscope.exporter.jobwide import JobWide
+from syncscope.exporter.store import RankView
+
+# The software power cap is set whenever a busy GPU reaches its power limit, routine under full
+# load: for the verdict it is a fault only where it holds that GPU's clock below its peers'.
+POWER_CAP_BIT = 0x4
+
+# The decision verdict: what the time the job loses is due to, and what is known of its hardware.
+VERDICTS = ("coupling", "infrastructure")
+HARDWARE = ("healthy", "unknown", "unhealthy")
+# Modes whose verdict is time lost to the job's coupling; a straggler counts unless its cause is
+# its hardware (then a health check fails and the verdict is infrastructure).
+COUPLING_MODES = ("straggler", "sync_amplification", "runtime_jitter")
+HARDWARE_CAUSES = ("gpu_throttle", "locality")
+# Modes whose verdict is time lost to the infrastructure itself: a slow link, a contended fabric.
+INFRASTRUCTURE_MODES = ("slow_link", "fabric_contention")
+
+
+@dataclass(frozen=True)
+class JobVerdict:
+    """Whether the time the job loses goes to its coupling or to its infrastructure, with the
+    evidence (the seed scenario's decision rule: cost up "despite healthy hardware metrics" is a
+    structural coupling problem). Health is claimed only from facts: `passed` lists the checks
+    made, `unknown` those that could not be (no GPU telemetry, an idle GPU's link, one node's
+    view of the links). XID and ECC errors are not among them: the agent does not read them."""
+
+    verdict: str  # one of VERDICTS
+    hardware: str  # one of HARDWARE: every check passed / none failed, some unknown / one failed
+    reason: str  # one line, as the page and the demo say it
+    coupling: Mapping[str, float | None]  # coupling mode detected -> share of step time it costs
+    faults: tuple[str, ...]  # what is not healthy, named: the rank, its GPU and node, the link
+    passed: tuple[str, ...]  # the health checks that passed
+    unknown: tuple[str, ...]  # the health checks that could not be made, and why
+
+
+def _gpu_where(r: RankView) -> str:
+    """rank 2's GPU 0000:1b:00.0 on node n1: where to look."""
+    topo = r.topology or {}
+    ident = next(
+        (
+            str(topo[k])
+            for k in ("pci_bus_id", "gpu_uuid", "gpu_name")
+            if isinstance(topo.get(k), str) and topo[k] not in ("", "unknown")
+        ),
+        "",
+    )
+    gpu = f"GPU {ident}" if ident else "GPU"
+    return f"rank {r.rank}'s {gpu} on node {r.hostname or 'unknown'}"
+
+
+def _throttle_fault(r: RankView, peers: Sequence[RankView], t: Thresholds) -> str | None:
+    """What slows a rank's GPU, in words: any slowing clock-event reason but the software power
+    cap, which counts only where its SM clock is below clock_ratio × its peers' median."""
+    topo = r.topology or {}
+    mask = max(0, int(number(topo.get("throttle_reasons")) or 0))
+    own = number(topo.get("sm_clock_hertz"))
+    clocks = [number((p.topology or {}).get("sm_clock_hertz")) for p in peers]
+    peer_clock = median([c for c in clocks if c])
+    slower = bool(own and peer_clock and own < t.clock_ratio * peer_clock)
+    reasons = [
+        words
+        for bit, words in THROTTLE_BITS.items()
+        if mask & bit and (bit != POWER_CAP_BIT or slower)
+    ]
+    if not reasons:
+        return None
+    clock = (
+        f", SM clock {own / 1e6:.0f} MHz vs peers' {peer_clock / 1e6:.0f} MHz"
+        if own and peer_clock
+        else f", SM clock {own / 1e6:.0f} MHz"
+        if own
+        else ""
+    )
+    return f"{', '.join(reasons)}{clock}"
+
+
+def hardware_checks(
+    live: Sequence[RankView],
+    diagnosis: Diagnosis,
+    job_wide: JobWide | None,
+    t: Thresholds = DEFAULT_THRESHOLDS,
+) -> tuple[list[str], list[str], list[str]]:
+    """(faults, passed, unknown): the health checks the exporter's facts allow, each fault
+    naming its rank, GPU and node or the node's link.
+
+    Per GPU (from the topology its agent samples): throttling (clock-event reasons), PCIe link
+    width and generation against their maxima (a generation only where NVML says the link was
+    read under load: the agent keeps the last loaded reading while the GPU idles), the process's
+    NUMA node against its GPU's. For the job: each node's link against the median node's (the
+    slow_link mode; one node has no such link) and a contended fabric. A rank without GPU facts
+    makes the GPU checks unknown, never passed."""
+    faults: list[str] = []
+    passed: list[str] = []
+    unknown: list[str] = []
+    gpus = [r for r in live if has_gpu(r.topology)]
+    bare = [r.rank for r in live if not has_gpu(r.topology)]
+    if bare:
+        unknown.append(f"no GPU telemetry from {rank_list(bare)}" if gpus else "no GPU telemetry")
+
+    def check(name: str, ok_words: str, per_rank: Any) -> None:
+        blind: list[int] = []
+        failed = False
+        for r in gpus:
+            result = per_rank(r)
+            if result is None:
+                blind.append(r.rank)
+            elif result:
+                faults.append(f"{_gpu_where(r)}: {result}")
+                failed = True
+        if blind:
+            unknown.append(f"{name} not read for {rank_list(blind)}")
+        elif gpus and not failed:
+            passed.append(ok_words)
+
+    def throttle(r: RankView) -> str | None:
+        if number((r.topology or {}).get("throttle_reasons")) is None:
+            return None
+        return _throttle_fault(r, [p for p in gpus if p is not r], t) or ""
+
+    def link(key: str, prefix: str) -> Any:
+        def per_rank(r: RankView) -> str | None:
+            topo = r.topology or {}
+            now, most = number(topo.get(key)), number(topo.get(key.replace("link_", "link_max_")))
+            if now is None or most is None or now <= 0 or most <= 0:
+                return None
+            if key == "pcie_link_generation" and number(topo.get("throttle_reasons")) is None:
+                return None  # without NVML nothing says the link was read under load
+            return f"PCIe link {prefix}{int(now)} of {prefix}{int(most)}" if now < most else ""
+
+        return per_rank
+
+    def numa(r: RankView) -> str | None:
+        mismatch = numa_mismatch(r.topology)
+        if mismatch is None:
+            return None
+        return "process on another NUMA node than its GPU" if mismatch else ""
+
+    check("throttle reasons", "no GPU slowed by throttling", throttle)
+    check("PCIe link width", "PCIe links at full width", link("pcie_link_width", "x"))
+    check(
+        "PCIe link generation (under load)",
+        "PCIe links at full generation",
+        link("pcie_link_generation", "gen "),
+    )
+    check("NUMA placement", "processes on their GPU's NUMA node", numa)
+
+    slow_link = diagnosis.modes.get("slow_link")
+    hosts = {r.hostname for r in live}
+    elsewhere = max((r.world_size for r in live), default=0) - len(live)
+    if slow_link is not None and job_wide is not None and job_wide.link_ratios:
+        node, ratio = min(job_wide.link_ratios.items(), key=lambda kv: kv[1])
+        if slow_link.verdict:
+            faults.append(
+                f"node {node}'s link: carries {ratio:.0%} of what the job's median node's does"
+            )
+        else:
+            passed.append(
+                f"every node's link carries at least {t.slow_link_ratio:.0%} of the median"
+            )
+    elif len(hosts) == 1 and elsewhere <= 0:
+        passed.append("one node: no link between nodes")
+    else:
+        unknown.append("links between nodes not compared (needs the job-wide view)")
+    contention = diagnosis.modes.get("fabric_contention")
+    if contention is not None and contention.verdict:
+        faults.append(f"the fabric: {contention.reason}")
+    s = diagnosis.straggler
+    if (
+        s is not None
+        and s.cause in HARDWARE_CAUSES
+        and not any(f.startswith(f"rank {s.rank}'s ") for f in faults)
+    ):
+        faults.append(f"rank {s.rank} (the straggler): {s.cause_reason}")
+    return faults, passed, unknown
+
+
+def job_verdict(
+    diagnosis: Diagnosis,
+    ranks: Sequence[RankView],
+    t: Thresholds = DEFAULT_THRESHOLDS,
+    job_wide: JobWide | None = None,
+    shares: Mapping[str, float] | None = None,
+) -> JobVerdict | None:
+    """The decision verdict for a diagnosed job: None while it loses no time (no straggler and
+    no amplification, jitter, slow-link or contention verdict); "infrastructure" when a health
+    check fails (hardware "unhealthy"); else "coupling", hardware "healthy" where every check
+    passed and "unknown" where some could not be made. `shares`: the share of step time the
+    node measured idle at the sync and lost to spikes (job-wide amplification replaces the
+    first where Prometheus gives it)."""
+    live = [r for r in ranks if not r.stale and r.steps_total > 0]
+    modes = diagnosis.modes
+    s = diagnosis.straggler
+    losing = [
+        m for m in (*COUPLING_MODES, *INFRASTRUCTURE_MODES) if m in modes and modes[m].verdict
+    ]
+    if s is not None and "straggler" not in losing:
+        losing.insert(0, "straggler")
+    if not live or not losing:
+        return None
+    step = median([r.step_time_median_s for r in live if r.step_time_median_s])
+    measured = dict(shares or {})
+    if job_wide is not None and job_wide.amplification is not None:
+        measured["sync_amplification"] = job_wide.amplification
+    coupling: dict[str, float | None] = {}
+    words = []
+    for mode in COUPLING_MODES:
+        if mode not in losing:
+            continue
+        if mode == "straggler":
+            if s is None or s.cause in HARDWARE_CAUSES:
+                continue
+            share = s.lateness_s / step if step else None
+            late = f", {share:.0%} of a step late" if share is not None else ""
+            words.append(f"straggler rank {s.rank} (cause {s.cause}{late})")
+        else:
+            share = measured.get(mode)
+            what = (
+                "of each step idle at the sync"
+                if mode == "sync_amplification"
+                else "of step time lost to spikes"
+            )
+            pct = f" ({share:.0%} {what})" if share is not None else ""
+            words.append(f"{mode.replace('_', ' ')}{pct}")
+        coupling[mode] = round(share, 4) if share is not None else None
+    faults, passed, unknown = hardware_checks(live, diagnosis, job_wide, t)
+    if faults:
+        also = f"; the job also loses time to {', '.join(words)}" if words else ""
+        return JobVerdict(
+            "infrastructure",
+            "unhealthy",
+            f"infrastructure: {'; '.join(faults)}{also}",
+            coupling,
+            tuple(faults),
+            tuple(passed),
+            tuple(unknown),
+        )
+    if not coupling:
+        return None
+    evidence = ", ".join(words)
+    if unknown:
+        reason = f"structural coupling: {evidence}; hardware health not known: {'; '.join(unknown)}"
+        health = "unknown"
+    else:
+        reason = (
+            f"structural coupling, not infrastructure: {evidence}; hardware checks passed: "
+            f"{', '.join(passed)}"
+        )
+        health = "healthy"
+    return JobVerdict("coupling", health, reason, coupling, (), tuple(passed), tuple(unknown))
