@@ -29,6 +29,7 @@ import argparse
 import html
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -814,6 +815,15 @@ def render_html(
     height = (bottom - y0) * (GRID_ROW_PX + GRID_MARGIN_PX)
     right = max(p["gridPos"]["x"] + p["gridPos"]["w"] for p in panels)
     return page("".join(boxes), int(right * GRID_WIDTH_PX / 24), height), shown
+
+
+def can_screenshot() -> bool:
+    """What `screenshot` needs: the playwright package and Debian's chromium."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return False
+    return os.path.exists(CHROMIUM)
 
 
 def screenshot(html_text: str, out: Path) -> None:

@@ -94,6 +94,7 @@ def slow_link(workdir: str, job: str, duration: float = 30.0) -> dict[str, Any]:
                 "slow_link": modes(s, job).get("slow_link"),
                 "fabric_contention": modes(s, job).get("fabric_contention"),
                 "straggler": s["jobs"][job]["diagnosis"]["straggler"],
+                "verdict": s["jobs"][job]["diagnosis"].get("verdict"),
             }
             for s in states
         ],

@@ -129,6 +129,34 @@ def goodput(productive: float, lost: float, started: float, at: float) -> float:
     return (productive - lost) / (WORLD * (at - started))
 
 
+def render_goodput_row(prom_url: str, start: float, end: float, tmp_path: Path) -> None:
+    """The checked-in job overview's "Goodput and cost" row, run as Grafana would against the
+    job's Prometheus: goodput and every badput category the run had are drawn, the cost
+    panels are empty (no price was given). The picture goes to the test's tmp dir, and to
+    $SYNCSCOPE_GOODPUT_SCREENSHOT when set (how docs/goodput-row.png is made)."""
+    from syncscope.lab import render
+    from syncscope.monitoring import dashboards as D
+
+    ctx = render.Context.for_job(prom_url, JOB, start=start, end=end, rate_interval="10s")
+    overview = render.load_dashboard(D.OVERVIEW_UID)
+    panels = render.row_panels(overview, "Goodput and cost")
+    html, shown = render.render_html(overview, panels, ctx)
+    print(f"goodput row: {shown}")
+    assert shown["Goodput"]["series"] == [JOB], shown
+    categories = set(shown["Badput by category"]["series"])
+    had = {"startup", "checkpoint_save", "checkpoint_load", "lost_progress", "data_wait"}
+    assert had <= categories, categories
+    for title in ("Cost per million tokens", "Cost of lost time per hour", "Cost per hour"):
+        assert shown[title]["series"] == [], (title, shown[title])
+    if render.can_screenshot():
+        targets = [tmp_path / "goodput-row.png"]
+        if os.environ.get("SYNCSCOPE_GOODPUT_SCREENSHOT"):
+            targets.append(Path(os.environ["SYNCSCOPE_GOODPUT_SCREENSHOT"]))
+        for target in targets:
+            render.screenshot(html, target)
+            assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_goodput_across_two_kills_and_relaunches_from_checkpoints(job_factory, tmp_path):
     (tmp_path / "records").mkdir()
     port = free_port()
@@ -223,6 +251,7 @@ def test_goodput_across_two_kills_and_relaunches_from_checkpoints(job_factory, t
             assert shares["lost_progress"] == pytest.approx(
                 truth["lost_progress"] / rank_seconds, rel=0.10
             )
+            render_goodput_row(prom.url, t_launch, evaluated, tmp_path)
     finally:
         if prom is not None:
             prom.stop()

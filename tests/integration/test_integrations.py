@@ -227,6 +227,17 @@ def test_runner_attaches_an_unmodified_script(exporter: Any, tmp_path: Path) -> 
     not (_installed("lightning") or _installed("pytorch_lightning")),
     reason="PyTorch Lightning not installed (optional extra: syncscope[lightning])",
 )
+def _assert_work(job: dict[str, Any], samples: int, tokens: int | None) -> None:
+    """Every rank's sample (and token) counter equals the job's own count exactly."""
+    for r in job["ranks"]:
+        assert (r["samples_total"], r["tokens_total"]) == (samples, tokens), (
+            r["rank"],
+            r["steps_total"],
+            r["samples_total"],
+            r["tokens_total"],
+        )
+
+
 def test_lightning_callback_on_a_real_ddp_run(exporter: Any, tmp_path: Path) -> None:
     steps = 40
     env = {
@@ -238,6 +249,8 @@ def test_lightning_callback_on_a_real_ddp_run(exporter: Any, tmp_path: Path) -> 
     _run_ranks(2, tmp_path, LIGHTNING, [], env)
     job = _job(exporter, "lightning", 2, steps - 1)
     _assert_measured(job, steps, optimizer=False)
+    # The job's own count: max_steps batches of 16 (x, y) pairs per rank; no token inputs.
+    _assert_work(job, samples=16 * steps, tokens=None)
 
 
 @pytest.mark.slow
@@ -259,3 +272,5 @@ def test_huggingface_callback_on_a_real_ddp_run(exporter: Any, tmp_path: Path) -
     _run_ranks(2, tmp_path, HUGGINGFACE, [], env)
     job = _job(exporter, "huggingface", 2, steps - 1)
     _assert_measured(job, steps, optimizer=True)
+    # The Trainer's own count: max_steps batches of 8 sequences of 16 token ids per rank.
+    _assert_work(job, samples=8 * steps, tokens=8 * 16 * steps)

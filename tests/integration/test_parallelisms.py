@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from syncscope.lab.truth import pooled_truth, read_records, record_files
+from syncscope.lab.workload import parse_args
 from tests.conftest import chain_end, torch_available, wait_until
 
 pytestmark = [
@@ -90,6 +91,18 @@ def test_the_slowed_rank_is_named_with_its_cause_and_every_lead_matches_the_trut
     for rank, true_wait in truth.mean_wait_s.items():
         assert abs(leads[rank] - true_wait) <= max(0.003, 0.15 * true_wait), (rank, leads, truth)
     assert min(leads, key=leads.__getitem__) == slowed, leads
+    # Work done: every step of every rank is its batch times its micro-batches (a pipeline
+    # stage sees its micro-batches as they pass), counted from the inputs' shapes; float
+    # inputs hold no tokens: no token count rather than zero.
+    job_args = parse_args(WORKLOADS[name])
+    per_step = job_args.batch * job_args.accumulate
+    # A pipeline stage's first step also runs torch.distributed.pipelining's shape inference,
+    # a real forward of one micro-batch (of 2) on the stage module with gradients on: counted,
+    # once per process (docs/observability.md says so).
+    inference = job_args.batch // 2 if name == "pp" else 0
+    for r in final["ranks"]:
+        assert r["samples_total"] == per_step * r["steps_total"] + inference, (name, r)
+        assert r["tokens_total"] is None, (name, r)
     # The wait chain: every other rank waits, and following whom it waits for reaches the root.
     chain = {v["rank"]: (v["group"], v["waits_for"]) for v in final["diagnosis"]["victims"]}
     assert set(chain) == {0, 1, 2, 3} - {slowed}, chain
