@@ -241,9 +241,13 @@ class PhaseClock:
                 tokens = self.seen_tokens
         self.counted_samples = self.counted_tokens = UNKNOWN_WORK
         if self.seen_batches or self.unclear_samples:
-            self.seen_batches = self.seen_samples = self.seen_tokens = 0
-            self.unclear_samples = self.unclear_tokens = False
+            self._forget_seen()
         return samples, tokens
+
+    def _forget_seen(self) -> None:
+        """Forget the batches the forward wrapper has seen since the last step ended."""
+        self.seen_batches = self.seen_samples = self.seen_tokens = 0
+        self.unclear_samples = self.unclear_tokens = False
 
     def uninstrument(self) -> None:
         """Remove every hook `instrument` added. Safe to call twice."""
@@ -521,8 +525,7 @@ class PhaseClock:
             self.idle_since = t
             self.steps_open = True
             # Forwards before the first marked step are no step's work (a user's count is).
-            self.seen_batches = self.seen_samples = self.seen_tokens = 0
-            self.unclear_samples = self.unclear_tokens = False
+            self._forget_seen()
             if self.blocked is not None:  # waits before the first step are no step's
                 self.blocked_seen = self.blocked.ns
         elif self.idle_since == 0:

@@ -684,10 +684,10 @@ sum by (job) (
 
 
 def _trend_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Per day (windows.trend), for panels over the job's life: its restarts (the per-node counters summed
-    first, so the day's increase reads one series a job), and the day's mean step-time CV and
-    throughput per GPU from series already recorded per job. A day not yet full averages what
-    it has."""
+    """Per day (windows.trend), for panels over the job's life: its restarts (the per-node
+    counters summed first, so the day's increase reads one series a job), and the day's mean
+    step-time CV and throughput per GPU from series already recorded per job. A day not yet
+    full averages what it has."""
     restarts = M.NODE_RESTARTS_TOTAL.name
     day = cfg["windows"]["trend"]
     return [

@@ -302,45 +302,32 @@ def _overview_trends(cfg: Mapping[str, Any]) -> tuple[str, list[tuple[int, int, 
         f"Each point: the {day} up to it. Set the time range to the job's life to read it "
         "against its own first days (the scenario: runtime variance grows, re-runs increase)."
     )
+    panels = (
+        (
+            "Step-time CV per day",
+            "The mean over the day of the job's step-time CV (its most variable rank's).",
+            [q(rec(R.STEP_CV_PER_DAY), "CV")],
+        ),
+        (
+            "Throughput per GPU per day",
+            "Samples per second per GPU (the mean over ranks that report them), and steps per "
+            "second, each averaged over the day.",
+            [
+                q(rec(R.SAMPLES_PER_GPU_PER_DAY), "samples/s per GPU"),
+                q(rec(R.STEPS_RATE_PER_DAY), "steps/s"),
+            ],
+        ),
+        (
+            "Restarts per day",
+            "Ranks that came back as a new incarnation of themselves in the day, all nodes.",
+            [q(rec(R.RESTARTS_PER_DAY), "restarts")],
+        ),
+    )
     return (
         "Trends over days",
         [
-            (
-                8,
-                8,
-                ts(
-                    "Step-time CV per day",
-                    f"The mean over the day of the job's step-time CV (its most variable "
-                    f"rank's). {life}",
-                    [q(rec(R.STEP_CV_PER_DAY), "CV")],
-                    "none",
-                ).interval("1h"),
-            ),
-            (
-                8,
-                8,
-                ts(
-                    "Throughput per GPU per day",
-                    f"Samples per second per GPU (the mean over ranks that report them), and "
-                    f"steps per second, each averaged over the day. {life}",
-                    [
-                        q(rec(R.SAMPLES_PER_GPU_PER_DAY), "samples/s per GPU"),
-                        q(rec(R.STEPS_RATE_PER_DAY), "steps/s"),
-                    ],
-                    "none",
-                ).interval("1h"),
-            ),
-            (
-                8,
-                8,
-                ts(
-                    "Restarts per day",
-                    f"Ranks that came back as a new incarnation of themselves in the day, all "
-                    f"nodes. {life}",
-                    [q(rec(R.RESTARTS_PER_DAY), "restarts")],
-                    "none",
-                ).interval("1h"),
-            ),
+            (8, 8, ts(title, f"{text} {life}", targets, "none").interval("1h"))
+            for title, text, targets in panels
         ],
     )
 
