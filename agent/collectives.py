@@ -4,12 +4,15 @@ them all: the dispatcher's `c10d::` ops.
 Whatever issues a collective — torch.distributed's functions (whatever torch names them next;
 2.13 added `all_gather_single`), DTensor's functional collectives, FSDP2, pipelining's send and
 recv, DDP's reducer, a user's comm hook — ends in a ProcessGroup method whose C++ front calls
-the dispatcher op `c10d::<op>` (torch/csrc/distributed/c10d/ProcessGroup.hpp). A Python kernel
-registered with `torch.library` for those ops at the BackendSelect key sees every call,
-redispatches it to the backend's kernel, and times those on CPU tensors from their issue to the
-end of the first wait for it: `Work.wait`, or `wait_tensor` for a functional collective (a
-completion callback on the Work's future would cost more than the kernel itself). Why not
-elsewhere, and what it costs: docs/parallelism.md.
+the dispatcher op `c10d::<op>` (torch/csrc/distributed/c10d/ProcessGroup.hpp). A kernel
+registered for those ops at the BackendSelect key sees every call, redispatches it to the
+backend's kernel, and times those on CPU tensors. The kernel is C++ where its library is built
+(native.py, csrc/c10d_timing.cpp, ~4 µs a call): it times each op from its issue to its
+completion (the Work's future, else the end of its first wait) and keeps the records until
+`poll()` moves them into the queue; the transports poll before they drain. Elsewhere a Python
+kernel (`torch.library`, ~35 µs a call) times from the issue to the end of the first wait for
+it, `Work.wait` or `wait_tensor` for a functional collective (a completion callback on the
+future costs ~45 µs more in Python). Why not elsewhere, and what it costs: docs/parallelism.md.
 
 Time blocked: `Work.wait` (what every synchronous collective, FSDP2 and pipelining call) and
 `_c10d_functional::wait_tensor` (DTensor's AsyncCollectiveTensor) add the time the training
@@ -25,6 +28,7 @@ collectives never pay for them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 import time
@@ -34,8 +38,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from syncscope.wire import GROUP_FACT, MAX_LABEL_LEN, MAX_TOPOLOGY_TEXT
 
 if TYPE_CHECKING:
+    from syncscope.agent.native import Native
     from syncscope.agent.queues import RecordQueues
 
+log = logging.getLogger("syncscope.agent")
 _now = time.perf_counter_ns
 MAX_GROUP_LABELS = 32  # distinct group labels per process; the rest are "other"
 MAX_GROUP_FACTS = 16  # groups whose members a rank reports (topology holds 64 entries)
@@ -71,6 +77,7 @@ C10D_OPS: dict[str, tuple[str, int, int | None]] = {
     "recv_any_source_": ("recv", 1, 0),
 }
 NOT_COLLECTIVES = frozenset({"check_for_nan"})  # c10d ops that move no data between ranks
+_OP_LABELS = [label for label, _group_at, _size_at in C10D_OPS.values()]  # by the C++ op index
 
 
 def nbytes(value: Any) -> int:
@@ -110,6 +117,7 @@ class GroupLabels:
 
     def __init__(self) -> None:
         self._by_id: dict[int, str] = {}
+        self._named: dict[str, str] = {}  # torch's group name -> label (the C++ kernel's)
         self.members: dict[str, tuple[int, ...]] = {}  # label -> the group's global ranks
         # Distinct process groups seen, by their ranks (a label where they are unknown): two
         # handles on the same ranks (DDP on the default group, a broadcast on it) are one.
@@ -144,6 +152,20 @@ class GroupLabels:
             self.groups_seen.add(members or label)
         return label
 
+    def named(self, name: str, desc: str) -> str:
+        """The label of the group torch registered as `name` (what the C++ kernel reports)."""
+        label = self._named.get(name)
+        if label is None:
+            group = _group_named(name)
+            if group is not None:
+                label = self(group)
+            else:  # not resolvable to a ProcessGroup: labelled, its members unknown
+                full = len(self._by_id) >= MAX_GROUP_LABELS
+                label = "other" if full else group_label(name, desc)
+                self.groups_seen.add(label)
+            self._named[name] = label
+        return label
+
     @staticmethod
     def _resolve(group: Any) -> str:
         try:
@@ -173,6 +195,16 @@ def _members(group: Any) -> tuple[int, ...]:
         return ()
 
 
+def _group_named(name: str) -> Any:
+    """The ProcessGroup torch registered under `name`, or None."""
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(name)  # type: ignore[arg-type] # a GroupName (NewType)
+    except Exception:  # noqa: BLE001 - then the label comes from the name alone
+        return None
+
+
 def _unbox_group(boxed: Any) -> Any:
     return _PROCESS_GROUP[0](boxed)
 
@@ -194,8 +226,10 @@ class CollectiveInterceptor:
 
     Calls on `skip_group` (a ProcessGroup) while `skip_while()` are left out: they are part of
     something timed another way (DDP's gradient sync, timed as its exposed part by the phase
-    clock). Several agents in one process share one set of kernels (_Kernels); each gets every
-    call.
+    clock); the C++ kernel leaves out those it saw issued inside autograd, which is where DDP's
+    reducer issues them. Several agents in one process share one set of kernels (_Kernels);
+    each gets every call. `native=False` keeps the kernels in Python (the first interceptor
+    installed decides for the process).
     """
 
     def __init__(
@@ -205,13 +239,16 @@ class CollectiveInterceptor:
         blocked: Blocked,
         skip_group: Any = None,
         skip_while: Callable[[], bool] = lambda: False,
+        native: bool = True,
     ) -> None:
         self.sink = queues.collectives
         self.step_of = queues.current_step
         self.labels = labels
         self.blocked = blocked
         self.skip_group = skip_group
+        self.skip_name = str(getattr(skip_group, "group_name", "") or "") if skip_group else ""
         self.skip_while = skip_while
+        self.native = native
         self.dropped = 0
         # Collectives issued and not yet waited for, by Work and by their tensor's storage
         self.pending: dict[Any, _Pending] = {}
@@ -221,6 +258,41 @@ class CollectiveInterceptor:
 
     def uninstall(self) -> None:
         _KERNELS.discard(self)
+
+    def poll(self) -> None:
+        """Move what the C++ kernel has completed into the queues (the transports call it
+        before they drain); nothing to do with the Python kernel."""
+        try:
+            _KERNELS.poll()
+        except Exception:  # noqa: BLE001 - the reporter must go on; what was drained is lost
+            self.dropped += 1
+
+    @property
+    def kernel(self) -> str:
+        """Which kernel times the c10d ops while this is installed: "c++" or "python"."""
+        return "c++" if _KERNELS.native is not None else "python"
+
+    @property
+    def step_counter(self) -> Any:
+        """The C++ kernel's step number (`.value`), which the phase clock keeps current; None
+        with the Python kernel, which asks `queues.current_step()` at each call."""
+        native = _KERNELS.native
+        return native.step if native is not None else None
+
+    def completed(
+        self,
+        op: str,
+        name: str,
+        desc: str,
+        size: int,
+        duration_ns: int,
+        step: int,
+        in_autograd: bool,
+    ) -> None:
+        """One collective the C++ kernel timed, on group `name` (torch's) described `desc`."""
+        if in_autograd and name == self.skip_name:
+            return
+        self.record(op, self.labels.named(name, desc), size, duration_ns, step)
 
     def record(self, op: str, group: str, size: int, duration_ns: int, step: int) -> None:
         """Queue one collective's row; a full queue refuses it, counted in `dropped`."""
@@ -314,33 +386,68 @@ class _Kernels:
         self.active: tuple[CollectiveInterceptor, ...] = ()
         self._libraries: list[Any] = []
         self._work_wait: Any = None
+        self.native: Native | None = None  # the C++ kernels, while installed
+        self._groups: dict[int, tuple[str, str]] = {}  # the C++ kernels' group table
+        self._poll_lock = threading.Lock()
 
     def add(self, interceptor: CollectiveInterceptor) -> None:
         if interceptor in self.active:
             return
         if not self.active:
-            self._install()
+            self._install(interceptor.native)
         self.active = (*self.active, interceptor)
 
     def discard(self, interceptor: CollectiveInterceptor) -> None:
+        if interceptor in self.active:
+            self.poll()  # what it is owed, before it leaves
         self.active = tuple(i for i in self.active if i is not interceptor)
         if not self.active:
             self._uninstall()
 
-    def _install(self) -> None:
+    def poll(self) -> None:
+        """Hand every record the C++ kernels completed to every active interceptor."""
+        native = self.native
+        if native is None:
+            return
+        with self._poll_lock:  # the reporter's thread and close() may both poll
+            records = native.drain()
+            active = self.active
+            for op, group, size, t0, t1, step, in_autograd in records:
+                name, desc = self._group(native, group)
+                for interceptor in active:
+                    interceptor.completed(
+                        _OP_LABELS[op], name, desc, size, t1 - t0, step, in_autograd
+                    )
+
+    def _group(self, native: Native, index: int) -> tuple[str, str]:
+        known = self._groups.get(index)
+        if known is None:
+            known = native.group(index) or ("other", "other")
+            if index >= 0:
+                self._groups[index] = known
+        return known
+
+    def _install(self, native_wanted: bool) -> None:
         import torch
         import torch.distributed as dist
 
         _SCRIPT_OBJECT[0], _WORK[0] = torch.ScriptObject, dist.Work.unbox
         _PROCESS_GROUP[0] = dist.ProcessGroup.unbox
 
+        native = self._native(torch) if native_wanted else None
         lib = torch.library.Library("c10d", "IMPL")
         self._libraries.append(lib)
-        for name, spec in C10D_OPS.items():
+        for index, (name, spec) in enumerate(C10D_OPS.items()):
             try:
                 op = getattr(torch.ops.c10d, name).default
             except (AttributeError, RuntimeError):  # an op this torch does not have
                 continue
+            if native is not None:
+                try:
+                    native.install(name, index, spec[1], spec[2])
+                    continue
+                except RuntimeError as exc:  # that op in Python, the others stay in C++
+                    log.warning("syncscope: c10d::%s timed in Python: %s", name, exc)
             lib.impl(name, self._timed(op, spec), DISPATCH_KEY, with_keyset=True)
         try:
             wait_tensor = torch.ops._c10d_functional.wait_tensor.default
@@ -356,9 +463,20 @@ class _Kernels:
         self._work_wait = original
         dist.Work.wait = self._timed_wait(original)  # type: ignore[method-assign]
 
+    def _native(self, torch: Any) -> Native | None:
+        """The C++ kernels, where they are built for this torch."""
+        from syncscope.agent import native
+
+        self.native = native.load(torch)
+        self._groups = {}
+        return self.native
+
     def _uninstall(self) -> None:
         import torch.distributed as dist
 
+        if self.native is not None:
+            self.native.uninstall()
+            self.native = None
         if self._work_wait is not None and getattr(dist.Work.wait, "__syncscope_wrapped__", False):
             dist.Work.wait = self._work_wait  # type: ignore[method-assign]
         self._work_wait = None

@@ -48,6 +48,8 @@ class AgentConfig:
     token: str | None = None  # bearer token for TCP ingest
     record: str | None = None  # also append step records as JSON lines here ({rank} is replaced)
     patch_collectives: bool = True
+    # Time c10d ops with the C++ kernel where it is built (agent/native.py), else in Python
+    native_collectives: bool = True
     # The work this rank does per step (syncscope_rank_samples_total, _tokens_total). Unset,
     # it is read from the model's inputs (agent/phases.py) where they say it unambiguously;
     # `agent.count(samples=, tokens=)` in a step overrides both for that step.

@@ -161,6 +161,9 @@ class Agent:
         # Hooks and patches go in last, so that a failure above leaves none of them in place.
         if self.patch is not None:
             self.patch.install()
+            counter = self.clock.step_counter = self.patch.step_counter
+            if counter is not None:
+                counter.value = self.clock.step
         self.clock.instrument(model, optimizer)
         try:
             checkpointing.install(self.checkpoints)
@@ -200,6 +203,7 @@ class Agent:
             on_reply=self.arrival.merge_reply if self.arrival is not None else None,
             events=self.queues.events,
             on_events=self.record.write_events if self.record is not None else None,
+            before_drain=self.patch.poll if self.patch is not None else None,
         )
 
     def _shm_transport(self, url: str) -> ShmTransport:
@@ -228,6 +232,7 @@ class Agent:
             dropped_elsewhere=self._dropped_on_training_thread,
             topology=topology,
             capacity=self.config.ring_slots,
+            before_drain=self.patch.poll if self.patch is not None else None,
         )
 
     # -- public -------------------------------------------------------------------------------
@@ -404,6 +409,7 @@ class Agent:
             Blocked(),
             skip_group=getattr(ddp_model, "process_group", None) if ddp_group else None,
             skip_while=lambda: clock.bwd_pending or clock.bwd_depth > 0,
+            native=self.config.native_collectives,
         )
 
     def _enable_pacing(self, arrival: LocalArrival) -> PacingController:

@@ -115,6 +115,8 @@ class PhaseClock:
         self.on_error = on_error
         self.acc = [0, 0, 0, 0, 0, 0]  # ns per phase, DATA .. PACING
         self.step = 0
+        # The C++ collective kernel's copy of `step` (a ctypes integer), kept current here
+        self.step_counter: Any = None
         now = _now()
         self.step_start = now
         self.idle_since = now
@@ -486,6 +488,8 @@ class PhaseClock:
         optimizer, self.detect_start = self.detect_start, None
         if self.step == 0:
             self.step = restored_step(optimizer)
+            if self.step_counter is not None:
+                self.step_counter.value = self.step
 
     # -- optimizer hooks ----------------------------------------------------------------------
     def optimizer_pre(self, *_: Any) -> None:
@@ -542,6 +546,8 @@ class PhaseClock:
             self._work()  # the dropped step's work must not count in the next one
             self.dropped += 1
         self.step += 1
+        if self.step_counter is not None:
+            self.step_counter.value = self.step
         self.acc = [0, 0, 0, 0, 0, 0]
         self.step_start = t
         self.idle_since = t

@@ -213,6 +213,7 @@ class ShmTransport:
         topology: dict[str, Any] | None = None,
         capacity: int = DEFAULT_CAPACITY,
         events: deque | None = None,
+        before_drain: Callable[[], None] | None = None,
     ) -> None:
         directory = ring_dir(url)
         os.makedirs(directory, mode=0o770, exist_ok=True)
@@ -224,6 +225,7 @@ class ShmTransport:
         self.steps = steps
         self.collectives = collectives
         self.events = events
+        self.before_drain = before_drain  # moves records buffered elsewhere into the queues
         self.dropped_elsewhere = dropped_elsewhere
         self.errors = 0
         self.pumps = 0
@@ -264,6 +266,8 @@ class ShmTransport:
         if ring is None:
             return
         try:
+            if self.before_drain is not None:
+                self.before_drain()
             if self.events:  # before the steps: a step's checkpoints come before its row
                 ring.take_events(self.events)
             if self.steps:

@@ -147,6 +147,7 @@ class Reporter:
         on_reply: Callable[[bytes], None] | None = None,
         events: deque | None = None,
         on_events: Callable[[list[tuple], int], None] | None = None,
+        before_drain: Callable[[], None] | None = None,
     ) -> None:
         self.identity = identity
         self.url = url
@@ -163,6 +164,7 @@ class Reporter:
         self.on_reply = on_reply
         self.events = events
         self.on_events = on_events
+        self.before_drain = before_drain  # moves records buffered elsewhere into the queues
         self.send_dropped = 0
         self.sent_records = 0
         self.sent_batches = 0
@@ -230,6 +232,8 @@ class Reporter:
                 log.warning("syncscope reporter error (records dropped): %r", exc)
 
     def _flush(self) -> None:
+        if self.before_drain is not None:
+            self.before_drain()
         raw_steps = drain(self.steps, MAX_STEPS_PER_BATCH)
         raw_colls = drain(self.collectives, MAX_COLLECTIVES_PER_BATCH)
         raw_events = drain(self.events, MAX_EVENTS_PER_BATCH) if self.events else []

@@ -35,9 +35,11 @@ NOISE_BOUND = 1.5
 
 def produced(result: dict[str, Any]) -> int:
     """Records a workload rank produced: a step row and its DDP sync row per step, the stop
-    broadcast every 10 steps, and its startup event (goodput's badput) once."""
+    broadcast every 10 steps, its startup event (goodput's badput) once, and DDP's own two
+    broadcasts of its rebuilt bucket order after the first step (which DDP waits for in C++:
+    the C++ kernel times them to their completion)."""
     steps = len(result["step_times"])
-    return 2 * steps + steps // 10 + 1
+    return 2 * steps + steps // 10 + 1 + 2
 
 
 def rss_kib(pid: int) -> int:

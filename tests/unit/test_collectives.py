@@ -62,23 +62,34 @@ def test_group_labels_name_the_mesh_dimension_or_the_group():
     assert group_label("7", "") == "pg7"
 
 
-@pytest.fixture
-def intercepted(gloo_world_of_one):
+@pytest.fixture(params=["c++", "python"])
+def intercepted(gloo_world_of_one, request):
+    """An interceptor with the C++ kernel (which `scripts/setup` builds: its absence is a
+    failure here, not a skip) and one with the Python fallback."""
     queues = RecordQueues(1024)
     blocked = Blocked()
-    interceptor = CollectiveInterceptor(queues, GroupLabels(), blocked)
+    interceptor = CollectiveInterceptor(
+        queues, GroupLabels(), blocked, native=request.param == "c++"
+    )
     interceptor.install()
     try:
+        assert interceptor.kernel == request.param, (
+            "no C++ kernel for this torch: run `python -m syncscope.agent.native`"
+        )
         yield queues.collectives, blocked, interceptor
     finally:
         interceptor.uninstall()
 
 
-def ops_of(sink: collections.deque, settle_s: float = 2.0) -> list[tuple]:
-    """The records so far; completions arrive on gloo's thread, so wait for them briefly."""
+def ops_of(
+    sink: collections.deque, interceptor: CollectiveInterceptor, settle_s: float = 2.0
+) -> list[tuple]:
+    """The records so far; completions arrive on gloo's thread, so wait for them briefly (the
+    C++ kernel keeps them until a poll, which the transports do before they drain)."""
     deadline = time.monotonic() + settle_s
     seen = -1
     while time.monotonic() < deadline:
+        interceptor.poll()
         if len(sink) == seen:
             break
         seen = len(sink)
@@ -102,7 +113,7 @@ def test_every_api_that_issues_a_collective_is_timed_with_its_size(intercepted):
     work = dist.all_reduce(t, async_op=True)
     work.wait()
     funcol.wait_tensor(funcol.all_reduce(t, "sum", dist.group.WORLD))
-    got = [(op, group, size) for op, group, size, _d, _s in ops_of(sink)]
+    got = [(op, group, size) for op, group, size, _d, _s in ops_of(sink, interceptor)]
     assert got == [
         ("all_reduce", "default_pg", 1024),
         ("all_gather", "default_pg", 1024),
@@ -117,22 +128,29 @@ def test_every_api_that_issues_a_collective_is_timed_with_its_size(intercepted):
 
 
 def test_collectives_nobody_waits_for_in_python_neither_leak_nor_count_as_lost(intercepted):
-    # DDP waits for its own broadcasts in C++: the interceptor never sees their wait.
+    # DDP waits for its own broadcasts in C++: the interceptor never sees their wait. The C++
+    # kernel times them to their completion all the same; the Python one leaves them out.
     sink, _blocked, interceptor = intercepted
-    for _ in range(3 * MAX_UNWAITED):
+    n = 3 * MAX_UNWAITED
+    for _ in range(n):
         work = dist.all_reduce(torch.ones(4), async_op=True)
         deadline = time.monotonic() + 5
         while not work.is_completed() and time.monotonic() < deadline:  # done, never waited
             time.sleep(0.0001)
     assert len(interceptor.pending) <= MAX_UNWAITED
-    assert interceptor.dropped == 0 and list(sink) == []
+    got = ops_of(sink, interceptor)
+    assert interceptor.dropped == 0
+    if interceptor.kernel == "c++":
+        assert len(got) == n and all(d > 0 for _o, _g, _s, d, _step in got)
+    else:
+        assert got == []
 
 
 def test_a_new_group_gets_its_own_label(intercepted):
-    sink, _blocked, _ = intercepted
+    sink, _blocked, interceptor = intercepted
     group = dist.new_group([0], group_desc="tp") if _takes_desc() else dist.new_group([0])
     dist.all_reduce(torch.ones(4), group=group)
-    (record,) = ops_of(sink)
+    (record,) = ops_of(sink, interceptor)
     assert record[1] == (
         "tp" if _takes_desc() else f"pg{dist.distributed_c10d._get_process_group_name(group)}"
     )
@@ -169,7 +187,7 @@ def test_uninstall_leaves_torch_as_it_was(gloo_world_of_one):
     interceptor.uninstall()
     assert dist.Work.wait is before
     dist.all_reduce(torch.ones(4))
-    assert list(ops_of(queues.collectives, 0.3)) == []
+    assert list(ops_of(queues.collectives, interceptor, 0.3)) == []
 
 
 def train(model: torch.nn.Module, steps: int, *shape: int) -> Any:
@@ -190,20 +208,28 @@ def train(model: torch.nn.Module, steps: int, *shape: int) -> Any:
     return agent
 
 
-def test_ddp_gradient_sync_is_timed_once_as_its_exposed_part(gloo_world_of_one, monkeypatch):
+@pytest.mark.parametrize("kernel", ["c++", "python"])
+def test_ddp_gradient_sync_is_timed_once_as_its_exposed_part(
+    gloo_world_of_one, monkeypatch, kernel
+):
     monkeypatch.delenv("SYNCSCOPE_EXPORTER", raising=False)
+    monkeypatch.setenv("SYNCSCOPE_NATIVE_COLLECTIVES", "1" if kernel == "c++" else "0")
     agent = train(torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64)), 3, 8, 64)
     try:
+        assert agent.patch.kernel == kernel
         dist.all_reduce(torch.ones(4))  # the user's own call on the same group still counts
-        ops = [(op, step) for op, _g, _s, _d, step in ops_of(agent.queues.collectives)]
-        # Its bucket all-reduces in backward are not recorded beside the sync (nor DDP's own
-        # broadcasts of its bucket order, which it waits for in C++).
-        assert ops == [
+        ops = [(op, step) for op, _g, _s, _d, step in ops_of(agent.queues.collectives, agent.patch)]
+        # Its bucket all-reduces in backward are not recorded beside the sync. DDP's own
+        # broadcasts (its bucket order, after the first step), which it waits for in C++, are
+        # timed to their completion by the C++ kernel; the Python one never sees them end.
+        broadcasts = [o for o in ops if o[0] == "broadcast"]
+        assert [o for o in ops if o[0] != "broadcast"] == [
             ("ddp_grad_sync", 0),
             ("ddp_grad_sync", 1),
             ("ddp_grad_sync", 2),
             ("all_reduce", 3),
         ]
+        assert (broadcasts != []) == (kernel == "c++"), ops
     finally:
         agent.close()
 
@@ -254,3 +280,41 @@ def test_waits_before_the_first_marked_step_are_in_no_step(gloo_world_of_one, mo
     finally:
         agent.close()
     assert phases[Phase.COMM_EXPOSED] == 0 and sum(phases) <= total, (phases, total)
+
+
+FALLBACK_SCRIPT = """
+import logging, sys, tempfile, time
+import torch, torch.distributed as dist
+from syncscope.agent.collectives import Blocked, CollectiveInterceptor, GroupLabels
+from syncscope.agent.queues import RecordQueues
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+store = tempfile.mktemp()
+dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+queues = RecordQueues(64)
+interceptor = CollectiveInterceptor(queues, GroupLabels(), Blocked())
+interceptor.install()
+dist.all_reduce(torch.ones(4))
+interceptor.poll()
+print("KERNEL", interceptor.kernel, [row[:3] for row in queues.collectives])
+interceptor.uninstall()
+"""
+
+
+def test_without_a_built_library_the_python_kernel_serves_and_says_why(tmp_path):
+    """A machine where `python -m syncscope.agent.native` never ran (or another torch): the
+    agent says where it looked and times collectives in Python all the same."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, SYNCSCOPE_NATIVE_DIR=str(tmp_path), GLOO_SOCKET_IFNAME="lo")
+    out = subprocess.run(
+        [sys.executable, "-c", FALLBACK_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert f"no C++ collective kernel for torch {torch.__version__} at {tmp_path}" in out, out
+    assert "KERNEL python [('all_reduce', 'default_pg', 16)]" in out, out

@@ -1,0 +1,172 @@
+"""The C++ dispatcher kernel that times c10d ops (csrc/c10d_timing.cpp): built once per torch
+version and source, loaded into the training process with ctypes.
+
+The Python kernel (collectives.py) costs ~35 µs per collective, which an FSDP2 job issuing
+tens per step pays on its training thread; the C++ one ~4 µs (docs/parallelism.md). Building
+needs a C++ compiler and torch's headers (the wheel ships them) and takes ~15 s, so it never
+happens inside attach(): `scripts/setup` runs `python -m syncscope.agent.native`, and an agent
+that finds no library for its torch falls back to the Python kernel and says so once.
+
+The library lives in $SYNCSCOPE_NATIVE_DIR, else ~/.cache/syncscope/native, under a directory
+named by the torch version and the source's hash: a torch upgrade or a changed source never
+loads a stale build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("syncscope.agent")
+
+SOURCE = Path(__file__).with_name("csrc") / "c10d_timing.cpp"
+NAME = "syncscope_c10d"
+ABI = 1  # csrc's kAbi: a library answering another is not loaded
+ENV_DIR = "SYNCSCOPE_NATIVE_DIR"
+DRAIN_BATCH = 4096
+
+
+class _Record(ctypes.Structure):
+    _fields_ = [  # noqa: RUF012 - ctypes' declaration
+        ("t0", ctypes.c_int64),
+        ("t1", ctypes.c_int64),
+        ("bytes", ctypes.c_int64),
+        ("step", ctypes.c_int64),
+        ("op", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+        ("in_autograd", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+    ]
+
+
+def build_dir(torch_version: str) -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    base = os.environ.get(ENV_DIR) or str(Path.home() / ".cache" / "syncscope" / "native")
+    return Path(base) / f"torch-{torch_version}-{digest}"
+
+
+def library_file(torch_version: str) -> Path:
+    return build_dir(torch_version) / f"{NAME}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernel for the installed torch (a no-op when it is built); its path."""
+    import torch
+    from torch.utils import cpp_extension
+
+    out = build_dir(torch.__version__)
+    out.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=NAME,
+        sources=[str(SOURCE)],
+        build_directory=str(out),
+        is_python_module=False,
+        extra_cflags=["-O2"],
+        verbose=verbose,
+    )
+    return library_file(torch.__version__)
+
+
+class Native:
+    """The loaded library: install kernels, drain their records, name their groups, and the
+    step number the kernels stamp on what they see (`step.value`, set by the phase clock)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        lib.syncscope_install.argtypes = [ctypes.c_char_p] + [ctypes.c_int32] * 3
+        lib.syncscope_install.restype = ctypes.c_int32
+        lib.syncscope_error.restype = ctypes.c_char_p
+        lib.syncscope_drain.argtypes = [ctypes.POINTER(_Record), ctypes.c_int64]
+        lib.syncscope_drain.restype = ctypes.c_int64
+        lib.syncscope_group.argtypes = [
+            ctypes.c_int32,
+            ctypes.c_char_p,
+            ctypes.c_int64,
+            ctypes.c_char_p,
+            ctypes.c_int64,
+        ]
+        lib.syncscope_group.restype = ctypes.c_int32
+        self.step = ctypes.c_int64.in_dll(lib, "syncscope_step")
+        self._dropped = ctypes.c_int64.in_dll(lib, "syncscope_dropped")
+        self._buffer = (_Record * DRAIN_BATCH)()
+
+    def install(self, name: str, op: int, group_at: int, size_at: int | None) -> None:
+        """Time c10d op `name`; raises RuntimeError with the dispatcher's reason."""
+        size = -1 if size_at is None else size_at
+        if self._lib.syncscope_install(name.encode(), op, group_at, size) != 0:
+            raise RuntimeError(self._lib.syncscope_error().decode(errors="replace"))
+
+    def uninstall(self) -> None:
+        self._lib.syncscope_uninstall()
+
+    def drain(self) -> list[tuple[int, int, int, int, int, int, bool]]:
+        """The records completed so far: (op, group, bytes, t0, t1, step, in_autograd)."""
+        out = []
+        buffer = self._buffer
+        while True:
+            n = self._lib.syncscope_drain(buffer, DRAIN_BATCH)
+            out += [
+                (r.op, r.group, r.bytes, r.t0, r.t1, r.step, bool(r.in_autograd))
+                for r in buffer[:n]
+            ]
+            if n < DRAIN_BATCH:
+                return out
+
+    def group(self, index: int) -> tuple[str, str] | None:
+        """(name, description) of the kernels' group `index`; None for an unknown one."""
+        name, desc = ctypes.create_string_buffer(256), ctypes.create_string_buffer(256)
+        if self._lib.syncscope_group(index, name, 256, desc, 256) != 0:
+            return None
+        return name.value.decode(errors="replace"), desc.value.decode(errors="replace")
+
+    @property
+    def dropped(self) -> int:
+        return int(self._dropped.value)
+
+
+_loaded: list[Native | None] = []  # the process's one load attempt
+
+
+def load(torch: Any) -> Native | None:
+    """The library built for this torch, loaded once per process; None (said once, in the
+    log) where there is none or it does not load: the caller falls back to Python."""
+    if _loaded:
+        return _loaded[0]
+    native = None
+    path = library_file(torch.__version__)
+    try:
+        if not path.is_file():
+            log.info(
+                "syncscope: no C++ collective kernel for torch %s at %s; timing collectives "
+                "in Python (~35 us each). Build it: python -m syncscope.agent.native",
+                torch.__version__,
+                path,
+            )
+        else:
+            lib = ctypes.CDLL(str(path))
+            if lib.syncscope_abi() != ABI:
+                raise RuntimeError(f"ABI {lib.syncscope_abi()}, expected {ABI}")
+            native = Native(lib)
+    except Exception as exc:  # noqa: BLE001 - the Python kernel serves instead
+        log.warning("syncscope: the C++ collective kernel did not load (%s); using Python", exc)
+        native = None
+    _loaded.append(native)
+    return native
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build syncscope's C++ c10d kernel.")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    print(build(verbose=args.verbose))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
