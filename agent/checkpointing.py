@@ -1,6 +1,10 @@
 """Checkpoint time on the training thread: `torch.save`, `torch.load` and
-`torch.distributed.checkpoint`'s `save` and `load`, wrapped while an agent is attached, and
-`with agent.checkpoint():` around anything else that saves or loads.
+`torch.distributed.checkpoint`'s `save`, `async_save` and `load`, wrapped while an agent is
+attached, and `with agent.checkpoint():` around anything else that saves or loads.
+
+Of an `async_save`, the call is timed: what the training thread pays to stage the state and
+start the writer. The write goes on in torch's thread, untimed; a later wait for its future
+(`.result()` before the next save) is not seen either: wrap it in `agent.checkpoint()`.
 
 What a call costs the job is badput (the exporter's `checkpoint_save` and `checkpoint_load`
 categories); within a step it is not data wait or forward either. Each outermost call on the
@@ -46,6 +50,9 @@ TARGETS = (
     ("torch", "save", SAVE),
     ("torch", "load", LOAD),
     ("torch.distributed.checkpoint", "save", SAVE),
+    # The part of an asynchronous save the training thread pays: staging the state (a copy
+    # off the device) and starting the writer. The write itself runs on torch's thread.
+    ("torch.distributed.checkpoint", "async_save", SAVE),
     ("torch.distributed.checkpoint", "load", LOAD),
 )
 

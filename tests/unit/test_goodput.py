@@ -122,6 +122,26 @@ def test_a_call_nested_in_a_timed_call_counts_once(agents, tmp_path):
     assert [e[0] for e in events(agent)] == ["checkpoint_save", "checkpoint_load"]
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_async_save_costs_the_training_thread_its_staging_only(agents, tmp_path):
+    """dcp.async_save: the call (staging, starting the writer) is one save; the write that
+    follows on torch's thread adds nothing, also where it goes through the wrapped functions."""
+    model, opt = linear()
+    agent = agents(model, opt)
+    t0 = time.perf_counter_ns()
+    future = dcp.async_save(
+        {"model": model.state_dict()}, checkpoint_id=str(tmp_path / "async"), no_dist=True
+    )
+    called_ns = time.perf_counter_ns() - t0
+    future.result(timeout=60)
+    ((kind, _step, _end, duration),) = events(agent)
+    assert kind == "checkpoint_save" and 0 < duration <= called_ns
+    assert agent.checkpoints.calls == 1 and agent.checkpoints.depth == 0
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(tmp_path / "async"), no_dist=True)
+    assert torch.equal(state["model"]["weight"], model.state_dict()["weight"])
+
+
 def test_calls_from_other_threads_are_not_the_training_loops(agents):
     model, opt = linear()
     agent = agents(model, opt)
