@@ -39,7 +39,7 @@ from syncscope.lab.servers import Prometheus, free_port
 from syncscope.lab.truth import compare, format_comparison, rule_window_steps
 from syncscope.monitoring.prometheus_config import local_config, local_window_s
 from syncscope.monitoring.rules import STRAGGLER_LAG, STRAGGLER_RATIO
-from syncscope.thresholds import duration_seconds, load_config
+from syncscope.thresholds import duration_seconds, load_config, required
 
 SKIP_STEPS = 10  # warm-up steps left out of the truth
 
@@ -108,7 +108,7 @@ def evaluations(prom: Prometheus, job: str, t0: float, t1: float) -> dict[str, A
     straggler rule, and which ranks were over SyncscopeStraggler's line while it was pending or
     firing (the alert is one per job; the rank is in its summary)."""
     sel = f'{{job="{job}"}}'
-    line = load_config()["alerts"]["SyncscopeStraggler"]["levels"][0]["threshold"]
+    line = required(load_config().alerts["SyncscopeStraggler"].levels[0].threshold, "threshold")
     named = prom.query_range(f"max by (rank) ({STRAGGLER_LAG}{sel})", t0, t1)
     over = prom.query_range(f"max by (rank) ({STRAGGLER_RATIO}{sel} > {line})", t0, t1)
     raised = prom.query_range(
@@ -128,12 +128,13 @@ def onset_run(shipped: bool, after_s: float, job: str) -> dict[str, float | None
     onset to the rule naming it for good (every later evaluation), to SyncscopeStraggler
     pending, and to firing."""
     cfg = load_config()
-    onset_after = 20.0 + (duration_seconds(cfg["windows"]["straggler"]) if shipped else 0.0)
+    onset_after = 20.0 + (duration_seconds(cfg.windows.straggler) if shipped else 0.0)
     alert = "SyncscopeStraggler"
     overrides: dict[str, Any] = {}
     if shipped:
-        overrides = {f"windows.{w}": v for w, v in cfg["windows"].items()}
-        overrides[f"alerts.{alert}.for"] = cfg["alerts"][alert]["for"]
+        windows = cfg.windows.model_dump(by_alias=True, exclude_unset=True)  # the file's keys
+        overrides = {f"windows.{w}": v for w, v in windows.items()}
+        overrides[f"alerts.{alert}.for"] = cfg.alerts[alert].for_
     with contextlib.ExitStack() as stack:
         workdir = tempfile.mkdtemp(prefix="syncscope-bench-onset-")
         stack.callback(shutil.rmtree, workdir, True)
@@ -159,7 +160,7 @@ def onset_run(shipped: bool, after_s: float, job: str) -> dict[str, float | None
         raised = [(t, _values(states.get(t, {}), "alertstate")) for t, _ in named]
         pending = [(t, bool(s) and ok) for (t, s), (_, ok) in zip(raised, named, strict=True)]
         firing = [(t, "firing" in s and ok) for (t, s), (_, ok) in zip(raised, named, strict=True)]
-    for_s = duration_seconds(cfg["alerts"][alert]["for"]) if shipped else 2.0
+    for_s = duration_seconds(cfg.alerts[alert].for_) if shipped else 2.0
 
     def first_for_good(series: list[tuple[float, bool]]) -> float | None:
         since = None

@@ -535,7 +535,7 @@ def cpu_times() -> float:
 def default_settle(interval: float) -> float:
     """The straggler window (the longest the per-rank rules rate over) plus two of the longest
     group interval."""
-    return duration_seconds(load_config()["windows"]["straggler"]) + 2 * interval
+    return duration_seconds(load_config().windows.straggler) + 2 * interval
 
 
 def rule_intervals(path: str, default: float) -> tuple[dict[str, float], str]:

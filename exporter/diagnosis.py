@@ -55,7 +55,8 @@ from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import OMIT_IF_NONE, RankView, RecentStep
 
 from syncscope.catalog import CLOCK_EVENT_REASONS, STEP_WINDOW
-from syncscope.thresholds import load_config
+from syncscope.thresholds import Thresholds as ThresholdsFile
+from syncscope.thresholds import load_config, required
 from syncscope.wire import GROUP_FACT, Phase
 
 if TYPE_CHECKING:
@@ -143,13 +144,15 @@ class Thresholds:
     window: int = STEP_WINDOW  # most recent steps compared
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> Thresholds:
-        section = dict(cfg["diagnosis"])
-        alerts = cfg["alerts"]
-        section["contention_inflation"] = alerts["SyncscopeFabricContention"]["levels"][0][
-            "threshold"
-        ]
-        section["slow_link_ratio"] = alerts["SyncscopeSlowLink"]["levels"][0]["threshold"]
+    def from_config(cls, cfg: ThresholdsFile) -> Thresholds:
+        section = cfg.diagnosis.model_dump()  # by field name: the same names as here
+        alerts = cfg.alerts
+        section["contention_inflation"] = required(
+            alerts["SyncscopeFabricContention"].levels[0].threshold, "threshold"
+        )
+        section["slow_link_ratio"] = required(
+            alerts["SyncscopeSlowLink"].levels[0].threshold, "threshold"
+        )
         names = [f.name for f in fields(cls) if f.name != "window"]
         return cls(**{name: section[name] for name in names})
 

@@ -26,7 +26,7 @@ class Settings:
     max_series_per_rank: int = 64  # distinct (op, group) pairs per rank
     max_body_bytes: int = 8 * 1024 * 1024
     # Arrival skew below this never names a straggler (the thresholds file's skew_floor_s).
-    skew_threshold_s: float = load_config()["diagnosis"]["skew_floor_s"]
+    skew_threshold_s: float = load_config().diagnosis.skew_floor_s
     log_level: str = "warning"
     # Prometheus's HTTP API, to read the job-wide rules back (exporter/jobwide.py); without it
     # the exporter's view is node-local and it says so.

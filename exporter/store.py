@@ -74,8 +74,8 @@ OMIT_IF_NONE = {"json": "omit_if_none"}
 
 # The node-local contention verdict's windows are the rules' (thresholds file): the baseline
 # covers the contention-baseline window, the recent transfer the rate window.
-CONTENTION_BASELINE_S = duration_seconds(load_config()["windows"]["contention_baseline"])
-CONTENTION_RECENT_S = duration_seconds(load_config()["windows"]["rate"])
+CONTENTION_BASELINE_S = duration_seconds(load_config().windows.contention_baseline)
+CONTENTION_RECENT_S = duration_seconds(load_config().windows.rate)
 
 
 @dataclass

@@ -12,9 +12,17 @@ import re
 from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
 
 THRESHOLDS_FILE = "thresholds.json"
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -33,8 +41,16 @@ def _duration(text: str) -> str:
     return text
 
 
+def _as_written(value: Any, handler: ValidatorFunctionWrapHandler) -> float:
+    """A number checked as a float but kept as the file writes it: 120 stays 120, not 120.0,
+    so that the rules, dashboards and overrides render it as written."""
+    number: float = handler(value)
+    return value if type(value) is int else number
+
+
+Number = Annotated[float, WrapValidator(_as_written)]
 Duration = Annotated[str, AfterValidator(_duration)]
-Share = Annotated[float, Field(ge=0.0, le=1.0)]
+Share = Annotated[Number, Field(ge=0.0, le=1.0)]
 
 
 class _Model(BaseModel):
@@ -45,13 +61,13 @@ class _Model(BaseModel):
 
 class Level(_Model):
     severity: Literal["info", "warning", "critical"]
-    threshold: float | None = None
+    threshold: Number | None = None
 
 
 class Outliers(_Model):
     window: Duration
     quantiles: tuple[Share, Share, Share]
-    factor: Annotated[float, Field(gt=1.0)]
+    factor: Annotated[Number, Field(gt=1.0)]
 
 
 class Alert(_Model):
@@ -82,7 +98,7 @@ class Selectors(_Model):
 
 class Diagnosis(_Model):
     verdict_score: Share
-    skew_floor_s: Annotated[float, Field(ge=0.0)]
+    skew_floor_s: Annotated[Number, Field(ge=0.0)]
     skew_step_fraction: Share
     last_arrival_share: Share
     cause_share: Share
@@ -99,11 +115,22 @@ class Thresholds(_Model):
     windows: Windows
     intervals: Intervals
     step_quantiles: Annotated[list[Share], Field(min_length=1)]
-    contention_max_skew_ratio: Annotated[float, Field(ge=0.0)]
+    contention_max_skew_ratio: Annotated[Number, Field(ge=0.0)]
     runbook_url_base: str
     dashboard_url_base: str
     diagnosis: Diagnosis
     alerts: dict[str, Alert]
+
+
+_T = TypeVar("_T")
+
+
+def required(value: _T | None, key: str) -> _T:
+    """``value``, of a key the thresholds file may leave out (None) but this use needs: a
+    KeyError naming the key when it is left out."""
+    if value is None:
+        raise KeyError(key)
+    return value
 
 
 def thresholds_text() -> str:
@@ -113,10 +140,12 @@ def thresholds_text() -> str:
 
 def load_config(
     overrides: Mapping[str, Any] | None = None, path: Path | str | None = None
-) -> dict[str, Any]:
-    """The thresholds (the shipped file, or ``path``) with dotted-path overrides applied.
+) -> Thresholds:
+    """The thresholds (the shipped file, or ``path``) with dotted-path overrides applied, as
+    the typed model.
 
-    ``a.b.0.c`` indexes lists; an unknown key is a KeyError so that a typo cannot pass silently.
+    The overrides edit the file's JSON before it is checked: ``a.b.0.c`` indexes lists; an
+    unknown key is a KeyError so that a typo cannot pass silently.
     """
     text = Path(path).read_text(encoding="utf-8") if path is not None else thresholds_text()
     try:
@@ -125,8 +154,7 @@ def load_config(
         raise ValueError(f"thresholds file {path or THRESHOLDS_FILE}: {exc}") from exc
     for dotted, value in (overrides or {}).items():
         set_path(cfg, dotted, value)
-    validate(cfg, str(path or THRESHOLDS_FILE))
-    return cfg
+    return validate(cfg, str(path or THRESHOLDS_FILE))
 
 
 def validate(cfg: Mapping[str, Any], source: str = THRESHOLDS_FILE) -> Thresholds:
@@ -174,29 +202,29 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     return overrides
 
 
-def fast_for_overrides(cfg: Mapping[str, Any], duration: str) -> dict[str, str]:
+def fast_for_overrides(cfg: Thresholds, duration: str) -> dict[str, str]:
     """Overrides that shorten every alert's ``for:`` (the demo and e2e tests, 1 s intervals):
     the straggler's becomes ``duration`` and the others keep their shipped ratio to it (none
     shorter than ``duration``). The order in which alerts fire stays the shipped one, so the
     straggler still fires before the alerts it inhibits in Alertmanager (with all of them
     equal, amplification fired first under load and notified on its own)."""
     short = duration_seconds(duration)
-    unit = duration_seconds(cfg["alerts"]["SyncscopeStraggler"]["for"])
+    unit = duration_seconds(cfg.alerts["SyncscopeStraggler"].for_)
     return {
-        f"alerts.{name}.for": f"{max(short, short * duration_seconds(a['for']) / unit):g}s"
-        for name, a in cfg["alerts"].items()
+        f"alerts.{name}.for": f"{max(short, short * duration_seconds(a.for_) / unit):g}s"
+        for name, a in cfg.alerts.items()
     }
 
 
-def demo_overrides(cfg: Mapping[str, Any]) -> dict[str, str]:
+def demo_overrides(cfg: Thresholds) -> dict[str, str]:
     """What a 1 s-interval Prometheus beside a one-minute job needs: short for: and windows."""
     rate = "10s"
     return {
         **fast_for_overrides(cfg, "2s"),
         **{
             f"alerts.{name}.keep_firing_for": rate
-            for name, a in cfg["alerts"].items()
-            if "keep_firing_for" in a
+            for name, a in cfg.alerts.items()
+            if a.keep_firing_for is not None
         },
         "windows.rate": rate,
         "windows.straggler": "10s",

@@ -22,12 +22,12 @@ from syncscope.lab.servers import Prometheus, free_port
 from syncscope.monitoring import rules as R
 from syncscope.monitoring.dashboards import FABRIC_UID, evaluable_queries
 from syncscope.monitoring.prometheus_config import local_config
-from syncscope.thresholds import load_config
+from syncscope.thresholds import load_config, required
 
 WARM_UP_S = 15.0  # gloo connects, the first steps, the rules' first full windows
-_ALERTS = load_config()["alerts"]
-SLOW_LINK_LINE = _ALERTS["SyncscopeSlowLink"]["levels"][0]["threshold"]
-CONTENTION_LINE = _ALERTS["SyncscopeFabricContention"]["levels"][0]["threshold"]
+_ALERTS = load_config().alerts
+SLOW_LINK_LINE = required(_ALERTS["SyncscopeSlowLink"].levels[0].threshold, "threshold")
+CONTENTION_LINE = required(_ALERTS["SyncscopeFabricContention"].levels[0].threshold, "threshold")
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from syncscope.monitoring import rules
-from syncscope.thresholds import load_config
+from syncscope.thresholds import Thresholds, load_config
 
 ENGINES = ("prometheus", "vmalert")
 
@@ -42,7 +42,7 @@ def _vmalert_rule(rule: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in rule.items() if k not in VMALERT_UNSUPPORTED_FIELDS}
 
 
-def rule_groups(cfg: Mapping[str, Any], engine: str = "prometheus") -> dict[str, Any]:
+def rule_groups(cfg: Thresholds, engine: str = "prometheus") -> dict[str, Any]:
     """`rules.rule_groups(cfg)` as ``engine`` accepts it."""
     if engine not in ENGINES:
         raise ValueError(f"unknown rule engine {engine!r}; one of {', '.join(ENGINES)}")
@@ -55,7 +55,7 @@ def rule_groups(cfg: Mapping[str, Any], engine: str = "prometheus") -> dict[str,
     return out
 
 
-def render_rules_yaml(cfg: Mapping[str, Any], engine: str = "prometheus") -> str:
+def render_rules_yaml(cfg: Thresholds, engine: str = "prometheus") -> str:
     if engine == "prometheus":
         return rules.render_rules_yaml(cfg)
     return VMALERT_HEADER + rules.dump_yaml(rule_groups(cfg, engine))

@@ -4,10 +4,8 @@ run (Prometheus's `query`), declared once."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from syncscope import catalog as M
+from syncscope.thresholds import Thresholds
 
 # The step-duration histogram's series, which rules read directly.
 STEP_SECONDS_SUM = M.STEP_DURATION_SECONDS.name + "_sum"
@@ -15,14 +13,14 @@ STEP_SECONDS_COUNT = M.STEP_DURATION_SECONDS.name + "_count"
 STEP_SECONDS_BUCKET = M.STEP_DURATION_SECONDS.name + "_bucket"
 
 
-def sel(cfg: Mapping[str, Any], metric: str, *matchers: str) -> str:
+def sel(cfg: Thresholds, metric: str, *matchers: str) -> str:
     """``metric{<rank selector>, matchers}``; no braces at all when there is nothing to match."""
-    parts = [m for m in (cfg["selectors"]["rank"], *matchers) if m]
+    parts = [m for m in (cfg.selectors.rank, *matchers) if m]
     return f"{metric}{{{', '.join(parts)}}}" if parts else metric
 
 
-def rate(cfg: Mapping[str, Any], metric: str, *matchers: str, window: str | None = None) -> str:
-    return f"rate({sel(cfg, metric, *matchers)}[{window or cfg['windows']['rate']}])"
+def rate(cfg: Thresholds, metric: str, *matchers: str, window: str | None = None) -> str:
+    return f"rate({sel(cfg, metric, *matchers)}[{window or cfg.windows.rate}])"
 
 
 def pct(x: float) -> str:

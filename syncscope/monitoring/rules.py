@@ -89,7 +89,7 @@ from syncscope.recorded import (  # the recorded series' names, declared there o
     TRANSFER_SAMPLING_GAP,
     WORLD_SIZE,
 )
-from syncscope.thresholds import load_config
+from syncscope.thresholds import Level, Outliers, Thresholds, Windows, load_config, required
 
 RULES_FILE = "syncscope.rules.yml"
 RATIO_BUCKET = M.STEP_DURATION_RATIO.name + "_bucket"
@@ -112,13 +112,13 @@ BUS_FACTORS = {
 NOT_A_TRANSFER = "ddp_grad_sync"
 
 
-def runbook_url(cfg: Mapping[str, Any], alert: str) -> str:
+def runbook_url(cfg: Thresholds, alert: str) -> str:
     """The alert's section of the runbook; tests match the ``#alert-name-<lowercase>`` suffix."""
-    return f"{cfg['runbook_url_base']}#alert-name-{alert.lower()}"
+    return f"{cfg.runbook_url_base}#alert-name-{alert.lower()}"
 
 
-def _group_wait(cfg: Mapping[str, Any]) -> str:
-    window = cfg["windows"]["straggler"]
+def _group_wait(cfg: Thresholds) -> str:
+    window = cfg.windows.straggler
     per_rank = f"""
   sum by (job, node, rank, group) (
     {rate(cfg, M.RANK_COLLECTIVE_SECONDS_TOTAL.name, window=window)}
@@ -154,12 +154,12 @@ def _record(name: str, expr: str, labels: Mapping[str, str] | None = None) -> di
     return rule
 
 
-def recording_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+def recording_rules(cfg: Thresholds) -> list[dict[str, Any]]:
     """The cluster-wide view one node cannot compute; order matters (later rules read earlier)."""
-    w = cfg["windows"]
+    w = cfg.windows
     no_ddp = f'op!="{NOT_A_TRANSFER}"'
     # The CV alert's quantiles over its own (long) window, recorded once for both severities.
-    o = cfg["alerts"]["SyncscopeStepTimeCVHigh"]["outliers"]
+    o = required(cfg.alerts["SyncscopeStepTimeCVHigh"].outliers, "outliers")
     # One rule for every op: a per-(job, op) factor vector joined on op drops the ops that
     # have no bus bandwidth (barrier, ddp_grad_sync) and keeps promtool's duplicate lint quiet.
     factors = "\n    or\n".join(
@@ -182,7 +182,7 @@ def recording_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _step_rules(cfg: Mapping[str, Any], *, o: Any) -> list[dict[str, Any]]:
+def _step_rules(cfg: Thresholds, *, o: Outliers) -> list[dict[str, Any]]:
     rules: list[dict[str, Any]] = []
     rules += [
         _record(WORLD_SIZE, f"max by (job) ({sel(cfg, M.WORLD_SIZE.name)})"),
@@ -205,18 +205,18 @@ def _step_rules(cfg: Mapping[str, Any], *, o: Any) -> list[dict[str, Any]]:
     # Every rule reads the job's buckets once (each quantile re-reading every node's
     # buckets cost three passes over the largest family).
     rules.append(_record(STEP_BUCKET_RATE, f"sum by (job, le) ({rate(cfg, STEP_SECONDS_BUCKET)})"))
-    for q in cfg["step_quantiles"]:
+    for q in cfg.step_quantiles:
         rules.append(
             _record(
                 STEP_QUANTILE, f"histogram_quantile({q}, {STEP_BUCKET_RATE})", {"quantile": str(q)}
             )
         )
-    for q in o["quantiles"]:
+    for q in o.quantiles:
         rules.append(
             _record(
                 STEP_OUTLIER_QUANTILE,
                 f"histogram_quantile({q}, sum by (job, le) "
-                f"({rate(cfg, STEP_SECONDS_BUCKET, window=o['window'])}))",
+                f"({rate(cfg, STEP_SECONDS_BUCKET, window=o.window)}))",
                 {"quantile": str(q)},
             )
         )
@@ -233,7 +233,7 @@ def _step_rules(cfg: Mapping[str, Any], *, o: Any) -> list[dict[str, Any]]:
     return rules
 
 
-def _phase_and_sampled_transfer_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _phase_and_sampled_transfer_rules(cfg: Thresholds) -> list[dict[str, Any]]:
     rules: list[dict[str, Any]] = []
     rules += [
         # The noisiest rank: in lockstep training every rank sees the same step times, so
@@ -306,7 +306,7 @@ min by (job) (
     return rules
 
 
-def _transfer_and_lead_rules(cfg: Mapping[str, Any], *, w: Any) -> list[dict[str, Any]]:
+def _transfer_and_lead_rules(cfg: Thresholds, *, w: Windows) -> list[dict[str, Any]]:
     rules: list[dict[str, Any]] = []
     rules += [
         _record(
@@ -315,7 +315,7 @@ def _transfer_and_lead_rules(cfg: Mapping[str, Any], *, w: Any) -> list[dict[str
   {TRANSFER_NODE_MIN}
 + on (job)
   (
-      avg_over_time({TRANSFER_SAMPLING_GAP}[{w["transfer"]}])
+      avg_over_time({TRANSFER_SAMPLING_GAP}[{w.transfer}])
     or
       0 * {TRANSFER_NODE_MIN}
   )
@@ -331,7 +331,7 @@ def _transfer_and_lead_rules(cfg: Mapping[str, Any], *, w: Any) -> list[dict[str
             f"""
   {TRANSFER_PER_STEP}
 /
-  (quantile_over_time(0.1, {TRANSFER_PER_STEP}[{w["contention_baseline"]}]) > 0)
+  (quantile_over_time(0.1, {TRANSFER_PER_STEP}[{w.contention_baseline}]) > 0)
 """,
         ),
         # Rank-seconds spent waiting per rank-second of stepping: the synchronization-
@@ -361,11 +361,11 @@ clamp_min(
             SYNC_PER_STEP,
             f"""
   sum by (job, node, rank) (
-    {rate(cfg, M.PHASE_SECONDS_TOTAL.name, 'phase="comm_exposed"', window=w["straggler"])}
+    {rate(cfg, M.PHASE_SECONDS_TOTAL.name, 'phase="comm_exposed"', window=w.straggler)}
   )
 /
   (
-    sum by (job, node, rank) ({rate(cfg, M.STEPS_TOTAL.name, window=w["straggler"])})
+    sum by (job, node, rank) ({rate(cfg, M.STEPS_TOTAL.name, window=w.straggler)})
     > 0
   )
 """,
@@ -379,7 +379,7 @@ clamp_min(
     return rules
 
 
-def _straggler_and_group_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _straggler_and_group_rules(cfg: Thresholds) -> list[dict[str, Any]]:
     rules: list[dict[str, Any]] = []
     rules += [
         # The straggler is the rank that arrives last, i.e. with the smallest lead; its lag
@@ -403,7 +403,7 @@ def _straggler_and_group_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rules
 
 
-def _bus_bandwidth_rules(cfg: Mapping[str, Any], *, factors: Any, ops: Any) -> list[dict[str, Any]]:
+def _bus_bandwidth_rules(cfg: Thresholds, *, factors: Any, ops: Any) -> list[dict[str, Any]]:
     rules: list[dict[str, Any]] = []
     rules.append(
         _record(
@@ -427,7 +427,7 @@ def _bus_bandwidth_rules(cfg: Mapping[str, Any], *, factors: Any, ops: Any) -> l
     return rules
 
 
-def _fabric_rules(cfg: Mapping[str, Any], *, w: Any, no_ddp: Any) -> list[dict[str, Any]]:
+def _fabric_rules(cfg: Thresholds, *, w: Windows, no_ddp: Any) -> list[dict[str, Any]]:
     rules: list[dict[str, Any]] = []
     rules += [
         _record(
@@ -451,9 +451,9 @@ def _fabric_rules(cfg: Mapping[str, Any], *, w: Any, no_ddp: Any) -> list[dict[s
   (
       {TRANSFER_PER_CALL}
     /
-      (quantile_over_time(0.1, {TRANSFER_PER_CALL}[{w["contention_baseline"]}]) > 0)
+      (quantile_over_time(0.1, {TRANSFER_PER_CALL}[{w.contention_baseline}]) > 0)
     and on (job)
-      ({SKEW_RATIO} < {cfg["contention_max_skew_ratio"]})
+      ({SKEW_RATIO} < {cfg.contention_max_skew_ratio})
   )
 or
   label_replace(
@@ -501,7 +501,7 @@ or
     return rules
 
 
-def _link_pacing_locality_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _link_pacing_locality_rules(cfg: Thresholds) -> list[dict[str, Any]]:
     rules: list[dict[str, Any]] = []
     rules += [
         _record(
@@ -552,7 +552,7 @@ max by (job, node, rank, fault) (
     return rules
 
 
-def _work_and_energy_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _work_and_energy_rules(cfg: Thresholds) -> list[dict[str, Any]]:
     """Work done and the energy it took: samples and tokens per second over the job's ranks
     and per GPU (the mean over the ranks that report them); joules per second from the GPUs'
     counters, the nodes' CPU packages and both; joules per sample and per token wherever the
@@ -582,7 +582,7 @@ sum by (job) (
     ]
 
 
-def _goodput_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _goodput_rules(cfg: Thresholds) -> list[dict[str, Any]]:
     """Goodput and badput over the job's whole life, across its restarts and checkpoints: the
     counters' values as they stand (no range, so a job of days costs one sample per series),
     over the rank-seconds since the job's earliest process start. Goodput is productive step
@@ -653,7 +653,7 @@ or
     ]
 
 
-def _cost_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _cost_rules(cfg: Thresholds) -> list[dict[str, Any]]:
     """What the job costs, where its exporters are given a GPU-hour's price: per hour (each
     node's price times its ranks, one GPU a rank), per million tokens and samples at the
     current rates, and per hour the share not going into goodput (1 - goodput) costs. No
@@ -683,13 +683,13 @@ sum by (job) (
     ]
 
 
-def _trend_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _trend_rules(cfg: Thresholds) -> list[dict[str, Any]]:
     """Per day (windows.trend), for panels over the job's life: its restarts (the per-node
     counters summed first, so the day's increase reads one series a job), and the day's mean
     step-time CV and throughput per GPU from series already recorded per job. A day not yet
     full averages what it has."""
     restarts = M.NODE_RESTARTS_TOTAL.name
-    day = cfg["windows"]["trend"]
+    day = cfg.windows.trend
     return [
         _record(RESTARTS, f"sum by (job) ({sel(cfg, restarts)})"),
         _record(RESTARTS_PER_DAY, f"increase({RESTARTS}[{day}])"),
@@ -732,16 +732,16 @@ def series_conditions() -> dict[str, str]:
     return out
 
 
-def _alert_texts(cfg: Mapping[str, Any], name: str, level: Mapping[str, Any]) -> dict[str, Any]:
+def _alert_texts(cfg: Thresholds, name: str, level: Level) -> dict[str, Any]:
     """Expression and annotations for one alert at one severity level.
 
     Conditions that hold per rank (a fault, pacing, drops, silence) alert once per training
     job, with the count as the value and the ranks in the annotations: one alert per rank
     would page a thousand times for one incident.
     """
-    a = cfg["alerts"][name]
-    thr: Any = level.get("threshold")
-    w = cfg["windows"]
+    a = cfg.alerts[name]
+    thr: Any = level.threshold
+    w = cfg.windows
     text = ALERT_TEXTS.get(name)
     if text is None:
         raise KeyError(f"{name}: no expression defined for this alert")
@@ -754,27 +754,27 @@ _FABRIC_ALERTS = {"SyncscopeFabricContention", "SyncscopeSlowLink", "SyncscopeLo
 _NOT_A_TRAINING_JOB = {"SyncscopeExporterDown"}  # its job label is the scrape job
 
 
-def dashboard_url(cfg: Mapping[str, Any], alert: str) -> str:
+def dashboard_url(cfg: Thresholds, alert: str) -> str:
     uid = FABRIC_UID if alert in _FABRIC_ALERTS else OVERVIEW_UID
-    url = f"{cfg['dashboard_url_base'].rstrip('/')}/d/{uid}"
+    url = f"{cfg.dashboard_url_base.rstrip('/')}/d/{uid}"
     if alert in _NOT_A_TRAINING_JOB:
         return url
     return url + "?var-job={{ $labels.job | urlquery }}"
 
 
-def alerting_rules(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+def alerting_rules(cfg: Thresholds) -> list[dict[str, Any]]:
     rules = []
-    for name, spec in cfg["alerts"].items():
-        keep = {"keep_firing_for": spec["keep_firing_for"]} if "keep_firing_for" in spec else {}
-        for level in spec["levels"]:
+    for name, spec in cfg.alerts.items():
+        keep = {"keep_firing_for": spec.keep_firing_for} if spec.keep_firing_for is not None else {}
+        for level in spec.levels:
             t = _alert_texts(cfg, name, level)
             rules.append(
                 {
                     "alert": name,
                     "expr": _block(t["expr"]),
-                    "for": spec["for"],
+                    "for": spec.for_,
                     **keep,
-                    "labels": {"severity": level["severity"]},
+                    "labels": {"severity": level.severity},
                     "annotations": {
                         "summary": t["summary"],
                         "description": t["description"],
@@ -872,12 +872,12 @@ ALERTS_GROUP = "syncscope.alerts"
 GROUP_ORDER = (*RECORDING_GROUPS, ALERTS_GROUP)
 
 
-def rule_groups(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def rule_groups(cfg: Thresholds) -> dict[str, Any]:
     group_of = {name: group for group, names in RECORDING_GROUPS.items() for name in names}
     grouped: dict[str, list[dict[str, Any]]] = {group: [] for group in RECORDING_GROUPS}
     for rule in recording_rules(cfg):
         grouped[group_of[rule["record"]]].append(rule)  # KeyError: a rule with no group
-    slow = {"interval": cfg["intervals"]["slow_rules"]}
+    slow = {"interval": cfg.intervals.slow_rules}
     return {
         "groups": [
             *(
@@ -908,11 +908,11 @@ def dump_yaml(data: Any) -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=4096, default_flow_style=False)
 
 
-def render_rules_yaml(cfg: Mapping[str, Any]) -> str:
+def render_rules_yaml(cfg: Thresholds) -> str:
     return HEADER + dump_yaml(rule_groups(cfg))
 
 
-def render_prometheus_rule_yaml(cfg: Mapping[str, Any]) -> str:
+def render_prometheus_rule_yaml(cfg: Thresholds) -> str:
     doc = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",

@@ -26,7 +26,7 @@ from syncscope.lab.truth import compare, format_comparison, rule_window_steps
 from syncscope.monitoring import dashboards as D
 from syncscope.monitoring import rules as R
 from syncscope.monitoring.prometheus_config import local_config, local_window_s
-from syncscope.thresholds import load_config
+from syncscope.thresholds import load_config, required
 from tests.conftest import (
     Webhook,
     chain_end,
@@ -272,8 +272,10 @@ CLEAN_ACROSS_NODES = ("fsdp2", "hsdp", "tp", "pp")
 def named_by_the_rule(sel: str) -> str:
     """The ranks SyncscopeStraggler's condition names (the recorded lag over both its lines)."""
     cfg = load_config()
-    ratio = min(level["threshold"] for level in cfg["alerts"]["SyncscopeStraggler"]["levels"])
-    floor = cfg["diagnosis"]["skew_floor_s"]
+    ratio = min(
+        required(level.threshold, "threshold") for level in cfg.alerts["SyncscopeStraggler"].levels
+    )
+    floor = cfg.diagnosis.skew_floor_s
     return f"{R.STRAGGLER_RATIO}{sel} > {ratio} and on (job) {R.SKEW}{sel} > {floor}"
 
 

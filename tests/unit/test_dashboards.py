@@ -47,8 +47,8 @@ def test_panel_thresholds_come_from_the_alert_config():
     cfg = load_config()
     cv = next(p for p in panels(UIDS[0]) if p["title"] == "Step-time CV")
     steps = cv["fieldConfig"]["defaults"]["thresholds"]["steps"]
-    levels = cfg["alerts"]["SyncscopeStepTimeCVHigh"]["levels"]
-    assert [s["value"] for s in steps] == [None] + [lv["threshold"] for lv in levels]
+    levels = cfg.alerts["SyncscopeStepTimeCVHigh"].levels
+    assert [s["value"] for s in steps] == [None] + [lv.threshold for lv in levels]
     # Change the config, and the dashboards follow.
     mutated = load_config({"alerts.SyncscopeFabricContention.levels.0.threshold": 3.0})
     fabric = generator.dashboards(mutated)[UIDS[1]]

@@ -198,7 +198,7 @@ def test_kustomizations_list_existing_files():
 
 
 def _exporter_selector_regex() -> str:
-    selector = load_config()["selectors"]["exporter"]
+    selector = load_config().selectors.exporter
     match = re.fullmatch(r'job=~"(.+)"', selector)
     assert match, selector
     return match.group(1)

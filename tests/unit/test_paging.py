@@ -195,7 +195,7 @@ def test_the_straggler_fires_before_what_it_inhibits_shipped_and_shortened():
     assert "SyncscopeSyncAmplification" in inhibited
     shipped = load_config()
     for fors in (
-        {name: a["for"] for name, a in shipped["alerts"].items()},
+        {name: a.for_ for name, a in shipped.alerts.items()},
         {k.split(".")[1]: v for k, v in fast_for_overrides(shipped, "2s").items()},
     ):
         source = duration_seconds(fors["SyncscopeStraggler"])
@@ -210,12 +210,11 @@ def test_the_straggler_outlasts_what_it_inhibits_shipped_and_shortened():
     from syncscope.thresholds import demo_overrides, load_config
 
     for cfg in (load_config(), load_config(demo_overrides(load_config()))):
-        keep = cfg["alerts"]["SyncscopeStraggler"].get("keep_firing_for", "0s")
-        assert duration_seconds(keep) >= duration_seconds(cfg["windows"]["rate"]), keep
+        keep = cfg.alerts["SyncscopeStraggler"].keep_firing_for
+        keep = "0s" if keep is None else keep
+        assert duration_seconds(keep) >= duration_seconds(cfg.windows.rate), keep
     (rule,) = [r for r in rules.alerting_rules(load_config()) if r["alert"] == "SyncscopeStraggler"]
-    assert (
-        rule["keep_firing_for"] == load_config()["alerts"]["SyncscopeStraggler"]["keep_firing_for"]
-    )
+    assert rule["keep_firing_for"] == load_config().alerts["SyncscopeStraggler"].keep_firing_for
 
 
 @needs_alertmanager

@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from syncscope.cli import main as syncscope
 from syncscope.monitoring import dashboards, generate, prometheus_config
 from syncscope.monitoring import rules as gen
-from syncscope.thresholds import duration_seconds, load_config
+from syncscope.thresholds import Thresholds, duration_seconds, load_config
 
 yaml = pytest.importorskip("yaml", reason="PyYAML missing: run scripts/install-observability-tools")
 
@@ -152,7 +153,7 @@ def test_alerts_have_severity_for_annotations_and_a_runbook_anchor():
         assert a["annotations"]["runbook_url"] == (
             f"https://github.com/syncscope/syncscope/blob/main/docs/runbook.md#{anchor}"
         )
-        assert a["annotations"]["runbook_url"].startswith(cfg["runbook_url_base"])
+        assert a["annotations"]["runbook_url"].startswith(cfg.runbook_url_base)
         # GitHub derives the anchor from the heading; the explicit id serves other renderers.
         assert f"## Alert Name: {a['alert']}\n" in runbook
         assert f'<a id="{anchor}"></a>' in runbook
@@ -219,8 +220,8 @@ def test_rules_only_use_contract_metrics_and_their_own_records():
 
 def test_shipped_thresholds_are_production_values():
     """This machine's scheduler noise alone gives CV 0.2-0.3: tests override, never the config."""
-    cv = load_config()["alerts"]["SyncscopeStepTimeCVHigh"]["levels"]
-    assert [(lv["severity"], lv["threshold"]) for lv in cv] == [("warning", 0.1), ("critical", 0.2)]
+    cv = load_config().alerts["SyncscopeStepTimeCVHigh"].levels
+    assert [(lv.severity, lv.threshold) for lv in cv] == [("warning", 0.1), ("critical", 0.2)]
 
 
 def _numbers(value: object) -> set[float]:
@@ -236,7 +237,9 @@ def _numbers(value: object) -> set[float]:
 
 
 # Config numbers an alert shares with the exporter's diagnosis, declared once there.
-SHARED_WITH_THE_EXPORTER = {"SyncscopeStraggler": [("diagnosis", "skew_floor_s")]}
+SHARED_WITH_THE_EXPORTER: dict[str, list[Callable[[Thresholds], float]]] = {
+    "SyncscopeStraggler": [lambda cfg: cfg.diagnosis.skew_floor_s]
+}
 
 
 def test_thresholds_live_in_one_place():
@@ -244,23 +247,25 @@ def test_thresholds_live_in_one_place():
     config (other levels' thresholds excluded) and no other number."""
     cfg = load_config()
     for alert in gen.alerting_rules(cfg):
-        spec = cfg["alerts"][alert["alert"]]
-        levels = spec["levels"]
-        level = next(lv for lv in levels if lv["severity"] == alert["labels"]["severity"])
-        params = _numbers({k: v for k, v in spec.items() if k != "levels"})
+        spec = cfg.alerts[alert["alert"]]
+        level = next(lv for lv in spec.levels if lv.severity == alert["labels"]["severity"])
+        # The alert's entry as the file writes it (JSON), its levels left out.
+        params = _numbers(
+            spec.model_dump(mode="json", by_alias=True, exclude_unset=True, exclude={"levels"})
+        )
         # Numbers standing alone: not part of a name, a duration ([1m]) or a decimal.
         numbers = {float(n) for n in re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])", alert["expr"])}
-        shared = {float(cfg[a][b]) for a, b in SHARED_WITH_THE_EXPORTER.get(alert["alert"], ())}
+        shared = {float(get(cfg)) for get in SHARED_WITH_THE_EXPORTER.get(alert["alert"], ())}
         allowed = {0.0} | params | shared
-        allowed |= {float(level["threshold"])} if "threshold" in level else set()
+        allowed |= {float(level.threshold)} if level.threshold is not None else set()
         assert numbers <= allowed, (alert["alert"], numbers)
-        if "threshold" in level:
-            assert float(level["threshold"]) in numbers, alert["alert"]
+        if level.threshold is not None:
+            assert float(level.threshold) in numbers, alert["alert"]
 
 
 def test_overrides_apply_and_typos_fail(tmp_path):
     cfg = load_config({"alerts.SyncscopeStepTimeCVHigh.levels.0.threshold": 0.5})
-    assert cfg["alerts"]["SyncscopeStepTimeCVHigh"]["levels"][0]["threshold"] == 0.5
+    assert cfg.alerts["SyncscopeStepTimeCVHigh"].levels[0].threshold == 0.5
     with pytest.raises(KeyError):
         load_config({"alerts.SyncscopeStepTimeCVHigh.levels.0.treshold": 0.5})
     out = tmp_path / "rules"
@@ -389,7 +394,7 @@ def test_each_alert_is_declared_where_its_promtool_tests_are():
     (deploy/prometheus/tests/<area>.test.yml) tests it. Every alert of the thresholds has one."""
     from syncscope.monitoring.alerts import ALERT_TEXTS
 
-    assert set(ALERT_TEXTS) == set(load_config()["alerts"])
+    assert set(ALERT_TEXTS) == set(load_config().alerts)
     for name, text in ALERT_TEXTS.items():
         area = text.__module__.rsplit(".", 1)[1]
         tests = ROOT / "deploy" / "prometheus" / "tests" / f"{area}.test.yml"

@@ -11,8 +11,9 @@ from syncscope.thresholds import Thresholds, load_config, thresholds_text, valid
 
 
 def test_the_shipped_file_is_valid_and_typed():
-    typed = validate(load_config())
+    typed = load_config()
     assert isinstance(typed, Thresholds)
+    assert validate(json.loads(thresholds_text())) == typed
     assert typed.alerts["SyncscopeStraggler"].for_ == "5m"
     assert typed.alerts["SyncscopeStraggler"].keep_firing_for == "1m"
     assert typed.windows.rate == "1m"

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, NamedTuple
+
+from syncscope.thresholds import Alert, Level, Thresholds, Windows
 
 
 class AlertInput(NamedTuple):
     """What an alert's text is made from: the thresholds, its own entry there, one severity
     level of it, that level's threshold, and the windows."""
 
-    cfg: Mapping[str, Any]
-    a: Mapping[str, Any]
-    level: Mapping[str, Any]
+    cfg: Thresholds
+    a: Alert
+    level: Level
     thr: Any
-    w: Mapping[str, Any]
+    w: Windows

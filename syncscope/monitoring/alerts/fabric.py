@@ -22,7 +22,7 @@ def fabric_contention_text(alert: AlertInput) -> dict[str, Any]:
             "The transfer of {{ $labels.op }} on group {{ $labels.group }} of job "
             "{{ $labels.job }} (after the last rank arrives) takes "
             '{{ printf "%.2f" $value }} times its 10th percentile of the last '
-            f"{w['contention_baseline']} (threshold {thr}): the time goes to the fabric "
+            f"{w.contention_baseline} (threshold {thr}): the time goes to the fabric "
             "(queueing on shared links), not to waiting for peers."
         ),
     }

@@ -17,6 +17,7 @@ from syncscope.monitoring.promql import (
     template_query,
 )
 from syncscope.recorded import RANKS_REPORTING, STEPS_RATE
+from syncscope.thresholds import required
 
 
 def agent_dropping_records_text(alert: AlertInput) -> dict[str, Any]:
@@ -53,7 +54,7 @@ def agent_dropping_records_text(alert: AlertInput) -> dict[str, Any]:
 
 def exporter_down_text(alert: AlertInput) -> dict[str, Any]:
     cfg, a, level, thr = alert.cfg, alert.a, alert.level, alert.thr
-    exporter = cfg["selectors"]["exporter"]
+    exporter = cfg.selectors.exporter
 
     def up(*matchers: str) -> str:
         parts = [m for m in (exporter, *matchers) if m]
@@ -63,7 +64,7 @@ def exporter_down_text(alert: AlertInput) -> dict[str, Any]:
     # small share at a time, not one alert per node.
     share = f"count by (job) ({up()} == 0) / count by (job) ({up()})"
     expr = f"{share} > {thr}"
-    if a.get("none_scraped_severity") == level["severity"]:
+    if a.none_scraped_severity == level.severity:
         # No exporter target at all: every exporter gone, or discovery broken.
         expr = f"\n  {share} > {thr}\nor\n  absent({up()})\n"
     down = listing(f"{up(THIS_JOB)} == 0", "{{ $s.Labels.instance }}", "instance")
@@ -79,9 +80,9 @@ def exporter_down_text(alert: AlertInput) -> dict[str, Any]:
         "description": (
             f"{{{{ if $labels.job }}}}Prometheus has failed to scrape {n_down} of the {n_all} "
             "syncscope exporters of scrape job {{ $labels.job }} "
-            f"(threshold: more than {pct(thr)}) for {a['for']}: {down}. The ranks on those "
+            f"(threshold: more than {pct(thr)}) for {a.for_}: {down}. The ranks on those "
             "nodes are invisible.{{ else }}No scrape target matches "
-            f"{up()} for {a['for']}: every exporter is gone, or service discovery no longer "
+            f"{up()} for {a.for_}: every exporter is gone, or service discovery no longer "
             "finds them. syncscope sees no rank at all.{{ end }}"
         ),
     }
@@ -91,7 +92,7 @@ def rank_silent_text(alert: AlertInput) -> dict[str, Any]:
     cfg, a, thr = alert.cfg, alert.a, alert.thr
     ts = sel(cfg, M.RANK_LAST_REPORT_TIMESTAMP_SECONDS.name)
     ts_job = sel(cfg, M.RANK_LAST_REPORT_TIMESTAMP_SECONDS.name, THIS_JOB)
-    lookback = a["lookback"]
+    lookback = required(a.lookback, "lookback")
     # Silent: a rank of the job seen in the lookback (the exporter forgets a rank after
     # --expire-after, so its series may be gone) that has not reported within the
     # threshold, while another rank of the job has, and no rank of the job has stepped

@@ -12,10 +12,10 @@ def pacing_engaged_long_text(alert: AlertInput) -> dict[str, Any]:
     a = alert.a
     return {
         "expr": f"{PACING_ACTIVE} > 0",
-        "summary": f"Pacing has been engaged in job {{{{ $labels.job }}}} for {a['for']}.",
+        "summary": f"Pacing has been engaged in job {{{{ $labels.job }}}} for {a.for_}.",
         "description": (
             "The pacing controller has delayed ranks of job {{ $labels.job }} without a "
-            f"break for {a['for']} ({{{{ $value }}}} rank(s) paced now). Pacing absorbs "
+            f"break for {a.for_} ({{{{ $value }}}} rank(s) paced now). Pacing absorbs "
             "transient imbalance; a persistent one has a structural cause (a straggler, a "
             "locality fault, contention) that pacing only hides."
         ),

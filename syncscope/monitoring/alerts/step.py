@@ -8,6 +8,7 @@ from syncscope.catalog import STEP_WINDOW
 from syncscope.monitoring.alerts.base import AlertInput
 from syncscope.monitoring.promql import pct
 from syncscope.recorded import STEP_CV, STEP_OUTLIER_QUANTILE
+from syncscope.thresholds import required
 
 
 def step_time_cv_high_text(alert: AlertInput) -> dict[str, Any]:
@@ -16,9 +17,9 @@ def step_time_cv_high_text(alert: AlertInput) -> dict[str, Any]:
     # step many times the others) lifts it for as many steps, which at multi-second steps
     # outlasts any for:. The step-duration histogram over a window of time says whether
     # the variation is frequent: enough steps far (factor ×) above or below the median.
-    o = a["outliers"]
-    lo, mid, hi = o["quantiles"]
-    factor = o["factor"]
+    o = required(a.outliers, "outliers")
+    lo, mid, hi = o.quantiles
+    factor = o.factor
 
     def q(p: float) -> str:
         return f'{STEP_OUTLIER_QUANTILE}{{quantile="{p}"}}'
@@ -41,7 +42,7 @@ and on (job)
         "description": (
             f"The coefficient of variation of step time over the last {STEP_WINDOW} steps is "
             '{{ printf "%.2f" $value }} in job {{ $labels.job }} (threshold '
-            f"{thr}), and over the last {o['window']} more than {pct(1 - hi)} of the steps "
+            f"{thr}), and over the last {o.window} more than {pct(1 - hi)} of the steps "
             f"took over {factor} times the median step or more than {pct(lo)} under 1/"
             f"{factor} of it: frequent jitter, not a rare long step such as a checkpoint. "
             "Synchronous training turns this jitter into idle time on every rank."

@@ -21,14 +21,14 @@ def straggler_text(alert: AlertInput) -> dict[str, Any]:
     # The exporter's floor too (diagnosis.skew_floor_s): a lag of a step's share that is a
     # few milliseconds of a short step is jitter or a pipeline's uneven stages, and the
     # exporter names no straggler there; the alert and the exporter agree.
-    floor = alert.cfg["diagnosis"]["skew_floor_s"]
+    floor = alert.cfg.diagnosis.skew_floor_s
     return {
         "expr": f"max by (job) ({STRAGGLER_RATIO}) > {thr} and on (job) {SKEW} > {floor:g}",
         "summary": f"Job {{{{ $labels.job }}}} has a straggler: rank {straggler}.",
         "description": (
             f"Rank {straggler} of job {{{{ $labels.job }}}} arrives at collectives last, "
             "{{ $value | humanizePercentage }} of a step after the earliest rank (threshold "
-            f"{pct(thr)} and {floor * 1e3:g} ms, averaged over {w['straggler']}). Every other "
+            f"{pct(thr)} and {floor * 1e3:g} ms, averaged over {w.straggler}). Every other "
             "rank waits for it; "
             f"{M.STRAGGLER_CAUSE.name} names the suspected cause."
         ),
@@ -56,7 +56,7 @@ def structural_coupling_text(alert: AlertInput) -> dict[str, Any]:
     # healthy: one that says infrastructure, or cannot tell (no GPU telemetry), keeps it silent.
     healthy = sel(alert.cfg, M.JOB_VERDICT.name, 'verdict="coupling"', 'hardware="healthy"')
     other = sel(alert.cfg, M.JOB_VERDICT.name, 'hardware!="healthy"')
-    score = alert.cfg["diagnosis"]["verdict_score"]
+    score = alert.cfg.diagnosis.verdict_score
     modes = listing(
         f"max by (mode) ({M.DIAGNOSIS.name}{{{THIS_JOB}}}) >= {score:g}",
         "{{ $s.Labels.mode }}",

@@ -95,15 +95,15 @@ from syncscope.monitoring.dashboards.templating import (
     variables,
 )
 from syncscope.monitoring.dashboards.triage import triage, triage_table  # noqa: F401 - the package's API
-from syncscope.thresholds import load_config
+from syncscope.thresholds import Thresholds, load_config
 
 
 def build_dashboard(
     uid: str,
     title: str,
     description: str,
-    cfg: Mapping[str, Any],
-    rows: Callable[[Mapping[str, Any]], list[tuple[str, list[tuple[int, int, Any]]]]],
+    cfg: Thresholds,
+    rows: Callable[[Thresholds], list[tuple[str, list[tuple[int, int, Any]]]]],
     links_to: tuple[str, str],
 ) -> dict[str, Any]:
     dash = (
@@ -162,7 +162,7 @@ def build_dashboard(
     return data
 
 
-def dashboards(cfg: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def dashboards(cfg: Thresholds) -> dict[str, dict[str, Any]]:
     overview = build_dashboard(
         OVERVIEW_UID,
         "syncscope / Job overview",
@@ -188,7 +188,7 @@ def dashboards(cfg: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 # ------------------------------------------------------------------------------ query list
 
 
-def rule_dependencies(cfg: Mapping[str, Any]) -> dict[str, set[str]]:
+def rule_dependencies(cfg: Thresholds) -> dict[str, set[str]]:
     """Recorded series -> the raw contract metrics it is computed from (transitively)."""
     direct: dict[str, set[str]] = {}
     for rule in R.recording_rules(cfg):
@@ -222,7 +222,7 @@ NEEDS = (
 )
 
 
-def needs(expr: str, cfg: Mapping[str, Any]) -> list[str]:
+def needs(expr: str, cfg: Thresholds) -> list[str]:
     """What a query needs beyond a running job to return anything (the flags in queries.json).
 
     gpu / pacing / straggler / rejections: contract series that exist only with a GPU, with
@@ -245,7 +245,7 @@ def needs(expr: str, cfg: Mapping[str, Any]) -> list[str]:
     return [flag for flag in NEEDS if flag in found]
 
 
-def query_list(dashes: dict[str, dict[str, Any]], cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+def query_list(dashes: dict[str, dict[str, Any]], cfg: Thresholds) -> list[dict[str, Any]]:
     out = []
     for uid, dash in dashes.items():
         for panel in dash["panels"]:
@@ -264,7 +264,7 @@ def query_list(dashes: dict[str, dict[str, Any]], cfg: Mapping[str, Any]) -> lis
     return out
 
 
-def render_files(cfg: Mapping[str, Any]) -> dict[str, str]:
+def render_files(cfg: Thresholds) -> dict[str, str]:
     """File name -> text: each dashboard as ``<uid>.json`` and the query list."""
     dashes = dashboards(cfg)
     files = {
@@ -338,7 +338,7 @@ def evaluable_queries(
     rate_interval: str = "1m",
     range_: str = "1h",
     have: Iterable[str] = (),
-    cfg: Mapping[str, Any] | None = None,
+    cfg: Thresholds | None = None,
 ) -> list[dict[str, Any]]:
     """Every dashboard query with Grafana's variables filled in, for a real Prometheus to run.
 
@@ -367,7 +367,7 @@ def evaluable_queries(
 
 
 def panel_queries(
-    cfg: Mapping[str, Any] | None = None,
+    cfg: Thresholds | None = None,
     *,
     job: str,
     rank: str | None = None,
@@ -393,7 +393,7 @@ def panel_queries(
     )
 
 
-def annotation_queries(cfg: Mapping[str, Any] | None = None, **values: str) -> list[dict[str, Any]]:
+def annotation_queries(cfg: Thresholds | None = None, **values: str) -> list[dict[str, Any]]:
     """The dashboards' annotation queries (name, expr, step, ...) with ``promql`` filled in
     from variable_values(**values)."""
     cfg = load_config() if cfg is None else cfg

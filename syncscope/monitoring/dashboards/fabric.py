@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from grafana_foundation_sdk.builders import (
@@ -39,9 +39,10 @@ from syncscope.monitoring.dashboards.queries import (
     rec,
 )
 from syncscope.monitoring.promql import sel
+from syncscope.thresholds import Thresholds, required
 
 
-def fabric_locality(cfg: Mapping[str, Any]) -> list[tuple[str, list[tuple[int, int, Any]]]]:
+def fabric_locality(cfg: Thresholds) -> list[tuple[str, list[tuple[int, int, Any]]]]:
     """Rows for the fabric and GPU-locality failure modes: bandwidth, contention, skew, topology."""
     node_coll = lambda m: sel(cfg, m, JOB, NODE)  # noqa: E731 - per node, per op and group
     seconds, wait = (
@@ -113,7 +114,7 @@ def fabric_locality(cfg: Mapping[str, Any]) -> list[tuple[str, list[tuple[int, i
 
 
 def _fabric_slow_link_and_contention_1(
-    cfg: Mapping[str, Any], *, nodes: Any
+    cfg: Thresholds, *, nodes: Any
 ) -> list[tuple[int, int, Any]]:
     """Fabric row "Fabric: slow link and contention", panels, part 1."""
     return [
@@ -142,7 +143,10 @@ def _fabric_slow_link_and_contention_1(
                 nodes(R.LINK_CAPACITY_RATIO, lowest=True),
                 "percentunit",
                 thresholds=steps(
-                    (cfg["alerts"]["SyncscopeSlowLink"]["levels"][0]["threshold"], "green"),
+                    (
+                        required(cfg.alerts["SyncscopeSlowLink"].levels[0].threshold, "threshold"),
+                        "green",
+                    ),
                     base="red",
                 ),
                 band=True,
@@ -188,7 +192,7 @@ def _fabric_slow_link_and_contention_1(
     ]
 
 
-def _fabric_slow_link_and_contention_2(cfg: Mapping[str, Any]) -> list[tuple[int, int, Any]]:
+def _fabric_slow_link_and_contention_2(cfg: Thresholds) -> list[tuple[int, int, Any]]:
     """Fabric row "Fabric: slow link and contention", panels, part 2."""
     return [
         (
@@ -209,7 +213,7 @@ def _fabric_slow_link_and_contention_2(cfg: Mapping[str, Any]) -> list[tuple[int
 
 
 def _fabric_slow_link_and_contention(
-    cfg: Mapping[str, Any], *, nodes: Any
+    cfg: Thresholds, *, nodes: Any
 ) -> tuple[str, list[tuple[int, int, Any]]]:
     """Fabric row: Fabric: slow link and contention."""
     return (
@@ -222,7 +226,7 @@ def _fabric_slow_link_and_contention(
 
 
 def _fabric_collectives(
-    cfg: Mapping[str, Any], *, seconds: Any, wait: Any, groups: Any
+    cfg: Thresholds, *, seconds: Any, wait: Any, groups: Any
 ) -> tuple[str, list[tuple[int, int, Any]]]:
     """Fabric row: Collectives."""
     return (
@@ -288,7 +292,7 @@ def _fabric_collectives(
 
 
 def _fabric_arrival_skew(
-    cfg: Mapping[str, Any], *, lead: Any, waiting: Any
+    cfg: Thresholds, *, lead: Any, waiting: Any
 ) -> tuple[str, list[tuple[int, int, Any]]]:
     """Fabric row: Arrival skew."""
     return (
@@ -342,7 +346,7 @@ def _fabric_arrival_skew(
 
 
 def _fabric_gpu_locality_1(
-    cfg: Mapping[str, Any], *, gpu_rank: Any, topology: Any, info: Any
+    cfg: Thresholds, *, gpu_rank: Any, topology: Any, info: Any
 ) -> list[tuple[int, int, Any]]:
     """Fabric row "GPU locality", panels, part 1."""
     return [
@@ -426,7 +430,7 @@ def _fabric_gpu_locality_1(
     ]
 
 
-def _fabric_gpu_locality_2(cfg: Mapping[str, Any], *, gpu_rank: Any) -> list[tuple[int, int, Any]]:
+def _fabric_gpu_locality_2(cfg: Thresholds, *, gpu_rank: Any) -> list[tuple[int, int, Any]]:
     """Fabric row "GPU locality", panels, part 2."""
     return [
         (
@@ -478,7 +482,7 @@ def _fabric_gpu_locality_2(cfg: Mapping[str, Any], *, gpu_rank: Any) -> list[tup
 
 
 def _fabric_gpu_locality(
-    cfg: Mapping[str, Any], *, gpu_rank: Any, topology: Any, info: Any
+    cfg: Thresholds, *, gpu_rank: Any, topology: Any, info: Any
 ) -> tuple[str, list[tuple[int, int, Any]]]:
     """Fabric row: GPU locality."""
     return (

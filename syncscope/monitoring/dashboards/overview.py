@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from grafana_foundation_sdk.builders import (
@@ -47,12 +46,13 @@ from syncscope.monitoring.dashboards.queries import (
 )
 from syncscope.monitoring.dashboards.triage import triage
 from syncscope.monitoring.promql import sel
+from syncscope.thresholds import Thresholds, required
 
 
-def job_overview(cfg: Mapping[str, Any]) -> list[tuple[str, list[tuple[int, int, Any]]]]:
+def job_overview(cfg: Thresholds) -> list[tuple[str, list[tuple[int, int, Any]]]]:
     """Rows of (width, height, panel): triage first, then the paper's failure modes."""
-    straggler = cfg["alerts"]["SyncscopeStraggler"]["levels"][0]["threshold"]
-    diagnosis = cfg["diagnosis"]["verdict_score"]
+    straggler = required(cfg.alerts["SyncscopeStraggler"].levels[0].threshold, "threshold")
+    diagnosis = cfg.diagnosis.verdict_score
     phases = M.PHASE_SECONDS_TOTAL.name
     busy = ratio_per_rank(
         cfg, (phases, ('phase!~"comm_exposed|pacing"',)), (M.STEPS_TOTAL.name, ())
@@ -75,7 +75,7 @@ def job_overview(cfg: Mapping[str, Any]) -> list[tuple[str, list[tuple[int, int,
     dropped = ratio_per_rank(
         cfg, (M.AGENT_RECORDS_DROPPED_TOTAL.name, ()), (M.STEPS_TOTAL.name, ())
     )
-    exporter = cfg["selectors"]["exporter"]
+    exporter = cfg.selectors.exporter
     return [
         _overview_triage_which_ranks_are_late(cfg),
         _overview_job_health(cfg, straggler=straggler),
@@ -93,14 +93,14 @@ def job_overview(cfg: Mapping[str, Any]) -> list[tuple[str, list[tuple[int, int,
 
 
 def _overview_triage_which_ranks_are_late(
-    cfg: Mapping[str, Any],
+    cfg: Thresholds,
 ) -> tuple[str, list[tuple[int, int, Any]]]:
     """Overview row: Triage: which ranks are late, where, why, since when, at what cost."""
     return ("Triage: which ranks are late, where, why, since when, at what cost", triage(cfg))
 
 
 def _overview_job_health(
-    cfg: Mapping[str, Any], *, straggler: Any
+    cfg: Thresholds, *, straggler: Any
 ) -> tuple[str, list[tuple[int, int, Any]]]:
     """Overview row: Job health."""
     return (
@@ -182,9 +182,9 @@ def _job_and_per_gpu(title: str, desc: str, job: str, per_gpu: str) -> Any:
     return panel.override_by_name("per GPU", [prop("custom.axisPlacement", "right")])
 
 
-def _overview_work_and_energy(cfg: Mapping[str, Any]) -> tuple[str, list[tuple[int, int, Any]]]:
+def _overview_work_and_energy(cfg: Thresholds) -> tuple[str, list[tuple[int, int, Any]]]:
     """Overview row: Work done and the energy it takes."""
-    slow = cfg["intervals"]["slow_rules"]
+    slow = cfg.intervals.slow_rules
     per_unit = ts(
         "Joules per sample",
         "Energy per sample over each point's interval, and per token (right axis): the job's "
@@ -237,9 +237,9 @@ def _overview_work_and_energy(cfg: Mapping[str, Any]) -> tuple[str, list[tuple[i
     )
 
 
-def _overview_goodput_and_cost(cfg: Mapping[str, Any]) -> tuple[str, list[tuple[int, int, Any]]]:
+def _overview_goodput_and_cost(cfg: Thresholds) -> tuple[str, list[tuple[int, int, Any]]]:
     """Overview row: Goodput and cost, over the job's whole life (its restarts included)."""
-    slow = cfg["intervals"]["slow_rules"]
+    slow = cfg.intervals.slow_rules
     goodput = (
         "Productive step time, less the steps restarts ran again, over the rank-seconds since "
         "the job's first process started (world size x elapsed): each step less its data "
@@ -295,9 +295,9 @@ def _overview_goodput_and_cost(cfg: Mapping[str, Any]) -> tuple[str, list[tuple[
     )
 
 
-def _overview_trends(cfg: Mapping[str, Any]) -> tuple[str, list[tuple[int, int, Any]]]:
+def _overview_trends(cfg: Thresholds) -> tuple[str, list[tuple[int, int, Any]]]:
     """Overview row: the job against its own first days (set the time range to its life)."""
-    day = cfg["windows"]["trend"]
+    day = cfg.windows.trend
     life = (
         f"Each point: the {day} up to it. Set the time range to the job's life to read it "
         "against its own first days (the scenario: runtime variance grows, re-runs increase)."
@@ -376,7 +376,7 @@ def _overview_cost(slow: str) -> list[tuple[int, int, Any]]:
 
 
 def _overview_step_time_and_phases_1(
-    cfg: Mapping[str, Any], *, busy: Any, by_phase: Any, every_rank_phase: Any
+    cfg: Thresholds, *, busy: Any, by_phase: Any, every_rank_phase: Any
 ) -> list[tuple[int, int, Any]]:
     """Overview row "Step time and phases", panels, part 1."""
     return [
@@ -455,7 +455,7 @@ def _overview_step_time_and_phases_1(
 
 
 def _overview_step_time_and_phases_2(
-    cfg: Mapping[str, Any], *, exposed: Any
+    cfg: Thresholds, *, exposed: Any
 ) -> list[tuple[int, int, Any]]:
     """Overview row "Step time and phases", panels, part 2."""
     return [
@@ -490,7 +490,7 @@ def _overview_step_time_and_phases_2(
 
 
 def _overview_step_time_and_phases(
-    cfg: Mapping[str, Any], *, busy: Any, exposed: Any, by_phase: Any, every_rank_phase: Any
+    cfg: Thresholds, *, busy: Any, exposed: Any, by_phase: Any, every_rank_phase: Any
 ) -> tuple[str, list[tuple[int, int, Any]]]:
     """Overview row: Step time and phases."""
     return (
@@ -505,7 +505,7 @@ def _overview_step_time_and_phases(
 
 
 def _overview_where_the_job_waits(
-    cfg: Mapping[str, Any],
+    cfg: Thresholds,
 ) -> tuple[str, list[tuple[int, int, Any]]]:
     """Overview row: Where the job waits: process groups and the wait chain."""
     return (
@@ -518,7 +518,7 @@ def _overview_where_the_job_waits(
                     "Rank-time lost per process group",
                     "Share of the job's rank-time each process group's collectives take "
                     "beyond the rank that spends least in them (groups by their mesh "
-                    f"dimension: dp, tp, pp, shard, ...), over {cfg['windows']['straggler']}. "
+                    f"dimension: dp, tp, pp, shard, ...), over {cfg.windows.straggler}. "
                     "Where a tensor- or pipeline-parallel job loses its time.",
                     [q(rec(R.GROUP_WAIT), "{{group}}")],
                     "percentunit",
@@ -558,7 +558,7 @@ def _overview_where_the_job_waits(
 
 
 def _overview_synchronization(
-    cfg: Mapping[str, Any], *, straggler: Any, diagnosis: Any
+    cfg: Thresholds, *, straggler: Any, diagnosis: Any
 ) -> tuple[str, list[tuple[int, int, Any]]]:
     """Overview row: Synchronization."""
     return (
@@ -585,7 +585,7 @@ def _overview_synchronization(
                 ts(
                     "Arrival lead: the latest ranks",
                     "How early each rank reaches collectives compared with the last one, "
-                    f"job-wide (seconds per step, over {cfg['windows']['straggler']}), for the "
+                    f"job-wide (seconds per step, over {cfg.windows.straggler}), for the "
                     f"{TOP} selected ranks lowest over the time range, and the job's median "
                     "and band. The straggler sits at zero.",
                     ranks_that_stand_out(
@@ -634,7 +634,7 @@ def _overview_synchronization(
 
 
 def _overview_pacing(
-    cfg: Mapping[str, Any], *, engagements: Any
+    cfg: Thresholds, *, engagements: Any
 ) -> tuple[str, list[tuple[int, int, Any]]]:
     """Overview row: Pacing."""
     return (
@@ -701,7 +701,7 @@ def _overview_pacing(
 
 
 def _overview_alerts_agents_and_exporters_1(
-    cfg: Mapping[str, Any], *, dropped: Any
+    cfg: Thresholds, *, dropped: Any
 ) -> list[tuple[int, int, Any]]:
     """Overview row "Alerts, agents and exporters", panels, part 1."""
     return [
@@ -779,7 +779,7 @@ def _overview_alerts_agents_and_exporters_1(
 
 
 def _overview_alerts_agents_and_exporters_2(
-    cfg: Mapping[str, Any], *, exporter: Any
+    cfg: Thresholds, *, exporter: Any
 ) -> list[tuple[int, int, Any]]:
     """Overview row "Alerts, agents and exporters", panels, part 2."""
     return [
@@ -841,7 +841,7 @@ def _overview_alerts_agents_and_exporters_2(
 
 
 def _overview_alerts_agents_and_exporters(
-    cfg: Mapping[str, Any], *, dropped: Any, exporter: Any
+    cfg: Thresholds, *, dropped: Any, exporter: Any
 ) -> tuple[str, list[tuple[int, int, Any]]]:
     """Overview row: Alerts, agents and exporters."""
     return (

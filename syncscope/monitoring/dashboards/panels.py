@@ -18,6 +18,7 @@ from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import prometheus as pm
 
 from syncscope.monitoring.dashboards.common import DS, GRID_WIDTH
+from syncscope.thresholds import Thresholds, required
 
 
 def q(expr: str, legend: str = "", *, instant: bool = False, table_format: bool = False):
@@ -42,11 +43,11 @@ def steps(*levels: tuple[float, str], base: str = "green") -> db.ThresholdsConfi
     )
 
 
-def alert_steps(cfg: Mapping[str, Any], alert: str) -> db.ThresholdsConfig:
+def alert_steps(cfg: Thresholds, alert: str) -> db.ThresholdsConfig:
     """Orange at the warning threshold, red at the critical one: the alert's own levels."""
     colours = {"warning": "orange", "critical": "red"}
-    levels = cfg["alerts"][alert]["levels"]
-    return steps(*((lv["threshold"], colours[lv["severity"]]) for lv in levels))
+    levels = cfg.alerts[alert].levels
+    return steps(*((required(lv.threshold, "threshold"), colours[lv.severity]) for lv in levels))
 
 
 def value_map(*entries: tuple[float, str, str]) -> list[dm.ValueMapping]:

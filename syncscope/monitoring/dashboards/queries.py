@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from syncscope import catalog as M
@@ -21,6 +21,7 @@ from syncscope.monitoring.dashboards.common import (
 )
 from syncscope.monitoring.dashboards.panels import q
 from syncscope.monitoring.promql import sel
+from syncscope.thresholds import Thresholds
 
 
 def rec(name: str, *matchers: str) -> str:
@@ -37,7 +38,7 @@ def indent(expr: str, by: int = 2) -> str:
 PerRank = Callable[[str | None, str, Sequence[str]], str]
 
 
-def gauge_per_rank(cfg: Mapping[str, Any], metric: str, *, recorded: bool = False) -> PerRank:
+def gauge_per_rank(cfg: Thresholds, metric: str, *, recorded: bool = False) -> PerRank:
     """A per-rank gauge (or recorded per-rank series); over a window, its mean."""
 
     def expr(window: str | None, at: str, matchers: Sequence[str]) -> str:
@@ -49,7 +50,7 @@ def gauge_per_rank(cfg: Mapping[str, Any], metric: str, *, recorded: bool = Fals
 
 
 def ratio_per_rank(
-    cfg: Mapping[str, Any],
+    cfg: Thresholds,
     num: tuple[str, Sequence[str]],
     den: tuple[str, Sequence[str]],
 ) -> PerRank:
@@ -92,7 +93,7 @@ def ranks_that_stand_out(
     return targets
 
 
-def phase_per_step(cfg: Mapping[str, Any], window: str, *matchers: str) -> str:
+def phase_per_step(cfg: Thresholds, window: str, *matchers: str) -> str:
     """Each rank's seconds per step in the phases matched (labels job, node, rank)."""
     return ratio_per_rank(cfg, (M.PHASE_SECONDS_TOTAL.name, matchers), (M.STEPS_TOTAL.name, ()))(
         window, "", ()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from grafana_foundation_sdk.builders import dashboard as db
@@ -21,9 +20,10 @@ from syncscope.monitoring.dashboards.common import (
 )
 from syncscope.monitoring.dashboards.queries import rec
 from syncscope.monitoring.promql import sel
+from syncscope.thresholds import Thresholds
 
 
-def variables(cfg: Mapping[str, Any]) -> list[Any]:
+def variables(cfg: Thresholds) -> list[Any]:
     def query_var(name: str, label: str, query: str, sort: dm.VariableSort) -> Any:
         return (
             db.QueryVariable(name)
@@ -71,10 +71,10 @@ def variables(cfg: Mapping[str, Any]) -> list[Any]:
 
 # Annotations on both dashboards: Prometheus annotation queries (Grafana reads expr, step,
 # titleFormat, textFormat, tagKeys from the annotation itself; the SDK writes only expr).
-def annotation_specs(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+def annotation_specs(cfg: Thresholds) -> list[dict[str, Any]]:
     step = ANNOTATION_STEP
     steps_total = sel(cfg, M.STEPS_TOTAL.name, JOB)
-    start = f"{M.EXPORTER_START_TIME_SECONDS.name}{{{cfg['selectors']['exporter']}}}"
+    start = f"{M.EXPORTER_START_TIME_SECONDS.name}{{{cfg.selectors.exporter}}}"
     return [
         {
             "name": "Syncscope alerts firing",

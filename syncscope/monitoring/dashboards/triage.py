@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from grafana_foundation_sdk.models import dashboard as dm
@@ -29,13 +28,14 @@ from syncscope.monitoring.dashboards.queries import (
     straggler_alert_age,
 )
 from syncscope.monitoring.promql import sel
+from syncscope.thresholds import Thresholds, required
 
 
-def triage_table(cfg: Mapping[str, Any]) -> Any:
+def triage_table(cfg: Thresholds) -> Any:
     """The triage row's table: the latest ranks with their node, GPU, cause, phases against the
     job's median rank, alert age and cost (targets A..L merged on job and rank)."""
-    straggler = cfg["alerts"]["SyncscopeStraggler"]["levels"][0]["threshold"]
-    window = cfg["windows"]["straggler"]
+    straggler = required(cfg.alerts["SyncscopeStraggler"].levels[0].threshold, "threshold")
+    window = cfg.windows.straggler
     targets = _triage_targets(cfg, window)
     rename = _triage_rename()
     columns = _triage_columns(straggler)
@@ -62,7 +62,7 @@ def triage_table(cfg: Mapping[str, Any]) -> Any:
     )
 
 
-def _triage_targets(cfg: Mapping[str, Any], window: str) -> list[Any]:
+def _triage_targets(cfg: Thresholds, window: str) -> list[Any]:
     """A lateness, B of a step, C cause, D GPU, E last report, F.. phases, K alert, L cost."""
     median = "\n- on (job) group_left ()\n  quantile by (job) (0.5, {0})"
     targets = [
@@ -231,7 +231,7 @@ def _triage_columns(straggler: float) -> dict[str, list[dm.DynamicConfigValue]]:
     return columns
 
 
-def triage(cfg: Mapping[str, Any]) -> list[tuple[int, int, Any]]:
+def triage(cfg: Thresholds) -> list[tuple[int, int, Any]]:
     return [
         (24, 8, triage_table(cfg)),
         (
