@@ -344,3 +344,39 @@ class VMAlert(_Server):
             args.append(f"-notifier.url={notifier_url}")
         super().__init__(_vm_binary("vmalert"), args, port)
         self.api = PrometheusAPI(self.url, timeout=10.0)
+
+
+class VMAgent(_Server):
+    """A real vmagent on 127.0.0.1: shard ``shard`` of ``shards`` scraping the targets in
+    ``config_text`` (prometheus_config.render_scrape_config) and remote-writing to
+    ``remote_write_url`` (a VictoriaMetrics' ``/api/v1/write``). Shards given the same config
+    split the targets by a hash of each target's labels (``-promscrape.cluster.*``): each is
+    scraped by exactly one shard."""
+
+    ready_path = "/health"
+    listen_flag = "-httpListenAddr"
+
+    def __init__(
+        self,
+        config_text: str,
+        workdir: str,
+        remote_write_url: str,
+        shard: int = 0,
+        shards: int = 1,
+        port: int | None = None,
+    ) -> None:
+        config = _write(workdir, f"vmagent-{shard}.yml", config_text)
+        args = [
+            f"-promscrape.config={config}",
+            f"-remoteWrite.url={remote_write_url}",
+            f"-remoteWrite.tmpDataPath={os.path.join(workdir, f'vmagent-{shard}-data')}",
+            "-remoteWrite.flushInterval=200ms",
+            f"-promscrape.cluster.membersCount={shards}",
+            f"-promscrape.cluster.memberNum={shard}",
+        ]
+        super().__init__(_vm_binary("vmagent"), args, port)
+
+    def scraped(self) -> set[str]:
+        """The targets this shard scrapes (host:port), as its targets API lists them."""
+        data = get_json(self.url + "/api/v1/targets")
+        return {t["labels"]["instance"] for t in data["data"]["activeTargets"]}

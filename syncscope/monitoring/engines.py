@@ -12,6 +12,7 @@ rules: adapt the generator, never the output.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,11 +36,40 @@ VMALERT_UNSUPPORTED_FIELDS = {
     ),
 }
 
-DIFFERENCES = dict(VMALERT_UNSUPPORTED_FIELDS)
+# Prometheus evaluates a group's rules in order and a rule reads the results of the rules
+# before it in the same evaluation; vmalert reads them back from VictoriaMetrics, where they
+# arrive after its remote write, so a rule reads an earlier evaluation's (measured: the arrival
+# lead `ratio - min(ratio)` of the rank waiting least was never exactly 0, so the straggler's
+# `lead == 0` matched nothing and no straggler was ever recorded). For vmalert, a reference to a
+# record of the same group without a selector or range is replaced by that record's expression.
+SAME_GROUP_RECORDS = (
+    "vmalert reads a record of the same group from VictoriaMetrics, an evaluation late: "
+    "bare references to such records are inlined as their expressions"
+)
+
+DIFFERENCES = {**VMALERT_UNSUPPORTED_FIELDS, "same_group_records": SAME_GROUP_RECORDS}
 
 
 def _vmalert_rule(rule: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in rule.items() if k not in VMALERT_UNSUPPORTED_FIELDS}
+
+
+def _inline_same_group(group_rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each rule with its bare references to records defined earlier in the group replaced by
+    their (already inlined) expressions; references with a selector or a range keep reading
+    the stored series."""
+    defined: dict[str, str] = {}
+    out = []
+    for rule in group_rules:
+        expr = str(rule["expr"])
+        for name, body in defined.items():
+            bare = re.compile(rf"(?<![\w:]){re.escape(name)}(?![\w:{{\[])")
+            inlined = f"({body})"
+            expr = bare.sub(lambda _match: inlined, expr)  # noqa: B023 - used at once
+        out.append({**rule, "expr": expr})
+        if "record" in rule:
+            defined[rule["record"]] = expr.strip()
+    return out
 
 
 def rule_groups(cfg: Thresholds, engine: str = "prometheus") -> dict[str, Any]:
@@ -51,7 +81,7 @@ def rule_groups(cfg: Thresholds, engine: str = "prometheus") -> dict[str, Any]:
         return groups
     out = copy.deepcopy(groups)
     for group in out["groups"]:
-        group["rules"] = [_vmalert_rule(rule) for rule in group["rules"]]
+        group["rules"] = _inline_same_group([_vmalert_rule(rule) for rule in group["rules"]])
     return out
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from syncscope import catalog
-from syncscope.monitoring import dashboards, engines, prometheus_config, rules
+from syncscope.monitoring import dashboards, engines, prometheus_config, rules, victoriametrics
 from syncscope.thresholds import load_config
 
 RULES_PATH = "deploy/prometheus/rules/syncscope.rules.yml"
@@ -46,6 +46,8 @@ def checked_in_files(root: Path) -> dict[Path, str]:
         COMPOSE_PROMETHEUS_PATH: prometheus_config.compose_config(),
         CONTRACT_PATH: catalog.contract_text(),
     }
+    # The topology beyond one Prometheus: vmagent shards, VictoriaMetrics, vmalert.
+    files.update(victoriametrics.files(cfg))
     for name, text in dashboards.render_files(cfg).items():
         files[f"{DASHBOARDS_DIR}/{name}"] = text
     readme = root / README_PATH
