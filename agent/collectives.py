@@ -387,6 +387,7 @@ class _Kernels:
         self._libraries: list[Any] = []
         self._work_wait: Any = None
         self.native: Native | None = None  # the C++ kernels, while installed
+        self._native_dropped = 0  # the C++ kernels' drop count at the last poll
         self._groups: dict[int, tuple[str, str]] = {}  # the C++ kernels' group table
         self._poll_lock = threading.Lock()
 
@@ -412,6 +413,10 @@ class _Kernels:
         with self._poll_lock:  # the reporter's thread and close() may both poll
             records = native.drain()
             active = self.active
+            dropped = native.dropped
+            for interceptor in active:  # records the C++ buffer had no room for
+                interceptor.dropped += dropped - self._native_dropped
+            self._native_dropped = dropped
             for op, group, size, t0, t1, step, in_autograd in records:
                 name, desc = self._group(native, group)
                 for interceptor in active:
@@ -469,6 +474,7 @@ class _Kernels:
 
         self.native = native.load(torch)
         self._groups = {}
+        self._native_dropped = self.native.dropped if self.native is not None else 0
         return self.native
 
     def _uninstall(self) -> None:

@@ -89,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
     if probe.patch is not None:
         probe.patch.poll()
     per_step = len([c for c in probe.queues.collectives if c[0] != "ddp_grad_sync"]) / 3
-    kernel = probe.patch.kernel if probe.patch is not None else "no"
+    kernel = probe.patch.kernel if probe.patch is not None else "no (interception off)"
     probe.close()
     rounds = []
     for r in range(args.rounds):

@@ -318,3 +318,22 @@ def test_without_a_built_library_the_python_kernel_serves_and_says_why(tmp_path)
     ).stdout
     assert f"no C++ collective kernel for torch {torch.__version__} at {tmp_path}" in out, out
     assert "KERNEL python [('all_reduce', 'default_pg', 16)]" in out, out
+
+
+def test_records_the_cpp_buffer_has_no_room_for_are_counted_as_dropped(gloo_world_of_one):
+    """Nobody polls while 100 more collectives than the C++ buffer holds (65,536) run: every one
+    is either queued or counted as dropped (the queue's own tail drop included)."""
+    queues = RecordQueues(1024)
+    interceptor = CollectiveInterceptor(queues, GroupLabels(), Blocked())
+    interceptor.install()
+    try:
+        assert interceptor.kernel == "c++"
+        t = torch.ones(1)
+        n = 65_536 + 100
+        for _ in range(n):
+            dist.all_reduce(t)
+        interceptor.poll()
+        assert len(queues.collectives) + interceptor.dropped == n
+        assert interceptor.dropped >= 100
+    finally:
+        interceptor.uninstall()
