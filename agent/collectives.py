@@ -7,12 +7,13 @@ recv, DDP's reducer, a user's comm hook — ends in a ProcessGroup method whose 
 the dispatcher op `c10d::<op>` (torch/csrc/distributed/c10d/ProcessGroup.hpp). A kernel
 registered for those ops at the BackendSelect key sees every call, redispatches it to the
 backend's kernel, and times those on CPU tensors. The kernel is C++ where its library is built
-(native.py, csrc/c10d_timing.cpp, ~4 µs a call): it times each op from its issue to its
+(native.py, csrc/c10d_timing.cpp): it times each op from its issue to its
 completion (the Work's future, else the end of its first wait) and keeps the records until
 `poll()` moves them into the queue; the transports poll before they drain. Elsewhere a Python
-kernel (`torch.library`, ~35 µs a call) times from the issue to the end of the first wait for
+kernel (`torch.library`, several times dearer per call) times from the issue to the end of the first wait for
 it, `Work.wait` or `wait_tensor` for a functional collective (a completion callback on the
-future costs ~45 µs more in Python). Why not elsewhere, and what it costs: docs/parallelism.md.
+future would cost more again in Python). Why not elsewhere, and what each costs
+(bench/bench_collective_kernel.py): docs/parallelism.md.
 
 Time blocked: `Work.wait` (what every synchronous collective, FSDP2 and pipelining call) and
 `_c10d_functional::wait_tensor` (DTensor's AsyncCollectiveTensor) add the time the training

@@ -614,7 +614,7 @@ def wrap_forward(model: Any, timed: Callable[[Callable[..., Any]], Callable[...,
     becomes `timed(original)` (PhaseClock.timed_forward).
 
     Not register_forward_(pre_)hook: any module hook sends every call through nn.Module's slow
-    path, 5-7 µs per step for the pair on this machine; the wrapper ~1 µs (bench_hook_costs.py).
+    path, several times the wrapper's cost per step (bench/bench_hook_costs.py measures both).
     An exception in forward passes through untouched (the next forward restarts the phase).
     """
     had_own = "forward" in model.__dict__

@@ -13,7 +13,7 @@ production), one column per agent and one for their difference:
   flushes land in the rounds at their mean rate, most often the agent's first, which opens its
   connection: the dearest): the median of per-round ratios with a 90 % bootstrap interval,
   and the ratio of the means over all rounds.
-  Targets: <= 25 µs of training-thread CPU per step and <= 0.5 % on a 10 ms step (issue 7).
+  Targets: <= 25 µs of training-thread CPU per step and <= 0.5 % on a 10 ms step.
 Then each reporter's CPU per flush, and the longest GIL pause a background reporter inflicts
 on a CPU-bound Python thread, in steady state and when it drains full queues after a backlog.
 By default the trainer (with its reporter thread) is pinned to CPU 0 and the exporter to CPU 1,
@@ -22,7 +22,7 @@ reporter shares the trainer's core, so its CPU lands on the step time in full: t
 Run: .venv/bin/python bench/bench_agent_overhead.py [--rounds 20] [--step-rounds 240] [--processes 4]
          [--against HEAD | --against none] [--transport http|shm] [--pauses] [--no-pin]
 
-Issue 18 modes (any of them skips the scenarios above unless asked for):
+Further modes (any of them skips the scenarios above unless asked for):
   --sizes R   cost vs model size: training-thread CPU per step with minus without the agent
               (hooks only / HTTP reporter / shm ring) for ~0.2, 2, 10 and 50 ms steps, R
               interleaved rounds, paired differences with quartiles and the slope on step time;
@@ -489,7 +489,7 @@ def pauses(url: str, packages: dict[str, ModuleType]) -> None:
     table.row("records sent / dropped", counts)
 
 
-# -- issue 18: cost vs model size, the shm transport's pauses, a 4-rank job, the projection -----
+# -- cost vs model size, the shm transport's pauses, a 4-rank job, the projection -----
 SIZES = (  # (label, hidden, layers, batch): about 0.2, 2, 10 and 50 ms CPU steps here
     ("~0.2 ms", 16, 1, 4),
     ("~2 ms", 256, 3, 160),

@@ -1,6 +1,6 @@
 """Pacing evaluation on real 4-rank gloo jobs: baseline vs pacing, interleaved, per scenario.
 
-Scenarios (issue 4): (a) a steady straggler, (b) intermittent jitter on random ranks,
+Scenarios: (a) a steady straggler, (b) intermittent jitter on random ranks,
 (c) no imbalance. Each run is a fresh exporter + `syncscope.lab.workload`; off and on alternate so
 that drift in the machine's load hits both alike. Reported per mode (medians over rounds):
 throughput (steps/s), step-time CV, mean wait per step over all ranks, total pacing delay.

@@ -1,5 +1,5 @@
 """Prometheus at scale: N emulated node exporters scraped by a real Prometheus with the shipped
-configuration and rules, a straggler planted on one rank (issue 20).
+configuration and rules, a straggler planted on one rank.
 
 Each emulated node is an exporter's own Store (exporter.store, default Settings) fed by its
 ranks through the real ingest path (app.parse_batch, then Store.ingest) with agent bodies in
