@@ -288,6 +288,17 @@ def test_victoriametrics_compose_shards_the_scrape_and_points_everything_at_one_
     assert (VM / "rules" / "syncscope.rules.yml").exists(), rules_mount
 
 
+def test_both_compose_files_pin_the_same_images_for_the_services_they_share():
+    # The root compose file is written by hand and the VictoriaMetrics one generated: an image
+    # upgraded in one must not leave the other behind.
+    root, vm = compose()["services"], vm_compose()["services"]
+    shared = sorted(set(root) & set(vm))
+    assert {"exporter", "trainer", "alertmanager", "grafana"} <= set(shared), shared
+    assert {name: vm[name]["image"] for name in shared} == {
+        name: root[name]["image"] for name in shared
+    }
+
+
 def test_vmagent_accepts_the_shards_scrape_config():
     if shutil.which("vmagent") is None:
         pytest.skip("vmagent not installed (scripts/setup test installs victoria-metrics)")
