@@ -218,11 +218,12 @@ class Agent:
         with contextlib.suppress(Exception):  # static facts, sampled once, off the hot path
             topology = with_link(self.topology, self.link, self.labels.facts)()
         if topology:
-            from syncscope.agent.topology import ENERGY_KEY
+            from syncscope.agent.topology import LIVE_KEYS
 
             # Written once into the ring's header: a counter frozen there would read as a GPU
-            # that draws no energy. No series instead (docs/gpu.md).
-            topology = {k: v for k, v in topology.items() if k != ENERGY_KEY}
+            # that draws no energy, error counts as a GPU that never has an error. No series
+            # instead, and the verdict's XID/ECC check unknown (docs/gpu.md).
+            topology = {k: v for k, v in topology.items() if k not in LIVE_KEYS}
         return ShmTransport(
             identity=self.identity,
             url=url,

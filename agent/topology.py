@@ -5,8 +5,11 @@ are str, int, float or None (see `KEYS`). Identity, PCIe links, NVLink, NUMA pla
 nearest NIC are read once; SM clock, throttle reasons, temperature, power and the *current*
 PCIe link are re-read every `interval_s` from the reporter's background thread, never from the
 training thread; so is the GPU's total-energy counter (NVML, millijoules since the driver
-loaded; sent as joules, exported as syncscope_gpu_energy_joules_total). Anything NVML or sysfs cannot say is "unknown" (strings) or None (numbers),
-never an error: VMs report NUMA and NVLink as "not supported", containers hide /sys/class/*.
+loaded; sent as joules, exported as syncscope_gpu_energy_joules_total), and its memory and
+error state: uncorrected ECC errors since the driver loaded, a pending or failed row remapping,
+and the XID critical errors NVML delivers as events, polled without blocking. Anything NVML or
+sysfs cannot say is "unknown" (strings) or None (numbers), never an error and never 0: VMs
+report NUMA and NVLink as "not supported", GeForce cards ECC, containers hide /sys/class/*.
 
 Both sources sit behind small interfaces with their I/O injected, the way prometheus_client's
 ProcessCollector takes `proc=`: `NvmlDevice` (the live `PynvmlDevice`; the tests replay captured
@@ -63,6 +66,11 @@ KEYS = (
     "temperature_celsius",
     "power_watts",
     "energy_joules",
+    "xid_errors",
+    "last_xid",
+    "ecc_uncorrected_errors",
+    "row_remap_pending",
+    "row_remap_failure",
     "topology_source",
     # the network link of the rank's collectives (agent/link.py), GPU or not
     "link_interface",
@@ -74,6 +82,21 @@ KEYS = (
 )
 # The topology key of the GPU's energy counter (joules since the driver loaded).
 ENERGY_KEY = "energy_joules"
+# XID critical-error events seen since the agent registered for them, and the last one's code.
+XID_KEY, LAST_XID_KEY = "xid_errors", "last_xid"
+# Keys that only mean something re-read: a value written once (a shared-memory ring's header)
+# would read as a GPU that drew no energy, or one that never had an error after its start.
+LIVE_KEYS = (
+    ENERGY_KEY,
+    XID_KEY,
+    LAST_XID_KEY,
+    "ecc_uncorrected_errors",
+    "row_remap_pending",
+    "row_remap_failure",
+)
+# XID events drained per poll at most: a storm waits for the next poll rather than hold the
+# reporter's thread.
+MAX_XID_EVENTS_PER_POLL = 256
 # NVML clocks-event reason "GPU idle": the PCIe link may have trained down to save power, so a
 # current link generation/width read now says nothing about the link under load.
 CLOCKS_EVENT_GPU_IDLE = 0x1
@@ -173,6 +196,9 @@ class NvmlDevice(Protocol):
     def temperature_c(self) -> int: ...
     def power_mw(self) -> int: ...
     def total_energy_mj(self) -> int: ...
+    def ecc_uncorrected_volatile(self) -> int: ...
+    def remapped_rows(self) -> list[int]: ...
+    def xid_events(self) -> list[int]: ...
 
 
 ANSWERS = (
@@ -191,6 +217,9 @@ ANSWERS = (
     "temperature_c",
     "power_mw",
     "total_energy_mj",
+    "ecc_uncorrected_volatile",
+    "remapped_rows",
+    "xid_events",
 )
 STATIC_ANSWERS = ANSWERS[:10]
 DYNAMIC_ANSWERS = (
@@ -199,6 +228,8 @@ DYNAMIC_ANSWERS = (
     "temperature_c",
     "power_mw",
     "total_energy_mj",
+    "ecc_uncorrected_volatile",
+    "remapped_rows",
 )
 
 
@@ -234,6 +265,8 @@ class PynvmlDevice:
     def __init__(self, nvml: Any, handle: Any) -> None:
         self.nvml = nvml
         self.handle = handle
+        self._events: Any = None  # the XID event set, once registered
+        self._events_refused: BaseException | None = None  # why it could not be
 
     @classmethod
     def open(cls, locator: DeviceLocator, nvml: Any = None) -> PynvmlDevice:
@@ -257,6 +290,10 @@ class PynvmlDevice:
         return cls(nvml, handle)
 
     def close(self) -> None:
+        events, self._events = self._events, None
+        if events is not None:
+            with contextlib.suppress(Exception):
+                self.nvml.nvmlEventSetFree(events)
         self.nvml.nvmlShutdown()
 
     def uuid(self) -> str:
@@ -329,6 +366,48 @@ class PynvmlDevice:
     def total_energy_mj(self) -> int:
         """Millijoules since the driver loaded (Volta and later; NotSupported before)."""
         return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
+
+    def ecc_uncorrected_volatile(self) -> int:
+        """Uncorrected ECC errors since the driver loaded (NotSupported where ECC is off or
+        the GPU has none)."""
+        nvml = self.nvml
+        return nvml.nvmlDeviceGetTotalEccErrors(
+            self.handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+        )
+
+    def remapped_rows(self) -> list[int]:
+        """[correctable, uncorrectable, pending, failure] row remappings (Ampere and later)."""
+        return [int(v) for v in self.nvml.nvmlDeviceGetRemappedRows(self.handle)]
+
+    def xid_events(self) -> list[int]:
+        """The XID codes of the critical-error events delivered since the last call, without
+        waiting. The first call registers for them; where NVML refuses (NotSupported: some
+        GPUs, VMs, MIG), every call raises that refusal again."""
+        nvml = self.nvml
+        if self._events_refused is not None:
+            raise self._events_refused.with_traceback(None)
+        if self._events is None:
+            events = None
+            try:
+                events = nvml.nvmlEventSetCreate()
+                kind = nvml.nvmlEventTypeXidCriticalError
+                nvml.nvmlDeviceRegisterEvents(self.handle, kind, events)
+            except nvml.NVMLError as exc:
+                if events is not None:
+                    with contextlib.suppress(Exception):
+                        nvml.nvmlEventSetFree(events)
+                self._events_refused = exc
+                raise
+            self._events = events
+        codes: list[int] = []
+        for _ in range(MAX_XID_EVENTS_PER_POLL):
+            try:
+                data = nvml.nvmlEventSetWait(self._events, 0)  # 0 ms: never blocks
+            except nvml.NVMLError_Timeout:
+                break  # nothing (more) delivered
+            if data.eventType & nvml.nvmlEventTypeXidCriticalError:
+                codes.append(int(data.eventData))
+        return codes
 
 
 class NvmlProvider:
@@ -596,7 +675,7 @@ def dynamic_sample(
     nvml: NvmlProvider | None, sysfs: SysfsReader, bus_id: str | None
 ) -> dict[str, Any]:
     """What changes during a run: clocks, throttling, temperature, power, energy, the current
-    link."""
+    link, uncorrected ECC errors and row remapping (XID events: `TopologySampler`)."""
     a = nvml.answers(DYNAMIC_ANSWERS) if nvml is not None else dict.fromkeys(DYNAMIC_ANSWERS)
     link = {}
     if nvml is not None:
@@ -610,6 +689,10 @@ def dynamic_sample(
             link = {"pcie_link_width": pci.link_width, "pcie_link_generation": pci.link_generation}
     mhz, power = _int_or_none(a["sm_clock_mhz"]), a["power_mw"]
     energy = _int_or_none(a["total_energy_mj"])
+    ecc = _int_or_none(a["ecc_uncorrected_volatile"])
+    rows = a["remapped_rows"]  # [correctable, uncorrectable, pending, failure]
+    flags = [_int_or_none(v) for v in rows[2:]] if isinstance(rows, list) and len(rows) == 4 else []
+    pending, failure = (int(v > 0) if v is not None else None for v in flags or (None, None))
     return {
         **link,
         "sm_clock_hertz": mhz * 1_000_000 if mhz is not None else None,
@@ -617,6 +700,9 @@ def dynamic_sample(
         "temperature_celsius": _int_or_none(a["temperature_c"]),
         "power_watts": power / 1000.0 if isinstance(power, (int, float)) else None,
         ENERGY_KEY: energy / 1000.0 if energy is not None and energy >= 0 else None,
+        "ecc_uncorrected_errors": ecc if ecc is not None and ecc >= 0 else None,
+        "row_remap_pending": pending,
+        "row_remap_failure": failure,
     }
 
 
@@ -651,6 +737,9 @@ class TopologySampler:
         self._static: dict[str, Any] | None = None
         self._current: dict[str, Any] | None = None
         self._loaded_link: dict[str, Any] = {}
+        # XID events counted since NVML first delivered them (None: never) and the last code.
+        self._xids: int | None = None
+        self._last_xid = 0
         self._next = 0.0
         self._closed = False
 
@@ -708,7 +797,18 @@ class TopologySampler:
                 sample[key] = self._loaded_link.get(key)
             elif sample[key] is not None:
                 self._loaded_link[key] = sample[key]
-        return sample
+        return {**sample, **self._xid_sample()}
+
+    def _xid_sample(self) -> dict[str, int | None]:
+        """The XID events counted so far and the last one's code (0: none yet); None for both
+        where NVML cannot deliver them, or this poll failed (the count goes on at the next)."""
+        codes = self.nvml.ask("xid_events") if self.nvml is not None else None
+        if not isinstance(codes, list):
+            return {XID_KEY: None, LAST_XID_KEY: None}
+        self._xids = (self._xids or 0) + len(codes)
+        if codes:
+            self._last_xid = int(codes[-1])
+        return {XID_KEY: self._xids, LAST_XID_KEY: self._last_xid}
 
     def close(self) -> None:
         self._closed = True

@@ -34,9 +34,11 @@ the phase (data, forward, backward, optimizer) that makes up ≥ 80 % of its lat
 
 The decision verdict (`Diagnosis.verdict`, `job_verdict`) joins the modes with the hardware's
 health: none while the job loses no time (no straggler, no amplification, jitter, slow link or
-contention verdict); "infrastructure", naming the node, GPU or link, when a health check fails;
-else "coupling" — "structural coupling, not infrastructure" where every check passed, and with
-"hardware health not known" where some could not be made (a host with no GPU telemetry).
+contention verdict, and throughput per GPU not fallen below its own baseline, which
+exporter/throughput.py keeps); "infrastructure", naming the node, GPU or link, when a health
+check fails; else "coupling" — "structural coupling, not infrastructure" where every check
+passed, and with "hardware health not known" where some could not be made (a host with no GPU
+telemetry).
 """
 
 from __future__ import annotations
@@ -140,6 +142,8 @@ class Thresholds:
     slow_link_ratio: float
     spike_share_full: float  # runtime_jitter scores 1 at this share lost to spikes
     clock_ratio: float  # a throttling GPU's SM clock is below this × its peers' median
+    # The decision verdict's trigger: throughput per GPU below this × the job's own baseline.
+    throughput_ratio: float
     min_aligned_steps: int  # fewer steps reported by every rank: per-step rules abstain
     window: int = STEP_WINDOW  # most recent steps compared
 

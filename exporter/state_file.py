@@ -9,7 +9,9 @@ is measured by; per job: the pooled steps and transfer) every `interval_s` and a
 loads it at start. Ranks loaded are silent until they report again: one that reports with the
 same incarnation (its process outlived the exporter's restart) carries on from its totals, a
 restarted one is a new incarnation of it as usual; one that never reports expires after
-expire_after_s.
+expire_after_s. Each rank's throughput baseline (exporter/throughput.py) is kept too, so that an
+exporter restart does not make the verdict wait hundreds of steps for a baseline again; a file
+written before it was kept loads without one.
 
 Writes are atomic (a temporary file beside it, fsync, rename), so a crash mid-write leaves the
 last good file. A file that cannot be parsed or does not hold this format is logged as an
@@ -45,6 +47,7 @@ from syncscope.exporter.store import (
     Store,
     clean_label,
 )
+from syncscope.exporter.throughput import SUSTAINED_BLOCKS, UNITS, Throughput
 
 from syncscope.catalog import BADPUT_CATEGORIES
 from syncscope.wire import OPS, PHASES, PacingState
@@ -111,6 +114,13 @@ def rank_totals(s: RankState) -> dict[str, Any]:
         for (op, group), t in s.collectives.items()
     ]
     out["pacing"] = dataclasses.asdict(s.pacing) if s.pacing is not None else None
+    t = s.throughput
+    out["throughput"] = {
+        "unit": t.unit,
+        "blocks": t.blocks,
+        "rates": list(t.rates),
+        "best": {str(hour): rate for hour, rate in t.best.items()},
+    }
     return out
 
 
@@ -168,11 +178,31 @@ def rank_from_totals(data: Any) -> RankState:
                 _number(wait, "wait_seconds"),
             )
         s.pacing = _pacing(data["pacing"])
+        s.throughput = _throughput(data.get("throughput"))
     except BadStateFile:
         raise
     except (KeyError, TypeError, ValueError) as exc:
         raise BadStateFile(f"a rank's totals: {exc!r}") from None
     return s
+
+
+def _throughput(data: Any) -> Throughput:
+    """A rank's throughput baseline; a fresh one for files written before it was kept."""
+    if data is None:
+        return Throughput()
+    if not isinstance(data, Mapping) or data.get("unit") not in ("", *UNITS):
+        raise BadStateFile("throughput is not a throughput baseline")
+    rates, best = data["rates"], data["best"]
+    if (
+        not isinstance(rates, list)
+        or len(rates) > SUSTAINED_BLOCKS
+        or not isinstance(best, Mapping)
+    ):
+        raise BadStateFile("throughput: rates or best are not what this exporter writes")
+    t = Throughput(unit=data["unit"], blocks=_number(data["blocks"], "blocks", int))
+    t.rates.extend(_number(r, "rate") for r in rates)
+    t.best = {int(hour): _number(rate, "best rate") for hour, rate in best.items()}
+    return t
 
 
 def _pacing(data: Any) -> PacingState | None:

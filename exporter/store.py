@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.pooling import JobPool, Sample
 from syncscope.exporter.settings import Settings
+from syncscope.exporter.throughput import Throughput, ThroughputView
 
 from syncscope.arrival import collective_key, key_text
 from syncscope.catalog import BADPUT_CATEGORIES, LOST_PROGRESS, STEP_WINDOW
@@ -76,6 +77,8 @@ OMIT_IF_NONE = {"json": "omit_if_none"}
 # covers the contention-baseline window, the recent transfer the rate window.
 CONTENTION_BASELINE_S = duration_seconds(load_config().windows.contention_baseline)
 CONTENTION_RECENT_S = duration_seconds(load_config().windows.rate)
+# How long a rank's best sustained throughput stays its baseline (exporter.throughput).
+THROUGHPUT_HORIZON_S = duration_seconds(load_config().windows.trend)
 
 
 @dataclass
@@ -170,6 +173,8 @@ class RankView:
     productive_s: float = 0.0
     badput_s: Mapping[str, float] = field(default_factory=dict)
     lost_steps: int = 0
+    # Its throughput per GPU now and its own best sustained level (exporter.throughput).
+    throughput: ThroughputView | None = field(default=None, metadata=OMIT_IF_NONE)
 
     def label_values(self, job: str) -> list[str]:
         """Its values for the catalog's RANK labels (job, node, rank, local_rank)."""
@@ -195,6 +200,9 @@ class RankView:
                     RecentStep(s["step"], s["step_s"], by_phase(s["phases"]), s["wait_s"])
                     for s in data["recent_steps"]
                 ),
+                "throughput": ThroughputView(**data["throughput"])
+                if data.get("throughput")
+                else None,
             }
         )
 
@@ -375,6 +383,7 @@ class RankState:
     first_step_s: float = 0.0
     later_steps: int = 0
     later_steps_s: float = 0.0
+    throughput: Throughput = field(default_factory=Throughput)
 
     @property
     def dropped_total(self) -> int:
@@ -553,6 +562,7 @@ class Store:
         state.window = deque(maxlen=self.settings.step_window)
         state.work = deque(maxlen=self.settings.step_window)
         state.recent = deque(maxlen=self.settings.recent_steps)
+        state.throughput.restart()
         pool.forget(state.rank)
 
     def _collectives(self, state: RankState, pool: JobPool, rows: list[CollectiveSeconds]) -> None:
@@ -591,7 +601,7 @@ class Store:
             state.window = deque(state.window, maxlen=self.settings.step_window)
             state.work = deque(state.work, maxlen=self.settings.step_window)
             state.recent = deque(state.recent, maxlen=self.settings.recent_steps)
-        for step, d, _end_unix_s, values, samples, tokens in rows:
+        for step, d, end_unix_s, values, samples, tokens in rows:
             state.steps_total += 1
             state.step_seconds_sum += d
             state.step_bucket_counts[bisect.bisect_left(STEP_BUCKETS, d)] += 1
@@ -611,6 +621,7 @@ class Store:
                 if tokens >= 0:
                     state.tokens_total = (state.tokens_total or 0) + tokens
                 state.work.append((d, samples, tokens))
+            state.throughput.add(d, samples, end_unix_s, THROUGHPUT_HORIZON_S)
             pool.add_step(state.rank, step, d, values)
 
     @staticmethod
@@ -853,6 +864,7 @@ def _rank_view(s: RankState, now: float, stale_after: float, keep: int | None) -
         productive_s=s.productive_s,
         badput_s=dict(s.badput_s),
         lost_steps=s.lost_steps,
+        throughput=s.throughput.view(),
     )
 
 

@@ -2,9 +2,10 @@
 loses goes to its coupling or to its infrastructure, with the evidence.
 
 None while the job loses no time (no straggler, no amplification, jitter, slow link or contention
-verdict); "infrastructure", naming the node, GPU or link, when a health check fails; else
-"coupling" — "structural coupling, not infrastructure" where every check passed, and with
-"hardware health not known" where some could not be made (a host with no GPU telemetry).
+verdict) and its throughput per GPU holds against its own baseline (exporter/throughput.py);
+"infrastructure", naming the node, GPU or link, when a health check fails; else "coupling" —
+"structural coupling, not infrastructure" where every check passed, and with "hardware health
+not known" where some could not be made (a host with no GPU telemetry).
 exporter.diagnosis.diagnose_job adds it to its Diagnosis.
 """
 
@@ -41,6 +42,26 @@ COUPLING_MODES = ("straggler", "sync_amplification", "runtime_jitter")
 HARDWARE_CAUSES = ("gpu_throttle", "locality")
 # Modes whose verdict is time lost to the infrastructure itself: a slow link, a contended fabric.
 INFRASTRUCTURE_MODES = ("slow_link", "fabric_contention")
+# The coupling evidence of a job whose throughput per GPU fell with no mode named: its share is
+# the share of the baseline's throughput lost.
+THROUGHPUT_DROP = "throughput_drop"
+# What an XID says, where NVIDIA's XID catalog gives it a short name (others: the code alone).
+XID_WORDS = {
+    13: "graphics engine exception",
+    31: "GPU memory page fault",
+    43: "GPU stopped processing",
+    45: "preemptive cleanup after earlier errors",
+    48: "double-bit ECC error",
+    63: "ECC page retirement or row remapping",
+    64: "ECC page retirement or row remapping failure",
+    74: "NVLink error",
+    79: "fallen off the bus",
+    92: "high single-bit ECC error rate",
+    94: "contained ECC error",
+    95: "uncontained ECC error",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+}
 
 
 @dataclass(frozen=True)
@@ -49,12 +70,14 @@ class JobVerdict:
     evidence (the seed scenario's decision rule: cost up "despite healthy hardware metrics" is a
     structural coupling problem). Health is claimed only from facts: `passed` lists the checks
     made, `unknown` those that could not be (no GPU telemetry, an idle GPU's link, one node's
-    view of the links). XID and ECC errors are not among them: the agent does not read them."""
+    view of the links, a GPU whose NVML gives no ECC counts or XID events)."""
 
     verdict: str  # one of VERDICTS
     hardware: str  # one of HARDWARE: every check passed / none failed, some unknown / one failed
     reason: str  # one line, as the page and the demo say it
-    coupling: Mapping[str, float | None]  # coupling mode detected -> share of step time it costs
+    # coupling mode detected -> the share of step time it costs; THROUGHPUT_DROP -> the share
+    # of the job's own baseline throughput per GPU it lost
+    coupling: Mapping[str, float | None]
     faults: tuple[str, ...]  # what is not healthy, named: the rank, its GPU and node, the link
     passed: tuple[str, ...]  # the health checks that passed
     unknown: tuple[str, ...]  # the health checks that could not be made, and why
@@ -101,6 +124,28 @@ def _throttle_fault(r: RankView, peers: Sequence[RankView], t: Thresholds) -> st
     return f"{', '.join(reasons)}{clock}"
 
 
+def _error_fault(r: RankView) -> str | None:
+    """A GPU's XID and ECC errors in words; "" where NVML read both and there are none; None
+    where either was not read (and nothing was found in the other)."""
+    topo = r.topology or {}
+    xids, ecc = number(topo.get("xid_errors")), number(topo.get("ecc_uncorrected_errors"))
+    found = []
+    if xids:
+        code = int(number(topo.get("last_xid")) or 0)
+        words = XID_WORDS.get(code)
+        xid = f"XID {code} ({words})" if words else f"XID {code}"
+        found.append(xid if xids == 1 else f"{int(xids)} XID errors, the last {xid}")
+    if ecc:
+        found.append(f"{int(ecc)} uncorrected ECC error{'s' if ecc != 1 else ''}")
+    if number(topo.get("row_remap_pending")):
+        found.append("row remapping pending (needs a GPU reset)")
+    if number(topo.get("row_remap_failure")):
+        found.append("row remapping failed")
+    if found:
+        return ", ".join(found)
+    return None if xids is None or ecc is None else ""
+
+
 def hardware_checks(
     live: Sequence[RankView],
     diagnosis: Diagnosis,
@@ -113,9 +158,10 @@ def hardware_checks(
     Per GPU (from the topology its agent samples): throttling (clock-event reasons), PCIe link
     width and generation against their maxima (a generation only where NVML says the link was
     read under load: the agent keeps the last loaded reading while the GPU idles), the process's
-    NUMA node against its GPU's. For the job: each node's link against the median node's (the
-    slow_link mode; one node has no such link) and a contended fabric. A rank without GPU facts
-    makes the GPU checks unknown, never passed."""
+    NUMA node against its GPU's, XID events and uncorrected ECC errors (passed only where NVML
+    gives both; a pending or failed row remapping is a fault too). For the job: each node's
+    link against the median node's (the slow_link mode; one node has no such link) and a
+    contended fabric. A rank without GPU facts makes the GPU checks unknown, never passed."""
     faults: list[str] = []
     passed: list[str] = []
     unknown: list[str] = []
@@ -170,6 +216,7 @@ def hardware_checks(
         link("pcie_link_generation", "gen "),
     )
     check("NUMA placement", "processes on their GPU's NUMA node", numa)
+    check("XID and ECC errors", "no XID or ECC errors", _error_fault)
 
     slow_link = diagnosis.modes.get("slow_link")
     hosts = {r.hostname for r in live}
@@ -201,6 +248,31 @@ def hardware_checks(
     return faults, passed, unknown
 
 
+def throughput_fall(
+    live: Sequence[RankView], t: Thresholds = DEFAULT_THRESHOLDS
+) -> tuple[float, float, str] | None:
+    """(current, baseline, unit) per GPU where the job's throughput per GPU has fallen below
+    throughput_ratio × its own baseline, else None: the medians over the ranks that have both
+    (exporter/throughput.py), in samples per second where any rank counts samples."""
+    views = [
+        v
+        for v in (r.throughput for r in live)
+        if v is not None and v.current_per_s is not None and v.baseline_per_s
+    ]
+    unit = "samples" if any(v.unit == "samples" for v in views) else "steps"
+    same = [v for v in views if v.unit == unit]
+    current = median([v.current_per_s for v in same if v.current_per_s is not None])
+    baseline = median([v.baseline_per_s for v in same if v.baseline_per_s])
+    if current is None or not baseline or current >= t.throughput_ratio * baseline:
+        return None
+    return current, baseline, unit
+
+
+def _rate(per_s: float) -> str:
+    """1234, 75.5, 0.812: a rate with three significant figures, never in e-notation."""
+    return f"{per_s:.0f}" if per_s >= 100 else f"{per_s:.3g}"
+
+
 def job_verdict(
     diagnosis: Diagnosis,
     ranks: Sequence[RankView],
@@ -209,11 +281,12 @@ def job_verdict(
     shares: Mapping[str, float] | None = None,
 ) -> JobVerdict | None:
     """The decision verdict for a diagnosed job: None while it loses no time (no straggler and
-    no amplification, jitter, slow-link or contention verdict); "infrastructure" when a health
-    check fails (hardware "unhealthy"); else "coupling", hardware "healthy" where every check
-    passed and "unknown" where some could not be made. `shares`: the share of step time the
-    node measured idle at the sync and lost to spikes (job-wide amplification replaces the
-    first where Prometheus gives it)."""
+    no amplification, jitter, slow-link or contention verdict, and its throughput per GPU not
+    below throughput_ratio × its own baseline); "infrastructure" when a health check fails
+    (hardware "unhealthy"); else "coupling", hardware "healthy" where every check passed and
+    "unknown" where some could not be made. `shares`: the share of step time the node measured
+    idle at the sync and lost to spikes (job-wide amplification replaces the first where
+    Prometheus gives it)."""
     live = [r for r in ranks if not r.stale and r.steps_total > 0]
     modes = diagnosis.modes
     s = diagnosis.straggler
@@ -222,7 +295,8 @@ def job_verdict(
     ]
     if s is not None and "straggler" not in losing:
         losing.insert(0, "straggler")
-    if not live or not losing:
+    fall = throughput_fall(live, t)
+    if not live or (not losing and fall is None):
         return None
     step = median([r.step_time_median_s for r in live if r.step_time_median_s])
     measured = dict(shares or {})
@@ -249,13 +323,22 @@ def job_verdict(
             pct = f" ({share:.0%} {what})" if share is not None else ""
             words.append(f"{mode.replace('_', ' ')}{pct}")
         coupling[mode] = round(share, 4) if share is not None else None
+    fell = ""
+    if fall is not None:
+        current, baseline, unit = fall
+        fell = (
+            f"throughput per GPU {current / baseline:.0%} of the job's own baseline "
+            f"({_rate(current)} vs {_rate(baseline)} {unit}/s per GPU; a change in the job's own "
+            "work reads the same)"
+        )
+        coupling[THROUGHPUT_DROP] = round(1.0 - current / baseline, 4)
     faults, passed, unknown = hardware_checks(live, diagnosis, job_wide, t)
     if faults:
         also = f"; the job also loses time to {', '.join(words)}" if words else ""
         return JobVerdict(
             "infrastructure",
             "unhealthy",
-            f"infrastructure: {'; '.join(faults)}{also}",
+            f"infrastructure: {'; '.join(faults)}{also}{f'; {fell}' if fell else ''}",
             coupling,
             tuple(faults),
             tuple(passed),
@@ -263,7 +346,7 @@ def job_verdict(
         )
     if not coupling:
         return None
-    evidence = ", ".join(words)
+    evidence = ", ".join([*words, fell] if fell else words)
     if unknown:
         reason = f"structural coupling: {evidence}; hardware health not known: {'; '.join(unknown)}"
         health = "unknown"

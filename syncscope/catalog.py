@@ -286,6 +286,37 @@ GPU_ENERGY_JOULES_TOTAL = MetricSpec(
     "gpu",
     "joules",
 )
+GPU_XID_ERRORS_TOTAL = MetricSpec(
+    GPU_PREFIX + "xid_errors_total",
+    "counter",
+    "XID critical-error events NVML delivered for the rank's GPU since its agent started "
+    "watching (absent where NVML cannot deliver them).",
+    RANK,
+    "gpu",
+)
+GPU_LAST_XID = _gpu(
+    "last_xid",
+    "The last XID code NVML delivered for the rank's GPU, 0 while none has come since its agent "
+    "started watching (as DCGM_FI_DEV_XID_ERRORS; absent where NVML cannot deliver them).",
+)
+GPU_ECC_UNCORRECTED_ERRORS_TOTAL = MetricSpec(
+    GPU_PREFIX + "ecc_uncorrected_errors_total",
+    "counter",
+    "Uncorrected ECC memory errors on the rank's GPU since its driver loaded (NVML volatile "
+    "count; absent where ECC is off or not supported).",
+    RANK,
+    "gpu",
+)
+GPU_ROW_REMAP_PENDING = _gpu(
+    "row_remap_pending",
+    "1 while a memory row remapping waits for a GPU reset, else 0 (Ampere and later; absent "
+    "before).",
+)
+GPU_ROW_REMAP_FAILURE = _gpu(
+    "row_remap_failure",
+    "1 if a memory row remapping failed on the rank's GPU, else 0 (Ampere and later; absent "
+    "before).",
+)
 # -- per exporter: local diagnosis
 DIAGNOSIS = MetricSpec(
     "syncscope_diagnosis",
@@ -313,11 +344,13 @@ VICTIM_WAIT_SECONDS = MetricSpec(
 JOB_VERDICT = MetricSpec(
     "syncscope_job_verdict",
     "gauge",
-    "1 while this exporter's diagnosis finds the job losing time, by what: verdict coupling (a "
-    "straggler slowed by its own work, synchronization amplification, runtime jitter) or "
-    "infrastructure (a health check failed: a throttled GPU, a PCIe link below its maximum, a "
-    "NUMA mismatch, a slow link, a contended fabric); hardware healthy (every check passed), "
-    "unknown (some could not be made: no GPU telemetry) or unhealthy. Evidence: /v1/state.",
+    "1 while this exporter's diagnosis finds the job losing time (a failure mode, or throughput "
+    "per GPU fallen below its own baseline), by what: verdict coupling (a straggler slowed by "
+    "its own work, synchronization amplification, runtime jitter, a fall with no fault found) "
+    "or infrastructure (a health check failed: a throttled GPU, a PCIe link below its maximum, "
+    "a NUMA mismatch, XID or ECC errors, a slow link, a contended fabric); hardware healthy "
+    "(every check passed), unknown (some could not be made: no GPU telemetry) or unhealthy. "
+    "Evidence: /v1/state.",
     ("job", "verdict", "hardware"),
     "verdict",
 )
@@ -572,6 +605,11 @@ SECTIONS = (
             GPU_TEMPERATURE_CELSIUS,
             GPU_POWER_WATTS,
             GPU_ENERGY_JOULES_TOTAL,
+            GPU_XID_ERRORS_TOTAL,
+            GPU_LAST_XID,
+            GPU_ECC_UNCORRECTED_ERRORS_TOTAL,
+            GPU_ROW_REMAP_PENDING,
+            GPU_ROW_REMAP_FAILURE,
         ),
     ),
     Section("per node: CPU package energy", (NODE_CPU_ENERGY_JOULES_TOTAL,)),

@@ -105,6 +105,7 @@ class Diagnosis(_Model):
     idle_share_full: Share
     spike_share_full: Share
     clock_ratio: Share
+    throughput_ratio: Share
     min_aligned_steps: Annotated[int, Field(ge=1)]
 
 

@@ -82,6 +82,11 @@ def test_a_real_scrape_emits_exactly_the_declared_families_types_and_labels(clie
         "temperature_celsius": 45,
         "power_watts": 350.5,
         "energy_joules": 1.25e6,
+        "xid_errors": 0,
+        "last_xid": 0,
+        "ecc_uncorrected_errors": 0,
+        "row_remap_pending": 0,
+        "row_remap_failure": 0,
     }
     assert client.post("/v1/ingest", json=gpu_rank).status_code == 200
     working = copy.deepcopy(app_tests.BATCH_V2)  # rows with their work: samples, tokens

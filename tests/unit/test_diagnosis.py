@@ -74,6 +74,11 @@ def gpu(ranks: list[RankView], **per_rank: dict[str, Any]) -> list[RankView]:
         "numa_mismatch": 0,
         "sm_clock_hertz": 1.98e9,
         "throttle_reasons": 0,
+        "xid_errors": 0,
+        "last_xid": 0,
+        "ecc_uncorrected_errors": 0,
+        "row_remap_pending": 0,
+        "row_remap_failure": 0,
     }
     return [replace(r, topology={**healthy, **per_rank.get(f"r{r.rank}", {})}) for r in ranks]
 

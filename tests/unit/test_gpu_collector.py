@@ -116,6 +116,24 @@ def test_series_per_rank(store):
     assert samples(text, "syncscope_gpu_power_watts")["1"]["value"] == pytest.approx(698.5)
 
 
+def test_xid_and_ecc_series_where_nvml_read_them_and_none_where_it_did_not(tmp_path):
+    topo = topology("degraded", tmp_path)
+    topo.update(xid_errors=2, last_xid=79, ecc_uncorrected_errors=3, row_remap_pending=1)
+    store = Store(Settings())
+    store.ingest(parse_batch(batch(0, topo)))
+    store.ingest(parse_batch(batch(1, topology("captured-h100", tmp_path))))  # not read
+    text = render(store)
+    for name, value in (
+        ("syncscope_gpu_xid_errors_total", 2),
+        ("syncscope_gpu_last_xid", 79),
+        ("syncscope_gpu_ecc_uncorrected_errors_total", 3),
+        ("syncscope_gpu_row_remap_pending", 1),
+        ("syncscope_gpu_row_remap_failure", 0),
+    ):
+        series = samples(text, name)
+        assert set(series) == {"0"} and series["0"]["value"] == value, name
+
+
 def test_families_and_labels_are_the_contracts_gpu_lines(store):
     contract = {}
     for line in CONTRACT.read_text().splitlines():

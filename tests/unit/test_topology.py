@@ -15,6 +15,7 @@ from syncscope.agent.topology import (
     ANSWERS,
     CROSS_SOCKET,
     KEYS,
+    LIVE_KEYS,
     SAME_NUMA_NODE,
     SAME_PCIE_SWITCH,
     UNKNOWN,
@@ -466,3 +467,148 @@ def test_a_failed_first_sample_is_retried_after_an_interval_not_every_call(tmp_p
     assert sampler() is None and sampler() is None and len(opened) == 1
     clock.now = 10.0
     assert sampler() is None and len(opened) == 2
+
+
+# -- memory and error state: ECC, row remapping, XID events ---------------------------------------
+def test_the_degraded_case_reads_no_errors_and_the_captured_h100_none_at_all(tmp_path):
+    topo = sampler_for("degraded", tmp_path / "d")()
+    assert (topo["ecc_uncorrected_errors"], topo["xid_errors"], topo["last_xid"]) == (0, 0, 0)
+    assert (topo["row_remap_pending"], topo["row_remap_failure"]) == (0, 0)
+    # captured before these were asked: NVML gave no answer, so nothing is claimed, not 0
+    h100 = sampler_for("captured-h100", tmp_path / "h")()
+    assert all(h100[k] is None for k in LIVE_KEYS)
+
+
+def test_ecc_and_row_remapping_not_supported_are_absent_never_zero(tmp_path):
+    device, sysfs = load_case("degraded", tmp_path)
+    device.answers["ecc_uncorrected_volatile"] = {"error": "NotSupported"}  # ECC off, GeForce
+    device.answers["remapped_rows"] = {"error": "NotSupported"}  # before Ampere
+    sampler = TopologySampler(
+        DeviceLocator(pci_bus_id="0000:1b:00.0"), open_nvml=lambda _l: device, sysfs=sysfs
+    )
+    topo = sampler()
+    assert topo["ecc_uncorrected_errors"] is None
+    assert (topo["row_remap_pending"], topo["row_remap_failure"]) == (None, None)
+    assert sampler.nvml.errors["ecc_uncorrected_volatile"] == "NotSupported"
+    assert topo["xid_errors"] == 0  # the events still come
+
+
+def test_errors_and_a_pending_remap_are_reported(tmp_path):
+    device, sysfs = load_case("degraded", tmp_path)
+    device.answers.update(ecc_uncorrected_volatile=3, remapped_rows=[2, 1, 1, 0])
+    topo = TopologySampler(
+        DeviceLocator(pci_bus_id="0000:1b:00.0"), open_nvml=lambda _l: device, sysfs=sysfs
+    )()
+    assert topo["ecc_uncorrected_errors"] == 3
+    assert (topo["row_remap_pending"], topo["row_remap_failure"]) == (1, 0)
+
+
+def test_xid_events_are_counted_across_samples_and_the_last_code_kept(tmp_path):
+    device, sysfs = load_case("degraded", tmp_path)
+    clock = Clock()
+    sampler = TopologySampler(
+        DeviceLocator(pci_bus_id="0000:1b:00.0"),
+        open_nvml=lambda _l: device,
+        sysfs=sysfs,
+        clock=clock,
+    )
+    assert (sampler()["xid_errors"], sampler()["last_xid"]) == (0, 0)
+    device.answers["xid_events"] = [13, 79]  # what this poll drains
+    clock.now = 10
+    topo = sampler()
+    assert (topo["xid_errors"], topo["last_xid"]) == (2, 79)
+    device.answers["xid_events"] = {"error": "GpuIsLost"}  # a failed poll: not known now
+    clock.now = 20
+    topo = sampler()
+    assert (topo["xid_errors"], topo["last_xid"]) == (None, None)
+    device.answers["xid_events"] = [79]  # and the count goes on
+    clock.now = 30
+    assert (sampler()["xid_errors"], sampler()["last_xid"]) == (3, 79)
+
+
+class EventSet:
+    """NVML's event set as pynvml hands it out: queued events, drained by nvmlEventSetWait."""
+
+    def __init__(self) -> None:
+        self.queue: list[types.SimpleNamespace] = []
+        self.freed = False
+        self.registered: list[tuple] = []
+
+    def wait(self, events, timeout_ms):
+        assert events is self and timeout_ms == 0  # never blocks the reporter's thread
+        if not self.queue:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+        return self.queue.pop(0)
+
+
+def event_nvml(events: EventSet, **functions) -> types.SimpleNamespace:
+    def register(handle, kinds, into):
+        into.registered.append((handle, kinds))
+
+    def free(into):
+        into.freed = True
+
+    return fake_nvml(
+        **{
+            "nvmlEventTypeXidCriticalError": pynvml.nvmlEventTypeXidCriticalError,
+            "nvmlEventSetCreate": lambda: events,
+            "nvmlDeviceRegisterEvents": register,
+            "nvmlEventSetWait": events.wait,
+            "nvmlEventSetFree": free,
+            **functions,
+        }
+    )
+
+
+def test_pynvml_device_polls_xid_events_without_blocking_and_frees_the_set():
+    events = EventSet()
+    nvml = event_nvml(events)
+    device = PynvmlDevice.open(DeviceLocator(pci_bus_id="0000:1b:00.0"), nvml=nvml)
+    assert device.xid_events() == []  # registered, nothing delivered yet
+    assert events.registered == [(("handle", "0000:1b:00.0"), 0x8)]  # XID critical errors
+    xid = pynvml.nvmlEventTypeXidCriticalError
+    events.queue = [
+        types.SimpleNamespace(eventType=xid, eventData=79),
+        types.SimpleNamespace(eventType=xid, eventData=48),
+    ]
+    assert device.xid_events() == [79, 48]
+    assert device.xid_events() == [] and len(events.registered) == 1  # registered once
+    device.close()
+    assert events.freed
+
+
+def test_xid_events_refused_are_unknown_and_not_asked_for_again():
+    calls = []
+
+    def refuse(*_a):
+        calls.append(1)
+        not_supported()
+
+    events = EventSet()
+    nvml = event_nvml(events, nvmlDeviceRegisterEvents=refuse)
+    device = PynvmlDevice(nvml, "h")
+    provider = NvmlProvider(device)
+    assert provider.ask("xid_events") is None and provider.ask("xid_events") is None
+    assert provider.errors["xid_events"] == "NotSupported"
+    assert len(calls) == 1 and events.freed  # the set it could not register is given back
+
+
+def test_pynvml_device_asks_for_volatile_uncorrected_ecc_and_remapped_rows():
+    asked = []
+
+    def ecc(handle, error_type, counter_type):
+        asked.append((handle, error_type, counter_type))
+        return 3
+
+    nvml = fake_nvml(
+        nvmlDeviceGetTotalEccErrors=ecc, nvmlDeviceGetRemappedRows=lambda _h: (4, 1, 1, 0)
+    )
+    device = PynvmlDevice(nvml, "h")
+    assert device.ecc_uncorrected_volatile() == 3
+    assert asked == [("h", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)]
+    assert device.remapped_rows() == [4, 1, 1, 0]
+
+
+def test_live_keys_are_topology_keys():
+    # what a shared-memory ring's header leaves out (agent/core.py), all of them real keys
+    assert set(LIVE_KEYS) <= set(KEYS)

@@ -20,6 +20,7 @@ from syncscope.exporter.diagnosis import Diagnosis, diagnose_job
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.page import render_status
 from syncscope.exporter.store import JobView, RankView, StoreView, as_json
+from syncscope.exporter.throughput import ThroughputView
 from syncscope.exporter.verdict import JobVerdict
 
 from tests.fixtures.gpu import load_case
@@ -30,6 +31,7 @@ HEALTHY_CHECKS = (
     "PCIe links at full width",
     "PCIe links at full generation",
     "processes on their GPU's NUMA node",
+    "no XID or ECC errors",
     "one node: no link between nodes",
 )
 
@@ -40,10 +42,12 @@ def verdict_of(ranks: list[RankView], **kw: Any) -> JobVerdict | None:
     return out.verdict
 
 
-def degraded_topology(tmp_path: Path) -> dict[str, Any]:
+def degraded_topology(tmp_path: Path, **answers: Any) -> dict[str, Any]:
     """What the agent's sampler sends from the constructed two-socket box: x8 of x16, GPU on
-    NUMA node 1 with the process on node 0, HW slowdown + HW thermal (0x48) at 1410 MHz."""
+    NUMA node 1 with the process on node 0, HW slowdown + HW thermal (0x48) at 1410 MHz, no
+    XID or ECC errors; `answers` replace the recorded NVML answers."""
     device, sysfs = load_case("degraded", tmp_path)
+    device.answers.update(answers)
     sample = TopologySampler(
         DeviceLocator(pci_bus_id="0000:1b:00.0"), open_nvml=lambda _loc: device, sysfs=sysfs
     )()
@@ -143,8 +147,13 @@ def test_the_degraded_gpu_fixture_is_infrastructure_naming_each_fault(tmp_path: 
         f"{where}: PCIe link x8 of x16",
         f"{where}: process on another NUMA node than its GPU",
     )
-    # its generation (5 of 5) and the single node pass; the other checks failed
-    assert v.passed == ("PCIe links at full generation", "one node: no link between nodes")
+    # its generation (5 of 5), its error counts (none) and the single node pass; the other
+    # checks failed
+    assert v.passed == (
+        "PCIe links at full generation",
+        "no XID or ECC errors",
+        "one node: no link between nodes",
+    )
 
 
 def test_a_slow_link_is_infrastructure_naming_the_nodes_link() -> None:
@@ -260,3 +269,123 @@ def test_a_failing_verdict_keeps_the_modes(monkeypatch: pytest.MonkeyPatch) -> N
     out = diagnose_job(ranks_of("forward_straggler"), SETTINGS)
     assert out.straggler is not None and out.straggler.rank == 2
     assert out.verdict is None and out.error == "verdict: ZeroDivisionError: boom"
+
+
+# -- XID and ECC errors --------------------------------------------------------------------------
+def test_xid_and_ecc_errors_are_infrastructure_naming_the_gpu() -> None:
+    ranks = gpu(
+        ranks_of("forward_straggler"),
+        r1={"xid_errors": 2, "last_xid": 79},
+        r3={"ecc_uncorrected_errors": 3, "row_remap_pending": 1},
+    )
+    v = verdict_of(ranks)
+    assert v is not None and (v.verdict, v.hardware) == ("infrastructure", "unhealthy")
+    assert v.faults == (
+        "rank 1's GPU NVIDIA H100 on node vm: 2 XID errors, the last XID 79 (fallen off the bus)",
+        "rank 3's GPU NVIDIA H100 on node vm: 3 uncorrected ECC errors, row remapping pending "
+        "(needs a GPU reset)",
+    )
+    assert "no XID or ECC errors" not in v.passed
+    one = verdict_of(gpu(ranks_of("forward_straggler"), r0={"xid_errors": 1, "last_xid": 48}))
+    assert one is not None and one.faults == (
+        "rank 0's GPU NVIDIA H100 on node vm: XID 48 (double-bit ECC error)",
+    )
+
+
+def test_ecc_not_supported_leaves_the_check_unknown_not_passed(tmp_path: Path) -> None:
+    # The replayed NVML of rank 0 raises NotSupported for ECC (ECC off, or a GPU without it).
+    # Its error readings are laid over a healthy GPU: its throttling, link and NUMA faults are
+    # not at issue here.
+    topo = degraded_topology(tmp_path, ecc_uncorrected_volatile={"error": "NotSupported"})
+    assert topo["ecc_uncorrected_errors"] is None and topo["xid_errors"] == 0
+    read = ("pci_bus_id", "xid_errors", "last_xid", "ecc_uncorrected_errors", "row_remap_pending")
+    healthy = gpu(ranks_of("forward_straggler"))
+    fine = {**(healthy[0].topology or {}), **{k: topo[k] for k in read}}
+    v = verdict_of([replace(healthy[0], topology=fine), *healthy[1:]])
+    assert v is not None and (v.verdict, v.hardware) == ("coupling", "unknown")
+    assert v.unknown == ("XID and ECC errors not read for rank 0",)
+    assert "no XID or ECC errors" not in v.passed
+    # an error found in what was read is a fault whatever was not read
+    fine["xid_errors"], fine["last_xid"] = 1, 79
+    v = verdict_of([replace(healthy[0], topology=fine), *healthy[1:]])
+    assert v is not None and v.verdict == "infrastructure"
+    assert v.faults == ("rank 0's GPU 0000:1b:00.0 on node vm: XID 79 (fallen off the bus)",)
+
+
+# -- throughput per GPU against the job's own baseline -------------------------------------------
+def paced(ranks: list[RankView], current: float | None, unit: str = "samples") -> list[RankView]:
+    """Ranks whose throughput per GPU is `current` against a baseline of 100 (exporter.throughput
+    gives each rank's; these lay it over the recorded runs)."""
+    view = ThroughputView(unit, current, 100.0)
+    return [replace(r, throughput=view) for r in ranks]
+
+
+def test_steady_throughput_gets_no_verdict() -> None:
+    clean = gpu(ranks_of("balanced"))  # no mode detected
+    assert verdict_of(paced(clean, 97.0)) is None
+    assert verdict_of(paced(clean, 81.0)) is None  # above the line (80 %)
+    assert verdict_of(paced(clean, None)) is None  # no current level yet (warm-up)
+
+
+def test_a_25_percent_fall_on_healthy_gpus_is_structural_coupling_naming_the_fall() -> None:
+    v = verdict_of(paced(gpu(ranks_of("balanced")), 75.0))
+    assert v is not None and (v.verdict, v.hardware) == ("coupling", "healthy")
+    assert v.coupling == {"throughput_drop": 0.25}
+    assert v.passed == HEALTHY_CHECKS and v.unknown == () and v.faults == ()
+    assert v.reason == (
+        "structural coupling, not infrastructure: throughput per GPU 75% of the job's own "
+        "baseline (75 vs 100 samples/s per GPU; a change in the job's own work reads the same); "
+        "hardware checks passed: " + ", ".join(HEALTHY_CHECKS)
+    )
+    # steps per second where the agents count no samples; with a straggler, both are evidence
+    v = verdict_of(paced(gpu(ranks_of("forward_straggler")), 60.0, unit="steps"))
+    assert v is not None and v.verdict == "coupling"
+    assert set(v.coupling) == {"straggler", "sync_amplification", "throughput_drop"}
+    assert "throughput per GPU 60% of the job's own baseline (60 vs 100 steps/s per GPU" in v.reason
+
+
+def test_the_same_fall_with_a_throttled_gpu_is_infrastructure_naming_it(tmp_path: Path) -> None:
+    healthy = gpu(ranks_of("balanced"))
+    ranks = paced([replace(healthy[0], topology=degraded_topology(tmp_path)), *healthy[1:]], 75.0)
+    v = verdict_of(ranks)
+    assert v is not None and (v.verdict, v.hardware) == ("infrastructure", "unhealthy")
+    assert v.faults[0] == (
+        "rank 0's GPU 0000:1b:00.0 on node vm: hardware slowdown, hardware thermal slowdown, "
+        "SM clock 1410 MHz vs peers' 1980 MHz"
+    )
+    assert v.reason.startswith("infrastructure: rank 0's GPU 0000:1b:00.0 on node vm")
+    assert v.reason.endswith(
+        "throughput per GPU 75% of the job's own baseline (75 vs 100 "
+        "samples/s per GPU; a change in the job's own work reads the same)"
+    )
+    assert v.coupling == {"throughput_drop": 0.25}
+    # a throttled GPU on a job whose throughput holds is still no verdict (nothing measured)
+    assert verdict_of(paced(ranks, 100.0)) is None
+
+
+def test_a_fall_without_gpu_telemetry_is_coupling_with_health_unknown() -> None:
+    v = verdict_of(paced(ranks_of("balanced"), 70.0))
+    assert v is not None and (v.verdict, v.hardware) == ("coupling", "unknown")
+    assert v.reason.startswith("structural coupling: throughput per GPU 70% of the job's own")
+    assert "hardware health not known: no GPU telemetry" in v.reason
+
+
+def test_the_fall_shows_on_the_page_in_v1_state_and_in_the_metric() -> None:
+    ranks = paced(gpu(ranks_of("balanced")), 75.0)
+    out = diagnose(ranks)
+    view = view_of(ranks, out)
+    html = render_status(view, SETTINGS)
+    assert 'data-verdict="coupling" data-hardware="healthy"' in html
+    assert "throughput per GPU 75% of the job&#x27;s own baseline" in html
+    state = as_json(view)["jobs"]["j"]
+    assert state["diagnosis"]["verdict"]["coupling"] == {"throughput_drop": 0.25}
+    assert state["ranks"][0]["throughput"] == {
+        "unit": "samples",
+        "current_per_s": 75.0,
+        "baseline_per_s": 100.0,
+    }
+    assert RankView.from_json(state["ranks"][0]).throughput == ranks[0].throughput
+    (family,) = collect_verdict(view)
+    assert [s.labels for s in family.samples] == [
+        {"job": "j", "verdict": "coupling", "hardware": "healthy"}
+    ]
