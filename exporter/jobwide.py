@@ -50,7 +50,7 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
     amplification: dict[str, float] = {}
     inflation: dict[str, float] = {}
     links: dict[str, dict[str, float]] = {}
-    for sample in replies.get(recorded.LEAD_AVG, []):
+    for sample in replies.get(recorded.LEAD, []):
         job, rank = sample["metric"].get("job"), sample["metric"].get("rank")
         value = _number(sample)
         if job and rank is not None and rank.isdigit() and value is not None:
@@ -97,7 +97,7 @@ class PrometheusReader:
     """Polls Prometheus for the job-wide rules; `get(job)` is the latest fresh reading or None."""
 
     QUERIES = (
-        recorded.LEAD_AVG,
+        recorded.LEAD,
         recorded.TRANSFER_PER_STEP,
         recorded.SYNC_AMPLIFICATION,
         recorded.TRANSFER_INFLATION,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from syncscope import recorded
+
 # Steps every rolling figure looks back over: the step-time CV, phase shares, medians and the
 # diagnosis (the exporter's default window). Metric help, rules and the status page quote it.
 STEP_WINDOW = 100
@@ -175,7 +177,7 @@ ARRIVAL_LEAD_SECONDS = _rank(
     "gauge",
     "How early this rank arrives at collectives, per step, relative to the rank on this node "
     "that waits least (the exporter's own measurement, mean of the last 64 steps). Job-wide: "
-    "the recording rule job_rank:syncscope_arrival_lead_seconds:avg.",
+    f"the recording rule {recorded.LEAD}.",
     "seconds",
 )
 STEP_TIME_CV = _rank(

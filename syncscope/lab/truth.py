@@ -19,7 +19,7 @@ from typing import Any
 
 from syncscope import catalog as M
 from syncscope.monitoring.rules import (
-    LEAD_AVG,
+    LEAD,
     STRAGGLER_LAG,
     SYNC_AMPLIFICATION,
     TRANSFER_PER_STEP,
@@ -225,7 +225,7 @@ def compare(
         def query(promql: str) -> list[dict[str, Any]]:
             return prom.query(promql, at=truth.at_unix_s)
 
-        for row in query(LEAD_AVG + sel):
+        for row in query(LEAD + sel):
             ranks.setdefault(int(row["metric"]["rank"]), {})["rule_lead_avg_s"] = float(
                 row["value"][1]
             )
@@ -245,7 +245,7 @@ def format_comparison(c: Mapping[str, Any]) -> str:
     lines = [
         f"job {c['job']}: truth over {c['steps']} steps every rank recorded{c.get('window', '')}; "
         "in ms: lead = "
-        f"exported syncscope_arrival_lead_seconds, rule avg = {LEAD_AVG},",
+        f"exported syncscope_arrival_lead_seconds, rule avg = {LEAD},",
         "truth W = mean wait for the last rank, truth d = mean exposed gradient sync",
         f"{'rank':>4} {'node':>4} {'lead':>8} {'rule avg':>8} {'truth W':>8} {'truth d':>8}",
     ]

@@ -23,6 +23,16 @@ def rate(cfg: Thresholds, metric: str, *matchers: str, window: str | None = None
     return f"rate({sel(cfg, metric, *matchers)}[{window or cfg.windows.rate}])"
 
 
+def indent(expr: str, by: int) -> str:
+    """``expr`` with every non-empty line indented by ``by`` spaces, for nesting PromQL."""
+    return "\n".join(" " * by + line if line else line for line in expr.strip("\n").splitlines())
+
+
+def block(expr: str) -> str:
+    """Multi-line PromQL keeps its indentation (a literal block in YAML); one-liners stay inline."""
+    return expr.strip("\n") + "\n" if "\n" in expr.strip("\n") else expr.strip()
+
+
 def pct(x: float) -> str:
     return f"{x * 100:g}%"
 
@@ -42,13 +52,15 @@ def template_query(promql: str) -> str:
     return f"query (printf `{text}`{' $labels.job' * n})"
 
 
-def listing(promql: str, item: str, sort_label: str, limit: int = 5) -> str:
+def listing(promql: str, item: str, sort_label: str, limit: int = 5, empty: str = "") -> str:
     """``item`` (a template over ``$s``) for the first ``limit`` series of ``promql``, comma
-    separated, sorted by ``sort_label`` (as text); an ellipsis when there are more."""
+    separated, sorted by ``sort_label`` (as text); an ellipsis when there are more; ``empty``
+    where it returns nothing."""
+    otherwise = f"{{{{ else }}}}{empty}" if empty else ""
     return (
         f'{{{{ range $i, $s := {template_query(promql)} | sortByLabel "{sort_label}" }}}}'
         f"{{{{ if lt $i {limit} }}}}{{{{ if $i }}}}, {{{{ end }}}}{item}"
-        f"{{{{ else if eq $i {limit} }}}}, ...{{{{ end }}}}{{{{ end }}}}"
+        f"{{{{ else if eq $i {limit} }}}}, ...{{{{ end }}}}{otherwise}{{{{ end }}}}"
     )
 
 

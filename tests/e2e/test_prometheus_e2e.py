@@ -76,7 +76,10 @@ def test_rules_alerts_and_every_dashboard_query_against_real_prometheus(
         assert found, "Prometheus never named a straggler"
         assert {r["metric"]["rank"] for r in found} == {str(SLOW_RANK)}
         skew = wait_until(
-            lambda: prom.query('job:syncscope_arrival_lead_seconds:max_minus_min{job="steady"}'), 20
+            lambda: prom.query(
+                'job:syncscope_phase_comm_exposed_seconds_per_step:max_minus_min{job="steady"}'
+            ),
+            20,
         )
         assert skew and float(skew[0]["value"][1]) > 0.015
         amplification = wait_until(

@@ -138,7 +138,7 @@ def test_vmagent_shards_victoriametrics_and_vmalert_name_a_remote_straggler(tmp_
             "the straggler alert never reached Alertmanager: "
             f"ALERTS {[a['metric'] for a in vm.query('ALERTS')]}, "
             f"lag {vm.query('job_rank:syncscope_straggler_lag_seconds:argmin_lead')}, "
-            f"skew {vm.query('job:syncscope_arrival_lead_seconds:max_minus_min')}, "
+            f"skew {vm.query('job:syncscope_phase_comm_exposed_seconds_per_step:max_minus_min')}, "
             f"ratio {vm.query('job_rank:syncscope_straggler_lag_step:ratio')}, "
             f"alertmanager {am.alerts()}, vmalert errors {rule_errors(vmalert)}"
         )

@@ -355,7 +355,7 @@ def test_triage_row_comes_first_with_named_columns_units_and_links():
         "syncscope_straggler_cause",
         "syncscope_gpu_info",
         "ALERTS_FOR_STATE",
-        rules.LEAD_AVG,
+        rules.LEAD,
     ):
         assert needle in exprs
 

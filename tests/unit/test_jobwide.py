@@ -33,7 +33,7 @@ def test_parse_groups_the_rules_by_job():
         return {"metric": labels, "value": [1.0, value]}
 
     replies = {
-        rules.LEAD_AVG: [
+        rules.LEAD: [
             sample("0.03", job="a", rank="0"),
             sample("0", job="a", rank="3"),
             sample("NaN", job="a", rank="2"),  # no steps in the window: left out, not 0

@@ -95,7 +95,9 @@ class FakeProm:
 
     def query(self, promql: str, at: float | None = None) -> list[dict]:
         self.at.append(at)
-        if promql.startswith("job_rank:syncscope_arrival_lead_seconds:avg"):
+        if promql.startswith(
+            "job_rank:syncscope_phase_comm_exposed_seconds_per_step:minus_job_min"
+        ):
             return [{"metric": {"rank": str(r)}, "value": [0, str(0.01 * r)]} for r in range(2)]
         if promql.startswith("job:syncscope_sync_amplification:ratio"):
             return [{"metric": {}, "value": [0, "0.5"]}]

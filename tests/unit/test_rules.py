@@ -400,3 +400,94 @@ def test_each_alert_is_declared_where_its_promtool_tests_are():
         tests = ROOT / "deploy" / "prometheus" / "tests" / f"{area}.test.yml"
         assert tests.exists(), (name, area)
         assert f"alertname: {name}" in tests.read_text(), (name, tests)
+
+
+def test_each_recording_rule_is_declared_where_its_promtool_tests_are():
+    """The recording rules of an area sit in syncscope/monitoring/records/<area>.py and the
+    promtool test file of that area (deploy/prometheus/tests/<area>.test.yml) asks for them."""
+    from syncscope.monitoring.records import AREAS
+
+    cfg = load_config()
+    for area in AREAS:
+        name = area.__name__.rsplit(".", 1)[1]
+        tests = (TESTS_DIR / f"{name}.test.yml").read_text()
+        for rule in area.records(cfg):
+            assert rule["record"] in tests, (rule["record"], name)
+
+
+def _exported_stems() -> set[str]:
+    from syncscope import catalog
+
+    return {re.sub(r"_total$", "", spec.name) for spec in catalog.CATALOG}
+
+
+def _misnamed(exprs: dict[str, str]) -> set[str]:
+    """The records ({name: expression}) whose metric part starts with the name of a metric
+    syncscope exports that the rule does not read, itself or through the records it reads."""
+    stems = _exported_stems()
+
+    def reads(name: str, seen: frozenset[str] = frozenset()) -> set[str]:
+        out: set[str] = set()
+        for n in gen.metric_names(exprs.get(name, "")) - seen:
+            if n in exprs:
+                out |= reads(n, seen | {name})
+            out.add(re.sub(r"_(total|sum|count|bucket)$", "", n))
+        return out
+
+    return {
+        name
+        for name in exprs
+        for stem in stems
+        if re.match(rf"{re.escape(stem)}(_|$)", name.split(":")[1]) and stem not in reads(name)
+    }
+
+
+def _record_exprs(groups: list[dict]) -> dict[str, str]:
+    exprs: dict[str, str] = {}
+    for group in groups:
+        for rule in group["rules"]:
+            if "record" in rule:  # the quantiles' several rules under one name: read together
+                exprs[rule["record"]] = exprs.get(rule["record"], "") + "\n" + rule["expr"]
+    return exprs
+
+
+def test_a_record_named_after_an_exported_metric_reads_it():
+    """`level:metric:operations` names what the rule reads: a record whose metric part begins
+    with the name of an exported metric reads that metric. Planted: the old names of the series
+    renamed for reading something else (the exporter's lead gauge, the collective counters)."""
+    groups = [g for g in rules_doc()["groups"] if g["name"] != gen.ALIASES_GROUP]
+    exprs = _record_exprs(groups)
+    assert _misnamed(exprs) == set()
+    from syncscope.recorded import DEPRECATED_ALIASES
+
+    planted = {**exprs, **{old: exprs[new] for old, new in DEPRECATED_ALIASES.items()}}
+    assert _misnamed(planted) == {
+        "job_rank:syncscope_collective_seconds_per_step:ratio",
+        "job:syncscope_collective_seconds_per_step:min",
+        "job_rank:syncscope_arrival_lead_seconds:avg",
+        "job:syncscope_arrival_lead_seconds:max_minus_min",
+        "job_group:syncscope_collective_seconds_beyond_least:ratio",
+    }
+
+
+def test_old_names_are_aliases_in_their_own_last_group_and_nothing_reads_them():
+    """Each renamed series' old name is recorded, for one release, as a bare copy of the new
+    series in the last group, which a deployment can drop; no other rule, no alert and no
+    dashboard query reads an old name."""
+    from syncscope.recorded import DEPRECATED_ALIASES
+
+    doc = rules_doc()
+    assert doc["groups"][-1]["name"] == gen.ALIASES_GROUP == gen.GROUP_ORDER[-1]
+    aliases = doc["groups"][-1]["rules"]
+    assert {r["record"]: r["expr"] for r in aliases} == DEPRECATED_ALIASES
+    assert all(set(r) == {"record", "expr"} for r in aliases)
+    current = {r["record"] for g in doc["groups"][:-1] for r in g["rules"] if "record" in r}
+    assert set(DEPRECATED_ALIASES.values()) <= current
+    assert not set(DEPRECATED_ALIASES) & current
+    for group in doc["groups"][:-1]:
+        for rule in group["rules"]:
+            read = gen.metric_names(rule["expr"]) | gen.metric_names(str(rule.get("annotations")))
+            assert not read & set(DEPRECATED_ALIASES), rule.get("record") or rule.get("alert")
+    for path in (ROOT / "dashboards").glob("*.json"):
+        text = path.read_text()
+        assert not [old for old in DEPRECATED_ALIASES if old in text], path

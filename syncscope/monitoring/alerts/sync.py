@@ -61,6 +61,8 @@ def structural_coupling_text(alert: AlertInput) -> dict[str, Any]:
         f"max by (mode) ({M.DIAGNOSIS.name}{{{THIS_JOB}}}) >= {score:g}",
         "{{ $s.Labels.mode }}",
         "mode",
+        # the verdict's other trigger, which no failure mode scores
+        empty="no failure mode, throughput per GPU below its own baseline",
     )
     return {
         "expr": f"count by (job) ({healthy})\nunless on (job) {other}\n",
@@ -69,9 +71,9 @@ def structural_coupling_text(alert: AlertInput) -> dict[str, Any]:
             "The exporters of job {{ $labels.job }} ({{ $value }} with a verdict) find it "
             f"losing time to its coupling (detected: {modes}) while every hardware check they "
             "can make passes: no GPU slowed by throttling, PCIe links at full width and "
-            "generation, processes on their GPU's NUMA node, no slow link between nodes (XID "
-            "and ECC errors are not read). More or other hardware will not buy this time back. "
-            "The evidence (modes, their share of step time, the checks passed) is in each "
-            "exporter's /v1/state and status page."
+            "generation, processes on their GPU's NUMA node, no XID or uncorrected ECC errors, "
+            "no slow link between nodes. More or other hardware will not buy this time back. "
+            "The evidence (modes, their share of step time, a fall against the job's own "
+            "throughput, the checks passed) is in each exporter's /v1/state and status page."
         ),
     }

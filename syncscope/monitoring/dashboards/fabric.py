@@ -83,7 +83,7 @@ def fabric_locality(cfg: Thresholds) -> list[tuple[str, list[tuple[int, int, Any
             per_node(name), "{{node}}", lowest=lowest, by=by_node, matchers=(NODE,)
         )
 
-    lead = gauge_per_rank(cfg, R.LEAD_AVG, recorded=True)
+    lead = gauge_per_rank(cfg, R.LEAD, recorded=True)
     waiting = ratio_lead_per_step()
     gpu_rank = lambda m: gauge_per_rank(cfg, m)  # noqa: E731
     # The Topology table's rows: 20 selected ranks with a GPU, those with locality faults

@@ -588,9 +588,7 @@ def _overview_synchronization(
                     f"job-wide (seconds per step, over {cfg.windows.straggler}), for the "
                     f"{TOP} selected ranks lowest over the time range, and the job's median "
                     "and band. The straggler sits at zero.",
-                    ranks_that_stand_out(
-                        gauge_per_rank(cfg, R.LEAD_AVG, recorded=True), lowest=True
-                    ),
+                    ranks_that_stand_out(gauge_per_rank(cfg, R.LEAD, recorded=True), lowest=True),
                     "s",
                     band=True,
                 ),

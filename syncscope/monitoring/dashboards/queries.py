@@ -106,10 +106,7 @@ def phase_per_step(cfg: Thresholds, window: str, *matchers: str) -> str:
 def lateness() -> str:
     """How much later than the job's earliest rank each selected rank reaches collectives, in
     seconds per step: the largest lead minus its own (the straggler's is the job's skew)."""
-    return (
-        f"max by (job) ({rec(R.LEAD_AVG)})\n- on (job) group_right ()\n  "
-        f"{rec(R.LEAD_AVG, NODE, RANK)}"
-    )
+    return f"max by (job) ({rec(R.LEAD)})\n- on (job) group_right ()\n  {rec(R.LEAD, NODE, RANK)}"
 
 
 def late_rows(expr: str) -> str:
@@ -134,14 +131,14 @@ def idle_gpus_from_skew() -> str:
     """Rank-seconds per second the job's ranks wait for its latest one (persistent skew):
     each rank's lead over the latest rank per step, summed, times steps per second. A rank
     waiting is a GPU idle, so this is idle GPU-hours per hour."""
-    return f"sum by (job) ({rec(R.LEAD_AVG)})\n* on (job)\n  {rec(R.STEPS_RATE)}"
+    return f"sum by (job) ({rec(R.LEAD)})\n* on (job)\n  {rec(R.STEPS_RATE)}"
 
 
 def ratio_lead_per_step() -> PerRank:
     """Each rank's lead over the latest rank (recorded) as a share of the job's mean step."""
 
     def expr(window: str | None, at: str, matchers: Sequence[str]) -> str:
-        lead = rec(R.LEAD_AVG, *matchers)
+        lead = rec(R.LEAD, *matchers)
         if window is not None:
             lead = f"avg_over_time({lead}[{window}]{at})"
             return f"max by ({BY_RANK}) ({lead})"

@@ -1,0 +1,232 @@
+"""Recording rules of this area (promtool tests: deploy/prometheus/tests/sync.test.yml): the
+job's phase shares, its transfer per step T and what it spends waiting beyond it (the
+synchronization amplification, paper §3.3), each rank's lead, the arrival skew, the straggler
+and the process group the job loses time in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from syncscope import catalog as M
+from syncscope.monitoring.promql import STEP_SECONDS_COUNT, STEP_SECONDS_SUM, indent, rate, sel
+from syncscope.monitoring.records.base import record
+from syncscope.recorded import (
+    COMM_EXPOSED_RATIO,
+    GROUP_WAIT,
+    LEAD,
+    PHASE_RATE,
+    PHASE_RATIO,
+    SKEW,
+    SKEW_RATIO,
+    STEP_MEAN,
+    STRAGGLER_LAG,
+    STRAGGLER_RATIO,
+    SYNC_AMPLIFICATION,
+    SYNC_PER_STEP,
+    SYNC_PER_STEP_MIN,
+    TRANSFER_INFLATION,
+    TRANSFER_NODE_MIN,
+    TRANSFER_PER_STEP,
+    TRANSFER_SAMPLED,
+    TRANSFER_SAMPLING_GAP,
+    WORLD_SIZE,
+)
+from syncscope.thresholds import Thresholds
+
+
+def records(cfg: Thresholds) -> list[dict[str, Any]]:
+    return [
+        *_phase_records(cfg),
+        *_sampled_transfer_records(cfg),
+        *_transfer_records(cfg),
+        *_straggler_records(cfg),
+        # Each rank's collective time per step in each group beyond the rank of the job that
+        # spends least in that group's collectives, summed over the ranks, as a share of the
+        # job's rank-time. A group label names a mesh dimension, so every dp group of a 2-D
+        # job is one "dp". Issue-to-completion time: the overlap an async collective shares
+        # with every rank cancels in the difference.
+        record(GROUP_WAIT, _group_wait(cfg)),
+    ]
+
+
+def _phase_records(cfg: Thresholds) -> list[dict[str, Any]]:
+    return [
+        # Phases add up to the step, so each phase's share is its rate over the sum of all;
+        # every rank's phases are read once.
+        record(PHASE_RATE, f"sum by (job, phase) ({rate(cfg, M.PHASE_SECONDS_TOTAL.name)})"),
+        record(
+            PHASE_RATIO,
+            f"{PHASE_RATE}\n/ ignoring (phase) group_left ()\n  sum by (job) ({PHASE_RATE})\n",
+        ),
+        record(COMM_EXPOSED_RATIO, f'sum without (phase) ({PHASE_RATIO}{{phase="comm_exposed"}})'),
+    ]
+
+
+def _sampled_transfer_records(cfg: Thresholds) -> list[dict[str, Any]]:
+    return [
+        # Job-wide truth from every node. At step k a rank's collective time is
+        # d(r,k) = T(k) + W(r,k), transfer plus wait for the last rank; the job's T(k) is the
+        # minimum over nodes of each node's minimum in step k. Each exporter keeps its minimum
+        # at sampled steps in rings indexed alike everywhere (exporter/pooling.py); a slot
+        # counts where every node of the job holds the same step in it.
+        record(
+            TRANSFER_SAMPLED,
+            f"""
+  min by (job, stride, slot) ({sel(cfg, M.NODE_SAMPLED_TRANSFER_SECONDS.name)})
+and on (job, stride, slot)
+  (
+      min by (job, stride, slot) ({sel(cfg, M.NODE_SAMPLED_STEP.name)})
+    ==
+      max by (job, stride, slot) ({sel(cfg, M.NODE_SAMPLED_STEP.name)})
+  )
+and on (job, stride, slot)
+  (
+      count by (job, stride, slot) ({sel(cfg, M.NODE_SAMPLED_STEP.name)})
+    == on (job) group_left ()
+      count by (job) (count by (job, instance) ({sel(cfg, M.NODE_POOLED_STEPS_TOTAL.name)}))
+  )
+""",
+        ),
+        # The job's transfer per step, T. The smallest of the nodes' mean per-step minima over
+        # the rate window has every step in it and no sampling noise, but reads high when the
+        # last rank moves between nodes from step to step (E[min] < min E). The agreed samples
+        # measure that gap: per evaluation, their mean minimum over nodes minus the smallest
+        # node's mean over the same samples. The transfer's own variation, common to every
+        # node, cancels in the difference (a control variate), so the gap, averaged over the
+        # transfer window, is far steadier than the samples themselves. On one node, or with
+        # a persistent straggler, the gap is 0 and T is exact.
+        record(
+            TRANSFER_NODE_MIN,
+            f"""
+min by (job) (
+    sum by (job, instance) ({rate(cfg, M.NODE_TRANSFER_SECONDS_TOTAL.name)})
+  /
+    (sum by (job, instance) ({rate(cfg, M.NODE_POOLED_STEPS_TOTAL.name)}) > 0)
+)
+""",
+        ),
+        record(
+            TRANSFER_SAMPLING_GAP,
+            f"""
+  avg by (job) ({TRANSFER_SAMPLED})
+-
+  min by (job) (
+    avg by (job, instance) (
+        {sel(cfg, M.NODE_SAMPLED_TRANSFER_SECONDS.name)}
+      and on (job, stride, slot)
+        {TRANSFER_SAMPLED}
+    )
+  )
+""",
+        ),
+    ]
+
+
+def _transfer_records(cfg: Thresholds) -> list[dict[str, Any]]:
+    w = cfg.windows
+    return [
+        record(
+            TRANSFER_PER_STEP,
+            f"""
+  {TRANSFER_NODE_MIN}
++ on (job)
+  (
+      avg_over_time({TRANSFER_SAMPLING_GAP}[{w.transfer}])
+    or
+      0 * {TRANSFER_NODE_MIN}
+  )
+""",
+        ),
+        # Contention (paper §3.3: queueing on shared links) is the transfer inflated against
+        # its own uncontended baseline: the transfer per step over its own 10th percentile over
+        # the contention-baseline window. A share of
+        # the step is not contention (a small model on a fast fabric has a large one), nor is
+        # a link slow from the start (no uncontended baseline to beat: see the slow link).
+        record(
+            TRANSFER_INFLATION,
+            f"""
+  {TRANSFER_PER_STEP}
+/
+  (quantile_over_time(0.1, {TRANSFER_PER_STEP}[{w.contention_baseline}]) > 0)
+""",
+        ),
+        # Rank-seconds spent waiting per rank-second of stepping: the synchronization-
+        # amplification ratio (paper §3.3), job-wide, transient waits included: every rank's
+        # collective time beyond the job's transfer, over the ranks' step time.
+        record(
+            SYNC_AMPLIFICATION,
+            f"""
+clamp_min(
+    (
+        sum by (job) ({rate(cfg, M.COLLECTIVE_SECONDS_TOTAL.name)})
+      -
+        {TRANSFER_PER_STEP} * on (job) sum by (job) ({rate(cfg, STEP_SECONDS_COUNT)})
+    )
+  /
+    sum by (job) ({rate(cfg, STEP_SECONDS_SUM)}),
+  0
+)
+""",
+        ),
+    ]
+
+
+def _straggler_records(cfg: Thresholds) -> list[dict[str, Any]]:
+    w = cfg.windows
+    return [
+        # Each rank's time blocked in collectives per step (its exposed communication) over
+        # the straggler window; the rank blocked least waits for nobody persistently, and the
+        # others' lead over it is their persistent skew. Differences of means carry no noise
+        # bias (a rolling minimum did). Blocked time, not issue-to-completion time: an async
+        # collective (FSDP2's prefetched all-gathers) overlaps compute until someone waits.
+        record(
+            SYNC_PER_STEP,
+            f"""
+  sum by (job, node, rank) (
+    {rate(cfg, M.PHASE_SECONDS_TOTAL.name, 'phase="comm_exposed"', window=w.straggler)}
+  )
+/
+  (
+    sum by (job, node, rank) ({rate(cfg, M.STEPS_TOTAL.name, window=w.straggler)})
+    > 0
+  )
+""",
+        ),
+        record(SYNC_PER_STEP_MIN, f"min by (job) ({SYNC_PER_STEP})"),
+        record(LEAD, f"{SYNC_PER_STEP} - on (job) group_left () {SYNC_PER_STEP_MIN}"),
+        # The smallest lead is 0 by construction (x - x), so the skew is the largest lead.
+        record(SKEW, f"max by (job) ({SYNC_PER_STEP}) - {SYNC_PER_STEP_MIN}"),
+        record(SKEW_RATIO, f"{SKEW} / {STEP_MEAN}"),
+        # The straggler is the rank that arrives last, i.e. with the smallest lead; its lag
+        # is how much later than the earliest rank it arrives, which is the job's skew.
+        record(
+            STRAGGLER_LAG,
+            f"""
+  0 * ({LEAD} == 0)
++ on (job) group_left ()
+  {SKEW}
+""",
+        ),
+        record(STRAGGLER_RATIO, f"{STRAGGLER_LAG} / on (job) group_left () {STEP_MEAN}"),
+    ]
+
+
+def _group_wait(cfg: Thresholds) -> str:
+    window = cfg.windows.straggler
+    per_rank = f"""
+  sum by (job, node, rank, group) (
+    {rate(cfg, M.RANK_COLLECTIVE_SECONDS_TOTAL.name, window=window)}
+  )
+/ on (job, node, rank) group_left ()
+  (sum by (job, node, rank) ({rate(cfg, M.STEPS_TOTAL.name, window=window)}) > 0)"""
+    return f"""
+  sum by (job, group) (
+{indent(per_rank, 4)}
+    - on (job, group) group_left ()
+      min by (job, group) (
+{indent(per_rank, 8)}
+      )
+  )
+/ on (job) group_left ()
+  ({WORLD_SIZE} * {STEP_MEAN} > 0)
+"""
