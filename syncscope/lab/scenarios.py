@@ -1,11 +1,11 @@
 """Fabric scenarios on emulated nodes, shared by the tests (one run each) and the bench (many):
 a throttled node's link, and a competing flow between nodes for part of a run.
 
-Each runs one gloo job on 2 emulated nodes × 2 ranks (syncscope.lab.nodes) whose exporters read the
-job-wide view back from a real Prometheus with syncscope's rules, and returns what the rules,
-the exporters and the dashboards said, evaluation by evaluation where it matters. Needs root,
-iproute2 (with tc) and Prometheus; entering raises syncscope.lab.nodes.NodesUnavailable where the
-kernel refuses.
+Each runs one gloo job on 2 emulated nodes × 2 ranks (syncscope.lab.nodes) whose exporters read
+the job-wide view back from a real Prometheus with syncscope's rules (or VictoriaMetrics with
+vmalert), and returns what the rules, the exporters and the dashboards said, evaluation by
+evaluation where it matters. Needs root, iproute2 (with tc) and Prometheus (or VictoriaMetrics);
+entering raises syncscope.lab.nodes.NodesUnavailable where the kernel refuses.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from syncscope.lab.launch import wait_all
 from syncscope.lab.nodes import EmulatedNodes
-from syncscope.lab.servers import Prometheus, free_port
+from syncscope.lab.servers import Prometheus, VMStack, free_port
 from syncscope.monitoring import rules as R
 from syncscope.monitoring.dashboards import FABRIC_UID, evaluable_queries
 from syncscope.monitoring.prometheus_config import local_config
@@ -30,32 +30,51 @@ SLOW_LINK_LINE = required(_ALERTS["SyncscopeSlowLink"].levels[0].threshold, "thr
 CONTENTION_LINE = required(_ALERTS["SyncscopeFabricContention"].levels[0].threshold, "threshold")
 
 
+# What evaluates the rules: one Prometheus, or vmagent shards, VictoriaMetrics and vmalert.
+ENGINES = ("prometheus", "vm")
+
+
 @contextlib.contextmanager
 def job_wide_nodes(
-    workdir: str, alertmanager: str | None = None, **kw: Any
-) -> Iterator[tuple[EmulatedNodes, Prometheus]]:
-    """2 emulated nodes × 2 ranks whose exporters read the job-wide view back from a real
-    Prometheus (--prometheus-url) that scrapes them with syncscope's rules (and sends its
-    alerts to `alertmanager`, host:port, when given)."""
-    prom_port = free_port()
-    readback = ["--prometheus-url", f"http://127.0.0.1:{prom_port}", "--prometheus-interval", "2"]
-    with EmulatedNodes(2, 2, workdir=workdir, exporter_args=readback, **kw) as cluster:
-        config = local_config(cluster.exporter_ports, workdir, alertmanager=alertmanager)
-        prom = Prometheus(config, workdir, port=prom_port)
-        try:
-            prom.wait_ready()
-            yield cluster, prom
-        finally:
-            prom.stop()
+    workdir: str, alertmanager: str | None = None, engine: str = "prometheus", **kw: Any
+) -> Iterator[tuple[EmulatedNodes, Prometheus | VMStack]]:
+    """2 emulated nodes × 2 ranks whose exporters read the job-wide view back (--prometheus-url)
+    from the `engine` that scrapes them with syncscope's rules: a real Prometheus, or two
+    vmagent shards into VictoriaMetrics with vmalert (servers.VMStack); its alerts go to
+    `alertmanager`, host:port, when given."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: one of {ENGINES}")
+    port = free_port()
+    readback = ["--prometheus-url", f"http://127.0.0.1:{port}", "--prometheus-interval", "2"]
+    with contextlib.ExitStack() as stack:
+        vm = VMStack(workdir, port=port) if engine == "vm" else None
+        if vm is not None:
+            stack.callback(vm.stop)
+        cluster = stack.enter_context(
+            EmulatedNodes(2, 2, workdir=workdir, exporter_args=readback, **kw)
+        )
+        store: Prometheus | VMStack
+        if vm is not None:
+            targets = [f"127.0.0.1:{p}" for p in cluster.exporter_ports]
+            vm.evaluate(targets, alertmanager=alertmanager)
+            store = vm
+        else:
+            config = local_config(cluster.exporter_ports, workdir, alertmanager=alertmanager)
+            store = Prometheus(config, workdir, port=port)
+            stack.callback(store.stop)
+            store.wait_ready()
+        yield cluster, store
 
 
 def modes(state: dict[str, Any], job: str) -> dict[str, Any]:
     return dict(state["jobs"][job]["diagnosis"]["modes"])
 
 
-def slow_link(workdir: str, job: str, duration: float = 30.0) -> dict[str, Any]:
+def slow_link(
+    workdir: str, job: str, duration: float = 30.0, engine: str = "prometheus"
+) -> dict[str, Any]:
     """Node 1's link shaped to a quarter of node 0's (400 and 100 Mbit/s, tbf at both ends)."""
-    with job_wide_nodes(workdir, link_mbit={0: 400, 1: 100}) as (cluster, prom):
+    with job_wide_nodes(workdir, engine=engine, link_mbit={0: 400, 1: 100}) as (cluster, prom):
         started = time.time()
         cluster.run(["--duration", str(duration)], job)
         time.sleep(3)

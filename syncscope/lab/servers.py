@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from typing import Any
 
 from syncscope.prometheus_api import PrometheusAPI
@@ -108,19 +109,11 @@ def _write(workdir: str, name: str, text: str) -> str:
     return path
 
 
-class Prometheus(_Server):
-    """A real Prometheus process on 127.0.0.1 with a temporary TSDB."""
+class _Queries:
+    """Instant and range queries over a Prometheus-compatible query API (``self.api``): what the
+    harness asks of Prometheus, and of VictoriaMetrics in its place."""
 
-    def __init__(self, config_text: str, workdir: str, port: int | None = None) -> None:
-        binary = shutil.which("prometheus")
-        if binary is None:
-            raise FileNotFoundError("prometheus is not installed (scripts/setup installs it)")
-        config = _write(workdir, "prometheus.yml", config_text)
-        storage = os.path.join(workdir, "tsdb")
-        super().__init__(
-            binary, [f"--config.file={config}", f"--storage.tsdb.path={storage}"], port
-        )
-        self.api = PrometheusAPI(self.url, timeout=10.0)
+    api: PrometheusAPI
 
     def query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
         """An instant query, now or at unix time ``at``."""
@@ -140,6 +133,21 @@ class Prometheus(_Server):
             for t, value in series["values"]:
                 out.setdefault(round(float(t), 3), {})[labels] = float(value)
         return out
+
+
+class Prometheus(_Queries, _Server):
+    """A real Prometheus process on 127.0.0.1 with a temporary TSDB."""
+
+    def __init__(self, config_text: str, workdir: str, port: int | None = None) -> None:
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise FileNotFoundError("prometheus is not installed (scripts/setup installs it)")
+        config = _write(workdir, "prometheus.yml", config_text)
+        storage = os.path.join(workdir, "tsdb")
+        super().__init__(
+            binary, [f"--config.file={config}", f"--storage.tsdb.path={storage}"], port
+        )
+        self.api = PrometheusAPI(self.url, timeout=10.0)
 
     def alerts(self) -> list[dict[str, Any]]:
         alerts: list[dict[str, Any]] = self.api.get("/api/v1/alerts")["alerts"]
@@ -231,10 +239,10 @@ def _vm_binary(name: str) -> str:
     return binary
 
 
-class VictoriaMetrics(_Server):
+class VictoriaMetrics(_Queries, _Server):
     """A real single-node VictoriaMetrics on 127.0.0.1 with its storage in ``workdir``.
 
-    It serves Prometheus's query API (``self.api``, ``query``) and takes samples through
+    It serves Prometheus's query API (``self.api``, ``query``, ``query_range``) and takes samples through
     ``import_prometheus`` (exposition text with millisecond timestamps) or remote write
     (``self.url + "/api/v1/write"``). Retention is 100 years so that data at a fixed past
     time is kept.
@@ -244,21 +252,23 @@ class VictoriaMetrics(_Server):
     listen_flag = "-httpListenAddr"
 
     def __init__(
-        self, workdir: str, port: int | None = None, extra: list[str] | None = None
+        self,
+        workdir: str,
+        port: int | None = None,
+        extra: list[str] | None = None,
+        query_flags: Sequence[str] = VICTORIAMETRICS_PROMETHEUS_FLAGS,
     ) -> None:
+        """``query_flags``: in place of Prometheus's query semantics, e.g. the flags the
+        generated compose project runs it with (bench/bench_scale.py)."""
         storage = os.path.join(workdir, "victoria-metrics-data")
         args = [
             f"-storageDataPath={storage}",
             "-retentionPeriod=100y",
-            *VICTORIAMETRICS_PROMETHEUS_FLAGS,
+            *query_flags,
             *(extra or []),
         ]
         super().__init__(_vm_binary("victoria-metrics"), args, port)
         self.api = PrometheusAPI(self.url, timeout=10.0)
-
-    def query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
-        """An instant query, now or at unix time ``at``."""
-        return self.api.instant(promql, at)
 
     def import_prometheus(self, text: str) -> None:
         """Import exposition-format lines (``name{labels} value timestamp_ms``), then make
@@ -273,6 +283,14 @@ class VictoriaMetrics(_Server):
     def force_flush(self) -> None:
         with urllib.request.urlopen(self.url + "/internal/force_flush", timeout=10) as r:  # noqa: S310
             r.read()
+
+    def export(self, match: str, start: float, end: float) -> list[dict[str, Any]]:
+        """Every stored sample of the series ``match`` (a series selector) from ``start`` to
+        ``end`` (unix seconds), as stored: one ``{"metric", "values", "timestamps"}`` (ms) per
+        series. No lookback fills a gap, so a series absent at an evaluation has no sample."""
+        query = urllib.parse.urlencode({"match[]": match, "start": start, "end": end})
+        with urllib.request.urlopen(f"{self.url}/api/v1/export?{query}", timeout=60) as r:  # noqa: S310
+            return [json.loads(line) for line in r.read().splitlines() if line.strip()]
 
 
 def vmalert_replay(
@@ -332,7 +350,12 @@ class VMAlert(_Server):
         port: int | None = None,
         notifier_url: str | None = None,
         evaluation_interval: str = "15s",
+        flush_interval: str | None = "200ms",
     ) -> None:
+        """``flush_interval``: how often it remote-writes its records and alert state (None:
+        vmalert's default, 5 s, as the generated compose project runs it). A rule of another
+        group reads a record only once it is written: at 1 s evaluations the default holds
+        each step of a chain of groups up to 5 s."""
         args = [
             f"-rule={rule_file}",
             f"-datasource.url={datasource_url}",
@@ -342,6 +365,8 @@ class VMAlert(_Server):
         ]
         if notifier_url:
             args.append(f"-notifier.url={notifier_url}")
+        if flush_interval is not None:
+            args.append(f"-remoteWrite.flushInterval={flush_interval}")
         super().__init__(_vm_binary("vmalert"), args, port)
         self.api = PrometheusAPI(self.url, timeout=10.0)
 
@@ -364,19 +389,78 @@ class VMAgent(_Server):
         shard: int = 0,
         shards: int = 1,
         port: int | None = None,
+        flush_interval: str | None = "200ms",
     ) -> None:
+        """``flush_interval``: how often it remote-writes what it scraped (None: vmagent's
+        default, 1 s, as the generated compose project runs it)."""
         config = _write(workdir, f"vmagent-{shard}.yml", config_text)
         args = [
             f"-promscrape.config={config}",
             f"-remoteWrite.url={remote_write_url}",
             f"-remoteWrite.tmpDataPath={os.path.join(workdir, f'vmagent-{shard}-data')}",
-            "-remoteWrite.flushInterval=200ms",
             f"-promscrape.cluster.membersCount={shards}",
             f"-promscrape.cluster.memberNum={shard}",
         ]
+        if flush_interval is not None:
+            args.append(f"-remoteWrite.flushInterval={flush_interval}")
         super().__init__(_vm_binary("vmagent"), args, port)
 
     def scraped(self) -> set[str]:
         """The targets this shard scrapes (host:port), as its targets API lists them."""
         data = get_json(self.url + "/api/v1/targets")
         return {t["labels"]["instance"] for t in data["data"]["activeTargets"]}
+
+
+class VMStack(_Queries):
+    """In place of one Prometheus: ``shards`` vmagent shards scrape the targets every second
+    and remote-write into one VictoriaMetrics; vmalert evaluates syncscope's rules (the vmalert
+    variant, with local_config's short windows and ``overrides``) every second against it,
+    writes records and alert state (ALERTS) back and notifies ``alertmanager`` (host:port) when
+    given. ``url``, ``query``, ``query_range`` and ``stop`` are what the harness asks of a
+    Prometheus; exporters read the job-wide view back from ``url``.
+
+    VictoriaMetrics starts first (its address is known before the exporters start);
+    ``evaluate`` adds the shards and vmalert once the targets are."""
+
+    def __init__(self, workdir: str, port: int | None = None) -> None:
+        self.workdir = workdir
+        self.vm = VictoriaMetrics(workdir, port=port)
+        self.servers: list[_Server] = [self.vm]
+        self.shards: list[VMAgent] = []
+        self.url = self.vm.url
+        self.api = self.vm.api
+        self.vm.wait_ready()
+
+    def evaluate(
+        self,
+        targets: Sequence[str],
+        overrides: dict[str, Any] | None = None,
+        alertmanager: str | None = None,
+        shards: int = 2,
+    ) -> None:
+        from syncscope.monitoring.engines import write_rules
+        from syncscope.monitoring.prometheus_config import local_overrides, render_scrape_config
+
+        rules = write_rules(
+            os.path.join(self.workdir, "rules"), local_overrides(overrides), engine="vmalert"
+        )
+        # vmalert 1.79 refuses alerting rules without a notifier and has no blackhole: without
+        # an Alertmanager, alerts go to a port nobody listens on (ALERTS is still written).
+        notifier = f"http://{alertmanager or f'127.0.0.1:{free_port()}'}"
+        vmalert = VMAlert(str(rules), self.url, notifier_url=notifier, evaluation_interval="1s")
+        self.servers.append(vmalert)
+        scrape = render_scrape_config(list(targets), "1s")
+        write = self.url + "/api/v1/write"
+        for i in range(shards):
+            self.shards.append(VMAgent(scrape, self.workdir, write, shard=i, shards=shards))
+        self.servers += self.shards
+        for server in self.servers:
+            server.wait_ready()
+
+    def scraped_by_shard(self) -> list[set[str]]:
+        """Each shard's targets (host:port)."""
+        return [shard.scraped() for shard in self.shards]
+
+    def stop(self) -> None:
+        for server in reversed(self.servers):
+            server.stop()

@@ -105,17 +105,24 @@ def local_config(
     (config.demo_overrides) and then ``overrides``; the demo and the end-to-end tests use it.
     """
     from syncscope.monitoring.rules import write_rules
-    from syncscope.thresholds import demo_overrides, load_config
 
     ports = [exporter_port] if isinstance(exporter_port, int) else list(exporter_port)
     rules_dir = os.path.join(workdir, "rules")
-    write_rules(rules_dir, {**demo_overrides(load_config()), **(overrides or {})})
+    write_rules(rules_dir, local_overrides(overrides))
     return render_config(
         [f"127.0.0.1:{port}" for port in ports],
         "1s",
         [os.path.join(rules_dir, "*.yml")],
         alertmanager=alertmanager,
     )
+
+
+def local_overrides(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The rules' settings for a job that lasts a minute: short ``for:`` and windows
+    (config.demo_overrides), then ``overrides``; whichever engine evaluates them."""
+    from syncscope.thresholds import demo_overrides, load_config
+
+    return {**demo_overrides(load_config()), **(overrides or {})}
 
 
 def local_window_s() -> float:

@@ -12,7 +12,7 @@ VictoriaMetrics operator (docs/victoriametrics.md):
 
 Every shard gets the same scrape config; ``-promscrape.cluster.membersCount`` and
 ``-promscrape.cluster.memberNum`` (the operator's ``shardCount``) give each exporter to exactly
-one of them (tests/e2e/test_vm_topology.py runs it).
+one of them (tests/integration/test_multinode.py runs it on emulated nodes).
 """
 
 from __future__ import annotations
