@@ -1,5 +1,6 @@
 """Prometheus at scale: N emulated node exporters scraped by a real Prometheus with the shipped
-configuration and rules, a straggler planted on one rank.
+configuration and rules, a straggler planted on one rank; or by the VictoriaMetrics topology
+(vmagent shards, VictoriaMetrics, vmalert), or by both in turn (--engine).
 
 Each emulated node is an exporter's own Store (exporter.store, default Settings) fed by its
 ranks through the real ingest path (app.parse_batch, then Store.ingest) with agent bodies in
@@ -51,16 +52,47 @@ Prometheus's own /metrics and /api/v1/rules every second:
                  that return nothing. A --lag-ms over 10 % of --step-s makes the straggler
                  alert fire and the exporter name a cause, so those panels have rows too.
 
+--engine vm measures the generated VictoriaMetrics topology (victoriametrics.compose) in
+Prometheus's place: --shards vmagent shards (default 2) read the shipped scrape config
+(victoriametrics.files' vmagent.yml) with every emulated node and keep their share by the
+targets' label hash (-promscrape.cluster.*), remote-writing into one VictoriaMetrics; vmalert
+evaluates the shipped rules' vmalert variant (engines.write_rules) against it at the shipped
+interval, writing records back; each with the compose project's flags, no Alertmanager (vmalert
+1.79 will not start alerting rules without a notifier and has no blackhole: a port nobody
+listens on). All four are pinned where Prometheus would be. The same figures, from their own
+/metrics and vmalert's /api/v1/rules:
+
+  eval/interval  vmalert's iterations: vmalert_iteration_duration_seconds (its cumulative sum
+                 and count, so one iteration per poll) over vmalert_iteration_interval_seconds;
+                 vmalert_iteration_missed_total. Rule times: vmalert 1.79 reports each rule's
+                 time from its iteration's start, so a rule's own is the difference from the
+                 rule before it.
+  series         vm_cache_entries{type="storage/hour_metric_ids"} (the series written this
+                 hour: all of them, as none end), and the targets' series as for Prometheus.
+  processes      the largest RSS and the CPU of VictoriaMetrics, vmalert and every vmagent.
+  loss           every loss or error counter of theirs that grew (dropped, ignored, skipped,
+                 invalid, failed, timed out, errors: vm_rows_ignored_total, vmalert_remotewrite_
+                 dropped_rows_total, vm_promscrape_scrapes_failed_total, ...), while measured and
+                 since the first scrape, and the vmagents' largest persistent queue
+                 (vm_persistentqueue_bytes_pending: scraped, not yet taken by VictoriaMetrics).
+  straggler      from the samples vmalert stored (VictoriaMetrics' /api/v1/export, no lookback:
+                 vmalert writes no staleness marker), each given to the evaluation that wrote
+                 it; for both engines also at which evaluation once the straggler window is full.
+
+--engine both runs prometheus, then vm, on the same emulator (it keeps feeding), and prints
+the two side by side with vm / prometheus.
+
 Runs longer than ~30 s or above 64 nodes must not overlap other benchmarks (1024 x 8 takes
-about 10 min, 1.7 GB for Prometheus and 1.7 GB for the emulator):
+about 10 min per engine, 1.7 GB for Prometheus and 1.7 GB for the emulator):
 Run: flock /tmp/syncscope-cpu.lock .venv/bin/python bench/bench_scale.py --sizes 64,256,1024
        [--ranks-per-node 8] [--duration 120] [--settle SECONDS] [--no-pin] [--json out.json]
-       [--panels]
+       [--panels] [--engine prometheus|vm|both] [--shards 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import gc
 import hashlib
@@ -77,11 +109,11 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -92,14 +124,18 @@ from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import Store
 
 from syncscope.lab import render
-from syncscope.lab.servers import Prometheus
-from syncscope.monitoring import dashboards
+from syncscope.lab.servers import Prometheus, VictoriaMetrics, VMAgent, VMAlert, free_port
+from syncscope.monitoring import dashboards, engines, victoriametrics
 from syncscope.monitoring.prometheus_config import compose_config
-from syncscope.monitoring.rules import RULES_FILE, STRAGGLER_LAG, write_rules
-from syncscope.prometheus_api import PrometheusAPI
+from syncscope.monitoring.rules import STRAGGLER_LAG, write_rules
+from syncscope.prometheus_api import PrometheusAPI, PrometheusError
 from syncscope.thresholds import duration_seconds, load_config
 
 JOB = "scale"
+# The process holding each engine's series.
+STORAGE = {"prometheus": "prometheus", "vm": "victoria-metrics"}
+# --engine: the engines measured, one after the other on the same emulator.
+ENGINE_RUNS = {"prometheus": ("prometheus",), "vm": ("vm",), "both": ("prometheus", "vm")}
 NODE_PREFIX = "node"  # hostnames nodeNNNN, instances nodeNNNN:9464
 # (op, bytes, base seconds): the gradient sync every step (where ranks wait for the last one),
 # an all_reduce every other step, an all_gather or a broadcast every tenth (bench_exporter's mix).
@@ -334,6 +370,11 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024  # a scrape never waits for a SYN retry behind a burst
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # An engine stopped while scraping (--engine both stops one, the emulator runs on).
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
 
 class Emulator:
     """Every node's agents fed on one thread, every node served by one HTTP server."""
@@ -361,6 +402,7 @@ class Emulator:
         self.first_scrape: float | None = None
         self.error: BaseException | None = None  # the feeder's, raised by check()
         self.feed_late_s: list[float] = []  # per feed cycle: how late its last node was fed
+        self.started = False
         self.server = Server(("127.0.0.1", 0), self._handler())
         self.port = self.server.server_address[1]
 
@@ -370,6 +412,7 @@ class Emulator:
             self.records += node.feed(now, self.shared)
 
     def start(self) -> None:
+        self.started = True
         for target in (self._feed_loop, self.server.serve_forever):
             threading.Thread(target=target, daemon=True).start()
 
@@ -434,13 +477,9 @@ class Emulator:
         return Handler
 
 
-def prometheus_config(port: int, nodes: int, rule_files: list[str]) -> tuple[str, float]:
-    """The shipped configuration (compose_config: its intervals, scrape job, honor_labels), one
-    target per emulated node, no Alertmanager; and its evaluation interval in seconds."""
-    config = yaml.safe_load(compose_config())
-    config.pop("alerting", None)
-    config["rule_files"] = rule_files
-    (scrape,) = config["scrape_configs"]
+def emulated_targets(scrape: dict[str, Any], port: int, nodes: int) -> None:
+    """Point a shipped scrape job at the emulator: one target per node, instance nodeNNNN:9464,
+    its path /metrics/<node> set by the target's __metrics_path__."""
     path = scrape.get("metrics_path", "/metrics")
     scrape["static_configs"] = [
         {
@@ -449,68 +488,347 @@ def prometheus_config(port: int, nodes: int, rule_files: list[str]) -> tuple[str
         }
         for n in range(nodes)
     ]
+
+
+def prometheus_config(port: int, nodes: int, rule_files: list[str]) -> tuple[str, float]:
+    """The shipped configuration (compose_config: its intervals, scrape job, honor_labels), one
+    target per emulated node, no Alertmanager; and its evaluation interval in seconds."""
+    config = yaml.safe_load(compose_config())
+    config.pop("alerting", None)
+    config["rule_files"] = rule_files
+    (scrape,) = config["scrape_configs"]
+    emulated_targets(scrape, port, nodes)
     evaluation = config["global"].get("evaluation_interval", config["global"]["scrape_interval"])
     return yaml.safe_dump(config, sort_keys=False), duration_seconds(evaluation)
 
 
+def vmagent_config(port: int, nodes: int) -> str:
+    """The shards' shipped scrape config (victoriametrics.files: deploy/victoriametrics/
+    vmagent.yml, the same generator), one target per emulated node."""
+    shipped = victoriametrics.files(load_config())[victoriametrics.VMAGENT_PATH]
+    config = yaml.safe_load(shipped)
+    (scrape,) = config["scrape_configs"]
+    emulated_targets(scrape, port, nodes)
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def shipped_flags(service: str) -> list[str]:
+    """A service's flags in the generated compose project (victoriametrics.compose)."""
+    return [str(f) for f in victoriametrics.compose()["services"][service]["command"]]
+
+
+def flag_value(flags: list[str], name: str) -> str:
+    (value,) = [f.partition("=")[2] for f in flags if f.partition("=")[0] == name]
+    return value
+
+
+@dataclass
+class Process:
+    """One server process's memory and CPU, as its own /metrics reports them."""
+
+    rss: list[tuple[float, float]] = field(default_factory=list)  # (unix time, bytes)
+    cpu_s: list[tuple[float, float]] = field(default_factory=list)  # process_cpu_seconds_total
+
+    def sample(self, now: float, name: str, value: float) -> None:
+        if name == "process_resident_memory_bytes":
+            self.rss.append((now, value))
+        elif name == "process_cpu_seconds_total":
+            self.cpu_s.append((now, value))
+
+
+# Counters of samples lost on the way (scrape, remote write, storage) and of errors; any that
+# grows while measured is reported (vmagent, VictoriaMetrics, vmalert 1.79 names).
+LOSS_COUNTER = re.compile(r"dropped|ignored|skipped|invalid|failed|timed_out|errors")
+NOT_LOSS = {"vm_metric_rows_skipped_total"}  # rows a query skipped, none lost
+LOSS_SAMPLES = re.compile(r"dropped|ignored|skipped|invalid|scrapes_failed|scrapes_timed_out")
+VMALERT_FLUSH_S = 5.0  # vmalert's -remoteWrite.flushInterval, its default (the compose's)
+QUEUE_GAUGE = "vm_persistentqueue_bytes_pending"  # vmagent: scraped but not yet accepted
+
+
 @dataclass
 class Watch:
-    """Prometheus's rule evaluations as they happen: per group and per rule, by evaluation."""
+    """A rule engine's evaluations as they happen (per group and per rule, by evaluation), the
+    storage's series, its processes' memory and CPU and its loss counters; `poll` reads them
+    once through the engine."""
 
-    prom: Prometheus
+    engine: Engine
     groups: dict[str, dict[float, float]] = field(default_factory=dict)  # ts -> duration
     intervals: dict[str, float] = field(default_factory=dict)
     missed: dict[str, float] = field(default_factory=dict)  # the latest counter values
     rules: dict[str, dict[float, float]] = field(default_factory=dict)  # group/i name -> ...
-    rss: list[tuple[float, float]] = field(default_factory=list)  # (unix time, bytes)
-    head_series: list[tuple[float, float]] = field(default_factory=list)
-    cpu_s: list[tuple[float, float]] = field(default_factory=list)  # process_cpu_seconds_total
+    head_series: list[tuple[float, float]] = field(default_factory=list)  # the storage's
+    processes: dict[str, Process] = field(default_factory=dict)
+    counters: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # LOSS_COUNTER
+    queued: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # QUEUE_GAUGE
     rule_group_of: dict[str, str] = field(default_factory=dict)  # rule name -> its group
+    rule_errors: dict[str, str] = field(default_factory=dict)  # rule name -> its last error
     failed_polls: int = 0
 
     def poll(self) -> None:
-        """Read both once; a Prometheus too busy to answer within 10 s is read next time."""
+        """Read the engine once; one too busy to answer within 10 s is read next time."""
         try:
-            with urllib.request.urlopen(self.prom.url + "/metrics", timeout=10) as reply:  # noqa: S310
-                text = reply.read().decode()
-            groups = PrometheusAPI(self.prom.url, timeout=10).get("/api/v1/rules")["groups"]
+            self.engine.poll(self)
         except OSError:  # timeouts included
             self.failed_polls += 1
-            return
+
+    def process(self, name: str) -> Process:
+        return self.processes.setdefault(name, Process())
+
+    def read_rules(self, groups: list[dict[str, Any]], cumulative: bool = False) -> None:
+        """Each rule's last evaluation and its duration from /api/v1/rules (Prometheus's and
+        vmalert's have the same fields). `cumulative`: vmalert 1.79 gives every rule of an
+        iteration the iteration's time and, as its evaluationTime, the time from then to the
+        rule's end; a rule's own is the difference from the rule before it."""
+        for g in groups:
+            before: tuple[str, float] = ("", 0.0)  # the previous rule's (time, evaluationTime)
+            for i, rule in enumerate(g["rules"]):
+                self.rule_group_of.setdefault(rule["name"], g["name"])
+                if rule.get("lastError"):
+                    self.rule_errors[rule["name"]] = str(rule["lastError"])[:300]
+                when = rule.get("lastEvaluation", "")
+                if not when or when.startswith("0001-"):  # not evaluated yet
+                    continue
+                took = float(rule["evaluationTime"])
+                if cumulative:
+                    took, before = took - (before[1] if before[0] == when else 0.0), (when, took)
+                key = f"{g['name']}/{i:02d} {rule['name']}"
+                self.rules.setdefault(key, {}).setdefault(unix_time(when), took)
+
+    def rule_evaluations(self, rule: str) -> list[float]:
+        """When `rule` was evaluated, as far as polls saw."""
+        return sorted(ts for key, e in self.rules.items() if key.endswith(f" {rule}") for ts in e)
+
+
+def get_text(url: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as reply:  # noqa: S310 - our own servers
+        return str(reply.read().decode())
+
+
+def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            yield s.name, s.labels, s.value
+
+
+class Engine(Protocol):
+    """The metrics back end under test: the servers it runs, read through `poll`."""
+
+    name: str
+    url: str  # its Prometheus query API (Prometheus's own, VictoriaMetrics')
+    rules_file: str
+    interval: float  # the evaluation interval shipped
+    storage: str  # the process holding the series
+
+    def wait_ready(self, timeout: float) -> None: ...
+    def stop(self) -> None: ...
+    def poll(self, watch: Watch) -> None: ...
+    def straggler_named(
+        self, watch: Watch, first_scrape: float, end: float, intervals: dict[str, float]
+    ) -> dict[float, set[str]]: ...
+
+
+class PrometheusEngine:
+    """One Prometheus with the shipped configuration and rules scraping every emulated node."""
+
+    name = "prometheus"
+    storage = "prometheus"
+
+    def __init__(self, port: int, nodes: int, workdir: str, cpus: set[int] | None) -> None:
+        os.makedirs(workdir, exist_ok=True)
+        self.rules_file = str(write_rules(os.path.join(workdir, "rules")))  # no overrides
+        config, self.interval = prometheus_config(port, nodes, [self.rules_file])
+        with pinned(cpus):
+            self.prom = Prometheus(config, workdir)
+        self.url = self.prom.url
+
+    def wait_ready(self, timeout: float) -> None:
+        self.prom.wait_ready(timeout)
+
+    def stop(self) -> None:
+        self.prom.stop()
+
+    def poll(self, watch: Watch) -> None:
+        """Prometheus's own /metrics and /api/v1/rules."""
+        text = get_text(self.url + "/metrics")
+        groups = PrometheusAPI(self.url, timeout=10).get("/api/v1/rules")["groups"]
         now = time.time()
         last_ts: dict[str, float] = {}
         last_duration: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                group = s.labels.get("rule_group", "").rpartition(";")[2]
-                if s.name == "prometheus_rule_group_last_evaluation_timestamp_seconds":
-                    last_ts[group] = s.value
-                elif s.name == "prometheus_rule_group_last_duration_seconds":
-                    last_duration[group] = s.value
-                elif s.name == "prometheus_rule_group_interval_seconds":
-                    self.intervals[group] = s.value
-                elif s.name == "prometheus_rule_group_iterations_missed_total":
-                    self.missed[group] = s.value
-                elif s.name == "process_resident_memory_bytes":
-                    self.rss.append((now, s.value))
-                elif s.name == "prometheus_tsdb_head_series":
-                    self.head_series.append((now, s.value))
-                elif s.name == "process_cpu_seconds_total":
-                    self.cpu_s.append((now, s.value))
+        for name, labels, value in samples(text):
+            group = labels.get("rule_group", "").rpartition(";")[2]
+            if name == "prometheus_rule_group_last_evaluation_timestamp_seconds":
+                last_ts[group] = value
+            elif name == "prometheus_rule_group_last_duration_seconds":
+                last_duration[group] = value
+            elif name == "prometheus_rule_group_interval_seconds":
+                watch.intervals[group] = value
+            elif name == "prometheus_rule_group_iterations_missed_total":
+                watch.missed[group] = value
+            elif name == "prometheus_tsdb_head_series":
+                watch.head_series.append((now, value))
+            else:
+                watch.process(self.name).sample(now, name, value)
         # Prometheus sets an evaluation's duration just before its timestamp: a poll between
         # the two pairs the new duration with the previous timestamp, seen already, so the
         # first value seen for a timestamp is kept.
         for group, ts in last_ts.items():
             if ts > 0 and group in last_duration:
-                self.groups.setdefault(group, {}).setdefault(ts, last_duration[group])
-        for g in groups:
-            for i, rule in enumerate(g["rules"]):
-                self.rule_group_of.setdefault(rule["name"], g["name"])
-                when = rule.get("lastEvaluation", "")
-                if when.startswith("0001-"):  # not evaluated yet
-                    continue
-                key = f"{g['name']}/{i:02d} {rule['name']}"
-                self.rules.setdefault(key, {}).setdefault(unix_time(when), rule["evaluationTime"])
+                watch.groups.setdefault(group, {}).setdefault(ts, last_duration[group])
+        watch.read_rules(groups)
+
+    def straggler_named(
+        self, watch: Watch, first_scrape: float, end: float, intervals: dict[str, float]
+    ) -> dict[float, set[str]]:
+        """The ranks the straggler rule named at each evaluation of its group after the first
+        scrape (evaluations come at fixed multiples of the group's interval)."""
+        group = watch.rule_group_of.get(STRAGGLER_LAG, "")
+        after = sorted(ts for ts in watch.groups.get(group, {}) if ts > first_scrape)
+        if not after:
+            return {}
+        found = self.prom.query_range(
+            f"max by (rank) ({STRAGGLER_LAG})", after[0], end, intervals[group]
+        )
+        return {t: {key.removeprefix("rank=") for key in series} for t, series in found.items()}
+
+
+class VictoriaMetricsEngine:
+    """The generated VictoriaMetrics topology (victoriametrics.compose): `shards` vmagent
+    shards, each given the shipped scrape config with every emulated node and keeping its share
+    (-promscrape.cluster.*), remote-writing into one VictoriaMetrics; vmalert evaluating the
+    shipped rules' vmalert variant (engines.write_rules) against it at the shipped interval,
+    writing records and alert state back. Each runs with the compose project's flags. vmalert
+    1.79 refuses alerting rules without a notifier and has no blackhole: alerts go to a port
+    nobody listens on (a send error each, counted; none fire at the default --lag-ms)."""
+
+    name = "vm"
+    storage = "victoria-metrics"
+
+    def __init__(
+        self, port: int, nodes: int, workdir: str, cpus: set[int] | None, shards: int
+    ) -> None:
+        os.makedirs(workdir, exist_ok=True)
+        self.rules_file = str(engines.write_rules(os.path.join(workdir, "rules"), engine="vmalert"))
+        own = ("-storageDataPath=", "-retentionPeriod=")  # the class sets its own
+        vm_flags = [f for f in shipped_flags("victoria-metrics") if not f.startswith(own)]
+        evaluation = flag_value(shipped_flags("vmalert"), "-evaluationInterval")
+        self.interval = duration_seconds(evaluation)
+        scrape = vmagent_config(port, nodes)
+        self.servers: dict[str, Any] = {}
+        with pinned(cpus):
+            self.vm = VictoriaMetrics(workdir, query_flags=vm_flags)
+            self.servers[self.storage] = self.vm
+            self.vm.wait_ready(60)
+            write = self.vm.url + "/api/v1/write"
+            for i in range(shards):
+                self.servers[f"vmagent-{i}"] = VMAgent(
+                    scrape, workdir, write, shard=i, shards=shards, flush_interval=None
+                )
+            self.vmalert = VMAlert(
+                self.rules_file,
+                self.vm.url,
+                notifier_url=f"http://127.0.0.1:{free_port()}",
+                evaluation_interval=evaluation,
+                flush_interval=None,  # vmalert's own, as the compose project runs it
+            )
+            self.servers["vmalert"] = self.vmalert
+        self.url = self.vm.url
+        self.iterations: dict[str, tuple[float, float]] = {}  # group -> (duration sum, count)
+
+    def wait_ready(self, timeout: float) -> None:
+        for server in self.servers.values():
+            server.wait_ready(timeout)
+
+    def stop(self) -> None:
+        for server in reversed(self.servers.values()):
+            server.stop()
+
+    def targets_by_shard(self) -> dict[str, int]:
+        return {
+            name: len(server.scraped())
+            for name, server in self.servers.items()
+            if isinstance(server, VMAgent)
+        }
+
+    def poll(self, watch: Watch) -> None:
+        """Every server's own /metrics, and vmalert's /api/v1/rules."""
+        texts = {name: get_text(s.url + "/metrics") for name, s in self.servers.items()}
+        groups = PrometheusAPI(self.vmalert.url, timeout=10).get("/api/v1/rules")["groups"]
+        now = time.time()
+        iterations: dict[str, list[float]] = {}
+        for process, text in texts.items():
+            for name, labels, value in samples(text):
+                group = labels.get("group", "")
+                if name == "vmalert_iteration_duration_seconds_sum":
+                    iterations.setdefault(group, [0.0, 0.0])[0] = value
+                elif name == "vmalert_iteration_duration_seconds_count":
+                    iterations.setdefault(group, [0.0, 0.0])[1] = value
+                elif name == "vmalert_iteration_interval_seconds":
+                    watch.intervals[group] = value
+                elif name == "vmalert_iteration_missed_total":
+                    watch.missed[group] = value
+                elif name == "vm_cache_entries" and labels.get("type") == "storage/hour_metric_ids":
+                    watch.head_series.append((now, value))
+                elif name == QUEUE_GAUGE:
+                    watch.queued.setdefault(process, []).append((now, value))
+                elif name.endswith("_total") and LOSS_COUNTER.search(name) and name not in NOT_LOSS:
+                    key = f"{process} {name}" + (
+                        "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+                        if labels
+                        else ""
+                    )
+                    watch.counters.setdefault(key, []).append((now, value))
+                else:
+                    watch.process(process).sample(now, name, value)
+        for group, (total, count) in iterations.items():
+            for ts, duration in new_iterations(self.iterations.get(group), (total, count), now):
+                watch.groups.setdefault(group, {})[ts] = duration
+            self.iterations[group] = (total, count)
+        watch.read_rules(groups, cumulative=True)
+
+    def straggler_named(
+        self, watch: Watch, first_scrape: float, end: float, intervals: dict[str, float]
+    ) -> dict[float, set[str]]:
+        """The ranks the straggler rule named at each of its evaluations after the first
+        scrape: the samples vmalert wrote, as stored (VictoriaMetrics' export, no lookback:
+        vmalert writes no staleness marker, so a query would still show a rank named up to
+        5 min before), each given to the evaluation it came from."""
+        evaluations = [t for t in watch.rule_evaluations(STRAGGLER_LAG) if t > first_scrape]
+        # The last evaluation's records reach VictoriaMetrics once it ends and vmalert flushes.
+        interval = intervals.get(watch.rule_group_of.get(STRAGGLER_LAG, ""), self.interval)
+        time.sleep(max(0.0, end + interval + VMALERT_FLUSH_S + 1 - time.time()))
+        stored = self.vm.export(STRAGGLER_LAG, first_scrape, end + 60)
+        return named_by_evaluation(evaluations, stored)
+
+
+def new_iterations(
+    before: tuple[float, float] | None, now_: tuple[float, float], now: float
+) -> list[tuple[float, float]]:
+    """vmalert's group iterations finished between two polls of its duration summary (sum and
+    count, cumulative), as (when it started, seconds): one each, exact when a poll sees one at a
+    time, the mean otherwise. The first poll only sets the baseline."""
+    if before is None or now_[1] <= before[1]:
+        return []
+    count = int(now_[1] - before[1])
+    duration = (now_[0] - before[0]) / count
+    return [(now - duration - i * 1e-3, duration) for i in range(count)]
+
+
+def named_by_evaluation(
+    evaluations: list[float], stored: list[dict[str, Any]]
+) -> dict[float, set[str]]:
+    """{evaluation: the ranks of the samples written by it}. vmalert stamps what an evaluation
+    records with its query's time, the evaluation's start rounded down to the group's interval
+    (-datasource.queryTimeAlignment), so a sample belongs to the first evaluation that started
+    at or after its timestamp."""
+    evaluations = sorted(evaluations)
+    out: dict[float, set[str]] = {t: set() for t in evaluations}
+    for series in stored:
+        rank = series["metric"].get("rank", "")
+        for ts_ms in series["timestamps"]:
+            i = bisect.bisect_left(evaluations, ts_ms / 1e3 - 1e-3)
+            if i < len(evaluations):
+                out[evaluations[i]].add(rank)
+    return out
 
 
 @contextlib.contextmanager
@@ -535,7 +853,11 @@ def cpu_times() -> float:
 def default_settle(interval: float) -> float:
     """The straggler window (the longest the per-rank rules rate over) plus two of the longest
     group interval."""
-    return duration_seconds(load_config().windows.straggler) + 2 * interval
+    return straggler_window() + 2 * interval
+
+
+def straggler_window() -> float:
+    return duration_seconds(load_config().windows.straggler)
 
 
 def rule_intervals(path: str, default: float) -> tuple[dict[str, float], str]:
@@ -560,8 +882,9 @@ def rss_mb(pid: int) -> float:
 
 @dataclass
 class Measured:
-    """What one size's run gathered, before it is summarised."""
+    """What one size's run on one engine gathered, before it is summarised."""
 
+    engine: str
     job: Job
     watch: Watch
     interval: float
@@ -575,12 +898,15 @@ class Measured:
     emulator: dict[str, Any]
     rules_sha256: str
     panels: dict[str, Any] | None = None  # --panels: panel_series()
+    shards: dict[str, int] | None = None  # vm: the targets each vmagent shard scrapes
 
 
-def run_size(nodes: int, args: argparse.Namespace) -> Measured:
-    """One size from scratch: emulator, Prometheus, settle, measure; everything stopped after."""
+def run_size(nodes: int, args: argparse.Namespace, done: Callable[[Measured], None]) -> None:
+    """One size from scratch: the emulator, then each engine of --engine in turn on it (start,
+    settle, measure, stop), each measurement handed to `done` at once; everything stopped
+    after."""
     cpus = set(os.sched_getaffinity(0))
-    prom_cpus = {min(cpus)} if args.pin and len(cpus) > 1 else None
+    engine_cpus = {min(cpus)} if args.pin and len(cpus) > 1 else None
     with contextlib.ExitStack() as stack:
         workdir = tempfile.mkdtemp(prefix="syncscope-bench-scale-")
         stack.callback(shutil.rmtree, workdir, True)
@@ -595,103 +921,140 @@ def run_size(nodes: int, args: argparse.Namespace) -> Measured:
         print(f"  {nodes} nodes fed once in {time.perf_counter() - t:.1f} s", flush=True)
         gc.collect()
         gc.freeze()  # the stores' long-lived state: full collections skip it from now on
-        rules_dir = os.path.join(workdir, "rules")
-        rules_file = str(write_rules(rules_dir))  # the shipped rules: no overrides
-        config, interval = prometheus_config(emulator.port, nodes, [rules_file])
-        intervals, rules_sha = rule_intervals(rules_file, interval)
-        longest = max(intervals.values(), default=interval)
-        print(
-            f"  rules {RULES_FILE} sha256 {rules_sha}: groups "
-            + ", ".join(f"{short(g)} every {i:g} s" for g, i in intervals.items()),
-            flush=True,
-        )
-        with pinned(prom_cpus):
-            prom = Prometheus(config, workdir)
-        stack.callback(prom.stop)
-        if prom_cpus is not None:
-            stack.enter_context(pinned(cpus - prom_cpus))  # the emulator's threads inherit it
-        emulator.start()
-        prom.wait_ready(120)
-        watch = Watch(prom)
-        settle = args.settle if args.settle is not None else default_settle(longest)
-        duration = args.duration if args.duration is not None else max(120.0, 3 * longest)
-        while emulator.first_scrape is None:
-            emulator.check()
-            time.sleep(0.2)
-        first_scrape = emulator.first_scrape
-        measure_from = first_scrape + settle
-        end = measure_from + duration
-        print(
-            f"  first scrape at {time.strftime('%H:%M:%S', time.gmtime(first_scrape))} UTC; "
-            f"settle {settle:.0f} s, measure {duration:.0f} s",
-            flush=True,
-        )
-        while time.time() < measure_from:
-            emulator.check()
-            watch.poll()
-            time.sleep(1.0)
-        watch.poll()
-        missed_before = dict(watch.missed)
-        wall0, cpu0 = time.time(), cpu_times()
-        feed0, render0 = emulator.feed_cpu_s, emulator.render_cpu_s
-        late_from, records0 = len(emulator.feed_late_s), emulator.records
-        while time.time() < end:
-            emulator.check()
-            watch.poll()
-            time.sleep(1.0)
-        watch.poll()
-        wall = time.time() - wall0
-        emu = {
-            "cores": (cpu_times() - cpu0) / wall,
-            "feed_cores": (emulator.feed_cpu_s - feed0) / wall,
-            "render_cores": (emulator.render_cpu_s - render0) / wall,
-            "feed_late_max_s": max(emulator.feed_late_s[late_from:], default=0.0),
-            "records": emulator.records - records0,
-            "wall_s": wall,
-            "scrapes": emulator.scrapes,
-            "rss_mb": rss_mb(os.getpid()),
-        }
-        targets = target_figures(prom, duration)
-        panels = None
-        if args.panels:  # while the emulator still feeds and Prometheus still evaluates
-            t = time.perf_counter()
-            panels = panel_series(prom, measure_from, end, interval)
-            print(f"  panel queries run in {time.perf_counter() - t:.0f} s", flush=True)
-        return Measured(
-            job,
-            watch,
-            interval,
-            first_scrape,
-            settle,
-            measure_from,
-            end,
-            missed_before,
-            targets,
-            straggler_named(prom, watch, first_scrape, end, intervals),
-            emu,
-            rules_sha,
-            panels,
-        )
+        for name in ENGINE_RUNS[args.engine]:
+            with contextlib.ExitStack() as running:
+                engine: Engine
+                if name == "prometheus":
+                    engine = PrometheusEngine(
+                        emulator.port, nodes, os.path.join(workdir, name), engine_cpus
+                    )
+                else:
+                    engine = VictoriaMetricsEngine(
+                        emulator.port, nodes, os.path.join(workdir, name), engine_cpus, args.shards
+                    )
+                running.callback(engine.stop)
+                if not emulator.started:
+                    if engine_cpus is not None:  # the emulator's threads inherit it
+                        stack.enter_context(pinned(cpus - engine_cpus))
+                    emulator.start()
+                measured = measure(engine, emulator, args)
+            done(measured)  # the engine stopped
 
 
-def target_figures(prom: Prometheus, duration: float) -> dict[str, float]:
+def measure(engine: Engine, emulator: Emulator, args: argparse.Namespace) -> Measured:
+    """Wait for the engine's first scrape, settle, measure; the engine still running."""
+    job = emulator.job
+    intervals, rules_sha = rule_intervals(engine.rules_file, engine.interval)
+    longest = max(intervals.values(), default=engine.interval)
+    print(
+        f"  {engine.name}: rules {os.path.basename(engine.rules_file)} sha256 {rules_sha}: "
+        "groups " + ", ".join(f"{short(g)} every {i:g} s" for g, i in intervals.items()),
+        flush=True,
+    )
+    engine.wait_ready(120)
+    watch = Watch(engine)
+    settle = args.settle if args.settle is not None else default_settle(longest)
+    duration = args.duration if args.duration is not None else max(120.0, 3 * longest)
+    emulator.first_scrape = None  # this engine's
+    while emulator.first_scrape is None:
+        emulator.check()
+        time.sleep(0.2)
+    first_scrape = emulator.first_scrape
+    measure_from = first_scrape + settle
+    end = measure_from + duration
+    print(
+        f"  first scrape at {time.strftime('%H:%M:%S', time.gmtime(first_scrape))} UTC; "
+        f"settle {settle:.0f} s, measure {duration:.0f} s",
+        flush=True,
+    )
+    shards = None
+    while time.time() < measure_from:
+        emulator.check()
+        watch.poll()
+        if shards is None and isinstance(engine, VictoriaMetricsEngine):
+            by_shard = engine.targets_by_shard()
+            if sum(by_shard.values()) == job.nodes:
+                shards = by_shard
+                print(f"  targets by shard: {shards}", flush=True)
+        time.sleep(1.0)
+    watch.poll()
+    missed_before = dict(watch.missed)
+    wall0, cpu0 = time.time(), cpu_times()
+    feed0, render0 = emulator.feed_cpu_s, emulator.render_cpu_s
+    late_from, records0, scrapes0 = len(emulator.feed_late_s), emulator.records, emulator.scrapes
+    while time.time() < end:
+        emulator.check()
+        watch.poll()
+        time.sleep(1.0)
+    watch.poll()
+    wall = time.time() - wall0
+    emu = {
+        "cores": (cpu_times() - cpu0) / wall,
+        "feed_cores": (emulator.feed_cpu_s - feed0) / wall,
+        "render_cores": (emulator.render_cpu_s - render0) / wall,
+        "feed_late_max_s": max(emulator.feed_late_s[late_from:], default=0.0),
+        "records": emulator.records - records0,
+        "wall_s": wall,
+        "scrapes": emulator.scrapes - scrapes0,
+        "rss_mb": rss_mb(os.getpid()),
+    }
+    targets = target_figures(engine.url, duration, job.nodes, split=engine.name == "vm")
+    panels = None
+    if args.panels:  # while the emulator still feeds and the engine still evaluates
+        t = time.perf_counter()
+        panels = panel_series(engine.url, measure_from, end, engine.interval)
+        print(f"  panel queries run in {time.perf_counter() - t:.0f} s", flush=True)
+    return Measured(
+        engine.name,
+        job,
+        watch,
+        engine.interval,
+        first_scrape,
+        settle,
+        measure_from,
+        end,
+        missed_before,
+        targets,
+        engine.straggler_named(watch, first_scrape, end, intervals),
+        emu,
+        rules_sha,
+        panels,
+        shards,
+    )
+
+
+def target_figures(url: str, duration: float, nodes: int, split: bool = False) -> dict[str, float]:
     """Every series of the emulated targets (the exporters' own and up/scrape_*), their worst
-    scrape time and their lowest up over the last `duration` seconds."""
+    scrape time and their lowest up over the last `duration` seconds. `split`: count the
+    series 100 nodes at a time (VictoriaMetrics refuses a query that selects more than
+    -search.maxUniqueTimeseries, 300,000 by default). A query refused is NaN, and printed."""
     sel = f'instance=~"{NODE_PREFIX}.+"'
+    counts = (
+        [f'count({{instance=~"{NODE_PREFIX}{h:02d}.+"}})' for h in range((nodes - 1) // 100 + 1)]
+        if split
+        else [f"count({{{sel}}})"]
+    )
     queries = {
-        "series": f"count({{{sel}}})",
-        "scrape_max_s": f"max(max_over_time(scrape_duration_seconds{{{sel}}}[{duration:.0f}s]))",
-        "up_min": f"min(min_over_time(up{{{sel}}}[{duration:.0f}s]))",
+        "series": counts,
+        "scrape_max_s": [f"max(max_over_time(scrape_duration_seconds{{{sel}}}[{duration:.0f}s]))"],
+        "up_min": [f"min(min_over_time(up{{{sel}}}[{duration:.0f}s]))"],
     }
     out = {}
-    api = PrometheusAPI(prom.url, timeout=120)
-    for name, promql in queries.items():
-        found = api.instant(promql)
-        out[name] = float(found[0]["value"][1]) if found else float("nan")
+    api = PrometheusAPI(url, timeout=120)
+    for name, promqls in queries.items():
+        values = []
+        for promql in promqls:
+            try:
+                found = api.instant(promql)
+            except (OSError, PrometheusError) as exc:
+                print(f"  {promql}: {exc}", flush=True)
+                found = [{"value": [0, "nan"]}]
+            values += [float(f["value"][1]) for f in found[:1]]
+        out[name] = sum(values) if values else float("nan")
     return out
 
 
-def panel_series(prom: Prometheus, start: float, end: float, interval: float) -> dict[str, Any]:
+def panel_series(url: str, start: float, end: float, interval: float) -> dict[str, Any]:
     """Every panel query of both dashboards with the job selected and no node or rank (All),
     as Grafana runs them over the measured window: instant queries (tables) at its end, range
     queries every evaluation interval (Grafana's smallest step at the shipped scrape
@@ -701,7 +1064,7 @@ def panel_series(prom: Prometheus, start: float, end: float, interval: float) ->
     queries = dashboards.panel_queries(
         job=JOB, range_=f"{end - start:.0f}s", rate_interval=f"{rate:.0f}s"
     )
-    client = PrometheusAPI(prom.url, timeout=120)
+    client = PrometheusAPI(url, timeout=120)
     counted = render.count_series(client, queries, start=start, end=end, step=interval)
     return {
         "range_s": end - start,
@@ -756,23 +1119,6 @@ def print_panels(row: dict[str, Any]) -> None:
         print(f"  no series: {name(q)} (needs: {', '.join(q['needs']) or '-'})")
 
 
-def straggler_named(
-    prom: Prometheus,
-    watch: Watch,
-    first_scrape: float,
-    end: float,
-    intervals: dict[str, float],
-) -> dict[float, set[str]]:
-    """The ranks the straggler rule named at each evaluation of its group after the first
-    scrape (evaluations come at fixed multiples of the group's interval)."""
-    group = watch.rule_group_of.get(STRAGGLER_LAG, "")
-    after = sorted(ts for ts in watch.groups.get(group, {}) if ts > first_scrape)
-    if not after:
-        return {}
-    found = prom.query_range(f"max by (rank) ({STRAGGLER_LAG})", after[0], end, intervals[group])
-    return {t: {key.removeprefix("rank=") for key in series} for t, series in found.items()}
-
-
 def cores(cpu_s: list[tuple[float, float]], start: float, end: float) -> float:
     """CPU seconds per second between the first and the last sample in [start, end]."""
     inside = [(t, v) for t, v in cpu_s if start <= t <= end]
@@ -810,7 +1156,28 @@ def summarise(m: Measured) -> dict[str, Any]:
     hit = [t for t in times if m.straggler_ranks[t] == {planted}]
     steady = [t for t in times if m.measure_from <= t <= m.end]
     first = hit[0] if hit else None
+    # Once the rate window is full: the evaluations from the first scrape + the window on.
+    window_full = m.first_scrape + straggler_window()
+    full = [t for t in times if t >= window_full]
+    first_full = next((t for t in full if t in hit), None)
+    processes = {
+        name: {
+            "rss_bytes": max((v for _, v in p.rss), default=float("nan")),
+            "cores": cores(p.cpu_s, m.measure_from, m.end),
+        }
+        for name, p in sorted(w.processes.items())
+    }
+    storage = processes.get(STORAGE[m.engine], {"rss_bytes": float("nan"), "cores": float("nan")})
+    loss = {
+        "measured": increases(w.counters, m.measure_from, m.end),
+        "since_first_scrape": increases(w.counters, m.first_scrape, m.end),
+        "queued_max_bytes": {
+            name: max((v for t, v in q if m.measure_from <= t <= m.end), default=0.0)
+            for name, q in w.queued.items()
+        },
+    }
     return {
+        "engine": m.engine,
         "nodes": job.nodes,
         "ranks_per_node": job.per_node,
         "ranks": job.world_size,
@@ -825,37 +1192,86 @@ def summarise(m: Measured) -> dict[str, Any]:
         "head_series": max((v for _, v in w.head_series), default=float("nan")),
         "targets": m.targets,
         "series_per_rank": m.targets["series"] / job.world_size,
-        "prometheus_rss_bytes": max((v for _, v in w.rss), default=float("nan")),
-        "prometheus_cores": cores(w.cpu_s, m.measure_from, m.end),
+        **(
+            {
+                "prometheus_rss_bytes": storage["rss_bytes"],
+                "prometheus_cores": storage["cores"],
+            }
+            if m.engine == "prometheus"
+            else {}
+        ),
+        "storage_rss_bytes": storage["rss_bytes"],
+        "storage_cores": storage["cores"],
+        "stack_rss_bytes": sum(p["rss_bytes"] for p in processes.values()),
+        "stack_cores": sum(p["cores"] for p in processes.values()),
+        "processes": processes,
+        "loss": loss,
+        "samples_dropped": sum(
+            v for k, v in loss["measured"].items() if LOSS_SAMPLES.search(k.split()[1])
+        ),
+        "shards": m.shards,
         "straggler": {
             "rank": job.straggler,
             "named": first is not None,
             "after_s": first - m.first_scrape if first is not None else None,
             "after_evaluations": times.index(first) + 1 if first is not None else None,
             "measured_share": sum(t in hit for t in steady) / len(steady) if steady else None,
+            "window_full_after_s": window_full - m.first_scrape,
+            # 1: named at the first evaluation once the window is full
+            "after_window_evaluations": full.index(first_full) + 1 if first_full else None,
+            "window_full_share": sum(t in hit for t in full) / len(full) if full else None,
+            "by_evaluation": [(t, sorted(m.straggler_ranks[t])) for t in times],
         },
         "emulator": m.emulator,
         "rules_worst_s": {name: d for d, name in rules},
         "evaluations": {g: sorted(e.items()) for g, e in w.groups.items()},
         "failed_polls": w.failed_polls,
+        "rule_errors": w.rule_errors,
         "panels": m.panels,
     }
+
+
+def increases(
+    counters: dict[str, list[tuple[float, float]]], start: float, end: float
+) -> dict[str, float]:
+    """How much each counter grew from its last value before `start` (its first, if none) to
+    its last by `end`; only those that grew."""
+    out = {}
+    for key, values in counters.items():
+        before = [v for t, v in values if t < start] or [v for t, v in values if t <= end][:1]
+        inside = [v for t, v in values if t <= end]
+        if before and inside and inside[-1] > before[-1]:
+            out[key] = inside[-1] - before[-1]
+    return out
 
 
 def short(group: str) -> str:
     return group.removeprefix("syncscope.")
 
 
+ENGINE_LABEL = {"prometheus": "prom", "vm": "VM"}
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    """One row per size; a column per rule group (its worst evaluation over its interval)."""
+    """One row per size, per engine; a column per rule group (its worst evaluation over its
+    interval). Series, RSS and CPU are the storage's (Prometheus, VictoriaMetrics)."""
+    for engine in dict.fromkeys(r.get("engine", "prometheus") for r in rows):
+        if engine != "prometheus":
+            print(f"engine {engine}:")
+        print_engine_table([r for r in rows if r.get("engine", "prometheus") == engine])
+
+
+def print_engine_table(rows: list[dict[str, Any]]) -> None:
     groups = sorted({g for r in rows for g in r["groups"]})
     width = max([9, *(len(short(g)) for g in groups)])
+    label = ENGINE_LABEL[rows[0].get("engine", "prometheus")]
+    series = "head series" if label == "prom" else "VM series"
     print(
         f"{'nodes x ranks':>13} {'all groups':>10} "
         + " ".join(f"{short(g):>{width}}" for g in groups)
-        + f" {'missed':>6} {'head series':>11} {'series/rank':>11} {'prom RSS':>8} {'prom CPU':>8} "
-        f"{'straggler':>9} {'after s (evals)':>15} {'emulator cores (feed+render)':>28}"
-        f" {'feed late':>9}"
+        + f" {'missed':>6} {series:>11} {'series/rank':>11} {label + ' RSS':>8}"
+        f" {label + ' CPU':>8} {'straggler':>9} {'after s (evals)':>15}"
+        f" {'emulator cores (feed+render)':>28} {'feed late':>9}"
     )
     for r in rows:
         s, e = r["straggler"], r["emulator"]
@@ -868,28 +1284,127 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             + " ".join(f"{c:>{width}}" for c in cells)
             + f" {sum(g['missed'] for g in r['groups'].values()):>6.0f}"
             f" {r['head_series']:>11,.0f} {r['series_per_rank']:>11.1f}"
-            f" {r['prometheus_rss_bytes'] / 2**30:>6.2f} G {r['prometheus_cores']:>8.2f}"
+            f" {r['storage_rss_bytes'] / 2**30:>6.2f} G {r['storage_cores']:>8.2f}"
             f" {named:>9} {after:>15} {cores:>28}"
             f" {e['feed_late_max_s']:>7.1f} s"
         )
 
 
+def print_side_by_side(prom: dict[str, Any], vm: dict[str, Any]) -> None:
+    """--engine both: one size's figures on both engines, and vm over prometheus."""
+    gib = 2**30
+
+    def evals(row: dict[str, Any], key: str) -> float:
+        value = row["straggler"][key]
+        return float("nan") if value is None else float(value)
+
+    lines: list[tuple[str, float, float, str]] = [
+        ("rule evaluation, all groups / interval", prom["sum_ratio"], vm["sum_ratio"], "%"),
+        *(
+            (
+                f"  {short(g)} (every {prom['groups'][g]['interval_s']:g} s)",
+                prom["groups"][g]["ratio"],
+                vm["groups"].get(g, {}).get("ratio", float("nan")),
+                "%",
+            )
+            for g in prom["groups"]
+        ),
+        (
+            "missed iterations",
+            sum(g["missed"] for g in prom["groups"].values()),
+            sum(g["missed"] for g in vm["groups"].values()),
+            ",.0",
+        ),
+        (
+            "series in storage (head / hour_metric_ids)",
+            prom["head_series"],
+            vm["head_series"],
+            ",.0",
+        ),
+        ("series of the targets", prom["targets"]["series"], vm["targets"]["series"], ",.0"),
+        ("storage RSS, GiB", prom["storage_rss_bytes"] / gib, vm["storage_rss_bytes"] / gib, ".2"),
+        (
+            "every process's RSS, GiB",
+            prom["stack_rss_bytes"] / gib,
+            vm["stack_rss_bytes"] / gib,
+            ".2",
+        ),
+        ("storage CPU, cores", prom["storage_cores"], vm["storage_cores"], ".2"),
+        ("every process's CPU, cores", prom["stack_cores"], vm["stack_cores"], ".2"),
+        (
+            "straggler named, evaluations after first scrape",
+            evals(prom, "after_evaluations"),
+            evals(vm, "after_evaluations"),
+            ".0",
+        ),
+        (
+            "  ... once its window is full",
+            evals(prom, "after_window_evaluations"),
+            evals(vm, "after_window_evaluations"),
+            ".0",
+        ),
+        ("samples dropped (measured)", prom["samples_dropped"], vm["samples_dropped"], ",.0"),
+    ]
+    print(
+        f"\n{prom['nodes']} x {prom['ranks_per_node']}, both engines on one emulator"
+        f" (prometheus first, then vm):"
+    )
+    print(f"{'':48} {'prometheus':>12} {'vm':>12} {'vm/prom':>8}")
+    for name, a, b, fmt in lines:
+        ratio = b / a if a and a == a and b == b else float("nan")
+        print(f"{name:48} {cell(a, fmt):>12} {cell(b, fmt):>12} {ratio:>8.2f}")
+
+
+def cell(value: float, fmt: str) -> str:
+    return f"{value:.1%}" if fmt == "%" else f"{value:{fmt}f}"
+
+
 def print_details(row: dict[str, Any], top: int) -> None:
     e, s, t = row["emulator"], row["straggler"], row["targets"]
+    engine = row.get("engine", "prometheus")
+    storage = "Prometheus" if engine == "prometheus" else "VictoriaMetrics"
     print(
-        f"\n{row['nodes']} x {row['ranks_per_node']}: straggler rank {s['rank']}; settle "
+        f"\n{row['nodes']} x {row['ranks_per_node']}"
+        + (f" ({engine})" if engine != "prometheus" else "")
+        + f": straggler rank {s['rank']}; settle "
         f"{row['settle_s']:.0f} s, {row['duration_s']:.0f} s measured; worst evaluation per "
         f"group, median (evaluations measured): "
         + ", ".join(
             f"{short(name)} {g['worst_s']:.3f} s, {g['median_s']:.3f} s ({g['evaluations']})"
             for name, g in row["groups"].items()
         )
-        + f"; Prometheus {row['prometheus_cores']:.2f} cores; polls of it that timed out: "
+        + f"; {storage} {row['storage_cores']:.2f} cores; polls of it that timed out: "
         f"{row['failed_polls']}; emulator "
         f"{e['records'] / e['wall_s']:,.0f} records/s ingested, {e['scrapes']:,} scrapes served, "
         f"RSS {e['rss_mb']:,.0f} MB; targets' worst scrape {t['scrape_max_s']:.3f} s, lowest "
         f"up {t['up_min']:.0f}"
     )
+    if engine != "prometheus":
+        loss = row["loss"]
+        print(
+            f"targets by shard: {row['shards']}; straggler named at evaluation "
+            f"{s['after_window_evaluations'] or '-'} once its window was full "
+            f"({s['window_full_after_s']:.0f} s after the first scrape), in "
+            + (f"{s['window_full_share']:.0%}" if s["window_full_share"] is not None else "-")
+            + " of the evaluations from then on"
+        )
+        print("processes (largest RSS, CPU while measured):")
+        for name, p in row["processes"].items():
+            print(f"  {name:18} {p['rss_bytes'] / 2**20:9,.0f} MiB {p['cores']:6.2f} cores")
+        print(
+            f"samples dropped while measured: {row['samples_dropped']:,.0f}; vmagent queue "
+            f"(largest {QUEUE_GAUGE} while measured): "
+            + (", ".join(f"{k} {v:,.0f} B" for k, v in loss["queued_max_bytes"].items()) or "-")
+        )
+        for label, grown in (
+            ("while measured", loss["measured"]),
+            ("since the first scrape", loss["since_first_scrape"]),
+        ):
+            print(f"loss and error counters that grew {label}: " + ("none" if not grown else ""))
+            for key, v in sorted(grown.items()):
+                print(f"  {v:12,.0f}  {key}")
+    for name, error in row.get("rule_errors", {}).items():
+        print(f"  rule error (last seen): {name}: {error}")
     print("slowest rules (worst evaluationTime over the measured evaluations, /api/v1/rules):")
     for name, d in list(row["rules_worst_s"].items())[:top]:
         print(f"  {d * 1e3:9.1f} ms  {name}")
@@ -918,7 +1433,17 @@ def main() -> int:
         "--lag-ms", type=float, default=30.0, help="the straggler's lateness at the sync"
     )
     p.add_argument("--seed", type=int, default=20)
-    p.add_argument("--no-pin", dest="pin", action="store_false", help="no CPU for Prometheus")
+    p.add_argument(
+        "--engine",
+        choices=tuple(ENGINE_RUNS),
+        default="prometheus",
+        help="prometheus: one Prometheus; vm: vmagent shards, VictoriaMetrics, vmalert; both: "
+        "prometheus then vm on the same emulator, side by side",
+    )
+    p.add_argument("--shards", type=int, default=victoriametrics.SHARDS, help="vm: vmagents")
+    p.add_argument(
+        "--no-pin", dest="pin", action="store_false", help="no CPU for the engine's servers"
+    )
     p.add_argument("--top-rules", type=int, default=10)
     p.add_argument("--json", default=None, help="also write every measurement here")
     p.add_argument(
@@ -934,7 +1459,8 @@ def main() -> int:
     print("command:", " ".join([os.path.basename(sys.executable), *sys.argv]))
     print(
         f"machine: nproc {os.cpu_count()}, affinity {sorted(os.sched_getaffinity(0))}; "
-        f"Prometheus pinned to its first CPU: {a.pin}"
+        f"{'Prometheus' if a.engine == 'prometheus' else 'the engines servers'} pinned to its "
+        f"first CPU: {a.pin}"
     )
     print(
         f"job: step every {a.step_s:g} s, each rank's batch every {a.feed_s:g} s, straggler "
@@ -943,16 +1469,24 @@ def main() -> int:
     rows = []
     for nodes in sizes:
         print(f"{nodes} nodes x {a.ranks_per_node} ranks:", flush=True)
-        rows.append(summarise(run_size(nodes, a)))
-        if a.json:  # after every size, so that a later one failing loses nothing
-            with open(a.json, "w") as f:
-                json.dump({"argv": sys.argv, "rows": rows}, f, indent=1)
-        print_table(rows[-1:])
-        print_panels(rows[-1])
+
+        def done(m: Measured) -> None:
+            row = summarise(m)
+            rows.append(row)
+            if a.json:  # after every measurement, so that a later one failing loses nothing
+                with open(a.json, "w") as f:
+                    json.dump({"argv": sys.argv, "rows": rows}, f, indent=1)
+            print_table([row])
+            print_panels(row)
+
+        run_size(nodes, a, done)
     print("\n=== summary ===")
     print_table(rows)
     for row in rows:
         print_details(row, a.top_rules)
+    if a.engine == "both":
+        for i in range(0, len(rows), 2):
+            print_side_by_side(rows[i], rows[i + 1])
     for row in rows:
         print_panels(row)
     return 1 if any(panel_failures(row["panels"]) for row in rows) else 0

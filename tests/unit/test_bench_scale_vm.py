@@ -1,0 +1,97 @@
+"""bench/bench_scale.py's VictoriaMetrics path, without servers: the shards' scrape config, the
+iterations read from vmalert's duration summary and rule timings, and which evaluation wrote a
+stored straggler sample."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from syncscope.monitoring import victoriametrics
+
+PATH = Path(__file__).resolve().parents[2] / "bench" / "bench_scale.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_scale", PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_scale"] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("bench_scale", None)
+
+
+def test_vmagent_config_is_the_shipped_scrape_with_one_target_per_node(bench):
+    config = yaml.safe_load(bench.vmagent_config(port=8123, nodes=3))
+    shipped = yaml.safe_load(
+        victoriametrics.files(bench.load_config())[victoriametrics.VMAGENT_PATH]
+    )
+    assert config["global"] == shipped["global"]
+    (scrape,) = config["scrape_configs"]
+    assert scrape["honor_labels"] is True
+    assert scrape["job_name"] == shipped["scrape_configs"][0]["job_name"]
+    assert [c["labels"] for c in scrape["static_configs"]] == [
+        {"__metrics_path__": f"/metrics/{n}", "instance": f"node{n:04d}:9464"} for n in range(3)
+    ]
+    assert {t for c in scrape["static_configs"] for t in c["targets"]} == {"127.0.0.1:8123"}
+
+
+def test_iterations_from_the_duration_summary(bench):
+    assert bench.new_iterations(None, (1.0, 4.0), 100.0) == []  # the baseline
+    assert bench.new_iterations((1.0, 4.0), (1.0, 4.0), 101.0) == []
+    ((when, took),) = bench.new_iterations((1.0, 4.0), (1.5, 5.0), 102.0)
+    assert took == pytest.approx(0.5) and when == pytest.approx(101.5)
+    two = bench.new_iterations((1.5, 5.0), (2.5, 7.0), 130.0)
+    assert [t for _, t in two] == pytest.approx([0.5, 0.5])
+
+
+def test_vmalert_rule_times_are_cumulative_within_an_iteration(bench):
+    watch = bench.Watch(engine=None)
+    at, earlier = "2026-11-26T13:50:34.927240668Z", "2026-11-26T13:50:19.927240668Z"
+    groups = [
+        {
+            "name": "g",
+            "rules": [
+                {"name": "a", "lastEvaluation": at, "evaluationTime": 0.030},
+                {"name": "b", "lastEvaluation": at, "evaluationTime": 0.045},
+                # not yet run in this iteration: the previous one's, whole
+                {"name": "c", "lastEvaluation": earlier, "evaluationTime": 0.050},
+            ],
+        }
+    ]
+    watch.read_rules(groups, cumulative=True)
+    took = {key: next(iter(e.values())) for key, e in watch.rules.items()}
+    assert took == pytest.approx({"g/00 a": 0.030, "g/01 b": 0.015, "g/02 c": 0.050})
+    assert watch.rule_evaluations("a") == [bench.unix_time(at)]
+
+
+def test_a_stored_sample_belongs_to_the_first_evaluation_at_or_after_it(bench):
+    # vmalert stamps a record with its query time: the evaluation's start rounded down to 15 s.
+    evaluations = [100.3, 115.2, 130.1, 145.4]
+    stored = [
+        {"metric": {"rank": "11"}, "timestamps": [90_000, 105_000]},
+        {"metric": {"rank": "12"}, "timestamps": [105_000, 120_000]},
+    ]
+    assert bench.named_by_evaluation(evaluations, stored) == {
+        100.3: {"11"},
+        115.2: {"11", "12"},
+        130.1: {"12"},
+        145.4: set(),
+    }
+
+
+def test_counter_increases_from_the_last_value_before_the_window(bench):
+    counters = {
+        "vm x_dropped_total": [(1.0, 5.0), (10.0, 7.0), (20.0, 9.0), (30.0, 12.0)],
+        "vm y_errors_total": [(1.0, 3.0), (30.0, 3.0)],
+    }
+    assert bench.increases(counters, 15.0, 25.0) == {"vm x_dropped_total": 2.0}
+    assert bench.increases(counters, 0.0, 40.0) == {"vm x_dropped_total": 7.0}
