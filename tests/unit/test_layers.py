@@ -107,3 +107,19 @@ def test_a_wrong_way_import_is_caught():
     assert any("syncscope.agent.core" in v and "(exporter)" in v for v in found)
     assert any("syncscope.catalog" in v and "(monitoring)" in v for v in found)
     assert any("syncscope.monitoring.rules" in v and "syncscope.lab" in v for v in found)
+
+
+def test_every_package_in_the_tree_is_listed_for_the_wheel():
+    # A package missing from pyproject's list installs without it (the wheel then fails at
+    # import, which only the slow packaging test would show).
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = {folder: name for name, folder in setuptools["package-dir"].items()}
+    assert dirs, setuptools
+    found = {
+        ".".join((name, *init.parent.relative_to(ROOT / folder).parts))
+        for folder, name in dirs.items()
+        for init in (ROOT / folder).rglob("__init__.py")
+    }
+    assert found == set(setuptools["packages"]), found ^ set(setuptools["packages"])
