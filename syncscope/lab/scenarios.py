@@ -55,8 +55,7 @@ def job_wide_nodes(
         )
         store: Prometheus | VMStack
         if vm is not None:
-            targets = [f"127.0.0.1:{p}" for p in cluster.exporter_ports]
-            vm.evaluate(targets, alertmanager=alertmanager)
+            vm.evaluate(cluster.exporter_ports, alertmanager=alertmanager)
             store = vm
         else:
             config = local_config(cluster.exporter_ports, workdir, alertmanager=alertmanager)

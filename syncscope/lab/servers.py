@@ -433,11 +433,12 @@ class VMStack(_Queries):
 
     def evaluate(
         self,
-        targets: Sequence[str],
+        exporter_ports: Sequence[int],
         overrides: dict[str, Any] | None = None,
         alertmanager: str | None = None,
         shards: int = 2,
     ) -> None:
+        """Shards scraping the exporters on 127.0.0.1 at ``exporter_ports``, and vmalert."""
         from syncscope.monitoring.engines import write_rules
         from syncscope.monitoring.prometheus_config import local_overrides, render_scrape_config
 
@@ -449,7 +450,7 @@ class VMStack(_Queries):
         notifier = f"http://{alertmanager or f'127.0.0.1:{free_port()}'}"
         vmalert = VMAlert(str(rules), self.url, notifier_url=notifier, evaluation_interval="1s")
         self.servers.append(vmalert)
-        scrape = render_scrape_config(list(targets), "1s")
+        scrape = render_scrape_config([f"127.0.0.1:{p}" for p in exporter_ports], "1s")
         write = self.url + "/api/v1/write"
         for i in range(shards):
             self.shards.append(VMAgent(scrape, self.workdir, write, shard=i, shards=shards))

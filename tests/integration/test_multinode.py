@@ -515,8 +515,7 @@ def test_cv_alert_fires_and_resolves_through_a_real_alertmanager(engine, tmp_pat
         if engine == "vm":
             prom = VMStack(str(prom_dir))
             stack.callback(prom.stop)
-            targets = [f"127.0.0.1:{p}" for p in cluster.exporter_ports]
-            prom.evaluate(targets, overrides, alertmanager=am.address)
+            prom.evaluate(cluster.exporter_ports, overrides, alertmanager=am.address)
         else:
             config = local_config(
                 cluster.exporter_ports, str(prom_dir), overrides, alertmanager=am.address
