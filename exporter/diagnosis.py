@@ -374,7 +374,7 @@ def diagnose_job(
     """
     try:
         local, shares = _diagnose(ranks, settings, thresholds, node_transfer)
-        diagnosis = _job_wide(local, ranks, settings, thresholds, job_wide)
+        diagnosis = _job_wide(local, ranks, settings, thresholds, job_wide, node_transfer)
     except Exception as exc:  # noqa: BLE001 - a diagnosis bug must not take /metrics down
         return Diagnosis({}, None, None, 0, error=f"{type(exc).__name__}: {exc}"[:200])
     try:
@@ -618,8 +618,12 @@ def _job_wide(
     settings: Settings,
     t: Thresholds,
     job_wide: JobWide | None,
+    node_transfer: NodeInflation | None = None,
 ) -> Diagnosis:
-    """The node's diagnosis, with what only the whole job can tell taken from Prometheus."""
+    """The node's diagnosis, with what only the whole job can tell taken from Prometheus.
+    The job-wide transfer's inflation is corrected, as the node-local one is, by this node's
+    own work against its baseline (`node_transfer.work`): a host that slows this node's ranks
+    slows a host-driven transfer (gloo) that every node waits on."""
     live = [r for r in ranks if not r.stale and r.steps_total > 0]
     elsewhere = max((r.world_size for r in live), default=0) - len(live)
     if not live or (job_wide is None and elsewhere <= 0):
@@ -676,7 +680,11 @@ def _job_wide(
         )
     if job_wide.transfer_inflation is not None and job_wide.transfer_s is not None:
         modes["fabric_contention"] = contention_verdict(
-            job_wide.transfer_inflation, job_wide.transfer_s, t, "job-wide, from Prometheus"
+            job_wide.transfer_inflation,
+            job_wide.transfer_s,
+            t,
+            "job-wide, from Prometheus",
+            host=node_transfer.work if node_transfer is not None else None,
         )
     else:
         modes["fabric_contention"] = verdict(

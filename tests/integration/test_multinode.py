@@ -255,12 +255,6 @@ def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(eng
         }
     )
     print(f"firing in {engine}: {firing}")
-    if engine == "vm" and len(notified) > 1:
-        # Measured (docs/victoriametrics.md, "What the harness found"): on vmalert the
-        # straggler's record first appears about one straggler window after the amplification
-        # record, so with the e2e windows and for: the amplification alert reaches Alertmanager
-        # before the straggler alert that would inhibit it. Every assertion above held.
-        pytest.xfail(f"vmalert: {len(notified)} notifications, the straggler's not first")
     assert len(notified) == 1, notified
     to, notification = notified[0]
     assert to == "default", notified
@@ -468,10 +462,6 @@ def test_a_throttled_node_is_the_slow_link_and_no_rank_a_straggler(engine, tmp_p
         assert verdict.get("verdict") == "infrastructure", node
         assert any("node1" in fault for fault in verdict["faults"]), verdict
     assert not out["empty_fabric_panels"], "\n".join(out["empty_fabric_panels"])
-    if engine == "vm" and out["named_share"] < 0.95:
-        # Measured (docs/victoriametrics.md): vmalert's first link records came ~12 s after the
-        # link gauge reached VictoriaMetrics, so the first evaluations after the warm-up have none.
-        pytest.xfail(f"vmalert: node1 named in {out['named_share']:.0%} of evaluations")
     assert out["named_share"] >= 0.95, out
 
 

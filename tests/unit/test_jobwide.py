@@ -11,8 +11,9 @@ import statistics
 import time
 
 from syncscope.exporter.collectors import collect_diagnosis
-from syncscope.exporter.diagnosis import diagnose_job
+from syncscope.exporter.diagnosis import ModeVerdict, diagnose_job
 from syncscope.exporter.jobwide import JobWide, PrometheusReader, parse
+from syncscope.exporter.pooling import NodeInflation
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import JobView, StoreView, with_job_transfer
 
@@ -138,6 +139,26 @@ def test_job_wide_fabric_contention_is_transfer_inflated_against_its_own_baselin
     hot = diagnose_job(ranks, SETTINGS, job_wide=contended).modes["fabric_contention"]
     assert hot.verdict and abs(hot.score - 0.8) < 1e-9
     assert "1.80× its own baseline" in hot.reason
+
+
+def test_job_wide_contention_discounts_what_slows_this_nodes_own_work():
+    """A host that slows this node's ranks (CPUs shared with other work) slows a host-driven
+    transfer that the whole job waits on: the job-wide inflation beyond this node's own work
+    inflation is the fabric's, as in the node-local verdict."""
+    ranks = two_of_four("balanced")
+    leads = {0: 0.001, 1: 0.0, 2: 0.0015, 3: 0.0005}
+    inflated = JobWide(leads, 0.008, 0.05, time.time(), transfer_inflation=1.8)
+
+    def fabric(work: float) -> ModeVerdict:
+        node = NodeInflation(0.008, 1.8, work)
+        out = diagnose_job(ranks, SETTINGS, job_wide=inflated, node_transfer=node)
+        return out.modes["fabric_contention"]
+
+    shared_host = fabric(1.7)  # the ranks' own work 1.7× its baseline: 1.06× is the fabric's
+    assert not shared_host.verdict, shared_host
+    assert "own work is 1.70×" in shared_host.reason, shared_host.reason
+    quiet_host = fabric(1.0)  # the work as ever: all of the 1.8× is the fabric's
+    assert quiet_host.verdict and abs(quiet_host.score - 0.8) < 1e-9, quiet_host
 
 
 def test_job_wide_view_of_a_balanced_job_names_nobody():
