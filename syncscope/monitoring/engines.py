@@ -38,50 +38,73 @@ VMALERT_UNSUPPORTED_FIELDS = {
 
 # Prometheus evaluates a group's rules in order and a rule reads the results of the rules
 # before it in the same evaluation; vmalert reads them back from VictoriaMetrics, where they
-# arrive after its remote write, so a rule reads an earlier evaluation's (measured: the arrival
-# lead `ratio - min(ratio)` of the rank waiting least was never exactly 0, so the straggler's
-# `lead == 0` matched nothing and no straggler was ever recorded). For vmalert, a reference to a
-# record of the same group without a selector or range is replaced by that record's expression.
+# arrive after its remote write, so a rule reads an earlier evaluation's, or this one's where the
+# write has landed. A rule that compared a record read back with one computed afresh compared two
+# evaluations (measured: the arrival lead `ratio - min(ratio)` of the rank waiting least was never
+# exactly 0, so the straggler's `lead == 0` matched nothing and no straggler was ever recorded).
+# For vmalert, a reference to a record of the same group without a selector or range is therefore
+# replaced by that record's expression, so that a rule computes what it compares afresh, except
+# a record that takes a range of scraped series (the per-rank rates): recomputed in every later
+# rule, those cost the group several times Prometheus's evaluation (1,024 × 8: the straggler group
+# 6.99 s against 0.76 s, docs/scale.md). Every later rule reads that one back as stored, and
+# computes from it alone what it compares: one stored sample, normally an evaluation late.
 SAME_GROUP_RECORDS = (
-    "vmalert reads a record of the same group from VictoriaMetrics, an evaluation late: "
-    "bare references to such records are inlined as their expressions"
+    "vmalert reads a record of the same group from VictoriaMetrics, an evaluation late: bare "
+    "references to such records are inlined as their expressions, except a record that takes "
+    "a range of scraped series, which later rules read back as stored, so the records after it "
+    "in its group lag an evaluation behind Prometheus's"
 )
 
 DIFFERENCES = {**VMALERT_UNSUPPORTED_FIELDS, "same_group_records": SAME_GROUP_RECORDS}
+
+# A range selector and the name it applies to: `rate(x{a="b"}[5m])` → x.
+_RANGE_OF = re.compile(r"([A-Za-z_:][\w:]*)\s*(?:\{[^}]*\})?\s*\[")
 
 
 def _vmalert_rule(rule: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in rule.items() if k not in VMALERT_UNSUPPORTED_FIELDS}
 
 
-def _inline_same_group(group_rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def ranges_scraped_series(expr: str, recorded: set[str]) -> bool:
+    """Whether ``expr`` takes a range (rate, ``*_over_time``) of a series that no rule records."""
+    unquoted = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    return any(name not in recorded for name in _RANGE_OF.findall(unquoted))
+
+
+def _same_group_for_vmalert(
+    group_rules: list[dict[str, Any]], recorded: set[str]
+) -> list[dict[str, Any]]:
     """Each rule with its bare references to records defined earlier in the group replaced by
-    their (already inlined) expressions; references with a selector or a range keep reading
-    the stored series."""
+    their (already rewritten) expressions, except records that range scraped series, which
+    stay references to the stored series. References with a selector or
+    a range keep reading the stored series."""
     defined: dict[str, str] = {}
     out = []
     for rule in group_rules:
         expr = str(rule["expr"])
-        for name, body in defined.items():
+        for name, replacement in defined.items():
             bare = re.compile(rf"(?<![\w:]){re.escape(name)}(?![\w:{{\[])")
-            inlined = f"({body})"
-            expr = bare.sub(lambda _match: inlined, expr)  # noqa: B023 - used at once
+            expr = bare.sub(lambda _match: replacement, expr)  # noqa: B023 - used at once
         out.append({**rule, "expr": expr})
-        if "record" in rule:
-            defined[rule["record"]] = expr.strip()
+        if "record" in rule and not ranges_scraped_series(expr, recorded):
+            defined[rule["record"]] = f"({expr.strip()})"
     return out
 
 
 def rule_groups(cfg: Thresholds, engine: str = "prometheus") -> dict[str, Any]:
-    """`rules.rule_groups(cfg)` as ``engine`` accepts it."""
+    """`rules.rule_groups(cfg)` as ``engine`` accepts it. (Replayed in dependency stages,
+    syncscope.lab.vmreplay, a record read back is complete at every evaluation: no lag.)"""
     if engine not in ENGINES:
         raise ValueError(f"unknown rule engine {engine!r}; one of {', '.join(ENGINES)}")
     groups = rules.rule_groups(cfg)
     if engine == "prometheus":
         return groups
     out = copy.deepcopy(groups)
+    recorded = {r["record"] for g in out["groups"] for r in g["rules"] if "record" in r}
     for group in out["groups"]:
-        group["rules"] = _inline_same_group([_vmalert_rule(rule) for rule in group["rules"]])
+        group["rules"] = _same_group_for_vmalert(
+            [_vmalert_rule(rule) for rule in group["rules"]], recorded
+        )
     return out
 
 

@@ -299,6 +299,42 @@ def test_both_compose_files_pin_the_same_images_for_the_services_they_share():
     }
 
 
+def test_the_victoriametrics_deployments_are_sized_for_100k_ranks():
+    """At 100,000 ranks VictoriaMetrics' default -search.maxUniqueTimeseries (300,000) refuses
+    the phase shares' rate (a series per phase and rank), and vmalert's default
+    -remoteWrite.maxQueueSize (100,000) drops the records of the rules that keep the rank label
+    (up to one per rank each). Both files set each above what the shipped rules need."""
+    from syncscope.wire import PHASES
+
+    ranks = 100_000
+    vmalert_rules = yaml.safe_load((VM / "rules" / "syncscope.rules.yml").read_text())
+    per_rank = [
+        r["record"]
+        for g in vmalert_rules["groups"]
+        for r in g["rules"]
+        if "record" in r and r["record"].split(":")[0] in ("job_rank", "job_rank_fault")
+    ]
+    assert len(per_rank) >= 4, per_rank  # the straggler's and the locality's, at least
+    need = {
+        "search.maxUniqueTimeseries": len(PHASES) * ranks,
+        "remoteWrite.maxQueueSize": len(per_rank) * ranks,
+    }
+    services = vm_compose()["services"]
+    compose_flags = {
+        "search.maxUniqueTimeseries": services["victoria-metrics"]["command"],
+        "remoteWrite.maxQueueSize": services["vmalert"]["command"],
+    }
+    objects = {d["kind"]: d for p, d in manifests().items() if p.parent.name == "victoriametrics"}
+    operator = {
+        "search.maxUniqueTimeseries": objects["VMSingle"]["spec"]["extraArgs"],
+        "remoteWrite.maxQueueSize": objects["VMAlert"]["spec"]["extraArgs"],
+    }
+    for flag, least in need.items():
+        args = dict(a.lstrip("-").split("=", 1) for a in compose_flags[flag])
+        assert int(args[flag]) >= least, (flag, args.get(flag), least)
+        assert int(operator[flag][flag]) == int(args[flag]), (flag, operator[flag])
+
+
 def test_vmagent_accepts_the_shards_scrape_config():
     if shutil.which("vmagent") is None:
         pytest.skip("vmagent not installed (scripts/setup test installs victoria-metrics)")
@@ -375,18 +411,23 @@ def test_observability_doc_covers_what_was_and_was_not_run():
         assert heading in doc
 
 
-def test_vmalert_rules_read_no_record_of_their_own_group_back():
-    """vmalert reads a record back from VictoriaMetrics an evaluation late: within a group, no
-    rule may name a record an earlier rule of that group makes, bare (they are inlined); the
-    Prometheus file keeps them. Over a range (`x[10m]`) or with a selector a rule reads the
-    stored series on both engines, and another group's record too."""
+def test_vmalert_rules_read_back_only_the_per_rank_rates_of_their_own_group():
+    """vmalert reads a record back from VictoriaMetrics an evaluation late: within a group, a
+    rule may name bare a record an earlier rule of that group makes only where that record
+    takes a range of scraped series (the per-rank rates, too costly to recompute in every later
+    rule); the others are inlined. The Prometheus file keeps them all. Over a range (`x[10m]`)
+    or with a selector a rule reads the stored series on both engines, and another group's
+    record too."""
     from syncscope.monitoring import engines
 
     cfg = load_config()
     found_inlined = False
+    read_back: set[str] = set()
     for engine in ("prometheus", "vmalert"):
-        for group in engines.rule_groups(cfg, engine)["groups"]:
-            earlier: list[str] = []
+        groups = engines.rule_groups(cfg, engine)["groups"]
+        recorded = {r["record"] for g in groups for r in g["rules"] if "record" in r}
+        for group in groups:
+            earlier: dict[str, str] = {}
             for rule in group["rules"]:
                 named = [
                     n
@@ -394,9 +435,16 @@ def test_vmalert_rules_read_no_record_of_their_own_group_back():
                     if re.search(rf"(?<![\w:]){re.escape(n)}(?![\w:{{\[])", rule["expr"])
                 ]
                 if engine == "vmalert":
-                    assert not named, (group["name"], rule.get("record"), named)
+                    costly = [n for n in named if "rate(syncscope_" in earlier[n]]
+                    assert named == costly, (group["name"], rule.get("record"), named)
+                    read_back |= set(named)
                 else:
                     found_inlined |= bool(named)
                 if "record" in rule:
-                    earlier.append(rule["record"])
+                    earlier[rule["record"]] = rule["expr"]
+                    assert engines.ranges_scraped_series(rule["expr"], recorded) == bool(
+                        re.search(r"_over_time\(syncscope_|rate\(syncscope_", rule["expr"])
+                    ), rule["expr"]
+    # The straggler's per-rank exposed communication is read back, not recomputed six times.
+    assert "job_rank:syncscope_phase_comm_exposed_seconds_per_step:ratio" in read_back
     assert found_inlined  # the Prometheus rules do chain within groups: the check means something
