@@ -261,7 +261,7 @@ class VictoriaMetrics(_Queries, _Server):
         flush_every: float | None = None,
     ) -> None:
         """``query_flags``: in place of Prometheus's query semantics, e.g. the flags the
-        generated compose project runs it with (bench/bench_scale.py).
+        generated compose project runs it with (bench/scale_engines.py).
 
         ``flush_every`` (seconds): force a flush that often while it runs. A query asked again
         is answered from a tag-filters cache that VictoriaMetrics (1.79) invalidates at most

@@ -1,38 +1,53 @@
 """bench/bench_scale.py's VictoriaMetrics path, without servers: the shards' scrape config, the
 iterations read from vmalert's duration summary and rule timings, and which evaluation wrote a
-stored straggler sample."""
+stored straggler sample (bench/scale_engines.py); the loss counters' increases (bench_scale)."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import yaml
 
 from syncscope.monitoring import victoriametrics
 
-PATH = Path(__file__).resolve().parents[2] / "bench" / "bench_scale.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def load(name: str) -> ModuleType:
+    """bench/<name>.py as module `name`, in sys.modules: dataclasses look their module up, and
+    bench_scale imports scale_engines by name (bench/ is not on sys.path here)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_scale", PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_scale"] = module  # dataclasses look their module up
+def engines():
     try:
-        spec.loader.exec_module(module)
-        yield module
+        yield load("scale_engines")
+    finally:
+        sys.modules.pop("scale_engines", None)
+
+
+@pytest.fixture(scope="module")
+def bench(engines):
+    try:
+        yield load("bench_scale")
     finally:
         sys.modules.pop("bench_scale", None)
 
 
-def test_vmagent_config_is_the_shipped_scrape_with_one_target_per_node(bench):
-    config = yaml.safe_load(bench.vmagent_config(port=8123, nodes=3))
+def test_vmagent_config_is_the_shipped_scrape_with_one_target_per_node(engines):
+    config = yaml.safe_load(engines.vmagent_config(port=8123, nodes=3))
     shipped = yaml.safe_load(
-        victoriametrics.files(bench.load_config())[victoriametrics.VMAGENT_PATH]
+        victoriametrics.files(engines.load_config())[victoriametrics.VMAGENT_PATH]
     )
     assert config["global"] == shipped["global"]
     (scrape,) = config["scrape_configs"]
@@ -44,17 +59,17 @@ def test_vmagent_config_is_the_shipped_scrape_with_one_target_per_node(bench):
     assert {t for c in scrape["static_configs"] for t in c["targets"]} == {"127.0.0.1:8123"}
 
 
-def test_iterations_from_the_duration_summary(bench):
-    assert bench.new_iterations(None, (1.0, 4.0), 100.0) == []  # the baseline
-    assert bench.new_iterations((1.0, 4.0), (1.0, 4.0), 101.0) == []
-    ((when, took),) = bench.new_iterations((1.0, 4.0), (1.5, 5.0), 102.0)
+def test_iterations_from_the_duration_summary(engines):
+    assert engines.new_iterations(None, (1.0, 4.0), 100.0) == []  # the baseline
+    assert engines.new_iterations((1.0, 4.0), (1.0, 4.0), 101.0) == []
+    ((when, took),) = engines.new_iterations((1.0, 4.0), (1.5, 5.0), 102.0)
     assert took == pytest.approx(0.5) and when == pytest.approx(101.5)
-    two = bench.new_iterations((1.5, 5.0), (2.5, 7.0), 130.0)
+    two = engines.new_iterations((1.5, 5.0), (2.5, 7.0), 130.0)
     assert [t for _, t in two] == pytest.approx([0.5, 0.5])
 
 
-def test_vmalert_rule_times_are_cumulative_within_an_iteration(bench):
-    watch = bench.Watch(engine=None)
+def test_vmalert_rule_times_are_cumulative_within_an_iteration(engines):
+    watch = engines.Watch(engine=None)
     at, earlier = "2026-11-26T13:50:34.927240668Z", "2026-11-26T13:50:19.927240668Z"
     groups = [
         {
@@ -70,17 +85,17 @@ def test_vmalert_rule_times_are_cumulative_within_an_iteration(bench):
     watch.read_rules(groups, cumulative=True)
     took = {key: next(iter(e.values())) for key, e in watch.rules.items()}
     assert took == pytest.approx({"g/00 a": 0.030, "g/01 b": 0.015, "g/02 c": 0.050})
-    assert watch.rule_evaluations("a") == [bench.unix_time(at)]
+    assert watch.rule_evaluations("a") == [engines.unix_time(at)]
 
 
-def test_a_stored_sample_belongs_to_the_first_evaluation_at_or_after_it(bench):
+def test_a_stored_sample_belongs_to_the_first_evaluation_at_or_after_it(engines):
     # vmalert stamps a record with its query time: the evaluation's start rounded down to 15 s.
     evaluations = [100.3, 115.2, 130.1, 145.4]
     stored = [
         {"metric": {"rank": "11"}, "timestamps": [90_000, 105_000]},
         {"metric": {"rank": "12"}, "timestamps": [105_000, 120_000]},
     ]
-    assert bench.named_by_evaluation(evaluations, stored) == {
+    assert engines.named_by_evaluation(evaluations, stored) == {
         100.3: {"11"},
         115.2: {"11", "12"},
         130.1: {"12"},
