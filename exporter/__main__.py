@@ -7,7 +7,10 @@ import os
 import socket
 import sys
 
+from syncscope.exporter.diagnosis import Thresholds
 from syncscope.exporter.settings import Settings
+
+from syncscope.thresholds import checked_overrides
 
 
 def _price(text: str) -> float:
@@ -101,11 +104,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="what one GPU-hour costs on this node, in your currency: cost per million tokens "
         "and the cost of lost time follow (env SYNCSCOPE_PRICE_PER_GPU_HOUR; default: none)",
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override one threshold of the diagnosis and verdict, as `syncscope rules --set` "
+        "does for the rules (give both the same ones), e.g. "
+        "alerts.SyncscopeFabricContention.levels.0.threshold=1.3; repeatable",
+    )
     p.add_argument("--log-level", default=d.log_level)
     return p
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from the command line; OSError: the token file cannot be read; KeyError or
+    ValueError: a --set names no threshold or gives it a bad value."""
+    _, cfg = checked_overrides(args.set)
     token = None
     if args.token_file:
         with open(args.token_file) as f:
@@ -127,6 +142,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         state_file=args.state_file or None,
         state_interval_s=args.state_interval,
         price_per_gpu_hour=args.price_per_gpu_hour,
+        skew_threshold_s=cfg.diagnosis.skew_floor_s,
+        thresholds=Thresholds.from_config(cfg),
     )
 
 
@@ -194,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_args(args)
     except OSError as exc:
         print(f"syncscope-exporter: cannot read token file: {exc}", file=sys.stderr)
+        return 2
+    except (KeyError, ValueError, IndexError) as exc:  # a bad --set, before anything listens
+        print(f"syncscope-exporter: {exc}", file=sys.stderr)
         return 2
     if settings.metrics_port is not None and settings.metrics_port == settings.port:
         print("syncscope-exporter: --metrics-port must differ from --port", file=sys.stderr)

@@ -128,7 +128,9 @@ class Diagnosis:
 @dataclass(frozen=True)
 class Thresholds:
     """The rules' constants, from the thresholds file's "diagnosis" section (shared with the
-    dashboards; the skew floor's default is Settings.skew_threshold_s, taken from there too)."""
+    dashboards; the skew floor's default is Settings.skew_threshold_s, taken from there too).
+    The exporter runs with Settings.thresholds (its --set overrides applied); DEFAULT_THRESHOLDS,
+    the shipped file's, is the default for library callers and tests."""
 
     verdict_score: float  # a mode's verdict is its score reaching this
     skew_step_fraction: float  # skew must also exceed this fraction of the median step

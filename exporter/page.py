@@ -20,7 +20,6 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
 from syncscope.exporter.diagnosis import (
-    DEFAULT_THRESHOLDS,
     Diagnosis,
     Victim,
     locality_fault,
@@ -176,9 +175,9 @@ def phase_bar(shares: Sequence[float], width: int = 150, height: int = 14) -> st
     )
 
 
-def score_meter(score: float, width: int = 56, height: int = 8) -> str:
+def score_meter(score: float, line: float, width: int = 56, height: int = 8) -> str:
+    """A mode's score as a bar, marked at ``line`` (the verdict score the exporter runs with)."""
     w = max(0.0, min(1.0, score)) * width
-    line = DEFAULT_THRESHOLDS.verdict_score
     mark = line * width
     return (
         f'<svg class="meter" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
@@ -392,7 +391,7 @@ def _cards(
     cv = statistics.median(cvs) if cvs else None
     rolling = _rolling_cv(series, CV_WINDOW)
     skew = diag.skew_s
-    fraction = DEFAULT_THRESHOLDS.skew_step_fraction
+    fraction = settings.thresholds.skew_step_fraction
     threshold = max(settings.skew_threshold_s, fraction * step) if step else None
     cards = [
         (
@@ -469,7 +468,7 @@ def _verdict_line(diag: Diagnosis) -> str:
     )
 
 
-def _modes_table(diag: Diagnosis) -> str:
+def _modes_table(diag: Diagnosis, line: float) -> str:
     rows = []
     for mode, title in MODE_NAMES.items():
         m = diag.modes.get(mode)
@@ -486,12 +485,12 @@ def _modes_table(diag: Diagnosis) -> str:
         )
         rows.append(
             f'<tr class="{"mode-bad" if m.verdict else "mode-ok"}"><th scope="row">{title}</th>'
-            f'<td>{verdict}</td><td class="num">{score_meter(m.score)} {m.score:.2f}</td>'
+            f'<td>{verdict}</td><td class="num">{score_meter(m.score, line)} {m.score:.2f}</td>'
             f"<td>{_e(m.reason)}</td></tr>"
         )
     return (
-        '<table class="modes"><caption>Failure modes (paper §3.3); a score of 0.50 or more '
-        'is a detection</caption><thead><tr><th scope="col">Mode</th><th scope="col">Verdict'
+        f'<table class="modes"><caption>Failure modes (paper §3.3); a score of {line:.2f} or '
+        'more is a detection</caption><thead><tr><th scope="col">Mode</th><th scope="col">Verdict'
         '</th><th scope="col" class="num">Score</th><th scope="col">Why</th></tr></thead><tbody>'
         + "".join(rows)
         + "</tbody></table>"
@@ -704,7 +703,8 @@ def _job_section(
         f"{banner}{_cards(live or ranks, job.diagnosis, settings, cpu)}"
         f"{_goodput_line(job, world, now)}"
         '<div class="split"><div class="panel">'
-        f"{_verdict_line(job.diagnosis)}{_modes_table(job.diagnosis)}</div>"
+        f"{_verdict_line(job.diagnosis)}"
+        f"{_modes_table(job.diagnosis, settings.thresholds.verdict_score)}</div>"
         f'<div class="panel"><h3>Topology</h3>{_topology(ranks)}</div></div>'
         f'<div class="panel"><h3>Ranks</h3>{phase_legend()}{_ranks_table(job, now)}</div></section>'
     )

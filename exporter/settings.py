@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from syncscope.catalog import STEP_WINDOW
 from syncscope.thresholds import load_config
+
+if TYPE_CHECKING:
+    from syncscope.exporter.diagnosis import Thresholds
+
+
+def _shipped_thresholds() -> Thresholds:
+    """The shipped file's diagnosis lines; imported here, not at the top: the diagnosis module
+    imports this one (a cycle at import time)."""
+    from syncscope.exporter.diagnosis import DEFAULT_THRESHOLDS
+
+    return DEFAULT_THRESHOLDS
 
 
 @dataclass
@@ -27,6 +39,10 @@ class Settings:
     max_body_bytes: int = 8 * 1024 * 1024
     # Arrival skew below this never names a straggler (the thresholds file's skew_floor_s).
     skew_threshold_s: float = load_config().diagnosis.skew_floor_s
+    # The diagnosis's and the verdict's lines (the store's diagnosis, the status page): the
+    # thresholds file with the command line's --set overrides, the lines the rules were
+    # rendered with, so that the exporter and the alerts judge a job alike.
+    thresholds: Thresholds = field(default_factory=_shipped_thresholds)
     log_level: str = "warning"
     # Prometheus's HTTP API, to read the job-wide rules back (exporter/jobwide.py); without it
     # the exporter's view is node-local and it says so.

@@ -756,7 +756,11 @@ class Store:
                     for r in ranks
                 ]
             diagnosis = diagnose_job(
-                ranks, self.settings, job_wide=job_wide, node_transfer=inflation.get(name)
+                ranks,
+                self.settings,
+                self.settings.thresholds,  # the shipped lines with the exporter's --set
+                job_wide=job_wide,
+                node_transfer=inflation.get(name),
             )
             if recent is not None and recent != shown:
                 ranks = [

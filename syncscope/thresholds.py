@@ -203,6 +203,18 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     return overrides
 
 
+def checked_overrides(
+    items: Iterable[str], base: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], Thresholds]:
+    """``base``'s overrides, then the ``--set PATH=VALUE`` ``items``, and the thresholds they
+    give: every command that takes --set (``syncscope rules``, the exporter) checks them here
+    at start-up, so that a typo fails before anything is written or served rather than leaving
+    the rules and the exporter's diagnosis on different lines. KeyError or ValueError naming
+    the bad path or value."""
+    overrides = {**(base or {}), **parse_overrides(items)}
+    return overrides, load_config(overrides)
+
+
 def fast_for_overrides(cfg: Thresholds, duration: str) -> dict[str, str]:
     """Overrides that shorten every alert's ``for:`` (the demo and e2e tests, 1 s intervals):
     the straggler's becomes ``duration`` and the others keep their shipped ratio to it (none

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from syncscope.thresholds import fast_for_overrides, load_config, parse_overrides
+from syncscope.thresholds import checked_overrides, fast_for_overrides, load_config
 
 
 def add_subcommands(sub: Any) -> None:
@@ -54,12 +54,9 @@ def _threshold_options(p: argparse.ArgumentParser) -> None:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any] | None:
     """The --fast-for and --set overrides, checked against the thresholds file; None: reported."""
-    overrides: dict[str, Any] = {}
     try:
-        if args.fast_for:
-            overrides.update(fast_for_overrides(load_config(), args.fast_for))
-        overrides.update(parse_overrides(args.set))
-        load_config(overrides)  # a bad path is reported here, before anything is written
+        fast = fast_for_overrides(load_config(), args.fast_for) if args.fast_for else {}
+        overrides, _ = checked_overrides(args.set, fast)  # a bad path is reported here
     except (KeyError, ValueError, IndexError) as exc:
         print(f"syncscope {args.command}: {exc}", file=sys.stderr)
         return None

@@ -314,3 +314,100 @@ def test_a_gpu_hour_price_is_exported_per_job_and_node_only_where_given():
     for bad in ("-1", "nan", "inf", "cheap"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--price-per-gpu-hour", bad])
+
+
+def _straggling_job(settings: Settings) -> tuple[dict, str]:
+    """/v1/state's job and the status page after two ranks' 30 steps of 100 ms: rank 1 waits
+    50 ms at the sync each step and rank 0 20 ms, so rank 0 arrives 30 ms after rank 1."""
+    agents = [{**BATCH_V2["agent"], "rank": r, "local_rank": r, "hostname": "h"} for r in (0, 1)]
+    with TestClient(create_app(settings)) as c:
+        for agent in agents:  # both report before any step, so that every step pools both
+            batch = {**BATCH_V2, "agent": agent, "steps": [], "collectives": []}
+            assert c.post("/v1/ingest", json=batch).status_code == 200
+        for agent, exposed_ms in zip(agents, (20, 50), strict=True):
+            steps = [
+                [
+                    i,
+                    (5_000 + i) * 10**9,
+                    100 * MS,
+                    10 * MS,
+                    20 * MS,
+                    30 * MS,
+                    10 * MS,
+                    exposed_ms * MS,
+                    0,
+                ]
+                for i in range(30)
+            ]
+            batch = {**BATCH_V2, "agent": agent, "steps": steps, "collectives": []}
+            assert c.post("/v1/ingest", json=batch).status_code == 200
+        return c.get("/v1/state").json()["jobs"]["j"], c.get("/").text
+
+
+def test_the_exporters_set_moves_its_diagnosis_and_verdict_as_it_moves_the_rules():
+    """`--set` reaches the store's diagnosis, the verdict and the page, not only the rules: a
+    30 ms arrival skew over a 100 ms step is a straggler at the shipped line (5 % of the step)
+    and none once the line is raised to 60 % of it (60 ms)."""
+    from syncscope.exporter.__main__ import build_parser, settings_from_args
+
+    from syncscope.thresholds import load_config
+
+    step_s, skew_s = 0.100, 0.050 - 0.020
+    shipped = load_config().diagnosis
+    shipped_line = max(shipped.skew_floor_s, shipped.skew_step_fraction * step_s)
+    assert shipped_line < skew_s  # the test's premise, from the shipped file
+    raised = 2 * skew_s / step_s
+    args = build_parser().parse_args(["--set", f"diagnosis.skew_step_fraction={raised}"])
+
+    before, page_before = _straggling_job(settings_from_args(build_parser().parse_args([])))
+    after, page_after = _straggling_job(settings_from_args(args))
+
+    assert before["diagnosis"]["skew_s"] == pytest.approx(skew_s)
+    assert before["diagnosis"]["straggler"]["rank"] == 0
+    assert before["diagnosis"]["modes"]["straggler"]["verdict"] is True
+    assert before["diagnosis"]["verdict"]["verdict"] == "coupling"
+    assert f"straggler threshold {shipped_line * 1e3:.1f} ms" in page_before
+
+    assert after["diagnosis"]["skew_s"] == pytest.approx(skew_s)
+    assert after["diagnosis"]["straggler"] is None
+    assert after["diagnosis"]["modes"]["straggler"]["verdict"] is False
+    assert "verdict" not in after["diagnosis"]  # the job loses no time by the raised line
+    assert f"straggler threshold {raised * step_s * 1e3:.1f} ms" in page_after
+
+
+def test_the_exporters_set_is_parsed_into_settings_and_a_typo_stops_it_at_start(
+    monkeypatch, capsys
+):
+    """`--set PATH=VALUE` (repeatable, as for `syncscope rules`) gives Settings the overridden
+    lines; without it, the shipped ones. A path the thresholds file does not have exits 2
+    naming it, before anything listens."""
+    from syncscope.exporter import __main__ as exporter_main
+    from syncscope.exporter.diagnosis import DEFAULT_THRESHOLDS
+
+    parser = exporter_main.build_parser()
+    assert exporter_main.settings_from_args(parser.parse_args([])).thresholds == DEFAULT_THRESHOLDS
+    settings = exporter_main.settings_from_args(
+        parser.parse_args(
+            [
+                "--set",
+                "alerts.SyncscopeFabricContention.levels.0.threshold=1.3",
+                "--set",
+                "diagnosis.verdict_score=0.4",
+                "--set",
+                "diagnosis.skew_floor_s=0.02",
+            ]
+        )
+    )
+    t = settings.thresholds
+    assert (t.contention_inflation, t.verdict_score) == (1.3, 0.4)
+    assert settings.skew_threshold_s == 0.02
+    assert t.skew_step_fraction == DEFAULT_THRESHOLDS.skew_step_fraction  # the rest: shipped
+    assert t != DEFAULT_THRESHOLDS
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("a bad --set must stop the exporter before it serves")
+
+    monkeypatch.setattr(exporter_main, "serve", no_server)
+    typo = "alerts.SyncscopeFabricContention.levels.0.treshold"
+    assert exporter_main.main(["--set", f"{typo}=1.3"]) == 2
+    assert typo in capsys.readouterr().err
