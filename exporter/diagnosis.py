@@ -58,7 +58,7 @@ from syncscope.exporter.store import OMIT_IF_NONE, RankView, RecentStep
 
 from syncscope.catalog import CLOCK_EVENT_REASONS, STEP_WINDOW
 from syncscope.thresholds import Thresholds as ThresholdsFile
-from syncscope.thresholds import load_config, required
+from syncscope.thresholds import duration_seconds, load_config, required
 from syncscope.wire import GROUP_FACT, Phase
 
 if TYPE_CHECKING:
@@ -147,6 +147,12 @@ class Thresholds:
     # The decision verdict's trigger: throughput per GPU below this × the job's own baseline.
     throughput_ratio: float
     min_aligned_steps: int  # fewer steps reported by every rank: per-step rules abstain
+    # The rules' windows where the exporter keeps its own baselines (the thresholds file's
+    # "windows"): the node-local contention baseline and its recent transfer (the rate
+    # window), and how long a rank's best sustained throughput stays its baseline.
+    contention_baseline_s: float
+    contention_recent_s: float
+    throughput_horizon_s: float
     window: int = STEP_WINDOW  # most recent steps compared
 
     @classmethod
@@ -159,6 +165,10 @@ class Thresholds:
         section["slow_link_ratio"] = required(
             alerts["SyncscopeSlowLink"].levels[0].threshold, "threshold"
         )
+        windows = cfg.windows
+        section["contention_baseline_s"] = duration_seconds(windows.contention_baseline)
+        section["contention_recent_s"] = duration_seconds(windows.rate)
+        section["throughput_horizon_s"] = duration_seconds(windows.trend)
         names = [f.name for f in fields(cls) if f.name != "window"]
         return cls(**{name: section[name] for name in names})
 

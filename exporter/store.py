@@ -26,7 +26,6 @@ from syncscope.exporter.throughput import Throughput, ThroughputView
 
 from syncscope.arrival import collective_key, key_text
 from syncscope.catalog import BADPUT_CATEGORIES, LOST_PROGRESS, STEP_WINDOW
-from syncscope.thresholds import duration_seconds, load_config
 from syncscope.wire import (
     EVENT_STARTUP,
     MAX_LABEL_LEN,
@@ -72,13 +71,6 @@ RATIO_MEDIAN_EVERY = 16
 # tuple is empty). OMIT_IF_NONE: the key is left out of the JSON while the field is None.
 BY_PHASE = {"json": "by_phase"}
 OMIT_IF_NONE = {"json": "omit_if_none"}
-
-# The node-local contention verdict's windows are the rules' (thresholds file): the baseline
-# covers the contention-baseline window, the recent transfer the rate window.
-CONTENTION_BASELINE_S = duration_seconds(load_config().windows.contention_baseline)
-CONTENTION_RECENT_S = duration_seconds(load_config().windows.rate)
-# How long a rank's best sustained throughput stays its baseline (exporter.throughput).
-THROUGHPUT_HORIZON_S = duration_seconds(load_config().windows.trend)
 
 
 @dataclass
@@ -498,9 +490,7 @@ class Store:
                 self.job_ranks.setdefault(job, {})[a.rank] = state
             pool = self.pools.get(job)
             if pool is None:
-                pool = self.pools[job] = JobPool(
-                    baseline_window_s=CONTENTION_BASELINE_S, recent_window_s=CONTENTION_RECENT_S
-                )
+                pool = self.pools[job] = self._new_pool()
             if state.incarnation != clean_label(a.incarnation):
                 self._new_incarnation(state, pool)
             state.local_rank, state.world_size = a.local_rank, a.world_size
@@ -539,6 +529,13 @@ class Store:
         if job_wide is not None and job_wide.transfer_s is not None and transfers:
             transfers = with_job_transfer(transfers, job_wide.transfer_s)
         return {"accepted": True, "baselines": {key_text(k): v for k, v in transfers.items()}}
+
+    def _new_pool(self) -> JobPool:
+        """A job's pool, its contention baseline over the rules' windows (with --set)."""
+        t = self.settings.thresholds
+        return JobPool(
+            baseline_window_s=t.contention_baseline_s, recent_window_s=t.contention_recent_s
+        )
 
     def _new_incarnation(self, state: RankState, pool: JobPool) -> None:
         # A restarted rank: keep the counters (they only grow), reset what describes "now".
@@ -621,7 +618,9 @@ class Store:
                 if tokens >= 0:
                     state.tokens_total = (state.tokens_total or 0) + tokens
                 state.work.append((d, samples, tokens))
-            state.throughput.add(d, samples, end_unix_s, THROUGHPUT_HORIZON_S)
+            state.throughput.add(
+                d, samples, end_unix_s, self.settings.thresholds.throughput_horizon_s
+            )
             pool.add_step(state.rank, step, d, values)
 
     @staticmethod
@@ -696,10 +695,7 @@ class Store:
                 if state.job not in self.pools:
                     if len(self.pools) >= self.settings.max_jobs:
                         continue
-                    pool = self.pools[state.job] = JobPool(
-                        baseline_window_s=CONTENTION_BASELINE_S,
-                        recent_window_s=CONTENTION_RECENT_S,
-                    )
+                    pool = self.pools[state.job] = self._new_pool()
                     steps, seconds = pooled.get(state.job, (0, 0.0))
                     pool.pooled_steps_total, pool.transfer_seconds_total = steps, seconds
                 self.ranks[key] = state
