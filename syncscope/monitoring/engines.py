@@ -76,8 +76,8 @@ def _same_group_for_vmalert(
 ) -> list[dict[str, Any]]:
     """Each rule with its bare references to records defined earlier in the group replaced by
     their (already rewritten) expressions, except records that range scraped series, which
-    stay references to the stored series. References with a selector or
-    a range keep reading the stored series."""
+    stay references to the stored series. References with a selector or a range keep reading
+    the stored series."""
     defined: dict[str, str] = {}
     out = []
     for rule in group_rules:

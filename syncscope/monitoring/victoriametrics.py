@@ -61,8 +61,8 @@ def limits(cfg: Thresholds) -> dict[str, dict[str, int]]:
     }
 
 
-def _flags(binary: str, cfg: Thresholds) -> list[str]:
-    return [f"-{flag}={value}" for flag, value in limits(cfg).get(binary, {}).items()]
+def _flags(flags: dict[str, int]) -> list[str]:
+    return [f"-{flag}={value}" for flag, value in flags.items()]
 
 
 def files(cfg: Thresholds) -> dict[str, str]:
@@ -118,7 +118,7 @@ def compose(cfg: Thresholds | None = None) -> dict[str, Any]:
     vmagent shards, vmalert, Alertmanager and Grafana, sized for DESIGN_RANKS (``limits``).
     Run from the checkout's root: ``docker compose -f deploy/victoriametrics/compose.yml up
     --build``."""
-    cfg = cfg or load_config()
+    sized = limits(cfg or load_config())
     vm = f"http://victoria-metrics:{VM_PORT}"
     services: dict[str, Any] = {
         "exporter": {
@@ -147,7 +147,7 @@ def compose(cfg: Thresholds | None = None) -> dict[str, Any]:
                 "-storageDataPath=/storage",
                 "-retentionPeriod=30d",
                 "-search.latencyOffset=0s",
-                *_flags("victoria-metrics", cfg),
+                *_flags(sized["victoria-metrics"]),
             ],
             volumes=["vm-data:/storage"],
             ports=[f"127.0.0.1:{VM_PORT}:{VM_PORT}"],
@@ -175,7 +175,7 @@ def compose(cfg: Thresholds | None = None) -> dict[str, Any]:
             f"-remoteRead.url={vm}",
             "-notifier.url=http://alertmanager:9093",
             "-evaluationInterval=15s",
-            *_flags("vmalert", cfg),
+            *_flags(sized["vmalert"]),
         ],
         volumes=["./rules:/etc/vmalert/rules:ro"],
         depends_on=["victoria-metrics", "alertmanager"],
