@@ -4,9 +4,10 @@ The exporter estimates arrival node-wide (syncscope.arrival); a rank runs its ow
 estimator only for readers on the rank itself: pacing subtracts `ddp_baseline_s` from each step's
 exposed sync, and the record file writes each step's wait. Without either it would be a quarter
 of a flush's CPU spent on nothing (bench/bench_agent_overhead.py), so the agent builds none.
-It runs on the reporter's thread, once per flush, also while the exporter is away, and folds in
-the node-wide baselines the exporter replies with: a steady straggler's peers never see a
-wait-free call of their own, so only the node-wide view knows the transfer time.
+It runs on the reporter's thread, once per flush, also while the exporter is away, and takes
+the node-wide baselines the exporter replies with in place of its own: a steady straggler's peers
+never see a wait-free call of their own, and a rank's own smallest duration sits well below the
+typical transfer on a noisy fabric, so only the node-wide view knows the transfer time.
 """
 
 from __future__ import annotations
@@ -54,10 +55,15 @@ class LocalArrival:
             calls.append((key, dur / 1e9, step))
         waits = self.estimator.observe("self", calls)
         wait_by_step: dict[int, float] = {}
-        for (op, _group, _nbytes, dur, step), wait in zip(collectives, waits, strict=True):
+        sync_key = None
+        for (op, _group, _nbytes, _dur, step), wait, (key, _d, _s) in zip(
+            collectives, waits, calls, strict=True
+        ):
             wait_by_step[step] = wait_by_step.get(step, 0.0) + wait
             if op == DDP_GRAD_SYNC:
-                self.ddp_baseline_s = dur / 1e9 - wait
+                sync_key = key
+        if sync_key is not None:
+            self.ddp_baseline_s = self.estimator.baseline(sync_key)
         return wait_by_step
 
     def merge_reply(self, payload: bytes) -> None:
@@ -72,7 +78,7 @@ class LocalArrival:
             self.estimator.merge_baselines(external)
             for key, value in external.items():
                 if key[0] == DDP_GRAD_SYNC:
-                    self.ddp_baseline_s = min(self.ddp_baseline_s or value, value)
+                    self.ddp_baseline_s = value
 
     def baselines_text(self) -> dict[str, float]:
         return {key_text(k): v for k, v in self.estimator.baselines().items()}
