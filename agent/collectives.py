@@ -212,12 +212,14 @@ def _unbox_group(boxed: Any) -> Any:
 
 class Blocked:
     """Nanoseconds the training thread has spent blocked waiting for collectives (it only
-    grows); waits on other threads are not the training loop's."""
+    grows); waits on other threads are not the training loop's. `first_ns` is the first such
+    wait since the phase clock last set it to -1 (at each step's end): pacing's signal."""
 
-    __slots__ = ("ns", "thread")
+    __slots__ = ("first_ns", "ns", "thread")
 
     def __init__(self) -> None:
         self.ns = 0
+        self.first_ns = -1
         self.thread = threading.get_ident()
 
 
@@ -345,6 +347,8 @@ class CollectiveInterceptor:
         blocked = self.blocked
         if on_thread == blocked.thread:
             blocked.ns += t1 - t0
+            if blocked.first_ns < 0:
+                blocked.first_ns = t1 - t0
         if self.pending:
             entry = self.pending.get(key)
             if entry is not None:

@@ -1,8 +1,9 @@
 """This rank's own arrival estimate: each step's wait at its collectives, and DDP's transfer baseline.
 
 The exporter estimates arrival node-wide (syncscope.arrival); a rank runs its own single-rank
-estimator only for readers on the rank itself: pacing subtracts `ddp_baseline_s` from each step's
-exposed sync, and the record file writes each step's wait. Without either it would be a quarter
+estimator only for readers on the rank itself: pacing subtracts `ddp_baseline_s` or
+`first_baseline_s` from each step's first wait (step_pacing.py), and the record file writes each
+step's wait. Without either it would be a quarter
 of a flush's CPU spent on nothing (bench/bench_agent_overhead.py), so the agent builds none.
 It runs on the reporter's thread, once per flush, also while the exporter is away, and takes
 the node-wide baselines the exporter replies with in place of its own: a steady straggler's peers
@@ -31,8 +32,11 @@ class LocalArrival:
     def __init__(self, record: RecordWriter | None = None) -> None:
         self.estimator = ArrivalEstimator()
         self.record = record
-        # Read by the pacing hook on the training thread: one float, replaced whole.
+        # Read by the pacing hook on the training thread: floats, each replaced whole. DDP's
+        # transfer, and that of the collective most steps complete first (step_pacing.py).
         self.ddp_baseline_s = 0.0
+        self.first_baseline_s = 0.0
+        self._first_key: Key | None = None
         self._keys: dict[tuple[str, str, int], Key] = {}  # (op, group, bytes) -> key, memoised
 
     def drained(self, steps: list[tuple], collectives: list[tuple], clock_offset_ns: int) -> None:
@@ -56,14 +60,24 @@ class LocalArrival:
         waits = self.estimator.observe("self", calls)
         wait_by_step: dict[int, float] = {}
         sync_key = None
+        first_of_step: dict[int, Key] = {}  # rows come in the order the calls completed
         for (op, _group, _nbytes, _dur, step), wait, (key, _d, _s) in zip(
             collectives, waits, calls, strict=True
         ):
             wait_by_step[step] = wait_by_step.get(step, 0.0) + wait
             if op == DDP_GRAD_SYNC:
                 sync_key = key
+            elif step not in first_of_step:
+                first_of_step[step] = key
         if sync_key is not None:
             self.ddp_baseline_s = self.estimator.baseline(sync_key)
+        if first_of_step:
+            counts: dict[Key, int] = {}
+            for key in first_of_step.values():
+                counts[key] = counts.get(key, 0) + 1
+            self._first_key = max(counts, key=counts.__getitem__)
+        if self._first_key is not None:
+            self.first_baseline_s = self.estimator.baseline(self._first_key)
         return wait_by_step
 
     def merge_reply(self, payload: bytes) -> None:
@@ -79,6 +93,8 @@ class LocalArrival:
             for key, value in external.items():
                 if key[0] == DDP_GRAD_SYNC:
                     self.ddp_baseline_s = value
+                if key == self._first_key:
+                    self.first_baseline_s = value
 
     def baselines_text(self) -> dict[str, float]:
         return {key_text(k): v for k, v in self.estimator.baselines().items()}

@@ -145,9 +145,15 @@ class PhaseClock:
         self.dropped = 0
         self.steps_max = steps.maxlen or sys.maxsize
         self.coll_max = collectives.maxlen or sys.maxsize
-        # Set by the agent when pacing is on: called at each step end with the step's exposed
-        # wait (ns); returns the delay (ns) to insert before the next iteration.
-        self.pacer: Callable[[int, int], int] | None = None
+        # Set by the agent when pacing is on (step_pacing.StepPacer.pace): called at each step
+        # end with the step's exposed communication, its duration, its first synchronising
+        # wait (ns; -1: none) and the boundary that saw it; returns the delay (ns) to insert
+        # before the next iteration.
+        self.pacer: Callable[..., int] | None = None
+        # DDP's exposed sync of this step when it was the step's first wait (ns), else -1; the
+        # boundary that first saw a wait of this step (COMM_END: DDP's), else -1.
+        self.first_ddp_ns = -1
+        self.first_at = -1
         # Set by the agent to its transport's step hook: called on the training thread with
         # the step count after every `after_every`-th step has ended, the same steps on every
         # rank (shm_ring.py pumps there; transport.py decides whether to wake its thread).
@@ -260,9 +266,10 @@ class PhaseClock:
         self._handles.clear()
         self._drop_grad_hooks()
 
-    def take_blocked(self) -> int:
+    def take_blocked(self, boundary: int = STEP_END) -> int:
         """Time blocked in collectives since the last boundary (ns), now counted as exposed
-        communication; the caller takes it out of the phase that just ended."""
+        communication; the caller takes it out of the phase that just ended. `boundary` (the
+        one the caller is at) is kept for the step's first wait: where in the step it was."""
         blocked = self.blocked
         if blocked is None:
             return 0
@@ -271,6 +278,8 @@ class PhaseClock:
         if waited:
             self.blocked_seen = ns
             self.acc[COMM] += waited
+            if self.first_at < 0:
+                self.first_at = boundary
         return waited
 
     # -- forward ------------------------------------------------------------------------------
@@ -286,7 +295,7 @@ class PhaseClock:
                 blocked = clock.blocked
                 waited = 0
                 if blocked is not None and blocked.ns != clock.blocked_seen:
-                    waited = clock.take_blocked()
+                    waited = clock.take_blocked(FWD_PRE)
                 idle = clock.idle_since
                 if idle:
                     clock.acc[DATA] += max(0, t - idle - waited)
@@ -316,7 +325,7 @@ class PhaseClock:
                     blocked = clock.blocked
                     waited = 0
                     if blocked is not None and blocked.ns != clock.blocked_seen:
-                        waited = clock.take_blocked()
+                        waited = clock.take_blocked(FWD_POST)
                     clock.acc[FORWARD] += max(0, t - clock.fwd_start - waited)
                     clock.fwd_start = 0
                 clock.fwd_since_bwd = True
@@ -407,7 +416,7 @@ class PhaseClock:
         # Callback A: all autograd work of this backward is done; DDP has not waited yet.
         try:
             t = _now()
-            self.acc[BACKWARD] += max(0, t - self.bwd_start - self.take_blocked())
+            self.acc[BACKWARD] += max(0, t - self.bwd_start - self.take_blocked(BWD_END))
             self.bwd_end = t
             if self._learned is not None:
                 # After autograd's work: no hook is removed while the engine may call it.
@@ -430,8 +439,12 @@ class PhaseClock:
         try:
             t = _now()
             exposed = t - self.bwd_end
+            blocked = self.blocked
+            if self.first_ddp_ns < 0 and (blocked is None or blocked.first_ns < 0):
+                self.first_ddp_ns = exposed  # no wait of this step came before DDP's sync
+                self.first_at = COMM_END
             # DDP waits for its buckets in C++; a wait seen here too is part of `exposed`
-            self.acc[COMM] += exposed - self.take_blocked()
+            self.acc[COMM] += exposed - self.take_blocked(COMM_END)
             self.bwd_pending = False
             self.idle_since = t
             coll = self.collectives
@@ -506,7 +519,7 @@ class PhaseClock:
         try:
             t = _now()
             if self.opt_start:
-                self.acc[OPTIMIZER] += max(0, t - self.opt_start - self.take_blocked())
+                self.acc[OPTIMIZER] += max(0, t - self.opt_start - self.take_blocked(OPT_POST))
                 self.opt_start = 0
             if self.manual_steps:  # the step ends later, at the `with agent.step()` exit
                 if self.mark is not None:
@@ -530,13 +543,15 @@ class PhaseClock:
             self.steps_open = True
             # Forwards before the first marked step are no step's work (a user's count is).
             self._forget_seen()
+            self.first_ddp_ns = self.first_at = -1
             if self.blocked is not None:  # waits before the first step are no step's
                 self.blocked_seen = self.blocked.ns
+                self.blocked.first_ns = -1
         elif self.idle_since == 0:
             self.idle_since = t
 
     def end_step(self, t: int) -> None:
-        self.take_blocked()  # waits outside the timed phases (loss, clipping): out of `other`
+        self.take_blocked(STEP_END)  # waits outside the timed phases (loss, clipping): `other`
         acc = self.acc
         steps = self.steps
         total = t - self.step_start
@@ -554,6 +569,9 @@ class PhaseClock:
         if self.first_step:
             self._first_step_done(t - total)
         delay = self._pace(acc[COMM], total) if self.pacer is not None else 0
+        self.first_ddp_ns = self.first_at = -1
+        if self.blocked is not None:
+            self.blocked.first_ns = -1
         if delay > 0:
             time.sleep(delay / 1e9)
             after = _now()
@@ -562,8 +580,16 @@ class PhaseClock:
 
     def _pace(self, comm_ns: int, step_ns: int) -> int:
         """With a pacer: the delay (ns) to insert before the next step, its answer to this
-        step's exposed communication. CudaPhaseClock answers from the GPU's steps instead."""
-        return self.pacer(comm_ns, step_ns)  # type: ignore[misc]
+        step's first synchronising wait: DDP's sync, or the first wait for a collective on the
+        training thread, whichever came first, and the boundary that saw it (COMM_END: DDP's;
+        STEP_END also for a wait inside a checkpoint). CudaPhaseClock answers from the GPU."""
+        if self.first_ddp_ns >= 0:
+            first, at = self.first_ddp_ns, COMM_END
+        else:
+            blocked = self.blocked
+            first = blocked.first_ns if blocked is not None else -1
+            at = self.first_at if self.first_at >= 0 else STEP_END
+        return self.pacer(comm_ns, step_ns, first, at)  # type: ignore[misc]
 
 
 def restored_step(optimizer: Any) -> int:
@@ -690,7 +716,9 @@ def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable
                 depth = c.bwd_depth = c.bwd_depth + 1
                 if depth == 1:
                     c.bwd_entry = t
-                    c.take_blocked()  # waits before backward (a loss's collective) are not it
+                    c.take_blocked(
+                        BWD_START
+                    )  # waits before backward (a loss's collective) are not it
                     if c.mark is not None:
                         c.mark(BWD_START)  # on the caller's stream, before any backward kernel
             except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop

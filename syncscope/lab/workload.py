@@ -39,8 +39,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps in every forward")
+    p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps in every step")
     p.add_argument("--slow-ms", type=float, default=30.0)
+    p.add_argument(
+        "--slow-in",
+        default="forward",
+        choices=["forward", "data"],
+        help="where the slow rank sleeps: in forward, or loading data (before any collective)",
+    )
     p.add_argument(
         "--slow-after",
         type=float,
@@ -231,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed * 1000 + rank)
     slow_s = args.slow_ms / 1000 if rank == args.slow_rank else 0.0
+    slow_data_s = slow_s if args.slow_in == "data" else 0.0
+    if slow_data_s:
+        slow_s = 0.0
     # Set when the loop starts, so that start-up time does not eat into the jittery phase.
     jitter_end = [float("inf")]
     slow_from = [float("inf")]
@@ -296,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.duration
     if args.jitter_until > 0:
         jitter_end[0] = time.monotonic() + args.jitter_until
-    if slow_s:
+    if slow_s or slow_data_s:
         slow_from[0] = time.monotonic() + args.slow_after
         onset = time.time() + args.slow_after
         print(f"syncscope-workload: rank {rank} slow from unix {onset:.3f}", flush=True)
@@ -306,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     while step < args.steps if args.steps else True:
         if args.data_ms:
             time.sleep(args.data_ms / 1000)
+        if slow_data_s and time.monotonic() >= slow_from[0]:
+            time.sleep(slow_data_s)
         opt.zero_grad(set_to_none=True)
         if schedule is not None:  # the pipeline runs forward and backward of every micro-batch
             if first:

@@ -4,10 +4,12 @@ of its DDP transfer baseline."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from syncscope.agent.local_arrival import MAX_MEMO_KEYS, LocalArrival
 from syncscope.agent.pacing import PacingConfig, PacingController
+from syncscope.agent.phases import COMM_END, FWD_POST, STEP_END
 from syncscope.agent.recording import RecordWriter
 from syncscope.agent.step_pacing import StepPacer
 
@@ -124,6 +126,7 @@ def test_the_key_memo_stays_bounded():
 # -- pacing's use of the baseline -----------------------------------------------------------------
 class Baseline:
     ddp_baseline_s = 0.0
+    first_baseline_s = 0.0
 
 
 def engaged_pacer(baseline: Baseline, kill_file: str | None = None) -> StepPacer:
@@ -166,9 +169,10 @@ def test_the_kill_file_switches_pacing_off_for_good(tmp_path):
     assert pacer.controller.state().enabled is False
 
 
-def test_a_second_process_group_switches_pacing_off_for_good(caplog):
-    """Engaged on one group; once the rank's collectives use a second (a tensor-parallel pair,
-    say), a delay could hold up a peer there: off, with a warning, and it stays off."""
+def test_on_the_gpu_path_a_second_process_group_switches_pacing_off_for_good(caplog):
+    """The CUDA clock gives only a step's exposed communication (no first wait). Engaged on
+    one group; once the rank's collectives use a second (a tensor-parallel pair, say), a delay
+    could hold up a peer there: off, with a warning, and it stays off."""
     baseline = Baseline()
     baseline.ddp_baseline_s = 0.010
     groups = [1]
@@ -182,6 +186,74 @@ def test_a_second_process_group_switches_pacing_off_for_good(caplog):
     assert "2 process groups" in caplog.text
     groups[0] = 1
     assert pacer.pace(40 * MS, 100 * MS) == 0
+
+
+@pytest.mark.parametrize("at", [COMM_END, FWD_POST])
+def test_the_cpu_path_feeds_the_steps_first_wait_less_its_own_transfer(at):
+    """On the CPU clock the signal is the step's first wait: DDP's sync (less DDP's baseline)
+    or another collective's, here in forward (less the baseline of the one steps complete
+    first). A second group changes nothing there; a step without any wait feeds nothing."""
+    baseline = Baseline()
+    baseline.ddp_baseline_s, baseline.first_baseline_s = 0.010, 0.004
+    pacer = StepPacer(PacingController(PacingConfig(min_samples=4)), baseline, None, lambda: 3)
+    reference = PacingController(PacingConfig(min_samples=4))
+    expected_wait = 0.024 if at == COMM_END else 0.030
+    for _ in range(30):  # 40 ms of exposed communication in all, 34 of them the first wait
+        delay_ns = pacer.pace(40 * MS, 100 * MS, 34 * MS, at)
+        assert abs(delay_ns - reference.update(expected_wait, 0.100) * 1e9) <= 1  # ns rounding
+    assert delay_ns > 0 and pacer.controller.enabled and pacer.controller.active
+    total = pacer.controller.total_delay_s  # grows with every delay the controller returns
+    assert pacer.pace(40 * MS, 100 * MS, -1, at) == delay_ns  # not fed: the delay is held
+    assert pacer.controller.total_delay_s == total
+    baseline.first_baseline_s = baseline.ddp_baseline_s = 0.0  # not known: nothing fed
+    assert pacer.pace(40 * MS, 100 * MS, 34 * MS, at) == 0
+    assert pacer.controller.total_delay_s == total
+
+
+def test_a_first_wait_at_an_unusual_point_of_the_step_is_not_fed():
+    """A logging all-reduce every 10th step after the optimizer is those steps' first wait,
+    with no slack. Fed, those near-zero waits inflate the noise estimate: on the tensor x FSDP2
+    job (a stop flag's broadcast every 10th step) a 28 ms lead sat under a 32 ms threshold for
+    hundreds of steps. Only first waits at the usual point of the step are fed; the others
+    hold the delay as it was. After a change of habit, the new point is the usual one."""
+    rng = random.Random(0)
+    baseline = Baseline()
+    baseline.ddp_baseline_s = baseline.first_baseline_s = 0.002
+    pacer = StepPacer(PacingController(PacingConfig(world_size=4)), baseline)
+    reference = PacingController(PacingConfig(world_size=4))  # fed the usual steps only
+    for step in range(200):
+        if step % 10 == 9:
+            held = pacer.pace(35 * MS, 70 * MS, 0, STEP_END)
+            assert abs(held - reference.current_delay_s * 1e9) <= 1e3
+            continue
+        wait = rng.gauss(0.028, 0.002)
+        delay = pacer.pace(35 * MS, 70 * MS, int((wait + 0.002) * 1e9), COMM_END)
+        assert abs(delay - reference.update(wait, 0.070) * 1e9) <= 1e3  # ns rounding
+    assert pacer.controller.active and delay > 0.010 * 1e9
+    # From now on every first wait comes in forward: fed once it is the majority of 32 steps.
+    fed = [pacer.pace(35 * MS, 70 * MS, 30 * MS, FWD_POST) for _ in range(32)]
+    total = pacer.controller.total_delay_s
+    assert pacer.pace(35 * MS, 70 * MS, 30 * MS, FWD_POST) >= 0
+    assert pacer.controller.total_delay_s > total, fed  # fed again
+
+
+def test_the_collective_steps_complete_first_sets_the_first_baseline():
+    arrival = LocalArrival()
+    arrival.observe(
+        [
+            coll("all_gather", 3, 0, group="dp"),
+            coll("all_reduce", 1, 0, group="tp"),
+            coll(DDP_GRAD_SYNC, 2, 0),
+            coll("all_gather", 5, 1, group="dp"),
+            coll("all_reduce", 1, 1, group="tp"),
+            coll("all_reduce", 2, 2, group="tp"),  # a step whose all-gather was not drained
+        ]
+    )
+    assert arrival.first_baseline_s == pytest.approx(0.003)  # dp's all-gather, first in 2 of 3
+    assert arrival.ddp_baseline_s == pytest.approx(0.002)
+    reply = {"baselines": {"all_gather|dp|20": 0.0045, "all_reduce|tp|20": 0.0002}}
+    arrival.merge_reply(json.dumps(reply).encode())
+    assert arrival.first_baseline_s == pytest.approx(0.0045)  # the node's, for that key
 
 
 def test_group_labels_count_groups_by_their_ranks():

@@ -23,6 +23,7 @@ from syncscope.agent.collectives import (  # noqa: E402
     GroupLabels,
     group_label,
 )
+from syncscope.agent.phases import COMM_END, FWD_POST  # noqa: E402
 from syncscope.agent.queues import RecordQueues  # noqa: E402
 
 from syncscope.wire import OPS, Phase  # noqa: E402
@@ -264,6 +265,61 @@ def test_time_blocked_in_a_collective_inside_forward_is_exposed_communication(
         assert data + fwd + bwd + optim + comm + pacing <= total, rows
     median_fwd = sorted(r[4] for r in rows)[2]
     assert median_fwd < 0.5 * wait_s * 1e9, rows  # what is left of forward is its compute
+
+
+@pytest.mark.parametrize(
+    ("ddp", "forward_waits_ms", "after_backward_ms", "first"),
+    [
+        (False, (5, 30), 0, (FWD_POST, 5)),  # FSDP2 / tensor parallel: the first wait in forward
+        (False, (), 0, None),  # nothing synchronised
+        (True, (5,), 0, (FWD_POST, 5)),  # a tensor-parallel wait before DDP's sync
+        (True, (), 7, (COMM_END, None)),  # DDP first; the user's all-reduce after it is later
+    ],
+)
+def test_the_pacer_is_given_the_steps_first_wait(
+    gloo_world_of_one, monkeypatch, ddp, forward_waits_ms, after_backward_ms, first
+):
+    """Pacing's signal on the CPU clock (agent/step_pacing.py): each step's first wait for a
+    collective on the training thread, or DDP's exposed sync when nothing waited before it."""
+    monkeypatch.delenv("SYNCSCOPE_EXPORTER", raising=False)
+
+    class Waits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.interceptor: Any = None  # the agent's, once attached
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for ms in forward_waits_ms:  # waits as the Work.wait wrapper reports them
+                self.interceptor.waited(None, 0, ms * 1_000_000, threading.get_ident())
+            return self.lin(x)
+
+    inner = Waits()
+    model = torch.nn.parallel.DistributedDataParallel(inner) if ddp else inner
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600)
+    inner.interceptor = agent.patch
+    calls: list[tuple] = []
+    agent.clock.pacer = lambda *args: calls.append(args) or 0
+    try:
+        for _ in range(4):
+            model(torch.randn(2, 4)).sum().backward()
+            if after_backward_ms:
+                agent.patch.waited(None, 0, after_backward_ms * 1_000_000, threading.get_ident())
+            opt.step()
+            opt.zero_grad()
+        rows = list(agent.queues.steps)
+    finally:
+        agent.close()
+    assert len(calls) == 4
+    for (comm_ns, step_ns, first_ns, at), row in zip(calls, rows, strict=True):
+        assert (comm_ns, step_ns) == (row[7], row[2])  # the step's exposed comm and duration
+        if first is None:
+            assert first_ns == -1
+        elif first[0] == FWD_POST:  # seen when forward returned: a wait inside forward
+            assert (first_ns, at) == (first[1] * 1_000_000, FWD_POST)
+        else:  # DDP's exposed sync: part of the step's comm, without the later 7 ms
+            assert at == COMM_END and 0 <= first_ns <= comm_ns - after_backward_ms * 1_000_000
 
 
 def test_waits_before_the_first_marked_step_are_in_no_step(gloo_world_of_one, monkeypatch):
