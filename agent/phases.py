@@ -716,9 +716,8 @@ def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable
                 depth = c.bwd_depth = c.bwd_depth + 1
                 if depth == 1:
                     c.bwd_entry = t
-                    c.take_blocked(
-                        BWD_START
-                    )  # waits before backward (a loss's collective) are not it
+                    # waits before backward (a loss's collective) are not it
+                    c.take_blocked(BWD_START)
                     if c.mark is not None:
                         c.mark(BWD_START)  # on the caller's stream, before any backward kernel
             except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
