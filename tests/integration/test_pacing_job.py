@@ -201,7 +201,7 @@ def test_multi_group_job_paces_only_below_the_first_wait_and_nobody_waits_longer
     print(f"\n{report}")
     # Had the delay outrun rank 1's wait, the root would wait for rank 1 at the all-gather, up
     # to the 13-14 ms of delay, and every step would be that much longer (~20 %). Measured over
-    # 4 runs on 2 shared cores, the spans differ by noise alone: root comm -1.9..+1.3 ms, the
-    # step -5.8..+4.5 %; the bounds sit at about 3 such standard deviations.
+    # 5 runs on 2 shared cores, the spans differ by noise alone: root comm -1.9..+1.3 ms, the
+    # step -5.9..+4.5 %; the bounds sit at about 3 such standard deviations.
     assert median(root_on, "comm_exposed") <= median(root_off, "comm_exposed") + 0.004, report
     assert median(root_on, "step") <= 1.10 * median(root_off, "step"), report
