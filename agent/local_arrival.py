@@ -14,6 +14,7 @@ typical transfer on a noisy fabric, so only the node-wide view knows the transfe
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from syncscope.arrival import ArrivalEstimator, Key, collective_key, key_text, parse_key_text
@@ -52,30 +53,25 @@ class LocalArrival:
         if len(keys) > MAX_MEMO_KEYS:  # bounded: keys are (op, group, size) and groups are capped
             keys.clear()
         calls = []
+        sync_key = None
+        first_of_step: dict[int, Key] = {}  # rows come in the order the calls completed
         for op, group, nbytes, dur, step in collectives:
             key = keys.get((op, group, nbytes))
             if key is None:
                 key = keys[(op, group, nbytes)] = collective_key(op, group, float(nbytes))
             calls.append((key, dur / 1e9, step))
-        waits = self.estimator.observe("self", calls)
-        wait_by_step: dict[int, float] = {}
-        sync_key = None
-        first_of_step: dict[int, Key] = {}  # rows come in the order the calls completed
-        for (op, _group, _nbytes, _dur, step), wait, (key, _d, _s) in zip(
-            collectives, waits, calls, strict=True
-        ):
-            wait_by_step[step] = wait_by_step.get(step, 0.0) + wait
             if op == DDP_GRAD_SYNC:
                 sync_key = key
             elif step not in first_of_step:
                 first_of_step[step] = key
+        waits = self.estimator.observe("self", calls)
+        wait_by_step: dict[int, float] = {}
+        for (_key, _dur, step), wait in zip(calls, waits, strict=True):
+            wait_by_step[step] = wait_by_step.get(step, 0.0) + wait
         if sync_key is not None:
             self.ddp_baseline_s = self.estimator.baseline(sync_key)
         if first_of_step:
-            counts: dict[Key, int] = {}
-            for key in first_of_step.values():
-                counts[key] = counts.get(key, 0) + 1
-            self._first_key = max(counts, key=counts.__getitem__)
+            ((self._first_key, _),) = Counter(first_of_step.values()).most_common(1)
         if self._first_key is not None:
             self.first_baseline_s = self.estimator.baseline(self._first_key)
         return wait_by_step

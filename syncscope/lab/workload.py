@@ -236,10 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed * 1000 + rank)
-    slow_s = args.slow_ms / 1000 if rank == args.slow_rank else 0.0
-    slow_data_s = slow_s if args.slow_in == "data" else 0.0
-    if slow_data_s:
-        slow_s = 0.0
+    slow = args.slow_ms / 1000 if rank == args.slow_rank else 0.0
+    slow_s = slow if args.slow_in == "forward" else 0.0  # slept in forward
+    slow_data_s = slow if args.slow_in == "data" else 0.0  # slept loading the step's data
     # Set when the loop starts, so that start-up time does not eat into the jittery phase.
     jitter_end = [float("inf")]
     slow_from = [float("inf")]
