@@ -23,6 +23,8 @@ import tempfile
 import time
 from typing import Any
 
+from syncscope.lab.stats import median_ci
+
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -109,12 +111,6 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def bootstrap(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
-    return medians[int(0.05 * n)], medians[int(0.95 * n)]
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.worker:
@@ -162,7 +158,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
             r["rounds"][i]["agent"]["cpu_ns"] - r["rounds"][i]["none"]["cpu_ns"] for r in results
         ]
     per_step = statistics.median(r["collectives_per_step"] for r in results)
-    low, high = bootstrap(ratios)
+    low, high = median_ci(ratios, random.Random(0))
     bare = statistics.median(
         max(r["rounds"][i]["none"]["median_s"] for r in results) for i in range(n_rounds)
     )
@@ -179,7 +175,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         f"step time, agent vs none: median {statistics.median(ratios):+.2%} "
         f"(90% CI {low:+.2%} .. {high:+.2%})"
     )
-    low, high = bootstrap(fastest)
+    low, high = median_ci(fastest, random.Random(0))
     print(
         f"fastest step of each arm (less of this machine's noise), agent vs none: median "
         f"{statistics.median(fastest):+.2%} (90% CI {low:+.2%} .. {high:+.2%})"
