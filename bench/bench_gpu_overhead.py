@@ -10,8 +10,13 @@ Both arms run with TORCH_NCCL_ENABLE_TIMING=1 (a process-group setting that cann
 between rounds of one process); `--nccl-timing-ab` measures that setting's own cost in two
 fresh processes instead.
 
+The figure is the median over rounds of each round's ratio (attached median step over the
+detached median of the same round pair), with a 90 % bootstrap interval; `--processes N` runs
+the rounds in N fresh processes and resamples processes, then rounds within them (as
+bench_agent_overhead.py does), so the interval also covers how much processes differ.
+
 Run (GPU machine; one GPU is enough, torchrun for more):
-  .venv/bin/python bench/bench_gpu_overhead.py [--rounds 8] [--steps 150]
+  .venv/bin/python -m bench.bench_gpu_overhead [--rounds 8] [--steps 150] [--processes 2]
 """
 
 from __future__ import annotations
@@ -19,13 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+from syncscope.lab.stats import median_ci
+
 TARGET_RATIO = 1.002
+TARGET_CI_UPPER = 1.005
 
 
 def need_cuda():
@@ -120,6 +129,7 @@ def ab(args) -> int:
     model, opt, x = build(torch, args.layers, args.d, args.batch, args.seq, local_rank)
     run_steps(model, opt, x, args.warmup)
     times: dict[bool, list[float]] = {False: [], True: []}
+    round_ratios: list[float] = []  # per round pair: attached median / detached median
     parts = None
     dumps_per_round: list[int] = []  # Flight Recorder dumps inside each attached round
     for i in range(args.rounds):
@@ -136,12 +146,18 @@ def ab(args) -> int:
                 reader.reschedule = lambda: None
             run_steps(model, opt, x, args.warmup)
             before = reader.stats["dumps"] if reader is not None else 0
-            times[attached] += run_steps(model, opt, x, args.steps)
+            measured = run_steps(model, opt, x, args.steps)
+            times[attached] += measured
+            if attached:
+                attached_median = statistics.median(measured)
+            else:
+                detached_median = statistics.median(measured)
             if agent is not None:
                 if reader is not None:
                     dumps_per_round.append(reader.stats["dumps"] - before)
                 parts = agent_parts(agent)
                 agent.close()
+        round_ratios.append(attached_median / detached_median)
     dist.destroy_process_group()
     if exporter_proc is not None:
         exporter_proc.terminate()
@@ -156,22 +172,57 @@ def ab(args) -> int:
         "median_ms": {"detached": m0 * 1e3, "attached": m1 * 1e3},
         "p99_ms": {"detached": q0 * 1e3, "attached": q1 * 1e3},
         "median_ratio": m1 / m0,
+        "round_ratios": round_ratios,
         "p99_ratio": q1 / q0,
         "agent": parts,
         "dumps_per_attached_round": dumps_per_round,
         "exporter": url,
     }
     print(json.dumps(result, indent=1, default=str))
+    if args.emit:
+        with open(args.emit, "w") as f:
+            json.dump(result, f, default=str)
+        return 0
     if parts is None or parts["clock"] != "CudaPhaseClock" or parts["nccl_reader"] is None:
         print(
             "NOTE: attach() did not enable the GPU parts (agent/core.py wiring not applied?): "
             "this measured the CPU agent only."
         )
-    verdict = "PASS" if m1 / m0 <= TARGET_RATIO else "FAIL"
+    return verdict(round_ratios, None, f"p99 {q1 / q0:.4f}", args)
+
+
+def verdict(ratios: list[float], groups: list[int] | None, extra: str, args) -> int:
+    """The median round ratio and its 90 % interval against the targets; the exit status."""
+    median = statistics.median(ratios)
+    low, high = median_ci(ratios, random.Random(0), groups=groups)
+    ok = median <= TARGET_RATIO and high <= TARGET_CI_UPPER
     print(
-        f"{verdict}: median step ratio {m1 / m0:.4f} (target ≤ {TARGET_RATIO}), p99 {q1 / q0:.4f}"
+        f"{'PASS' if ok else 'FAIL'}: median round ratio {median:.4f} (90 % CI {low:.4f} to "
+        f"{high:.4f}; targets ≤ {TARGET_RATIO}, upper ≤ {TARGET_CI_UPPER}) over "
+        f"{len(ratios)} rounds, {extra}"
     )
-    return 0 if verdict == "PASS" or args.no_fail else 1
+    return 0 if ok or args.no_fail else 1
+
+
+def pooled(args) -> int:
+    """The A/B in fresh processes, one after another; rounds pooled, resampled by process."""
+    ratios: list[float] = []
+    groups: list[int] = []
+    medians: list[str] = []
+    forwarded = [*sys.argv[1:], "--processes", "1"]  # the last one counts
+    with tempfile.TemporaryDirectory(prefix="syncscope-gpu-bench-") as tmp:
+        for i in range(args.processes):
+            emit = os.path.join(tmp, f"{i}.json")
+            cmd = [sys.executable, "-m", "bench.bench_gpu_overhead", *forwarded, "--emit", emit]
+            subprocess.run(cmd, check=True)
+            with open(emit) as f:
+                r = json.load(f)
+            ratios += r["round_ratios"]
+            groups += [i] * len(r["round_ratios"])
+            ms = r["median_ms"]
+            medians.append(f"{ms['detached']:.3f}/{ms['attached']:.3f}")
+            print(f"process {i}: rounds {[round(x, 4) for x in r['round_ratios']]}", flush=True)
+    return verdict(ratios, groups, f"{args.processes} processes (ms: {', '.join(medians)})", args)
 
 
 def nccl_timing_ab(args) -> int:
@@ -182,7 +233,13 @@ def nccl_timing_ab(args) -> int:
         for timing in ("0", "1") if i % 2 == 0 else ("1", "0"):
             env = dict(os.environ, TORCH_NCCL_ENABLE_TIMING=timing)
             out = subprocess.run(
-                [sys.executable, __file__, "--baseline-only", *sys.argv[1:]],
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.bench_gpu_overhead",
+                    "--baseline-only",
+                    *sys.argv[1:],
+                ],
                 env=env,
                 capture_output=True,
                 text=True,
@@ -248,6 +305,8 @@ def main() -> int:
         help="force a Flight Recorder dump every N steps (a power of two; default: the "
         "agent's own period, from the dump's cost and its 0.1 %% budget: rarely inside a round)",
     )
+    p.add_argument("--processes", type=int, default=1, help="fresh processes, rounds pooled")
+    p.add_argument("--emit", help=argparse.SUPPRESS)  # a child's result file (--processes)
     p.add_argument("--nccl-timing-ab", action="store_true")
     p.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -256,6 +315,8 @@ def main() -> int:
         return baseline_only(args)
     if args.nccl_timing_ab:
         return nccl_timing_ab(args)
+    if args.processes > 1:
+        return pooled(args)
     os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
     return ab(args)
 

@@ -10,9 +10,13 @@
 #   versions    GPU, driver, torch, CUDA, NCCL
 #   install     the exporter's web stack from .whl/, syncscope itself (editable, no deps)
 #   tests/gpu   pytest: NVML topology, fixture capture, DDP/NCCL phases and Flight Recorder,
-#               attach() with a real exporter, reduce-overhead compile, CUDA-graph capture
-#   overhead    bench/bench_gpu_overhead.py, agent vs none, interleaved rounds
+#               DDP, FSDP2 and FSDP1 through attach() with a real exporter, reduce-overhead
+#               compile, CUDA-graph capture in global and thread-local mode
 #   energy      NVML's energy counter over a fixed matmul load, and what the agent reports
+#   overhead    bench/bench_gpu_overhead.py, agent vs none, interleaved rounds in 2 fresh
+#               processes: a GPU-bound step of ≥ 50 ms (batch 48), a launch-bound one
+#               (2 layers, batch 2: 7 ms on an H200, whose host launches no faster), and the
+#               default step with --exporter none (the earlier anomaly)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d /tmp/gpu-check.XXXXXX)}
@@ -73,10 +77,7 @@ if [ "$GPU" != 1 ]; then
 fi
 
 section tests/gpu
-TAIL=25 run tests-gpu 240 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider
-
-section overhead
-TAIL=25 run overhead 150 "$PY" bench/bench_gpu_overhead.py --rounds 6 --steps 100
+TAIL=25 run tests-gpu 270 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider
 
 section energy
 TAIL=10 run energy 45 "$PY" - <<'PY'
@@ -121,6 +122,15 @@ else:
     agent_j = a1 - a0
     print(f"agent: {agent_j:.1f} J; differs from NVML by {abs(agent_j - nvml_j) / nvml_j:.1%}")
 PY
+
+section overhead
+TAIL=4 run overhead-launch-bound 130 "$PY" -m bench.bench_gpu_overhead --processes 2 \
+  --rounds 6 --steps 300 --warmup 30 --layers 2 --batch 2 --no-fail
+TAIL=4 run overhead-50ms 150 "$PY" -m bench.bench_gpu_overhead --processes 2 --rounds 4 \
+  --steps 60 --warmup 15 --batch 48 --no-fail
+TAIL=4 run overhead-no-exporter 70 "$PY" -m bench.bench_gpu_overhead --processes 1 --rounds 4 \
+  --steps 100 --exporter none --no-fail
+grep -h '"dumps_per_attached_round"\|"median_ms"' -A2 "$OUT"/overhead-*.log | head -30 >>"$FIG"
 
 say ""
 say "figures: $FIG; logs: $OUT"

@@ -1,6 +1,6 @@
 """CUDA graphs next to the agent, on the GPU; writes a JSON verdict.
 
-    python tests/gpu/capture_job.py --out result.json --case compile|global
+    python tests/gpu/capture_job.py --out result.json --case compile|global|thread_local
 
 compile  a DDP model under torch.compile(mode="reduce-overhead") trains with syncscope attached:
          the same losses as without the agent, CUDA-graph replays happening, no cudagraph skips.
@@ -10,6 +10,7 @@ global   a user's own torch.cuda.graph capture (default capture_error_mode="glob
          on the GPU (behind a torch.cuda._sleep), so both really query unfinished events. The
          capture must succeed and replay. `--no-guard` runs the same without the thread-local
          capture mode (agent/capture_mode.py): what the agent did before.
+thread_local  the same capture in capture_error_mode="thread_local".
 One process per case (a failed capture can leave the CUDA context unusable).
 """
 
@@ -70,13 +71,14 @@ def compile_case(torch, attach_agent: bool, steps: int) -> dict:
         "median_step_ms": sorted(times[5:])[len(times[5:]) // 2] * 1e3,
         "cudagraph_skips": inductor.get("cudagraph_skips", 0),
         "graph_breaks": sum(counters["graph_break"].values()),
+        "unique_graphs": counters["stats"]["unique_graphs"],
         "inductor": {k: v for k, v in inductor.items() if "cudagraph" in k},
         "agent": stats,
     }
 
 
-def global_case(torch, seconds: float, guard: bool) -> dict:
-    """A global-mode capture while the agent's dump and event resolution loop on a thread."""
+def global_case(torch, seconds: float, guard: bool, mode: str = "global") -> dict:
+    """A capture (in `mode`) while the agent's dump and event resolution loop on a thread."""
     from syncscope.agent import attach
 
     ddp = ddp_mlp(torch, 1024)
@@ -128,7 +130,7 @@ def global_case(torch, seconds: float, guard: bool) -> dict:
     graph = torch.cuda.CUDAGraph()
     captured, error = True, None
     try:
-        with torch.cuda.graph(graph):  # capture_error_mode="global", the default
+        with torch.cuda.graph(graph, capture_error_mode=mode):  # "global" is the default
             b = a
             for _ in range(100):  # keep the capture open while the thread works
                 b = torch.tanh(b @ a) * 0.5
@@ -154,7 +156,7 @@ def global_case(torch, seconds: float, guard: bool) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--case", choices=("compile", "global"), required=True)
+    p.add_argument("--case", choices=("compile", "global", "thread_local"), required=True)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--no-guard", action="store_true", help="without thread-local capture mode")
     args = p.parse_args()
@@ -179,7 +181,7 @@ def main() -> int:
             with_agent = compile_case(torch, True, args.steps)
             result = {"without": without, "with": with_agent}
         else:
-            result = global_case(torch, seconds=0.5, guard=not args.no_guard)
+            result = global_case(torch, seconds=0.5, guard=not args.no_guard, mode=args.case)
     finally:
         dist.destroy_process_group()
     with open(args.out, "w") as f:

@@ -1,13 +1,16 @@
 """A one-process NCCL DDP job on the GPU, timed by syncscope's GPU parts; writes a JSON verdict.
 
     python tests/gpu/nccl_ddp_job.py --out result.json [--via modules|attach] [--steps 120]
+                                     [--wrap ddp|fsdp2|fsdp1]
 
 --via modules  wires CudaPhaseClock + FlightRecorderReader + TopologySampler the way the
                proposed agent/core.py change does, with plain queues the script reads back;
 --via attach   goes through syncscope.agent.attach() (needs that change applied) and a real
                exporter, and reads the exporter's /metrics.
-Either way it compares the reader's records with Flight Recorder's own dump and the CUDA-event
-step times with the wall clock. Run by tests/gpu/test_gpu_agent.py in a fresh process, so that
+Either way it compares the reader's records with Flight Recorder's own dump (through attach():
+the exporter's collective counts per op) and the CUDA-event step times with the wall clock.
+--wrap picks the data-parallel wrapper (attach only): DDP, FSDP2 (`fully_shard` per layer and
+the root) or FSDP1 (`FullyShardedDataParallel`, which needs a GPU). Run by tests/gpu/test_gpu_agent.py in a fresh process, so that
 TORCH_NCCL_ENABLE_TIMING and the process group never leak into other tests.
 """
 
@@ -25,12 +28,30 @@ import urllib.request
 from collections import Counter, deque
 
 
-def build(torch, layers: int, d: int, batch: int, seq: int):
+def build(torch, layers: int, d: int, batch: int, seq: int, wrap: str = "ddp"):
     layer = torch.nn.TransformerEncoderLayer(
         d_model=d, nhead=16, dim_feedforward=4 * d, batch_first=True, dtype=torch.bfloat16
     )
     model = torch.nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
-    model = torch.nn.parallel.DistributedDataParallel(model.cuda(), device_ids=[0])
+    model = model.cuda()
+    if wrap == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+    elif wrap == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FullyShardedDataParallel(
+            model,
+            device_id=0,
+            auto_wrap_policy=ModuleWrapPolicy({torch.nn.TransformerEncoderLayer}),
+            use_orig_params=True,
+        )
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     x = torch.randn(batch, seq, d, device="cuda", dtype=torch.bfloat16)
     return model, opt, x
@@ -65,19 +86,35 @@ OWN_OPS = {
     "all_gather": "all_gather",  # DDP's constructor checks parameter shapes with one
     "_all_gather_base": "all_gather",
     "_reduce_scatter_base": "reduce_scatter",
+    "all_gather_single": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
 }
 OWN_DTYPE_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2, "Double": 8, "Long": 8, "Int": 4}
+
+
+def timed_entries(torch) -> list[dict]:
+    """Flight Recorder's completed, timed collectives (no point-to-point)."""
+    return [
+        e
+        for e in fr_entries(torch)
+        if e["state"] == "completed" and not e["is_p2p"] and e.get("duration_ms") is not None
+    ]
+
+
+def own_op(entry: dict) -> str:
+    name = entry["profiling_name"].split(":", 1)[1]
+    return OWN_OPS.get(name, "unknown:" + name)
 
 
 def compare_with_flight_recorder(torch, records: list[tuple]) -> dict:
     own: Counter[tuple] = Counter()
     names: Counter[str] = Counter()
-    for e in fr_entries(torch):
-        if e["state"] != "completed" or e["is_p2p"] or e.get("duration_ms") is None:
-            continue
+    for e in timed_entries(torch):
         name = e["profiling_name"].split(":", 1)[1]
         names[name] += 1
-        op = OWN_OPS.get(name, "unknown:" + name)
+        op = own_op(e)
         sizes, dtypes = (
             (e["output_sizes"], e["output_dtypes"])
             if op == "all_gather"
@@ -181,6 +218,7 @@ def via_modules(torch, args) -> dict:
 
 
 def via_attach(torch, args) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
     from syncscope.agent import attach
 
     from syncscope.lab.servers import free_port, start_exporter
@@ -195,7 +233,7 @@ def via_attach(torch, args) -> dict:
                 break
             except OSError:
                 time.sleep(0.1)
-        model, opt, x = build(torch, args.layers, args.d, args.batch, args.seq)
+        model, opt, x = build(torch, args.layers, args.d, args.batch, args.seq, args.wrap)
         agent = attach(model=model, optimizer=opt, exporter=url, job="gpu-check")
         wired = {
             "cuda_clock": type(getattr(agent, "clock", None)).__name__,
@@ -204,18 +242,34 @@ def via_attach(torch, args) -> dict:
         }
         train(torch, model, opt, x, args.steps)
         torch.cuda.synchronize()
-        time.sleep(6.0)  # a reader poll and two reporter flushes
+        time.sleep(1.5)  # the NCCL watchdog retires the last entries
+        reader = agent.nccl_reader
+        if reader is not None:  # the last entries (close() does not dump again)
+            reader.active = True
+            reader.poll()
+        time.sleep(6.0)  # two reporter flushes
         agent.close()
         time.sleep(1.0)
         metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
         state = json.loads(urllib.request.urlopen(url + "/v1/state", timeout=5).read())
+        flight_recorder = Counter(own_op(e) for e in timed_entries(torch))
     finally:
         exporter.terminate()
     gpu_lines = [ln for ln in metrics.splitlines() if ln.startswith("syncscope_gpu_")]
     coll_lines = [
         ln for ln in metrics.splitlines() if ln.startswith("syncscope_collective_calls_total")
     ]
+    exported: Counter[str] = Counter()  # calls per op, summed over groups
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "syncscope_collective_calls_total":
+                exported[sample.labels["op"]] += int(sample.value)
     return {
+        "wrap": args.wrap,
+        "exported_calls": dict(exported),
+        "flight_recorder_calls": dict(flight_recorder),
+        "reader_stats": None if reader is None else reader.stats,
+        "gpu_steps": getattr(agent.clock, "gpu_steps", None),
         "wired": wired,
         "stats": agent.stats,
         "gpu_metric_lines": gpu_lines,
@@ -230,6 +284,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--via", choices=("modules", "attach"), default="modules")
     p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--wrap", choices=("ddp", "fsdp2", "fsdp1"), default="ddp")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d", type=int, default=1024)
     p.add_argument("--batch", type=int, default=16)

@@ -5,7 +5,11 @@ On the device machine:  .venv/bin/pytest -q -m gpu tests/gpu -s
   * a one-process NCCL DDP job timed by CudaPhaseClock: GPU step times sum to the wall clock
     within 5 %, no torch.cuda.synchronize() in the timed loop;
   * the Flight Recorder reader's records equal Flight Recorder's own dump, entry for entry;
-  * the same job through attach() and a real exporter (needs the agent/core.py wiring).
+  * the same job through attach() and a real exporter, and FSDP2 and FSDP1 jobs likewise: the
+    exporter counts, per op, exactly the collectives Flight Recorder timed on the GPU (a CPU
+    enqueue timed beside them would double a count);
+  * torch.compile(mode="reduce-overhead") and CUDA-graph capture in global and thread-local
+    mode next to the agent: the same losses, graphs and graph breaks as without it.
 The overhead ratio is bench/bench_gpu_overhead.py's job (minutes, not a test).
 """
 
@@ -114,6 +118,25 @@ def test_nccl_ddp_job_through_attach_and_a_real_exporter(tmp_path):
     )
     assert r["topology"]["gpu_name"] == r["torch_device_name"]
     assert any('op="all_reduce"' in ln for ln in r["collective_lines"])
+    assert nccl_calls(r) == r["flight_recorder_calls"], r["reader_stats"]
+
+
+def nccl_calls(r: dict) -> dict:
+    """The exporter's calls per op, less the agent's own record of DDP's exposed sync."""
+    return {op: n for op, n in r["exported_calls"].items() if op != "ddp_grad_sync"}
+
+
+@pytest.mark.parametrize("wrap", ["fsdp2", "fsdp1"])
+def test_sharded_jobs_collectives_are_the_gpus_not_cpu_enqueues(tmp_path, wrap):
+    r = run_job(tmp_path, "--via", "attach", "--wrap", wrap, "--steps", "60", "--layers", "4")
+    assert r["stats"]["errors"] == 0
+    assert r["wired"]["cuda_clock"] == "CudaPhaseClock" and r["wired"]["nccl_reader"], r["wired"]
+    # FSDP2 on one rank skips its collectives (measured: torch 2.11, none in Flight Recorder);
+    # FSDP1 on one rank still all-reduces its gradients (NO_SHARD)
+    assert (sum(r["flight_recorder_calls"].values()) > 0) == (wrap == "fsdp1")
+    # every collective Flight Recorder timed on the GPU, once: none missing, none timed twice
+    assert nccl_calls(r) == r["flight_recorder_calls"], r["reader_stats"]
+    assert r["gpu_steps"] >= 50, r["gpu_steps"]  # phases from CUDA events, step for step
 
 
 def test_a_reduce_overhead_compiled_model_trains_with_the_agent_attached(tmp_path):
@@ -121,11 +144,14 @@ def test_a_reduce_overhead_compiled_model_trains_with_the_agent_attached(tmp_pat
     without, with_agent = r["without"], r["with"]
     assert with_agent["losses"] == without["losses"]  # the same training, step for step
     assert with_agent["cudagraph_skips"] == 0 == without["cudagraph_skips"]
+    assert with_agent["graph_breaks"] == without["graph_breaks"], (with_agent, without)
+    assert with_agent["unique_graphs"] == without["unique_graphs"], (with_agent, without)
     assert with_agent["agent"]["errors"] == 0 and with_agent["agent"]["gpu_steps"] > 0
 
 
-def test_a_global_mode_capture_survives_the_agents_background_work(tmp_path):
-    r = run_script(tmp_path, "capture_job.py", "--case", "global")
+@pytest.mark.parametrize("mode", ["global", "thread_local"])
+def test_a_capture_survives_the_agents_background_work(tmp_path, mode):
+    r = run_script(tmp_path, "capture_job.py", "--case", mode)
     assert r["background"]["pending_at_capture"] > 0  # events really unfinished at capture
     assert r["background"]["polls"] > 0 and r["background"]["errors"] == []
     assert r["capture_ok"], r["error"]
