@@ -8,6 +8,10 @@ tiny DDP model (gloo, one process) so the hooks are visible. Mechanisms:
   output hook/step   a no-op hook registered on the forward output's grad_fn every step
   param hook         a no-op post-accumulate-grad hook registered once on one parameter
   agent clock        the agent's whole PhaseClock (forward, backward, optimizer, callbacks)
+  CUDA clock         the CUDA path's CudaPhaseClock with its resolver thread, CUDA stubbed:
+                     events that cost nothing (a real Event.record is ~2.2 µs on an H100), so
+                     the figure is the agent's own Python per step on a GPU job (issue 33)
+Besides the training thread's CPU, the whole process's (the resolver thread's work included).
 Run: .venv/bin/python bench/bench_hook_costs.py [--rounds 20] [--steps 400]
 """
 
@@ -25,11 +29,30 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from syncscope.agent.cuda_timing import CudaPhaseClock
 from syncscope.agent.phases import PhaseClock, wrap_forward
 
 
 def noop(*_: Any) -> None:
     pass
+
+
+class StubEvent:
+    """A CUDA event that is done as soon as recorded, timed by the host's clock, and free."""
+
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t = 0
+
+    def record(self, stream: Any = None) -> None:
+        self.t = time.perf_counter_ns()
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: StubEvent) -> float:
+        return (end.t - self.t) / 1e6
 
 
 def main() -> None:
@@ -49,8 +72,9 @@ def main() -> None:
     x, y = torch.randn(4, 16), torch.randn(4, 1)
     per_step: list[Callable[[Any], None]] = []  # called on each forward output
 
-    def run(steps: int) -> float:
-        cpu = time.thread_time_ns()
+    def run(steps: int) -> tuple[float, float]:
+        """Training-thread and whole-process CPU per step, µs."""
+        cpu, proc = time.thread_time_ns(), time.process_time_ns()
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
             out = model(x)
@@ -58,7 +82,10 @@ def main() -> None:
                 fn(out)
             torch.nn.functional.mse_loss(out, y).backward()
             opt.step()
-        return (time.thread_time_ns() - cpu) / 1e3 / steps
+        return (
+            (time.thread_time_ns() - cpu) / 1e3 / steps,
+            (time.process_time_ns() - proc) / 1e3 / steps,
+        )
 
     def module_hooks() -> list:
         return [model.register_forward_pre_hook(noop), model.register_forward_hook(noop)]
@@ -90,15 +117,39 @@ def main() -> None:
         clock.instrument(model, opt)
         return [SimpleNamespace(remove=clock.uninstrument)]
 
+    def cuda_clock() -> list:
+        queue = torch.autograd.Variable._execution_engine.queue_callback
+        clock = CudaPhaseClock(
+            deque(maxlen=8192),
+            deque(maxlen=32768),
+            queue,
+            "g",
+            1.0,
+            noop,
+            ddp_model=model,
+            event_factory=StubEvent,
+            thread_guard=lambda: None,
+        )
+        clock.instrument(model, opt)
+        clock.start()
+
+        def remove() -> None:
+            clock.uninstrument()
+            clock.stop()
+
+        return [SimpleNamespace(remove=remove)]
+
     mechanisms = {
         "module hooks (pre + post)": module_hooks,
         "instance wrapper of forward": instance_wrapper,
         "output grad_fn hook, every step": output_hook,
         "post-accumulate-grad hook, once": param_hook,
         "agent PhaseClock, everything": agent_clock,
+        "CudaPhaseClock, CUDA stubbed": cuda_clock,
     }
     run(200)  # warm-up
     diffs: dict[str, list[float]] = {name: [] for name in mechanisms}
+    process: dict[str, list[float]] = {name: [] for name in mechanisms}
     for i in range(a.rounds):
         for name, install in mechanisms.items():
             out = {}
@@ -111,14 +162,17 @@ def main() -> None:
                         h.remove()
                 else:
                     out[False] = run(a.steps)
-            diffs[name].append(out[True] - out[False])
-    base = run(1000)
+            diffs[name].append(out[True][0] - out[False][0])
+            process[name].append(out[True][1] - out[False][1])
+    base = run(1000)[0]
     print(f"DDP (gloo, 1 rank), tiny model: {base:.0f} µs of training-thread CPU per step")
-    print(f"{a.rounds} rounds x {a.steps} steps; training-thread CPU per step, with minus without:")
+    print(f"{a.rounds} rounds x {a.steps} steps; CPU per step, with minus without:")
+    print(f"  {'':34s} {'training thread':28s} whole process")
     for name, d in diffs.items():
         q = statistics.quantiles(d, n=4)
         print(
             f"  {name:34s} {statistics.median(d):+6.1f} µs  (quartiles {q[0]:+.1f} .. {q[2]:+.1f})"
+            f"  {statistics.median(process[name]):+6.1f} µs"
         )
     dist.destroy_process_group()
 
