@@ -15,6 +15,13 @@ detached median of the same round pair), with a 90 % bootstrap interval; `--proc
 the rounds in N fresh processes and resamples processes, then rounds within them (as
 bench_agent_overhead.py does), so the interval also covers how much processes differ.
 
+`--without PART` (repeatable) takes a part of the agent out of the attached arm, to find where a
+cost lies: `events` (one CUDA event per step, at its end, instead of one at every phase
+boundary), `reader` (no Flight Recorder dumps), `topology` (NVML and sysfs read once, at the
+first flush), `reporter` (no flush during the run). `--device cpu` runs the same bench on gloo
+with a small float32 model: a smoke test of this script where there is no GPU
+(tests/unit/test_bench_scripts.py), not a measurement of the GPU path.
+
 Run (GPU machine; one GPU is enough, torchrun for more):
   .venv/bin/python -m bench.bench_gpu_overhead [--rounds 8] [--steps 150] [--processes 2]
 """
@@ -51,17 +58,36 @@ def need_cuda():
     return torch
 
 
-def build(torch, layers: int, d: int, batch: int, seq: int, local_rank: int):
+def build(torch, layers: int, d: int, batch: int, seq: int, local_rank: int, cuda: bool = True):
+    dtype = torch.bfloat16 if cuda else torch.float32
     layer = torch.nn.TransformerEncoderLayer(
-        d_model=d, nhead=16, dim_feedforward=4 * d, batch_first=True, dtype=torch.bfloat16
+        d_model=d, nhead=16, dim_feedforward=4 * d, batch_first=True, dtype=dtype
     )
     model = torch.nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
+    if not cuda:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        return model, opt, torch.randn(batch, seq, d)
     model = torch.nn.parallel.DistributedDataParallel(
         model.cuda(local_rank), device_ids=[local_rank]
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    x = torch.randn(batch, seq, d, device=f"cuda:{local_rank}", dtype=torch.bfloat16)
+    x = torch.randn(batch, seq, d, device=f"cuda:{local_rank}", dtype=dtype)
     return model, opt, x
+
+
+PARTS = ("events", "reader", "topology", "reporter")
+
+
+def without(agent, parts: list[str]) -> None:
+    """Take `parts` (PARTS) out of an attached agent, as far as it has them."""
+    clock, reader, topology = agent.clock, agent.nccl_reader, agent.topology
+    if "events" in parts and hasattr(clock, "_mark"):
+        clock.mark = lambda _kind: None  # the step end's own event stays (end_step)
+    if "reader" in parts and reader is not None:
+        reader.stop()
+    if "topology" in parts and topology is not None:
+        topology.interval_s = float("inf")
 
 
 def run_steps(model, opt, x, steps: int) -> list[float]:
@@ -105,19 +131,28 @@ def agent_parts(agent) -> dict:
 
 
 def ab(args) -> int:
-    torch = need_cuda()
+    cuda = args.device == "cuda"
+    if cuda:
+        torch = need_cuda()
+    else:
+        import torch
     import torch.distributed as dist
     from syncscope.agent import attach
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(local_rank)
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group("nccl")
+        dist.init_process_group(backend)
     else:
         store = tempfile.mktemp(prefix="syncscope-gpu-bench-")
-        dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    options = dict(args.attach_option)
+    if "reporter" in args.without:
+        options["flush_interval_s"] = 3600.0
     exporter_proc, url = None, None if args.exporter == "none" else args.exporter
     if args.exporter == "auto":
         # a real exporter, so the reporter sends and the topology sampler runs, as in production
@@ -126,7 +161,7 @@ def ab(args) -> int:
         port = free_port()
         exporter_proc = start_exporter(port, stdout=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
-    model, opt, x = build(torch, args.layers, args.d, args.batch, args.seq, local_rank)
+    model, opt, x = build(torch, args.layers, args.d, args.batch, args.seq, local_rank, cuda)
     run_steps(model, opt, x, args.warmup)
     times: dict[bool, list[float]] = {False: [], True: []}
     round_ratios: list[float] = []  # per round pair: attached median / detached median
@@ -135,12 +170,12 @@ def ab(args) -> int:
     for i in range(args.rounds):
         for attached in (False, True) if i % 2 == 0 else (True, False):
             agent = (
-                attach(model=model, optimizer=opt, exporter=url, **args.attach_option)
-                if attached
-                else None
+                attach(model=model, optimizer=opt, exporter=url, **options) if attached else None
             )
+            if agent is not None:
+                without(agent, args.without)
             reader = getattr(agent, "nccl_reader", None)
-            if reader is not None and args.dump_every:
+            if reader is not None and args.dump_every and "reader" not in args.without:
                 # dumps inside every measured round, far more often than the budget allows
                 reader.timeline.dump_every = args.dump_every
                 reader.reschedule = lambda: None
@@ -166,7 +201,8 @@ def ab(args) -> int:
     m0, m1 = statistics.median(times[False]), statistics.median(times[True])
     q0, q1 = p99(times[False]), p99(times[True])
     result = {
-        "device": torch.cuda.get_device_name(local_rank),
+        "device": torch.cuda.get_device_name(local_rank) if cuda else "cpu",
+        "without": args.without,
         "world_size": world,
         "steps_per_arm": len(times[False]),
         "median_ms": {"detached": m0 * 1e3, "attached": m1 * 1e3},
@@ -183,7 +219,7 @@ def ab(args) -> int:
         with open(args.emit, "w") as f:
             json.dump(result, f, default=str)
         return 0
-    if parts is None or parts["clock"] != "CudaPhaseClock" or parts["nccl_reader"] is None:
+    if cuda and (parts is None or parts["clock"] != "CudaPhaseClock" or not parts["nccl_reader"]):
         print(
             "NOTE: attach() did not enable the GPU parts (agent/core.py wiring not applied?): "
             "this measured the CPU agent only."
@@ -306,6 +342,8 @@ def main() -> int:
         "agent's own period, from the dump's cost and its 0.1 %% budget: rarely inside a round)",
     )
     p.add_argument("--processes", type=int, default=1, help="fresh processes, rounds pooled")
+    p.add_argument("--without", action="append", default=[], choices=PARTS, metavar="PART")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--emit", help=argparse.SUPPRESS)  # a child's result file (--processes)
     p.add_argument("--nccl-timing-ab", action="store_true")
     p.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)

@@ -15,8 +15,9 @@
 #   energy      NVML's energy counter over a fixed matmul load, and what the agent reports
 #   overhead    bench/bench_gpu_overhead.py, agent vs none, interleaved rounds in 2 fresh
 #               processes: a GPU-bound step of ≥ 50 ms (batch 48), a launch-bound one
-#               (2 layers, batch 2: 7 ms on an H200, whose host launches no faster), and the
-#               default step with --exporter none (the earlier anomaly)
+#               (2 layers, batch 2: 7 ms on an H200, whose host launches no faster), and that
+#               one again with the agent's events, Flight Recorder reader, NVML sampling and
+#               flushes taken out (--without), to tell which side its cost is on
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d /tmp/gpu-check.XXXXXX)}
@@ -128,8 +129,11 @@ TAIL=4 run overhead-launch-bound 130 "$PY" -m bench.bench_gpu_overhead --process
   --rounds 6 --steps 300 --warmup 30 --layers 2 --batch 2 --no-fail
 TAIL=4 run overhead-50ms 150 "$PY" -m bench.bench_gpu_overhead --processes 2 --rounds 4 \
   --steps 60 --warmup 15 --batch 48 --no-fail
-TAIL=4 run overhead-no-exporter 70 "$PY" -m bench.bench_gpu_overhead --processes 1 --rounds 4 \
-  --steps 100 --exporter none --no-fail
+# the launch-bound step again with every part --without can take out: what the phase clock and
+# its hooks cost alone, against the first run's whole agent (docs/gpu.md, Known limits)
+TAIL=4 run overhead-launch-bound-parts-out 130 "$PY" -m bench.bench_gpu_overhead --processes 2 \
+  --rounds 6 --steps 300 --warmup 30 --layers 2 --batch 2 --no-fail \
+  --without events --without reader --without topology --without reporter
 grep -h '"dumps_per_attached_round"\|"median_ms"' -A2 "$OUT"/overhead-*.log | head -30 >>"$FIG"
 
 say ""
