@@ -13,6 +13,10 @@
 #               DDP, FSDP2 and FSDP1 through attach() with a real exporter, reduce-overhead
 #               compile, CUDA-graph capture in global and thread-local mode
 #   energy      NVML's energy counter over a fixed matmul load, and what the agent reports
+#   fsdp2-cpu   only with FSDP2_CPU=1 (about 3 more minutes): the FSDP2 overhead bench of the
+#               parallelism issue on gloo, 4 ranks on this machine's quiet cores, after
+#               building the C++ collective kernel for its torch: a figure 2 shared vCPUs
+#               cannot resolve (docs/parallelism.md)
 #   overhead    bench/bench_gpu_overhead.py, agent vs none, interleaved rounds in 2 fresh
 #               processes: a GPU-bound step of ≥ 50 ms (batch 48), a launch-bound one
 #               (2 layers, batch 2: 7 ms on an H200, whose host launches no faster), and that
@@ -135,6 +139,12 @@ TAIL=4 run overhead-launch-bound-parts-out 130 "$PY" -m bench.bench_gpu_overhead
   --rounds 6 --steps 300 --warmup 30 --layers 2 --batch 2 --no-fail \
   --without events --without reader --without topology --without reporter
 grep -h '"dumps_per_attached_round"\|"median_ms"' -A2 "$OUT"/overhead-*.log | head -30 >>"$FIG"
+
+if [ "${FSDP2_CPU:-0}" = 1 ]; then
+  section fsdp2-cpu
+  TAIL=3 run native-kernel 120 "$PY" -m syncscope.agent.native
+  TAIL=5 run fsdp2-cpu 200 "$PY" -m bench.bench_fsdp2_overhead --world 4 --rounds 40 --steps 10
+fi
 
 say ""
 say "figures: $FIG; logs: $OUT"
