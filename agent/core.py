@@ -289,7 +289,7 @@ class Agent:
         if self.patch is not None:
             self.patch.uninstall()
         if self.nccl_reader is not None:
-            self.nccl_reader.stop()
+            self.nccl_reader.stop(final=True)  # before the reporter's last send
         self.clock.stop()  # resolve what the GPU has finished, so the reporter sends it
         self.reporter.stop()
         if self.record is not None:

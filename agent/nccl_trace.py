@@ -351,11 +351,17 @@ class FlightRecorderReader:
         self._thread = threading.Thread(target=self._run, name="syncscope-nccl-trace", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 2.0) -> None:
+    def stop(self, timeout: float = 2.0, final: bool = False) -> None:
+        """Stop the dump thread. With `final` (the agent's close), read Flight Recorder once
+        more: what completed since the last dump, up to one period (5 s to 120 s) at a job's
+        end, would otherwise never be reported. Not while the thread is still in a dump."""
         self._stop.set()
         self.timeline.due.set()  # wake the thread
-        if self._thread is not None:
-            self._thread.join(timeout)
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        if final and (thread is None or not thread.is_alive()):
+            self.poll()
 
     def _run(self) -> None:
         self.thread_guard()  # before the first dump: see agent/capture_mode.py

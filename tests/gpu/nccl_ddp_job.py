@@ -244,11 +244,7 @@ def via_attach(torch, args) -> dict:
         torch.cuda.synchronize()
         time.sleep(1.5)  # the NCCL watchdog retires the last entries
         reader = agent.nccl_reader
-        if reader is not None:  # the last entries (close() does not dump again)
-            reader.active = True
-            reader.poll()
-        time.sleep(6.0)  # two reporter flushes
-        agent.close()
+        agent.close()  # its reader dumps a last time: the entries since its last dump
         time.sleep(1.0)
         metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
         state = json.loads(urllib.request.urlopen(url + "/v1/state", timeout=5).read())

@@ -120,6 +120,18 @@ def test_each_record_id_is_reported_once_across_dumps():
     assert reader.floor == nxt + 1 and reader.done == set()
 
 
+def test_stopping_for_good_reads_what_completed_since_the_last_dump():
+    dump = load_fr_dump()
+    reader = reader_for(dump)
+    reader.start()
+    reader.stop()  # the thread ends without a dump: no step end asked for one
+    assert len(reader.sink) == 0 and reader.stats["dumps"] == 0
+    reader = reader_for(dump)
+    reader.start()
+    reader.stop(final=True)  # the agent's close: the entries since the last dump are read
+    assert len(reader.sink) == 7 and reader.stats["dumps"] == 1
+
+
 def test_the_ring_buffer_moving_on_keeps_memory_bounded():
     base = load_fr_dump()["entries"][1]
     reader = reader_for({"entries": []}, sink=deque(maxlen=100_000))
