@@ -10,8 +10,9 @@
 Either way it compares the reader's records with Flight Recorder's own dump (through attach():
 the exporter's collective counts per op) and the CUDA-event step times with the wall clock.
 --wrap picks the data-parallel wrapper (attach only): DDP, FSDP2 (`fully_shard` per layer and
-the root) or FSDP1 (`FullyShardedDataParallel`, which needs a GPU). Run by tests/gpu/test_gpu_agent.py in a fresh process, so that
-TORCH_NCCL_ENABLE_TIMING and the process group never leak into other tests.
+the root) or FSDP1 (`FullyShardedDataParallel`, which needs a GPU). Run by
+tests/gpu/test_gpu_agent.py in a fresh process, so that TORCH_NCCL_ENABLE_TIMING and the
+process group never leak into other tests.
 """
 
 from __future__ import annotations
