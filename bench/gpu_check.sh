@@ -130,13 +130,13 @@ PY
 
 section overhead
 TAIL=4 run overhead-launch-bound 130 "$PY" -m bench.bench_gpu_overhead --processes 2 \
-  --rounds 6 --steps 300 --warmup 30 --layers 2 --batch 2 --no-fail
+  --rounds 5 --steps 250 --warmup 30 --layers 2 --batch 2 --no-fail
 TAIL=4 run overhead-50ms 150 "$PY" -m bench.bench_gpu_overhead --processes 2 --rounds 4 \
   --steps 60 --warmup 15 --batch 48 --no-fail
 # the launch-bound step again with every part --without can take out: what the phase clock and
 # its hooks cost alone, against the first run's whole agent (docs/gpu.md, Known limits)
 TAIL=4 run overhead-launch-bound-parts-out 130 "$PY" -m bench.bench_gpu_overhead --processes 2 \
-  --rounds 6 --steps 300 --warmup 30 --layers 2 --batch 2 --no-fail \
+  --rounds 5 --steps 250 --warmup 30 --layers 2 --batch 2 --no-fail \
   --without events --without reader --without topology --without reporter
 grep -h '"dumps_per_attached_round"\|"median_ms"' -A2 "$OUT"/overhead-*.log | head -30 >>"$FIG"
 
