@@ -543,10 +543,9 @@ class PhaseClock:
             self.steps_open = True
             # Forwards before the first marked step are no step's work (a user's count is).
             self._forget_seen()
-            self.first_ddp_ns = self.first_at = -1
+            self._forget_first_wait()
             if self.blocked is not None:  # waits before the first step are no step's
                 self.blocked_seen = self.blocked.ns
-                self.blocked.first_ns = -1
         elif self.idle_since == 0:
             self.idle_since = t
 
@@ -569,14 +568,18 @@ class PhaseClock:
         if self.first_step:
             self._first_step_done(t - total)
         delay = self._pace(acc[COMM], total) if self.pacer is not None else 0
-        self.first_ddp_ns = self.first_at = -1
-        if self.blocked is not None:
-            self.blocked.first_ns = -1
+        self._forget_first_wait()
         if delay > 0:
             time.sleep(delay / 1e9)
             after = _now()
             self.acc[PACING] = after - t
             self.idle_since = after
+
+    def _forget_first_wait(self) -> None:
+        """A new step: no wait of it seen yet, by DDP's sync or on the training thread."""
+        self.first_ddp_ns = self.first_at = -1
+        if self.blocked is not None:
+            self.blocked.first_ns = -1
 
     def _pace(self, comm_ns: int, step_ns: int) -> int:
         """With a pacer: the delay (ns) to insert before the next step, its answer to this
