@@ -280,6 +280,10 @@ class Agent:
         if self._closed:
             return
         self._closed = True
+        # The exit hook holds the agent, and through its clock the model, the optimizer and
+        # their process group: a closed agent left registered would keep all of them (GPU
+        # memory, gloo's threads) until the interpreter exits.
+        atexit.unregister(self.close)
         with contextlib.suppress(Exception):
             self.clock.uninstrument()
         with contextlib.suppress(Exception):

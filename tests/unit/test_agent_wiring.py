@@ -102,3 +102,21 @@ def test_a_failed_attach_leaves_the_process_as_it_was(tmp_path):
     assert dist.Work.wait is before  # the interceptor was never installed
     with agent.step():
         time.sleep(0)
+
+
+def test_a_closed_agent_holds_neither_the_model_nor_its_parameters(gloo_world_of_one):
+    import gc
+    import weakref
+
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    alive = weakref.ref(model), weakref.ref(model.module.weight), weakref.ref(opt)
+    agent.close()
+    del model, opt, agent
+    gc.collect()
+    # the exit hook kept a closed agent, its clock the DDP model (its process group, gloo's
+    # threads) and parameters, until the interpreter exited
+    assert [ref() for ref in alive] == [None, None, None]
