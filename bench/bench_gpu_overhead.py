@@ -29,6 +29,7 @@ Run (GPU machine; one GPU is enough, torchrun for more):
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
@@ -139,6 +140,8 @@ def ab(args) -> int:
     import torch.distributed as dist
     from syncscope.agent import attach
 
+    if args.emit:  # a child of `pooled`: should it die, every thread's stack on its stderr
+        faulthandler.enable()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -218,7 +221,15 @@ def ab(args) -> int:
     if args.emit:
         with open(args.emit, "w") as f:
             json.dump(result, f, default=str)
-        return 0
+        # The result is on disk: skip the interpreter's teardown. torch 2.13 keeps gloo's
+        # worker threads after destroy_process_group (pt_gloo_runloop ×2 and gloo_tcp_loop
+        # still run here after it and a gc, without the agent too); a finalizing interpreter
+        # racing such a worker is torch's known abort at exit (pytorch#179291), which is what
+        # one CI run's child showed ("terminate called without an active exception"; not
+        # reproduced here in 270 runs, loaded or pinned to one core).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if cuda and (parts is None or parts["clock"] != "CudaPhaseClock" or not parts["nccl_reader"]):
         print(
             "NOTE: attach() did not enable the GPU parts (agent/core.py wiring not applied?): "
