@@ -167,6 +167,9 @@ class JobPool:
     recent_window_s: float = 60.0
     history: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=8192))
     _block: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # [transfer, work, n]
+    # The node's transfer (sum of its minima) at each of the last `transfer_window` pooled
+    # steps: per step as Prometheus takes it, a kind that skips steps counting 0 at those.
+    _per_step: deque[float] = field(default_factory=deque)
 
     def add_collective(
         self, rank: Rank, key: Key, step: int, duration: float, sink: WaitSink
@@ -322,6 +325,9 @@ class JobPool:
             transfer = sum(minima.values())
             self.pooled_steps_total += 1
             self.transfer_seconds_total += transfer
+            self._per_step.append(transfer)
+            if len(self._per_step) > self.transfer_window:
+                self._per_step.popleft()
             if step >= SAMPLE_FROM_STEP:
                 for stride in SAMPLE_STRIDES:
                     if step % stride == 0:
@@ -394,6 +400,12 @@ class JobPool:
         return NodeInflation(
             transfer, transfer / transfer_base, work / work_base if work_base > 0 else 1.0
         )
+
+    def transfer_per_step(self) -> float | None:
+        """The node's transfer per pooled step over the last `transfer_window` of them: the
+        sum over kinds of `transfers()` weighted by how often each occurs; None before any."""
+        per_step = self._per_step
+        return sum(per_step) / len(per_step) if per_step else None
 
     def transfers(self) -> dict[Key, float]:
         """Each collective kind's transfer: the mean of its recent per-step node minima."""

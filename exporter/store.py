@@ -525,9 +525,10 @@ class Store:
                 len(ingest.steps) + len(ingest.collectives) + len(ingest.events)
             )
             transfers = pool.transfers()
+            node_per_step = pool.transfer_per_step()
         job_wide = self.job_wide(job, as_of=now) if self.job_wide is not None else None
-        if job_wide is not None and job_wide.transfer_s is not None and transfers:
-            transfers = with_job_transfer(transfers, job_wide.transfer_s)
+        if job_wide is not None and job_wide.transfer_s is not None and node_per_step:
+            transfers = with_job_transfer(transfers, node_per_step, job_wide.transfer_s)
         return {"accepted": True, "baselines": {key_text(k): v for k, v in transfers.items()}}
 
     def _new_pool(self) -> JobPool:
@@ -782,19 +783,33 @@ class Store:
         )
 
 
-def with_job_transfer(transfers: dict[Any, float], job_transfer_s: float) -> dict[Any, float]:
+def with_job_transfer(
+    transfers: dict[Any, float], node_per_step_s: float, job_transfer_s: float
+) -> dict[Any, float]:
     """The node's per-kind transfers, corrected by the job's transfer per step.
 
-    The node's per-step minimum exceeds the job's by what every rank here waits for ranks
-    elsewhere; that wait happens at the step's first synchronising collective, the kind that
-    takes longest, so its baseline comes down by the difference and agents on every node see
-    their lead over the job's last rank (pacing paces the early ranks, never the straggler).
+    The node's transfer per step (`node_per_step_s`, JobPool.transfer_per_step: the quantity
+    Prometheus takes the job's minimum of) exceeds the job's by what every rank here waits for
+    ranks elsewhere; that wait happens at the step's first synchronising collective, the kind
+    that takes longest, so its baseline comes down by the difference and agents on every node
+    see their lead over the job's last rank (pacing paces the early ranks, never the straggler).
+
+    Per step, not the sum of the kinds' means: a kind that skips steps counts there only as
+    often as it runs. With the sum, a broadcast seen once at start (8.7 ms on a loaded machine,
+    its mean kept all run) and a stop flag's every tenth step outweighed the job's 5 ms: the
+    sync's baseline went to zero, which an agent reads as "no baseline yet", so the early
+    node's ranks fed pacing nothing and never paced (CI, and 1 run in 4 here under load).
+    Should the correction still reach zero, the kind keeps its share of the job's transfer
+    (every kind scaled by job ÷ node).
     """
-    gap = sum(transfers.values()) - job_transfer_s
-    if gap <= 0:
+    gap = node_per_step_s - job_transfer_s
+    if gap <= 0 or not transfers:
         return transfers
     sync = max(transfers, key=lambda k: transfers[k])
-    return {**transfers, sync: max(0.0, transfers[sync] - gap)}
+    corrected = transfers[sync] - gap
+    if corrected <= 0:
+        corrected = transfers[sync] * job_transfer_s / node_per_step_s
+    return {**transfers, sync: corrected}
 
 
 # Steps the node view's arrival lead averages the pooled waits over.

@@ -184,6 +184,18 @@ def test_baselines_come_down_by_what_the_node_waits_for_other_nodes():
     sync, small = ("ddp_grad_sync", "ddp", 20), ("all_reduce", "pg", 3)
     node = {sync: 0.030, small: 0.001}
     # The job's transfer per step is 5 ms: this node's ranks wait 26 ms for a remote rank.
-    out = with_job_transfer(node, 0.005)
+    out = with_job_transfer(node, 0.031, 0.005)
     assert abs(out[sync] - 0.004) < 1e-12 and out[small] == 0.001
-    assert with_job_transfer(node, 0.5) == node  # never raised
+    assert with_job_transfer(node, 0.031, 0.5) == node  # never raised
+
+
+def test_a_kind_that_skips_steps_does_not_take_the_sync_baseline_to_zero():
+    sync, flag = ("ddp_grad_sync", "ddp", 20), ("broadcast", "default_pg", 2)
+    # a 6 ms broadcast every tenth step: 0.6 ms per step, not 6 (the sum of the kinds' means
+    # put the sync's baseline at 30 - (36 - 5) < 0: zero, "no baseline" to an agent)
+    node = {sync: 0.030, flag: 0.006}
+    out = with_job_transfer(node, 0.0306, 0.005)
+    assert abs(out[sync] - 0.0044) < 1e-12 and out[flag] == 0.006
+    # where the other kinds alone exceed the job's transfer, the sync keeps its share of it
+    out = with_job_transfer({sync: 0.030, flag: 0.006}, 0.036, 0.005)
+    assert abs(out[sync] - 0.030 * 0.005 / 0.036) < 1e-12

@@ -39,6 +39,23 @@ def feed(
         pool.add_step(rank, step, sum(phases) if phases else 0.1, phases)
 
 
+def test_the_nodes_transfer_per_step_counts_a_kind_that_skips_steps_only_where_it_ran():
+    flag = collective_key("broadcast", "default_pg", 4.0)
+    pool, sinks = JobPool(transfer_window=20), {0: Sink(), 1: Sink()}
+    assert pool.transfer_per_step() is None
+    for step in range(30):
+        if step % 10 == 9:  # a stop flag's broadcast every tenth step: 5 ms
+            for rank in (0, 1):
+                pool.add_collective(rank, flag, step, 0.005, sinks[rank])
+        feed(pool, {0: 0.030, 1: 0.040}, step, sinks)
+    pool.complete([0, 1])
+    means = pool.transfers()  # each kind over the steps it ran
+    assert means.keys() == {KEY, flag}
+    assert abs(means[KEY] - 0.030) < 1e-12 and abs(means[flag] - 0.005) < 1e-12
+    # the last 20 steps: 30 ms each, and two of them 5 ms more: 30.5 ms, not 35
+    assert abs(pool.transfer_per_step() - 0.0305) < 1e-12
+
+
 def jittery_job(steps: int, seed: int = 1) -> list[dict[int, float]]:
     """d(r, k) for 4 ranks: a 20 ms transfer plus each rank's wait for the step's last arrival,
     the last rank drawn afresh every step (no persistent straggler)."""
