@@ -68,6 +68,8 @@ KEYS = (
     "energy_joules",
     "xid_errors",
     "last_xid",
+    "xid_faults",
+    "last_fault_xid",
     "ecc_uncorrected_errors",
     "row_remap_pending",
     "row_remap_failure",
@@ -82,14 +84,27 @@ KEYS = (
 )
 # The topology key of the GPU's energy counter (joules since the driver loaded).
 ENERGY_KEY = "energy_joules"
-# XID critical-error events seen since the agent registered for them, and the last one's code.
+# XID critical-error events seen since the agent registered for them, and the last one's code;
+# the same for those of them that are not the application's (APP_XIDS).
 XID_KEY, LAST_XID_KEY = "xid_errors", "last_xid"
+FAULT_XID_KEY, LAST_FAULT_XID_KEY = "xid_faults", "last_fault_xid"
+# XIDs NVIDIA's XID catalog puts down to the application in the common case, with no action on
+# the GPU: 13 (graphics engine exception: an out-of-range access in a kernel), 31 (GPU memory
+# page fault: an illegal address), 43 (GPU stopped processing: the application's channel hit a
+# fault, the GPU stays healthy), 45 (preemptive cleanup: the driver tearing down the channels of
+# a process that aborted or was killed, as every checkpoint-restart cycle's kill does). They
+# are counted in `xid_errors` and named on the page, but are not a hardware fault: a job of
+# restarts would otherwise read "infrastructure". A hardware XID before them (48, 79 ...) stays
+# in `xid_faults` whatever follows it.
+APP_XIDS = frozenset({13, 31, 43, 45})
 # Keys that only mean something re-read: a value written once (a shared-memory ring's header)
 # would read as a GPU that drew no energy, or one that never had an error after its start.
 LIVE_KEYS = (
     ENERGY_KEY,
     XID_KEY,
     LAST_XID_KEY,
+    FAULT_XID_KEY,
+    LAST_FAULT_XID_KEY,
     "ecc_uncorrected_errors",
     "row_remap_pending",
     "row_remap_failure",
@@ -737,9 +752,12 @@ class TopologySampler:
         self._static: dict[str, Any] | None = None
         self._current: dict[str, Any] | None = None
         self._loaded_link: dict[str, Any] = {}
-        # XID events counted since NVML first delivered them (None: never) and the last code.
+        # XID events counted since NVML first delivered them (None: never) and the last code;
+        # the same for those not the application's (APP_XIDS).
         self._xids: int | None = None
         self._last_xid = 0
+        self._faults = 0
+        self._last_fault = 0
         self._next = 0.0
         self._closed = False
 
@@ -800,15 +818,24 @@ class TopologySampler:
         return {**sample, **self._xid_sample()}
 
     def _xid_sample(self) -> dict[str, int | None]:
-        """The XID events counted so far and the last one's code (0: none yet); None for both
-        where NVML cannot deliver them, or this poll failed (the count goes on at the next)."""
+        """The XID events counted so far and the last one's code (0: none yet), all of them and
+        those not the application's; None for all where NVML cannot deliver them, or this poll
+        failed (the counts go on at the next)."""
         codes = self.nvml.ask("xid_events") if self.nvml is not None else None
         if not isinstance(codes, list):
-            return {XID_KEY: None, LAST_XID_KEY: None}
+            return dict.fromkeys((XID_KEY, LAST_XID_KEY, FAULT_XID_KEY, LAST_FAULT_XID_KEY))
         self._xids = (self._xids or 0) + len(codes)
-        if codes:
-            self._last_xid = int(codes[-1])
-        return {XID_KEY: self._xids, LAST_XID_KEY: self._last_xid}
+        for code in map(int, codes):
+            self._last_xid = code
+            if code not in APP_XIDS:
+                self._faults += 1
+                self._last_fault = code
+        return {
+            XID_KEY: self._xids,
+            LAST_XID_KEY: self._last_xid,
+            FAULT_XID_KEY: self._faults,
+            LAST_FAULT_XID_KEY: self._last_fault,
+        }
 
     def close(self) -> None:
         self._closed = True

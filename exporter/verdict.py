@@ -125,13 +125,17 @@ def _throttle_fault(r: RankView, peers: Sequence[RankView], t: Thresholds) -> st
 
 
 def _error_fault(r: RankView) -> str | None:
-    """A GPU's XID and ECC errors in words; "" where NVML read both and there are none; None
-    where either was not read (and nothing was found in the other)."""
+    """A GPU's hardware XID and ECC errors in words; "" where NVML read both and there are
+    none; None where either was not read (and nothing was found in the other). XIDs the
+    application causes (agent/topology.py, APP_XIDS: a killed process's cleanup, a kernel's
+    illegal access) are no fault of the GPU; an agent from before that split counts all."""
     topo = r.topology or {}
-    xids, ecc = number(topo.get("xid_errors")), number(topo.get("ecc_uncorrected_errors"))
+    split = "xid_faults" in topo
+    xids = number(topo.get("xid_faults" if split else "xid_errors"))
+    ecc = number(topo.get("ecc_uncorrected_errors"))
     found = []
     if xids:
-        code = int(number(topo.get("last_xid")) or 0)
+        code = int(number(topo.get("last_fault_xid" if split else "last_xid")) or 0)
         words = XID_WORDS.get(code)
         xid = f"XID {code} ({words})" if words else f"XID {code}"
         found.append(xid if xids == 1 else f"{int(xids)} XID errors, the last {xid}")
@@ -216,7 +220,7 @@ def hardware_checks(
         link("pcie_link_generation", "gen "),
     )
     check("NUMA placement", "processes on their GPU's NUMA node", numa)
-    check("XID and ECC errors", "no XID or ECC errors", _error_fault)
+    check("XID and ECC errors", "no hardware XID or ECC errors", _error_fault)
 
     slow_link = diagnosis.modes.get("slow_link")
     hosts = {r.hostname for r in live}

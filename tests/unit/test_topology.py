@@ -9,6 +9,7 @@ import os
 import shutil
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 from syncscope.agent.topology import (
@@ -51,8 +52,12 @@ def sampler_for(case: str, tmp_path, **kw) -> TopologySampler:
 # -- the captured H100 and the constructed degraded case ------------------------------------------
 def test_captured_h100_case_replays_to_what_the_device_reported(tmp_path):
     topo = sampler_for("captured-h100", tmp_path)()
-    # the replay of the recorded answers and sysfs tree is what the live sampler sent
-    assert topo == json.loads((HERE / "captured-h100" / "topology.json").read_text())
+    # the replay of the recorded answers and sysfs tree is what the live sampler sent; keys
+    # added since the capture come from answers it holds (the XID events: none delivered)
+    sent = json.loads((HERE / "captured-h100" / "topology.json").read_text())
+    added = {"xid_faults", "last_fault_xid"}
+    assert {k: v for k, v in topo.items() if k not in added} == sent
+    assert {k: topo[k] for k in added} == {"xid_faults": None, "last_fault_xid": None}
     assert topo["gpu_name"] == "NVIDIA H100 80GB HBM3"
     assert topo["pci_bus_id"] == "0000:00:06.0"  # NVML's 8-digit domain, normalised
     assert (topo["pcie_link_max_width"], topo["pcie_link_max_generation"]) == (16, 5)
@@ -503,7 +508,8 @@ def test_errors_and_a_pending_remap_are_reported(tmp_path):
     assert (topo["row_remap_pending"], topo["row_remap_failure"]) == (1, 0)
 
 
-def test_xid_events_are_counted_across_samples_and_the_last_code_kept(tmp_path):
+def clocked_sampler(tmp_path) -> tuple[Any, Clock, TopologySampler]:
+    """The degraded case's sampler on a clock the test moves: (its NVML device, clock, it)."""
     device, sysfs = load_case("degraded", tmp_path)
     clock = Clock()
     sampler = TopologySampler(
@@ -512,6 +518,11 @@ def test_xid_events_are_counted_across_samples_and_the_last_code_kept(tmp_path):
         sysfs=sysfs,
         clock=clock,
     )
+    return device, clock, sampler
+
+
+def test_xid_events_are_counted_across_samples_and_the_last_code_kept(tmp_path):
+    device, clock, sampler = clocked_sampler(tmp_path)
     assert (sampler()["xid_errors"], sampler()["last_xid"]) == (0, 0)
     device.answers["xid_events"] = [13, 79]  # what this poll drains
     clock.now = 10
@@ -524,6 +535,21 @@ def test_xid_events_are_counted_across_samples_and_the_last_code_kept(tmp_path):
     device.answers["xid_events"] = [79]  # and the count goes on
     clock.now = 30
     assert (sampler()["xid_errors"], sampler()["last_xid"]) == (3, 79)
+
+
+def test_the_xids_an_application_causes_are_counted_apart_from_the_gpus_faults(tmp_path):
+    device, clock, sampler = clocked_sampler(tmp_path)
+    keys = ("xid_errors", "last_xid", "xid_faults", "last_fault_xid")
+    assert tuple(sampler()[k] for k in keys) == (0, 0, 0, 0)
+    device.answers["xid_events"] = [45, 13]  # a killed process's cleanup, a kernel's fault
+    clock.now = 10
+    assert tuple(sampler()[k] for k in keys) == (2, 13, 0, 0)
+    device.answers["xid_events"] = [79, 45]  # off the bus, then the cleanup it forces
+    clock.now = 20
+    assert tuple(sampler()[k] for k in keys) == (4, 45, 1, 79)
+    device.answers["xid_events"] = {"error": "GpuIsLost"}
+    clock.now = 30
+    assert tuple(sampler()[k] for k in keys) == (None, None, None, None)
 
 
 class EventSet:

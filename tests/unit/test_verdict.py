@@ -31,7 +31,7 @@ HEALTHY_CHECKS = (
     "PCIe links at full width",
     "PCIe links at full generation",
     "processes on their GPU's NUMA node",
-    "no XID or ECC errors",
+    "no hardware XID or ECC errors",
     "one node: no link between nodes",
 )
 
@@ -151,7 +151,7 @@ def test_the_degraded_gpu_fixture_is_infrastructure_naming_each_fault(tmp_path: 
     # checks failed
     assert v.passed == (
         "PCIe links at full generation",
-        "no XID or ECC errors",
+        "no hardware XID or ECC errors",
         "one node: no link between nodes",
     )
 
@@ -285,11 +285,27 @@ def test_xid_and_ecc_errors_are_infrastructure_naming_the_gpu() -> None:
         "rank 3's GPU NVIDIA H100 on node vm: 3 uncorrected ECC errors, row remapping pending "
         "(needs a GPU reset)",
     )
-    assert "no XID or ECC errors" not in v.passed
+    assert "no hardware XID or ECC errors" not in v.passed
     one = verdict_of(gpu(ranks_of("forward_straggler"), r0={"xid_errors": 1, "last_xid": 48}))
     assert one is not None and one.faults == (
         "rank 0's GPU NVIDIA H100 on node vm: XID 48 (double-bit ECC error)",
     )
+
+
+def test_xids_the_application_causes_are_no_hardware_fault() -> None:
+    # restarts' kills (45) and a kernel's illegal access (13): the job's coupling stands
+    app = {"xid_errors": 3, "last_xid": 45, "xid_faults": 0, "last_fault_xid": 0}
+    v = verdict_of(gpu(ranks_of("forward_straggler"), r1=app))
+    assert v is not None and (v.verdict, v.hardware) == ("coupling", "healthy")
+    assert "no hardware XID or ECC errors" in v.passed and v.faults == ()
+    # a hardware XID stays a fault whatever application XIDs came after it
+    mixed = {"xid_errors": 3, "last_xid": 45, "xid_faults": 1, "last_fault_xid": 79}
+    v = verdict_of(gpu(ranks_of("forward_straggler"), r1=mixed))
+    assert v is not None and v.verdict == "infrastructure"
+    assert v.faults == ("rank 1's GPU NVIDIA H100 on node vm: XID 79 (fallen off the bus)",)
+    # an agent from before the split sends all XIDs as faults
+    old = verdict_of(gpu(ranks_of("forward_straggler"), r1={"xid_errors": 1, "last_xid": 45}))
+    assert old is not None and old.verdict == "infrastructure"
 
 
 def test_ecc_not_supported_leaves_the_check_unknown_not_passed(tmp_path: Path) -> None:
@@ -304,7 +320,7 @@ def test_ecc_not_supported_leaves_the_check_unknown_not_passed(tmp_path: Path) -
     v = verdict_of([replace(healthy[0], topology=fine), *healthy[1:]])
     assert v is not None and (v.verdict, v.hardware) == ("coupling", "unknown")
     assert v.unknown == ("XID and ECC errors not read for rank 0",)
-    assert "no XID or ECC errors" not in v.passed
+    assert "no hardware XID or ECC errors" not in v.passed
     # an error found in what was read is a fault whatever was not read
     fine["xid_errors"], fine["last_xid"] = 1, 79
     v = verdict_of([replace(healthy[0], topology=fine), *healthy[1:]])

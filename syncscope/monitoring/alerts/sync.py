@@ -71,7 +71,7 @@ def structural_coupling_text(alert: AlertInput) -> dict[str, Any]:
             "The exporters of job {{ $labels.job }} ({{ $value }} with a verdict) find it "
             f"losing time to its coupling (detected: {modes}) while every hardware check they "
             "can make passes: no GPU slowed by throttling, PCIe links at full width and "
-            "generation, processes on their GPU's NUMA node, no XID or uncorrected ECC errors, "
+            "generation, processes on their GPU's NUMA node, no hardware XID or uncorrected ECC errors, "
             "no slow link between nodes. More or other hardware will not buy this time back. "
             "The evidence (modes, their share of step time, a fall against the job's own "
             "throughput, the checks passed) is in each exporter's /v1/state and status page."
