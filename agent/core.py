@@ -221,8 +221,9 @@ class Agent:
             from syncscope.agent.topology import LIVE_KEYS
 
             # Written once into the ring's header: a counter frozen there would read as a GPU
-            # that draws no energy, error counts as a GPU that never has an error. No series
-            # instead, and the verdict's XID/ECC check unknown (docs/gpu.md).
+            # that draws no energy, error counts as a GPU that never has an error, its first
+            # throttle reasons and link as the whole run's. No series instead, and the
+            # verdict's throttle, PCIe link and XID/ECC checks unknown (docs/gpu.md).
             topology = {k: v for k, v in topology.items() if k not in LIVE_KEYS}
         return ShmTransport(
             identity=self.identity,

@@ -97,10 +97,8 @@ FAULT_XID_KEY, LAST_FAULT_XID_KEY = "xid_faults", "last_fault_xid"
 # restarts would otherwise read "infrastructure". A hardware XID before them (48, 79 ...) stays
 # in `xid_faults` whatever follows it.
 APP_XIDS = frozenset({13, 31, 43, 45})
-# Keys that only mean something re-read: a value written once (a shared-memory ring's header)
-# would read as a GPU that drew no energy, or one that never had an error after its start.
-LIVE_KEYS = (
-    ENERGY_KEY,
+# The GPU's error state: XID events, uncorrected ECC errors, row remapping.
+ERROR_KEYS = (
     XID_KEY,
     LAST_XID_KEY,
     FAULT_XID_KEY,
@@ -108,6 +106,22 @@ LIVE_KEYS = (
     "ecc_uncorrected_errors",
     "row_remap_pending",
     "row_remap_failure",
+)
+# Keys that only mean something re-read (everything dynamic_sample, the XID poll and the link's
+# byte counters give): a value written once (a shared-memory ring's header) would read as a GPU
+# that drew no energy, never had an error, never throttled and kept its first clock after its
+# start, or a link that moved nothing. Left out there, their checks say "not read".
+LIVE_KEYS = (
+    ENERGY_KEY,
+    *ERROR_KEYS,
+    "sm_clock_hertz",
+    "throttle_reasons",
+    "temperature_celsius",
+    "power_watts",
+    "pcie_link_width",
+    "pcie_link_generation",
+    "link_tx_bytes",
+    "link_rx_bytes",
 )
 # XID events drained per poll at most: a storm waits for the next poll rather than hold the
 # reporter's thread.

@@ -15,6 +15,7 @@ import pytest
 from syncscope.agent.topology import (
     ANSWERS,
     CROSS_SOCKET,
+    ERROR_KEYS,
     KEYS,
     LIVE_KEYS,
     SAME_NUMA_NODE,
@@ -26,6 +27,7 @@ from syncscope.agent.topology import (
     PynvmlDevice,
     SysfsReader,
     TopologySampler,
+    dynamic_sample,
     format_cpus,
     locator_from_torch,
     nic_distance,
@@ -481,7 +483,7 @@ def test_the_degraded_case_reads_no_errors_and_the_captured_h100_none_at_all(tmp
     assert (topo["row_remap_pending"], topo["row_remap_failure"]) == (0, 0)
     # captured before these were asked: NVML gave no answer, so nothing is claimed, not 0
     h100 = sampler_for("captured-h100", tmp_path / "h")()
-    assert all(h100[k] is None for k in LIVE_KEYS)
+    assert all(h100[k] is None for k in (*ERROR_KEYS, "energy_joules"))
 
 
 def test_ecc_and_row_remapping_not_supported_are_absent_never_zero(tmp_path):
@@ -635,6 +637,12 @@ def test_pynvml_device_asks_for_volatile_uncorrected_ecc_and_remapped_rows():
     assert device.remapped_rows() == [4, 1, 1, 0]
 
 
-def test_live_keys_are_topology_keys():
+def test_live_keys_are_topology_keys_and_every_value_that_changes_is_one(tmp_path):
     # what a shared-memory ring's header leaves out (agent/core.py), all of them real keys
     assert set(LIVE_KEYS) <= set(KEYS)
+    # written once there, a throttle reason or a byte counter would claim its first value for
+    # the whole run: every key sampled again while the job runs is left out
+    device, sysfs = load_case("degraded", tmp_path)
+    changing = set(dynamic_sample(NvmlProvider(device), sysfs, "0000:1b:00.0"))
+    changing |= set(ERROR_KEYS) | {"link_tx_bytes", "link_rx_bytes"}
+    assert changing <= set(LIVE_KEYS), changing - set(LIVE_KEYS)
