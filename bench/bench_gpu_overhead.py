@@ -226,7 +226,7 @@ def ab(args) -> int:
         # still run here after it and a gc, without the agent too); a finalizing interpreter
         # racing such a worker is torch's known abort at exit (pytorch#179291), which is what
         # one CI run's child showed ("terminate called without an active exception"; not
-        # reproduced here in 270 runs, loaded or pinned to one core).
+        # reproduced here in 227 runs, loaded or pinned to one core).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
