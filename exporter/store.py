@@ -798,7 +798,7 @@ def with_job_transfer(
     often as it runs. With the sum, a broadcast seen once at start (8.7 ms on a loaded machine,
     its mean kept all run) and a stop flag's every tenth step outweighed the job's 5 ms: the
     sync's baseline went to zero, which an agent reads as "no baseline yet", so the early
-    node's ranks fed pacing nothing and never paced (CI, and 1 run in 4 here under load).
+    node's ranks fed pacing nothing and never paced (docs/pacing.md, "Across nodes").
     Should the correction still reach zero, the kind keeps its share of the job's transfer
     (every kind scaled by job ÷ node).
     """
