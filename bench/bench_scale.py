@@ -129,6 +129,7 @@ from scale_engines import (
 )
 from syncscope.exporter.app import parse_batch
 from syncscope.exporter.collectors import StoreCollector
+from syncscope.exporter.pooling import SAMPLE_SLOTS, SAMPLE_STRIDES
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import Store
 
@@ -359,6 +360,55 @@ class Node:
                 self.rendered = generate_latest(self.registry)
                 self.dirty = False
             return self.rendered, time.thread_time() - t0
+
+
+# Issue 32's bound on series per rank: at or under what one Prometheus carried per rank at
+# 1024 x 8 when that work began (this emulator's node: pacing on, the GPU families of then,
+# rings full), so that the rules' input grows with ranks no faster than it did.
+SERIES_PER_RANK_TARGET = 42.6
+# What Prometheus adds to every target: up, scrape_duration_seconds, scrape_samples_scraped,
+# scrape_samples_post_metric_relabeling, scrape_series_added.
+SCRAPE_SERIES_PER_TARGET = 5
+
+
+# What an H100's agent reports beyond this emulator's GPU (the families added after issue 32's
+# bound was set: energy, XID, ECC, row remapping), healthy; for the figure of a real GPU job.
+GPU_HEALTH_SINCE = {
+    "energy_joules": 1.0e6,
+    "xid_errors": 0,
+    "last_xid": 0,
+    "ecc_uncorrected_errors": 0,
+    "row_remap_pending": 0,
+    "row_remap_failure": 0,
+}
+
+
+def node_series(
+    per_node: int = 8, seed: int = 20, extra: dict[str, Any] | None = None
+) -> dict[str, int]:
+    """Series per family of one emulated node's /metrics once every sampled ring is full (the
+    job has run the largest stride times the slots, and one ring more), counted in process;
+    `extra` added to every rank's topology."""
+    steps = (max(SAMPLE_STRIDES) + 1) * SAMPLE_SLOTS
+    emulator = Emulator(Job(1, per_node, 1.0, 0.03, time.time() - steps), 5.0, seed)
+    for topology in emulator.nodes[0].topologies:
+        topology.update(extra or {})
+    try:
+        emulator.feed_all()
+        body, _ = emulator.nodes[0].exposition()
+    finally:
+        emulator.server.server_close()
+    families: dict[str, int] = {}
+    for line in body.decode().splitlines():
+        if line and not line.startswith("#"):
+            name = line.partition("{")[0].partition(" ")[0]
+            families[name] = families.get(name, 0) + 1
+    return families
+
+
+def series_per_rank(families: dict[str, int], per_node: int = 8) -> float:
+    """A node's series and the scrape's own over its ranks: what Prometheus holds per rank."""
+    return (sum(families.values()) + SCRAPE_SERIES_PER_TARGET) / per_node
 
 
 class Server(ThreadingHTTPServer):
@@ -1097,6 +1147,13 @@ def main() -> int:
     print(
         f"job: step every {a.step_s:g} s, each rank's batch every {a.feed_s:g} s, straggler "
         f"(rank nodes/2*{a.ranks_per_node}+3) {a.lag_ms:g} ms late at the gradient sync"
+    )
+    full = series_per_rank(node_series(a.ranks_per_node, a.seed), a.ranks_per_node)
+    health = node_series(a.ranks_per_node, a.seed, GPU_HEALTH_SINCE)
+    print(
+        f"series per rank, one node with every ring full, counted in process: {full:.2f} "
+        f"(target <= {SERIES_PER_RANK_TARGET}); with the GPU health families added since "
+        f"({', '.join(GPU_HEALTH_SINCE)}): {series_per_rank(health, a.ranks_per_node):.2f}"
     )
     rows = []
     for nodes in sizes:

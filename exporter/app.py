@@ -176,7 +176,8 @@ def create_app(
         state_file = StateFile(settings.state_file, store, settings.state_interval_s)
         state_file.load()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StoreCollector(store))
+    collector = StoreCollector(store)
+    registry.register(collector)
     registry.register(ProcessCollector(registry=None))
 
     @asynccontextmanager
@@ -261,6 +262,8 @@ def create_app(
     def state(recent: int = 0) -> JSONResponse:
         view = store.view(recent=max(0, min(recent, settings.recent_steps)))
         extra = {"state_file": state_file.status()} if state_file is not None else {}
+        # Each collector's time and success at the last scrape (none before the first).
+        extra["collectors"] = collector.last
         return JSONResponse({**as_json(view), **extra, "version": __version__})
 
     install_page(app, store, settings)

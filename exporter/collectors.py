@@ -312,7 +312,9 @@ COLLECTORS: dict[str, Callable[[StoreView], Iterable[Metric]]] = {
 
 
 class StoreCollector(Collector):
-    """Reads one snapshot per scrape and runs every collector over it, timing each."""
+    """Reads one snapshot per scrape and runs every collector over it, timing each: the whole
+    scrape's time and each collector's success as series, each collector's time and success
+    of the last scrape in `last` (for /v1/state)."""
 
     def __init__(
         self,
@@ -321,34 +323,37 @@ class StoreCollector(Collector):
     ) -> None:
         self.store = store
         self.collectors = collectors or COLLECTORS
+        self.last: dict[str, dict[str, float | bool]] = {}
 
     def describe(self) -> Iterable[Metric]:
         return []  # series depend on what has been ingested; skip the describe-time collect
 
     def collect(self) -> Iterator[Metric]:
-        duration = gauge(M.EXPORTER_COLLECTOR_DURATION_SECONDS)
         success = gauge(M.EXPORTER_COLLECTOR_SUCCESS)
-        t0 = time.perf_counter()
+        last: dict[str, dict[str, float | bool]] = {}
+        start = t0 = time.perf_counter()
         view: StoreView | None
         try:
             view = self.store.view(recent=STEP_WINDOW)
-            ok = 1.0
         except Exception:  # noqa: BLE001 - a scrape always answers
-            view, ok = None, 0.0
-        duration.add_metric(["snapshot"], time.perf_counter() - t0)
-        success.add_metric(["snapshot"], ok)
+            view = None
+        last["snapshot"] = {"seconds": time.perf_counter() - t0, "ok": view is not None}
         for name, func in self.collectors.items():
             t0 = time.perf_counter()
             families: list[Metric] = []
-            ok = 0.0
+            ok = False
             if view is not None:
                 try:
                     families = list(func(view))
-                    ok = 1.0
+                    ok = True
                 except Exception:  # noqa: BLE001
                     families = []
-            duration.add_metric([name], time.perf_counter() - t0)
-            success.add_metric([name], ok)
+            last[name] = {"seconds": time.perf_counter() - t0, "ok": ok}
             yield from families
+        for name, timing in last.items():
+            success.add_metric([name], 1.0 if timing["ok"] else 0.0)
+        duration = gauge(M.EXPORTER_COLLECT_DURATION_SECONDS)
+        duration.add_metric([], time.perf_counter() - start)
+        self.last = last
         yield duration
         yield success

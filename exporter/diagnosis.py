@@ -50,7 +50,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from syncscope.exporter.gpu import has_gpu
+from syncscope.exporter.gpu import has_gpu, locality_faults
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.pooling import NodeInflation
 from syncscope.exporter.settings import Settings
@@ -201,22 +201,22 @@ def _phase_means(
 
 
 def locality_fault(topology: Mapping[str, Any] | None) -> str | None:
-    """A degraded PCIe link (narrower than its maximum) or a NUMA mismatch, in words; else None.
+    """The first locality fault of the rank's GPU (gpu.locality_faults), in words; else None.
 
-    A lower PCIe *generation* is not a fault on its own: GPUs train the link down while idle,
-    and topology is sampled at start-up, so only the width is trusted.
+    A lower PCIe *generation* alone is no cause here: the topology's first reading is taken
+    at start-up, possibly idle, where a GPU trains its link down; the width is trusted. The
+    fault series (and the rules' locality alert) carry it.
     """
     if not topology:
         return None
-    width, max_width = (
-        number(topology.get("pcie_link_width")),
-        number(topology.get("pcie_link_max_width")),
-    )
-    if width is not None and max_width is not None and 0 < width < max_width:
-        return f"PCIe link x{int(width)} of x{int(max_width)}"
-    mismatch = topology.get("numa_mismatch")
-    if mismatch is True or number(mismatch) == 1:
-        return "process on another NUMA node than its GPU"
+    for fault in locality_faults(topology):
+        if fault == "pcie_width":
+            width, most = (
+                number(topology.get(k)) for k in ("pcie_link_width", "pcie_link_max_width")
+            )
+            return f"PCIe link x{int(width or 0)} of x{int(most or 0)}"
+        if fault == "numa_mismatch":
+            return "process on another NUMA node than its GPU"
     return None
 
 

@@ -17,14 +17,40 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from syncscope.exporter.store import StoreView, clean_label
 
-from syncscope.catalog import CATALOG, GPU_ENERGY_JOULES_TOTAL, GPU_INFO, GPU_PREFIX, MetricSpec
+from syncscope.catalog import (
+    CATALOG,
+    GPU_ENERGY_JOULES_TOTAL,
+    GPU_INFO,
+    GPU_LOCALITY_FAULT,
+    GPU_PREFIX,
+    MetricSpec,
+)
 
 UNKNOWN = "unknown"
 # The topology keys behind GPU_INFO's own labels, in label order.
-INFO_KEYS = ("gpu_uuid", "pci_bus_id", "gpu_name", "gpu_numa_node", "nic", "nic_distance")
-# Every other GPU family is named GPU_PREFIX + the topology key it reports: gauges, and the
-# energy counter (whose key has no "_total": its family's name).
-GAUGES = tuple(s for s in CATALOG if s.condition == "gpu" and s is not GPU_INFO)
+INFO_KEYS = (
+    "gpu_uuid",
+    "pci_bus_id",
+    "gpu_name",
+    "gpu_numa_node",
+    "process_numa_nodes",
+    "nic",
+    "nic_distance",
+    "pcie_link_max_width",
+    "pcie_link_max_generation",
+)
+# Every other GPU family but the locality faults is named GPU_PREFIX + the topology key it
+# reports: gauges, and the energy counter (whose key has no "_total": its family's name).
+GAUGES = tuple(
+    s for s in CATALOG if s.condition == "gpu" and s not in (GPU_INFO, GPU_LOCALITY_FAULT)
+)
+# A PCIe link below what the GPU and slot support: (fault, current key, supported key). The
+# agent reports the current link as seen under load only (agent.topology: an idle GPU trains
+# its link down), so a lower generation is a fault like a narrower width.
+PCIE_FAULTS = (
+    ("pcie_width", "pcie_link_width", "pcie_link_max_width"),
+    ("pcie_generation", "pcie_link_generation", "pcie_link_max_generation"),
+)
 ENERGY_KEY = GPU_ENERGY_JOULES_TOTAL.family.removeprefix(GPU_PREFIX)
 
 
@@ -60,8 +86,32 @@ def has_gpu(topology: Mapping[str, Any] | None) -> bool:
     return any(_text(topology, k) != UNKNOWN for k in ("gpu_uuid", "pci_bus_id", "gpu_name"))
 
 
+def locality_faults(topology: Mapping[str, Any]) -> list[str]:
+    """The GPU's locality faults (GPU_LOCALITY_FAULT's `fault` values); none where a reading is
+    missing, so an unread link or placement never looks like a fault."""
+    faults = []
+    for fault, current, supported in PCIE_FAULTS:
+        now, most = topology_number(topology.get(current)), topology_number(topology.get(supported))
+        if now is not None and most is not None and 0 < now < most:
+            faults.append(fault)
+    if topology_number(topology.get("numa_mismatch")) == 1:
+        faults.append("numa_mismatch")
+    return faults
+
+
+def _info_text(topology: Mapping[str, Any], key: str) -> str:
+    """An info label's value: numbers as integers where they are ("16", not "16.0")."""
+    value = topology_number(topology.get(key))
+    if value is not None and value.is_integer():
+        return str(int(value))
+    return _text(topology, key)
+
+
 def collect_gpu(view: StoreView) -> Iterable[Metric]:
     info = GaugeMetricFamily(GPU_INFO.name, GPU_INFO.help, labels=GPU_INFO.labels)
+    faults = GaugeMetricFamily(
+        GPU_LOCALITY_FAULT.name, GPU_LOCALITY_FAULT.help, labels=GPU_LOCALITY_FAULT.labels
+    )
     gauges = [_family(s) for s in GAUGES]
     for job, rank in view.ranks():
         topology = rank.topology
@@ -69,11 +119,13 @@ def collect_gpu(view: StoreView) -> Iterable[Metric]:
             continue
         labels = rank.label_values(job)
         try:
-            info.add_metric(labels + [_text(topology, k) for k in INFO_KEYS], 1.0)
+            info.add_metric(labels + [_info_text(topology, k) for k in INFO_KEYS], 1.0)
+            for fault in locality_faults(topology):
+                faults.add_metric([*labels, fault], 1.0)
             for key, family in gauges:
                 value = topology_number(topology.get(key))
                 if value is not None:
                     family.add_metric(labels, value)
         except Exception:  # noqa: BLE001 - one odd rank must not cost the others their series
             continue
-    return [info, *(family for _, family in gauges)]
+    return [info, faults, *(family for _, family in gauges)]

@@ -247,28 +247,43 @@ PACING_ENGAGEMENTS_TOTAL = _rank(
     "syncscope_pacing_engagements_total", "counter", "Times pacing engaged.", condition="pacing"
 )
 # -- per rank: GPU topology and state
+# What a GPU's placement and capability are does not change while it runs: labels of its info
+# series, not a gauge each (three of those were 3 series per rank). Its faults against them are
+# GPU_LOCALITY_FAULT's, written only where a GPU has one.
 GPU_INFO = MetricSpec(
     "syncscope_gpu_info",
     "info",
-    "The rank's GPU and its nearest NIC (value 1).",
-    (*RANK, "gpu_uuid", "pci_bus_id", "name", "numa_node", "nic", "nic_distance"),
+    "The rank's GPU, its nearest NIC, the NUMA nodes the process may run on, and the PCIe "
+    "link width and generation the GPU and slot support (value 1).",
+    (
+        *RANK,
+        "gpu_uuid",
+        "pci_bus_id",
+        "name",
+        "numa_node",
+        "process_numa_nodes",
+        "nic",
+        "nic_distance",
+        "pcie_link_max_width",
+        "pcie_link_max_generation",
+    ),
+    "gpu",
+)
+GPU_LOCALITY_FAULT = MetricSpec(
+    GPU_PREFIX + "locality_fault",
+    "gauge",
+    "1 for each locality fault the rank's GPU has (absent while it has none): fault "
+    "pcie_width or pcie_generation, the link under load below what the GPU and slot support; "
+    "numa_mismatch, the process may not run on the GPU's NUMA node.",
+    (*RANK, "fault"),
     "gpu",
 )
 GPU_PCIE_LINK_WIDTH = _gpu("pcie_link_width", "Current PCIe link width (lanes).")
-GPU_PCIE_LINK_MAX_WIDTH = _gpu(
-    "pcie_link_max_width", "Maximum PCIe link width the GPU and slot support (lanes)."
-)
 GPU_PCIE_LINK_GENERATION = _gpu(
     "pcie_link_generation", "Current PCIe link generation, sampled while the GPU is busy."
 )
-GPU_PCIE_LINK_MAX_GENERATION = _gpu(
-    "pcie_link_max_generation", "Maximum PCIe link generation the GPU and slot support."
-)
 GPU_NVLINK_ACTIVE_LINKS = _gpu(
     "nvlink_active_links", "NVLink links up (absent where NVML reports NVLink as not supported)."
-)
-GPU_NUMA_MISMATCH = _gpu(
-    "numa_mismatch", "1 if the process may not run on the GPU's NUMA node, else 0."
 )
 GPU_SM_CLOCK_HERTZ = _gpu("sm_clock_hertz", "Current SM clock.", "hertz")
 GPU_THROTTLE_REASONS = _gpu(
@@ -480,11 +495,14 @@ NODE_CPU_ENERGY_JOULES_TOTAL = MetricSpec(
     "joules",
 )
 # -- exporter self-metrics
-EXPORTER_COLLECTOR_DURATION_SECONDS = MetricSpec(
-    "syncscope_exporter_collector_duration_seconds",
+# One duration for the whole scrape, each collector's in /v1/state (`collectors`): a gauge per
+# collector cost 13 series a node (1.6 a rank) for what only debugging reads.
+EXPORTER_COLLECT_DURATION_SECONDS = MetricSpec(
+    "syncscope_exporter_collect_duration_seconds",
     "gauge",
-    "Time a collector took this scrape.",
-    ("collector",),
+    "Time the exporter took to build this scrape's series, every collector (each collector's "
+    "time: /v1/state's `collectors`).",
+    (),
     "always",
     "seconds",
 )
@@ -596,12 +614,10 @@ SECTIONS = (
         "per rank: GPU topology and state",
         (
             GPU_INFO,
+            GPU_LOCALITY_FAULT,
             GPU_PCIE_LINK_WIDTH,
-            GPU_PCIE_LINK_MAX_WIDTH,
             GPU_PCIE_LINK_GENERATION,
-            GPU_PCIE_LINK_MAX_GENERATION,
             GPU_NVLINK_ACTIVE_LINKS,
-            GPU_NUMA_MISMATCH,
             GPU_SM_CLOCK_HERTZ,
             GPU_THROTTLE_REASONS,
             GPU_TEMPERATURE_CELSIUS,
@@ -644,7 +660,7 @@ SECTIONS = (
     Section(
         "exporter self-metrics",
         (
-            EXPORTER_COLLECTOR_DURATION_SECONDS,
+            EXPORTER_COLLECT_DURATION_SECONDS,
             EXPORTER_COLLECTOR_SUCCESS,
             EXPORTER_INGEST_RECORDS_TOTAL,
             EXPORTER_INGEST_REJECTED_TOTAL,

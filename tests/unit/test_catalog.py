@@ -76,7 +76,8 @@ def test_a_real_scrape_emits_exactly_the_declared_families_types_and_labels(clie
         "pcie_link_generation": 5,
         "pcie_link_max_generation": 5,
         "nvlink_active_links": 18,
-        "numa_mismatch": 0,
+        "process_numa_nodes": "1",
+        "numa_mismatch": 1,  # a fault, so that its family has a series
         "sm_clock_hertz": 1.98e9,
         "throttle_reasons": 0,
         "temperature_celsius": 45,

@@ -86,7 +86,13 @@ def test_ingest_then_scrape(client):
     assert parse_samples(text, "syncscope_world_size") == {node: 2.0}
     ok = parse_samples(text, "syncscope_exporter_collector_success")
     assert ok and all(v == 1.0 for v in ok.values())
+    (took,) = parse_samples(text, "syncscope_exporter_collect_duration_seconds").values()
     state = client.get("/v1/state?recent=5").json()
+    # each collector's time of the last scrape, in the state rather than a series each
+    collectors = state["collectors"]
+    assert {(("collector", name),) for name in collectors} == set(ok)
+    assert all(c["ok"] for c in collectors.values())
+    assert 0 < sum(c["seconds"] for c in collectors.values()) <= took
     rank = state["jobs"]["j"]["ranks"][0]
     assert len(rank["recent_steps"]) == 5 and rank["steps_total"] == 10
 

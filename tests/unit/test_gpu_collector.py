@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from syncscope.agent.topology import DeviceLocator, TopologySampler
 from syncscope.exporter.app import parse_batch
-from syncscope.exporter.gpu import collect_gpu
+from syncscope.exporter.gpu import collect_gpu, locality_faults
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import Store
 
@@ -84,6 +84,42 @@ def test_exposition_matches_the_golden_file(store):
     assert text == GOLDEN.read_text()
 
 
+def faults(text: str) -> set[tuple[str, str]]:
+    """(rank, fault) of every locality-fault series in the exposition."""
+    return {
+        (s.labels["rank"], s.labels["fault"])
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "syncscope_gpu_locality_fault"
+    }
+
+
+@pytest.mark.parametrize(
+    ("topology", "expected"),
+    [
+        ({"pcie_link_width": 16, "pcie_link_max_width": 16, "numa_mismatch": 0}, []),
+        ({"pcie_link_width": 8, "pcie_link_max_width": 16}, ["pcie_width"]),
+        ({"pcie_link_generation": 4, "pcie_link_max_generation": 5}, ["pcie_generation"]),
+        ({"numa_mismatch": True}, ["numa_mismatch"]),
+        # a reading missing (an idle GPU's link is not reported) or unread is no fault
+        ({"pcie_link_width": None, "pcie_link_max_width": 16, "numa_mismatch": None}, []),
+        ({"pcie_link_width": 0, "pcie_link_max_width": 16}, []),
+        (
+            {
+                "pcie_link_width": 4,
+                "pcie_link_max_width": 16,
+                "pcie_link_generation": 1,
+                "pcie_link_max_generation": 4,
+                "numa_mismatch": 1,
+            },
+            ["pcie_width", "pcie_generation", "numa_mismatch"],
+        ),
+    ],
+)
+def test_locality_faults_compare_the_link_under_load_with_what_is_supported(topology, expected):
+    assert locality_faults(topology) == expected
+
+
 def samples(text: str, name: str) -> dict[str, dict]:
     out = {}
     for family in text_string_to_metric_families(text):
@@ -108,8 +144,11 @@ def test_series_per_rank(store):
     width = samples(text, "syncscope_gpu_pcie_link_width")
     # the H100 was captured idle (clocks-event reason 0x1): no current link until seen under load
     assert set(width) == {"1"} and width["1"]["value"] == 8
-    assert samples(text, "syncscope_gpu_pcie_link_max_width")["0"]["value"] == 16
-    assert samples(text, "syncscope_gpu_numa_mismatch")["1"]["value"] == 1
+    # what the GPU and slot support is a label of its info series, not a series of its own
+    assert (info["0"]["pcie_link_max_width"], info["0"]["pcie_link_max_generation"]) == ("16", "5")
+    assert (info["1"]["numa_node"], info["1"]["process_numa_nodes"]) == ("1", "0")
+    # faults: a series each only where a GPU has one (rank 1: x8 of x16, off its NUMA node)
+    assert faults(text) == {("1", "pcie_width"), ("1", "numa_mismatch")}
     # NVLink "not supported" in the VM: no series rather than a misleading 0
     assert set(samples(text, "syncscope_gpu_nvlink_active_links")) == {"1"}
     assert samples(text, "syncscope_gpu_sm_clock_hertz")["1"]["value"] == 1.41e9
@@ -167,7 +206,10 @@ def test_odd_topologies_never_fail_the_collector(store):
     assert [s.labels["rank"] for s in families["syncscope_gpu_info"].samples] == ["2"]
     assert families["syncscope_gpu_pcie_link_width"].samples == []
     assert families["syncscope_gpu_temperature_celsius"].samples == []
-    assert families["syncscope_gpu_numa_mismatch"].samples[0].value == 1.0
+    assert [
+        (s.labels["rank"], s.labels["fault"], s.value)
+        for s in families["syncscope_gpu_locality_fault"].samples
+    ] == [("2", "numa_mismatch", 1.0)]
     assert len(families["syncscope_gpu_info"].samples[0].labels["nic"]) <= 64
 
 

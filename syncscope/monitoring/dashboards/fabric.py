@@ -102,14 +102,21 @@ def fabric_locality(cfg: Thresholds) -> list[tuple[str, list[tuple[int, int, Any
         )
 
     info = (
-        f"max by ({BY_RANK}, name, pci_bus_id, numa_node, nic, nic_distance) "
+        f"max by ({BY_RANK}, name, pci_bus_id, numa_node, process_numa_nodes, nic, "
+        "nic_distance, pcie_link_max_width, pcie_link_max_generation) "
         f"({sel(cfg, M.GPU_INFO.name, JOB, NODE, RANK)})\nand on (job, rank)\n  {topology_rows}"
+    )
+    # How many locality faults each row's GPU has (0 where none: healthy GPUs write no series).
+    faults = (
+        f"(\n    sum by ({BY_RANK}) ({rec(R.LOCALITY_FAULT, NODE, RANK)})\n  or\n"
+        f"    0 * max by ({BY_RANK}) ({sel(cfg, M.GPU_INFO.name, JOB, NODE, RANK)})\n)\n"
+        f"and on (job, rank)\n  {topology_rows}"
     )
     return [
         _fabric_slow_link_and_contention(cfg, nodes=nodes),
         _fabric_collectives(cfg, seconds=seconds, wait=wait, groups=groups),
         _fabric_arrival_skew(cfg, lead=lead, waiting=waiting),
-        _fabric_gpu_locality(cfg, gpu_rank=gpu_rank, topology=topology, info=info),
+        _fabric_gpu_locality(cfg, gpu_rank=gpu_rank, topology=topology, info=info, faults=faults),
     ]
 
 
@@ -346,7 +353,7 @@ def _fabric_arrival_skew(
 
 
 def _fabric_gpu_locality_1(
-    cfg: Thresholds, *, gpu_rank: Any, topology: Any, info: Any
+    cfg: Thresholds, *, gpu_rank: Any, topology: Any, info: Any, faults: Any
 ) -> list[tuple[int, int, Any]]:
     """Fabric row "GPU locality", panels, part 1."""
     return [
@@ -355,16 +362,15 @@ def _fabric_gpu_locality_1(
             8,
             table_panel(
                 "Topology",
-                "GPU, NIC, PCIe link (current vs max), NVLink and NUMA placement of the "
-                "selected ranks, those with locality faults first (20 at most).",
+                "GPU, NIC, PCIe link (under load vs what the GPU and slot support), NVLink, "
+                "NUMA placement and locality faults of the selected ranks, those with faults "
+                "first (20 at most).",
                 [
                     q(info, instant=True, table_format=True),
                     topology(M.GPU_PCIE_LINK_WIDTH.name),
-                    topology(M.GPU_PCIE_LINK_MAX_WIDTH.name),
                     topology(M.GPU_PCIE_LINK_GENERATION.name),
-                    topology(M.GPU_PCIE_LINK_MAX_GENERATION.name),
                     topology(M.GPU_NVLINK_ACTIVE_LINKS.name),
-                    topology(M.GPU_NUMA_MISMATCH.name),
+                    q(faults, instant=True, table_format=True),
                 ],
                 hide=("Time", "__name__", "job", "Value #A"),
                 rename={
@@ -373,20 +379,28 @@ def _fabric_gpu_locality_1(
                     "name": "GPU",
                     "pci_bus_id": "PCI bus",
                     "numa_node": "NUMA node",
+                    "process_numa_nodes": "process NUMA nodes",
                     "nic": "NIC",
                     "nic_distance": "NIC distance",
+                    "pcie_link_max_width": "max width",
+                    "pcie_link_max_generation": "max gen",
                     "Value #B": "PCIe width",
-                    "Value #C": "max width",
-                    "Value #D": "PCIe gen",
-                    "Value #E": "max gen",
-                    "Value #F": "NVLink links",
-                    "Value #G": "NUMA mismatch",
+                    "Value #C": "PCIe gen",
+                    "Value #D": "NVLink links",
+                    "Value #E": "locality faults",
                 },
                 columns={
-                    "NUMA mismatch": [
+                    "locality faults": [
+                        prop("mappings", value_map_json((0, "ok", "green"))),
                         prop(
-                            "mappings",
-                            value_map_json((0, "ok", "green"), (1, "mismatch", "red")),
+                            "thresholds",
+                            {
+                                "mode": "absolute",
+                                "steps": [
+                                    {"color": "green", "value": None},
+                                    {"color": "red", "value": 1},
+                                ],
+                            },
                         ),
                         prop("custom.cellOptions", {"type": "color-text"}),
                     ]
@@ -482,13 +496,15 @@ def _fabric_gpu_locality_2(cfg: Thresholds, *, gpu_rank: Any) -> list[tuple[int,
 
 
 def _fabric_gpu_locality(
-    cfg: Thresholds, *, gpu_rank: Any, topology: Any, info: Any
+    cfg: Thresholds, *, gpu_rank: Any, topology: Any, info: Any, faults: Any
 ) -> tuple[str, list[tuple[int, int, Any]]]:
     """Fabric row: GPU locality."""
     return (
         "GPU locality",
         [
-            *_fabric_gpu_locality_1(cfg, gpu_rank=gpu_rank, topology=topology, info=info),
+            *_fabric_gpu_locality_1(
+                cfg, gpu_rank=gpu_rank, topology=topology, info=info, faults=faults
+            ),
             *_fabric_gpu_locality_2(cfg, gpu_rank=gpu_rank),
         ],
     )

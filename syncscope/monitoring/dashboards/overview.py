@@ -824,13 +824,12 @@ def _overview_alerts_agents_and_exporters_2(
             8,
             6,
             ts(
-                "Collector duration",
-                "Time each exporter collector took at scrape time, slowest exporter.",
+                "Scrape collection time",
+                "Time the exporters took to build a scrape's series: the slowest exporter and "
+                "the median (each collector's time: an exporter's /v1/state, `collectors`).",
                 [
-                    q(
-                        f"max by (collector) ({M.EXPORTER_COLLECTOR_DURATION_SECONDS.name})",
-                        "{{collector}}",
-                    )
+                    q(f"max({M.EXPORTER_COLLECT_DURATION_SECONDS.name})", "slowest exporter"),
+                    q(f"quantile(0.5, {M.EXPORTER_COLLECT_DURATION_SECONDS.name})", "median"),
                 ],
                 "s",
             ),

@@ -1,5 +1,6 @@
 """Recording rules of this area (promtool tests: deploy/prometheus/tests/locality.test.yml):
-each rank's GPU locality faults (PCIe link below its maximum, NUMA mismatch)."""
+each rank's GPU locality faults (PCIe link below its maximum, NUMA mismatch), as the exporters
+write them."""
 
 from __future__ import annotations
 
@@ -14,24 +15,12 @@ from syncscope.thresholds import Thresholds
 
 def records(cfg: Thresholds) -> list[dict[str, Any]]:
     return [
-        # One series (value 1) per (rank, fault) that has it: healthy GPUs write nothing
-        # (three 0/1 series per rank were the costliest rule at 1024 × 8).
+        # One series (value 1) per (rank, fault) that has it: the exporter writes the faults
+        # (exporter.gpu.locality_faults) and healthy GPUs nothing, so this reads no series per
+        # healthy rank (three 0/1 series per rank were the costliest rule at 1024 × 8, and the
+        # gauges it compared cost three series per rank).
         record(
             LOCALITY_FAULT,
-            f"""
-max by (job, node, rank, fault) (
-    label_replace(
-      0 * ({sel(cfg, M.GPU_PCIE_LINK_WIDTH.name)} < {sel(cfg, M.GPU_PCIE_LINK_MAX_WIDTH.name)}) + 1,
-      "fault", "pcie_width", "", ""
-    )
-  or
-    label_replace(
-      0 * ({sel(cfg, M.GPU_PCIE_LINK_GENERATION.name)} < {sel(cfg, M.GPU_PCIE_LINK_MAX_GENERATION.name)}) + 1,
-      "fault", "pcie_generation", "", ""
-    )
-  or
-    label_replace(0 * ({sel(cfg, M.GPU_NUMA_MISMATCH.name)} > 0) + 1, "fault", "numa_mismatch", "", "")
-)
-""",
+            f"max by (job, node, rank, fault) ({sel(cfg, M.GPU_LOCALITY_FAULT.name)})",
         ),
     ]

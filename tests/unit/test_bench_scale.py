@@ -1,6 +1,7 @@
-"""bench/bench_scale.py's VictoriaMetrics path, without servers: the shards' scrape config, the
-iterations read from vmalert's duration summary and rule timings, and which evaluation wrote a
-stored straggler sample (bench/scale_engines.py); the loss counters' increases (bench_scale)."""
+"""bench/bench_scale.py without engines: one emulated node's series per rank against issue 32's
+bound; the VictoriaMetrics path's shards' scrape config, the iterations read from vmalert's
+duration summary and rule timings, and which evaluation wrote a stored straggler sample
+(bench/scale_engines.py); the loss counters' increases (bench_scale)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from types import ModuleType
 
 import pytest
 import yaml
+from syncscope.exporter.pooling import SAMPLE_SLOTS, SAMPLE_STRIDES
 
 from syncscope.monitoring import victoriametrics
 
@@ -42,6 +44,17 @@ def bench(engines):
         yield load("bench_scale")
     finally:
         sys.modules.pop("bench_scale", None)
+
+
+def test_a_node_with_full_rings_stays_within_the_series_per_rank_bound(bench):
+    families = bench.node_series(per_node=8)
+    # every ring full: the heaviest the node's exposition gets
+    assert families["syncscope_node_sampled_step"] == len(SAMPLE_STRIDES) * SAMPLE_SLOTS
+    assert families["syncscope_node_sampled_transfer_seconds"] == len(SAMPLE_STRIDES) * SAMPLE_SLOTS
+    # per rank: 8 ranks' phases, pacing and GPU state are there
+    assert families["syncscope_phase_seconds_total"] == 8 * 7
+    assert families["syncscope_pacing_active"] == families["syncscope_gpu_info"] == 8
+    assert bench.series_per_rank(families, per_node=8) <= bench.SERIES_PER_RANK_TARGET
 
 
 def test_vmagent_config_is_the_shipped_scrape_with_one_target_per_node(engines):
