@@ -51,6 +51,10 @@ Prometheus's own /metrics and /api/v1/rules every second:
                  dashboards.MAX_SERIES (30) or failing (then the bench exits 1), and those
                  that return nothing. A --lag-ms over 10 % of --step-s makes the straggler
                  alert fire and the exporter name a cause, so those panels have rows too.
+  ab             with --ab A B, after the measurement: the PromQL in files A and B (two forms
+                 of one rule's expression) asked alternately --ab-rounds times each, order
+                 swapped every round: each one's median time, the median per-round ratio B / A,
+                 and in how many rounds both answered alike at an instant a minute back.
 
 --engine vm measures the generated VictoriaMetrics topology (victoriametrics.compose) in
 Prometheus's place: --shards vmagent shards (default 2) read the shipped scrape config
@@ -90,7 +94,7 @@ Runs longer than ~30 s or above 64 nodes must not overlap other benchmarks (1024
 about 10 min per engine, 1.7 GB for Prometheus and 1.7 GB for the emulator):
 Run: flock /tmp/syncscope-cpu.lock .venv/bin/python bench/bench_scale.py --sizes 64,256,1024
        [--ranks-per-node 8] [--duration 120] [--settle SECONDS] [--no-pin] [--json out.json]
-       [--panels] [--engine prometheus|vm|both] [--shards 2]
+       [--panels] [--engine prometheus|vm|both] [--shards 2] [--ab A.promql B.promql]
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ import gc
 import hashlib
 import json
 import os
+import pathlib
 import random
 import re
 import shutil
@@ -581,6 +586,7 @@ class Measured:
     rules_sha256: str
     panels: dict[str, Any] | None = None  # --panels: panel_series()
     shards: dict[str, int] | None = None  # vm: the targets each vmagent shard scrapes
+    ab: dict[str, Any] | None = None  # --ab: ab_queries()
 
 
 def run_size(nodes: int, args: argparse.Namespace, done: Callable[[Measured], None]) -> None:
@@ -686,6 +692,11 @@ def measure(engine: Engine, emulator: Emulator, args: argparse.Namespace) -> Mea
         t = time.perf_counter()
         panels = panel_series(engine.url, measure_from, end, engine.interval)
         print(f"  panel queries run in {time.perf_counter() - t:.0f} s", flush=True)
+    ab = None
+    if args.ab:  # likewise, on the data the engine holds now
+        exprs = [pathlib.Path(path).read_text() for path in args.ab]
+        ab = ab_queries(engine.url, exprs, args.ab_rounds)
+        print_ab(engine.name, args.ab, ab)
     return Measured(
         engine.name,
         job,
@@ -702,6 +713,47 @@ def measure(engine: Engine, emulator: Emulator, args: argparse.Namespace) -> Mea
         rules_sha,
         panels,
         shards,
+        ab,
+    )
+
+
+def ab_queries(url: str, exprs: list[str], rounds: int) -> dict[str, Any]:
+    """Two forms of one query (--ab), asked alternately `rounds` times each, the order swapped
+    every round: each one's wall times and the per-round ratio B / A; and whether the two
+    answer alike, asked once more each round (untimed) at an instant a minute back, whose data
+    every engine holds in full (a query at "now" can race a write between the two)."""
+    api = PrometheusAPI(url, timeout=120)
+    times: list[list[float]] = [[], []]
+    same = series = 0
+    for i in range(rounds):
+        for k in (0, 1) if i % 2 == 0 else (1, 0):
+            t = time.perf_counter()
+            api.instant(exprs[k], at=time.time())
+            times[k].append(time.perf_counter() - t)
+        settled = time.time() - 60
+        answers = [
+            {(tuple(sorted(r["metric"].items())), r["value"][1]) for r in api.instant(e, settled)}
+            for e in exprs
+        ]
+        same += answers[0] == answers[1]
+        series = len(answers[0])
+    return {
+        "median_s": [statistics.median(t) for t in times],
+        "ratio_median": statistics.median(b / a for a, b in zip(*times, strict=True)),
+        "rounds": rounds,
+        "same_answers": same,
+        "series": series,
+    }
+
+
+def print_ab(engine: str, paths: list[str], ab: dict[str, Any]) -> None:
+    a, b = (os.path.basename(p) for p in paths)
+    print(
+        f"  {engine} --ab: {a} {ab['median_s'][0] * 1e3:.0f} ms, {b} "
+        f"{ab['median_s'][1] * 1e3:.0f} ms (medians of {ab['rounds']}); {b} / {a} per round: "
+        f"median {ab['ratio_median']:.2f}; same answer in {ab['same_answers']} of "
+        f"{ab['rounds']} rounds ({ab['series']} series)",
+        flush=True,
     )
 
 
@@ -910,6 +962,7 @@ def summarise(m: Measured) -> dict[str, Any]:
         "failed_polls": w.failed_polls,
         "rule_errors": w.rule_errors,
         "panels": m.panels,
+        "ab": m.ab,
     }
 
 
@@ -1134,6 +1187,15 @@ def main() -> int:
         help=f"after each size's measurement, run every dashboard panel query (no rank "
         f"selected) and fail if one returns more than {dashboards.MAX_SERIES} series or fails",
     )
+    p.add_argument(
+        "--ab",
+        nargs=2,
+        metavar=("A", "B"),
+        default=None,
+        help="after each measurement, ask the engine two files' PromQL alternately (two forms "
+        "of one rule's expression) and print their times side by side and whether they agree",
+    )
+    p.add_argument("--ab-rounds", type=int, default=40, help="--ab: rounds, each asks both")
     a = p.parse_args()
     sizes = [int(n) for n in a.sizes.split(",")]
     # SIGTERM cleans up as Ctrl-C does: the runs' exit stacks stop Prometheus and the servers.

@@ -68,20 +68,17 @@ def _sampled_transfer_records(cfg: Thresholds) -> list[dict[str, Any]]:
         # d(r,k) = T(k) + W(r,k), transfer plus wait for the last rank; the job's T(k) is the
         # minimum over nodes of each node's minimum in step k. Each exporter keeps its minimum
         # at sampled steps in rings indexed alike everywhere (exporter/pooling.py); a slot
-        # counts where every node of the job holds the same step in it.
+        # counts where every node of the job holds the same step in it: one step value held
+        # by as many nodes as the job has. One count_values over the slots' steps, where a
+        # min, a max and a count were three aggregations (vmalert computes this expression
+        # three times an evaluation: engines.SAME_GROUP_RECORDS).
         record(
             TRANSFER_SAMPLED,
             f"""
   min by (job, stride, slot) ({sel(cfg, M.NODE_SAMPLED_TRANSFER_SECONDS.name)})
 and on (job, stride, slot)
   (
-      min by (job, stride, slot) ({sel(cfg, M.NODE_SAMPLED_STEP.name)})
-    ==
-      max by (job, stride, slot) ({sel(cfg, M.NODE_SAMPLED_STEP.name)})
-  )
-and on (job, stride, slot)
-  (
-      count by (job, stride, slot) ({sel(cfg, M.NODE_SAMPLED_STEP.name)})
+      count_values by (job, stride, slot) ("step", {sel(cfg, M.NODE_SAMPLED_STEP.name)})
     == on (job) group_left ()
       count by (job) (count by (job, instance) ({sel(cfg, M.NODE_POOLED_STEPS_TOTAL.name)}))
   )
