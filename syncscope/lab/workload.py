@@ -360,4 +360,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import faulthandler
+
+    faulthandler.enable()  # an abort prints every thread's stack
+    code = main()
+    # torch 2.13 keeps gloo's worker threads after destroy_process_group(), and an interpreter
+    # finalizing while one drops a tensor aborts ("terminate called without an active
+    # exception", pytorch#179291): measured on a --no-agent rank of this workload in CI. All
+    # this process had to do is done and written (the result file closed, the checkpoint notes
+    # line-buffered, the agent closed): it leaves without finalizing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
