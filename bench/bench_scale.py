@@ -115,6 +115,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -131,6 +132,7 @@ from scale_engines import (
     Watch,
     hostname,
     pinned,
+    samples,
 )
 from syncscope.exporter.app import parse_batch
 from syncscope.exporter.collectors import StoreCollector
@@ -403,12 +405,7 @@ def node_series(
         body, _ = emulator.nodes[0].exposition()
     finally:
         emulator.server.server_close()
-    families: dict[str, int] = {}
-    for line in body.decode().splitlines():
-        if line and not line.startswith("#"):
-            name = line.partition("{")[0].partition(" ")[0]
-            families[name] = families.get(name, 0) + 1
-    return families
+    return dict(Counter(name for name, _, _ in samples(body.decode())))
 
 
 def series_per_rank(families: dict[str, int], per_node: int = 8) -> float:
