@@ -59,7 +59,7 @@ from syncscope.exporter.store import OMIT_IF_NONE, RankView, RecentStep
 from syncscope.catalog import CLOCK_EVENT_REASONS, STEP_WINDOW
 from syncscope.thresholds import Thresholds as ThresholdsFile
 from syncscope.thresholds import duration_seconds, load_config, required
-from syncscope.wire import GROUP_FACT, Phase
+from syncscope.wire import Phase, group_ranks
 
 if TYPE_CHECKING:
     from syncscope.exporter.verdict import JobVerdict
@@ -274,15 +274,30 @@ def straggler_cause(
     return "unknown", f"no single signal explains 80 % of its lateness ({split})"
 
 
+def stage_root(leads: Mapping[int, float], stages: Mapping[int, int]) -> tuple[int, float] | None:
+    """The rank the others wait for, and the arrival skew: the rank blocked least in the stage
+    whose ranks' leads spread most, and that spread (`stages`: rank -> pipeline stage; a rank
+    not in it, and every rank of a job that is no pipeline, is stage 0). A pipeline's stages
+    differ in work by design, so a rank is compared with the ranks of its own stage only: a
+    lighter stage, blocked longer in its point-to-point ops, is no straggler's victim. None
+    where no stage holds two ranks with a lead."""
+    by_stage: dict[int, list[tuple[float, int]]] = {}
+    for rank, lead in leads.items():
+        by_stage.setdefault(stages.get(rank, 0), []).append((lead, rank))
+    best: tuple[int, float] | None = None
+    for members in by_stage.values():
+        if len(members) < 2:
+            continue
+        lo, rank = min(members)
+        spread = max(lead for lead, _ in members) - lo
+        if best is None or spread > best[1]:
+            best = (rank, spread)
+    return best
+
+
 def group_members(rank: RankView, group: str) -> tuple[int, ...]:
     """The global ranks of `rank`'s group labelled `group`, as its agent reported them."""
-    text = (rank.topology or {}).get(GROUP_FACT + group)
-    if not isinstance(text, str):
-        return ()
-    try:
-        return tuple(int(x) for x in text.split(",") if x)
-    except ValueError:
-        return ()
+    return group_ranks(rank.topology, group)
 
 
 def wait_chain(
@@ -419,27 +434,37 @@ def _diagnose(
     straggler: Straggler | None = None
     skew: float | None = None
 
-    # Who arrived last, per step: the rank that spent the least time at the sync.
+    # Who arrived last, per step: the rank that spent the least time at the sync, among the
+    # ranks of its pipeline stage (every rank where the job is no pipeline).
+    stages = {r.rank: r.pipeline_stage or 0 for r in live}
     last_counts: dict[int, int] = {}
     transfers: list[float] = []
     idles: list[float] = []
     for by_rank in aligned:
         sync = {rank: _sync_time(rec, signal) for rank, rec in by_rank.items()}
-        last = min(sync, key=lambda rank: sync[rank])
-        if sum(1 for v in sync.values() if v == sync[last]) == 1:  # a tie names nobody
-            last_counts[last] = last_counts.get(last, 0) + 1
-        transfers.append(sync[last])
+        floors: dict[int, float] = {}
+        for rank, blocked in sync.items():
+            if blocked < floors.get(stages[rank], math.inf):
+                floors[stages[rank]] = blocked
+        for stage, floor in floors.items():
+            at_floor = [r for r, blocked in sync.items() if stages[r] == stage and blocked == floor]
+            if len(at_floor) == 1:  # a tie names nobody
+                last_counts[at_floor[0]] = last_counts.get(at_floor[0], 0) + 1
+        transfers.append(min(floors.values()))
         # sum/len, not statistics.mean: this runs per step per scrape, and mean's exact
         # fractions cost ~1.5 ms a scrape (bench/bench_exporter.py)
-        idles.append(sum(v - sync[last] for v in sync.values()) / len(sync))
+        idles.append(sum(b - floors[stages[r]] for r, b in sync.items()) / len(sync))
 
-    leads = [(r.arrival_lead_s, r) for r in live if r.arrival_lead_s is not None]
-    if len(leads) >= 2 and step > 0:
-        lo, slow = min(leads, key=lambda x: x[0])
-        skew = max(lead for lead, _ in leads) - lo
+    here = {r.rank: r for r in live}
+    root = stage_root(
+        {r.rank: r.arrival_lead_s for r in live if r.arrival_lead_s is not None}, stages
+    )
+    if root is not None and step > 0:
+        slow, skew = here[root[0]], root[1]
         threshold = max(settings.skew_threshold_s, t.skew_step_fraction * step)
         score = min(1.0, skew / step)
-        need = max(t.last_arrival_share, 1.5 / len(live))
+        peers_in_stage = sum(1 for r in live if stages[r.rank] == stages[slow.rank])
+        need = max(t.last_arrival_share, 1.5 / peers_in_stage)
         share = last_counts.get(slow.rank, 0) / len(aligned) if enough else None
         if skew <= threshold:
             modes["straggler"] = (
@@ -453,7 +478,7 @@ def _diagnose(
                 f"(rank {slow.rank} in {share:.0%} of steps): the last arrival rotates",
             )
         else:
-            peers = [r for _, r in leads if r is not slow]
+            peers = [r for r in live if r is not slow and r.arrival_lead_s is not None]
             cause, why = straggler_cause(slow, peers, t)
             straggler = Straggler(slow.rank, cause, why, skew, share)
             often = f", last in {share:.0%} of steps" if share is not None else ""
@@ -656,9 +681,9 @@ def _job_wide(
         )
         return dataclasses.replace(local, modes=modes)
 
-    if len(job_wide.leads) >= 2 and step > 0:
-        slow_rank = min(job_wide.leads, key=lambda rank: job_wide.leads[rank])
-        skew = max(job_wide.leads.values()) - job_wide.leads[slow_rank]
+    root = stage_root(job_wide.leads, job_wide.stages)
+    if root is not None and step > 0:
+        slow_rank, skew = root
         threshold = max(settings.skew_threshold_s, t.skew_step_fraction * step)
         score = min(1.0, skew / step)
         if skew <= threshold:
@@ -714,5 +739,5 @@ def _job_wide(
         modes=modes,
         straggler=straggler,
         skew_s=skew,
-        victims=_victims(live, straggler, t, job_wide.leads),
+        victims=_victims(live, straggler, t, job_wide.job_waits()),
     )

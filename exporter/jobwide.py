@@ -41,11 +41,25 @@ class JobWide:
     read_unix_s: float = 0.0
     transfer_inflation: float | None = None  # transfer per step ÷ its own baseline
     link_ratios: Mapping[str, float] = field(default_factory=dict)  # node -> capacity ÷ median
+    # rank -> pipeline stage, for a pipeline's ranks: the lead rule's `stage` label (a lead is
+    # over the least blocked rank of the rank's stage there)
+    stages: Mapping[int, int] = field(default_factory=dict)
+    # rank -> its blocked time per step beyond the job's least blocked rank, whatever its stage
+    # (a pipeline's lead plus its stage's least blocked time over the job's): how long it
+    # waits, for the wait chain. None: the leads are that (a job that is no pipeline).
+    waits: Mapping[int, float] | None = None
+
+    def job_waits(self) -> Mapping[int, float]:
+        """Each rank's blocked time per step beyond the job's least blocked rank."""
+        return self.leads if self.waits is None else self.waits
 
 
 def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, JobWide]:
     """Instant-query results of the rules -> one JobWide per job."""
     leads: dict[str, dict[int, float]] = {}
+    stages: dict[str, dict[int, int]] = {}
+    least: dict[str, float] = {}  # job -> its least blocked rank's time per step
+    stage_least: dict[str, dict[int, float]] = {}  # job -> stage -> the same in the stage
     transfer: dict[str, float] = {}
     amplification: dict[str, float] = {}
     inflation: dict[str, float] = {}
@@ -55,6 +69,17 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
         value = _number(sample)
         if job and rank is not None and rank.isdigit() and value is not None:
             leads.setdefault(job, {})[int(rank)] = value
+            stage = sample["metric"].get("stage", "")
+            if stage.isdigit():
+                stages.setdefault(job, {})[int(rank)] = int(stage)
+    for sample in replies.get(recorded.SYNC_PER_STEP_STAGE_MIN, []):
+        job, stage, value = (
+            sample["metric"].get("job"),
+            sample["metric"].get("stage", ""),
+            _number(sample),
+        )
+        if job and stage.isdigit() and value is not None:
+            stage_least.setdefault(job, {})[int(stage)] = value
     for sample in replies.get(recorded.LINK_CAPACITY_RATIO, []):
         job, node, value = (
             sample["metric"].get("job"),
@@ -67,6 +92,7 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
         (recorded.TRANSFER_PER_STEP, transfer),
         (recorded.SYNC_AMPLIFICATION, amplification),
         (recorded.TRANSFER_INFLATION, inflation),
+        (recorded.SYNC_PER_STEP_MIN, least),
     ):
         for sample in replies.get(name, []):
             job, value = sample["metric"].get("job"), _number(sample)
@@ -80,8 +106,27 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
             now,
             inflation.get(job),
             links.get(job, {}),
+            stages.get(job, {}),
+            _waits(leads.get(job, {}), stages.get(job), least.get(job), stage_least.get(job)),
         )
         for job in set(leads) | set(transfer) | set(amplification)
+    }
+
+
+def _waits(
+    leads: Mapping[int, float],
+    stages: Mapping[int, int] | None,
+    least: float | None,
+    stage_least: Mapping[int, float] | None,
+) -> dict[int, float] | None:
+    """A pipeline's ranks' blocked time beyond the job's least blocked rank: each one's lead
+    over its stage plus its stage's least blocked time over the job's. None where the job is
+    no pipeline (its leads are that already) or the least blocked times are not known."""
+    if not stages or least is None or not stage_least:
+        return None
+    return {
+        rank: lead + stage_least.get(stages[rank], least) - least if rank in stages else lead
+        for rank, lead in leads.items()
     }
 
 
@@ -102,6 +147,8 @@ class PrometheusReader:
         recorded.SYNC_AMPLIFICATION,
         recorded.TRANSFER_INFLATION,
         recorded.LINK_CAPACITY_RATIO,
+        recorded.SYNC_PER_STEP_MIN,
+        recorded.SYNC_PER_STEP_STAGE_MIN,
     )
 
     def __init__(self, url: str, interval_s: float = 15.0, timeout_s: float = 2.0) -> None:

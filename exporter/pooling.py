@@ -82,17 +82,21 @@ class NodeInflation(NamedTuple):
     work: float  # the same ratio for the node's work per step (step − exposed comm − pacing)
 
 
-def _least_exposed(entries: dict[Rank, _RankStep]) -> float | None:
-    """The least exposed communication of the step's ranks, or None where no rank's row has
-    any (an agent that times no waits: the per-kind collective waits are all there is)."""
-    least, seen = float("inf"), False
-    for _step_s, phases in entries.values():
+def _least_exposed(entries: dict[Rank, _RankStep], stages: dict[Rank, int]) -> dict[int, float]:
+    """The least exposed communication of the step's ranks, per pipeline stage (a rank of no
+    stage: stage 0), or {} where no rank's row has any (an agent that times no waits: the
+    per-kind collective waits are all there is)."""
+    least: dict[int, float] = {}
+    seen = False
+    for rank, (_step_s, phases) in entries.items():
         if len(phases) <= Phase.COMM_EXPOSED:
-            return None
+            return {}
         exposed = phases[Phase.COMM_EXPOSED]
         seen = seen or exposed > 0
-        least = min(least, exposed)
-    return least if seen else None
+        stage = stages.get(rank, 0)
+        if exposed < least.get(stage, float("inf")):
+            least[stage] = exposed
+    return least if seen else {}
 
 
 @dataclass
@@ -132,6 +136,14 @@ class JobPool:
 
     The reporting ranks (those a pending step waits for) are given to `complete`, or kept here
     by `join` and `leave` as they come and go, which the exporter's store does.
+
+    A pipeline's ranks (`set_stage`) wait, step by step, only beyond the least blocked rank of
+    their own stage: the stages of a pipeline do different work by design (the last one
+    computes the head and the loss), so one stage's ranks always wait in its point-to-point
+    ops longer than another's, and against the job's least blocked rank every rank of a
+    lighter stage would read as waiting for a straggler. The waits per collective kind (which
+    group a rank waits in, for the wait chain) and the node's transfer stay over all its
+    ranks: a rank that waits in pp for a slow stage waits there whatever its stage.
     """
 
     transfer_window: int = 64  # pooled steps each kind's transfer estimate averages over
@@ -170,6 +182,11 @@ class JobPool:
     # The node's transfer (sum of its minima) at each of the last `transfer_window` pooled
     # steps: per step as Prometheus takes it, a kind that skips steps counting 0 at those.
     _per_step: deque[float] = field(default_factory=deque)
+    _stages: dict[Rank, int] = field(default_factory=dict)  # pipeline stage by rank, where known
+
+    def set_stage(self, rank: Rank, stage: int) -> None:
+        """`rank` is stage `stage` of a pipeline (wire.pipeline_stage)."""
+        self._stages[rank] = stage
 
     def add_collective(
         self, rank: Rank, key: Key, step: int, duration: float, sink: WaitSink
@@ -350,7 +367,8 @@ class JobPool:
                 series.append(low)
                 self._changed[key] = None
         alone = len(entries) <= 1
-        least_blocked = _least_exposed(entries) if not alone else None
+        stages = self._stages
+        least_blocked = _least_exposed(entries, stages) if not alone else {}
         out = []
         for (rank, (step_s, phases)), by_key in zip(entries.items(), by_rank.values(), strict=True):
             wait = 0.0
@@ -360,11 +378,11 @@ class JobPool:
                     extra = seconds - minima[key]
                     sinks[key][1].wait_seconds += extra
                     wait += extra
-            if least_blocked is not None:
+            if least_blocked:
                 # The rank's wait is what it spent blocked in collectives beyond the rank that
                 # was blocked least: async collectives overlap compute, so their issue-to-
                 # completion times (the per-kind waits above) are not all waiting.
-                wait = phases[Phase.COMM_EXPOSED] - least_blocked
+                wait = phases[Phase.COMM_EXPOSED] - least_blocked[stages.get(rank, 0)]
             out.append(Pooled(rank, step, step_s, phases, wait))
         return out
 

@@ -32,12 +32,14 @@ from syncscope.wire import (
     MAX_TOPOLOGY_ENTRIES,
     MAX_TOPOLOGY_TEXT,
     OPS,
+    P2P_OPS,
     PHASES,
     Batch,
     CollectiveSeconds,
     EventSeconds,
     PacingState,
     StepSeconds,
+    pipeline_stage,
 )
 
 if TYPE_CHECKING:  # diagnosis reads the views defined here; the store imports it when it runs
@@ -167,6 +169,10 @@ class RankView:
     lost_steps: int = 0
     # Its throughput per GPU now and its own best sustained level (exporter.throughput).
     throughput: ThroughputView | None = field(default=None, metadata=OMIT_IF_NONE)
+    # Its pipeline stage where it is a pipeline's rank: leads, the straggler and the idle at
+    # the sync compare it with the ranks of its stage only (a pipeline's stages differ in work
+    # by design; exporter.pooling).
+    pipeline_stage: int | None = field(default=None, metadata=OMIT_IF_NONE)
 
     def label_values(self, job: str) -> list[str]:
         """Its values for the catalog's RANK labels (job, node, rank, local_rank)."""
@@ -355,6 +361,9 @@ class RankState:
     pacing_delay_before: float = 0.0
     pacing_engagements_before: int = 0
     topology: dict[str, Any] | None = None  # replaced whole, never changed in place
+    # Its pipeline stage (wire.pipeline_stage), once a point-to-point op in a group whose
+    # ranks its topology lists says it is one; None: not a pipeline's rank (or not known yet).
+    stage: int | None = None
     # The rank's life (Store._events, _steps, _new_incarnation): what goodput is made of.
     process_started_unix_s: float = 0.0  # the earliest of its incarnations; 0: not known
     productive_s: float = 0.0
@@ -576,6 +585,10 @@ class Store:
             totals.calls += 1
             totals.seconds += duration
             totals.bytes += nbytes
+            if op in P2P_OPS and state.stage is None:
+                state.stage = pipeline_stage(state.rank, group, state.topology)
+                if state.stage is not None:
+                    pool.set_stage(state.rank, state.stage)
             # Its wait is added when the step is pooled with the other ranks' (exporter.pooling).
             pool.add_collective(
                 state.rank, collective_key(op, group, nbytes), step, duration, totals
@@ -880,6 +893,7 @@ def _rank_view(s: RankState, now: float, stale_after: float, keep: int | None) -
         badput_s=dict(s.badput_s),
         lost_steps=s.lost_steps,
         throughput=s.throughput.view(),
+        pipeline_stage=s.stage,
     )
 
 

@@ -31,6 +31,7 @@ CONDITIONS = (
     "rapl",
     "verdict",
     "price",
+    "pipeline",
 )
 
 
@@ -179,6 +180,15 @@ ARRIVAL_LEAD_SECONDS = _rank(
     "that waits least (the exporter's own measurement, mean of the last 64 steps). Job-wide: "
     f"the recording rule {recorded.LEAD}.",
     "seconds",
+)
+RANK_PIPELINE_STAGE_INFO = MetricSpec(
+    "syncscope_rank_pipeline_stage_info",
+    "info",
+    "The pipeline stage of a pipeline's rank (value 1): its position in the process group its "
+    "point-to-point ops run in. The lead rule compares a rank with the ranks of its own stage "
+    f"({recorded.LEAD}).",
+    (*RANK, "stage"),
+    "pipeline",
 )
 STEP_TIME_CV = _rank(
     "syncscope_step_time_cv",
@@ -581,7 +591,12 @@ SECTIONS = (
     Section("per rank: steps and phases", (STEPS_TOTAL, PHASE_SECONDS_TOTAL)),
     Section(
         "per rank: collectives and arrival",
-        (RANK_COLLECTIVE_SECONDS_TOTAL, ARRIVAL_LEAD_SECONDS, STEP_TIME_CV),
+        (
+            RANK_COLLECTIVE_SECONDS_TOTAL,
+            ARRIVAL_LEAD_SECONDS,
+            RANK_PIPELINE_STAGE_INFO,
+            STEP_TIME_CV,
+        ),
     ),
     Section(
         "per rank: liveness and transport",
@@ -707,6 +722,8 @@ CONTRACT_HEADER = """\
 #              | rapl (where the exporter can read the host's RAPL package counters)
 #              | verdict (while the exporter's diagnosis finds the job losing time)
 #              | price (where the exporter is given --price-per-gpu-hour)
+#              | pipeline (a pipeline's rank: its point-to-point ops run in a group whose
+#                ranks it reported)
 """
 
 

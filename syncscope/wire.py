@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -77,9 +78,33 @@ OPS = (
     "ddp_grad_sync",
 )
 DDP_GRAD_SYNC = "ddp_grad_sync"
+# Point-to-point ops: a pipeline's stages hand activations and gradients on with them.
+P2P_OPS = frozenset({"send", "recv"})
 # A topology entry "group.<label>" lists the global ranks of the rank's group of that label
 # ("2,3"): how the exporter follows a wait to the rank waited for.
 GROUP_FACT = "group."
+
+
+def group_ranks(topology: Mapping[str, Any] | None, group: str) -> tuple[int, ...]:
+    """The global ranks of the group labelled `group`, as a rank's topology lists them (its
+    GROUP_FACT entry), or () where it does not."""
+    text = (topology or {}).get(GROUP_FACT + group)
+    if not isinstance(text, str):
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        return ()
+
+
+def pipeline_stage(rank: int, group: str, topology: Mapping[str, Any] | None) -> int | None:
+    """The pipeline stage of `rank`, whose point-to-point ops run in `group`: its position in
+    that group (stage s of every pipeline is its pp group's s-th rank, as DeviceMesh and
+    torch.distributed.pipelining lay pipelines out), or None where the group's ranks are not
+    known."""
+    ranks = group_ranks(topology, group)
+    return ranks.index(rank) if rank in ranks else None
+
 
 MAX_STEPS_PER_BATCH = 4096
 MAX_COLLECTIVES_PER_BATCH = 16384

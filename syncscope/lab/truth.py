@@ -71,6 +71,7 @@ def pooled_truth(
     window_s: float | None = None,
     settle_s: float = 2.0,
     rule_steps: Callable[[float], tuple[int, int] | None] | None = None,
+    stages: Mapping[int, int] | None = None,
 ) -> Truth:
     """The truth over the steps all ranks recorded, without the first ``skip_steps`` of them
     (gloo connects and the allocator warms up there: one such step can outweigh a minute).
@@ -82,6 +83,9 @@ def pooled_truth(
     middle), so the rules are judged against the steps they saw. ``rule_steps``: given the
     time the rules are read at, the steps (first, last + 1) their window's raw samples span
     (`rule_window_steps`); then exactly those steps, not the ones that ended in the window.
+    ``stages``: rank -> pipeline stage, as the job laid its pipelines out; a rank's wait is
+    then over the least blocked rank of its own stage (a pipeline's stages differ in work by
+    design), and the transfer the least blocked rank's of the job.
     """
     ranks = sorted(records)
     if not ranks:
@@ -106,12 +110,13 @@ def pooled_truth(
     wait = {r: 0.0 for r in ranks}
     exposed = {r: 0.0 for r in ranks}
     step_time = {r: 0.0 for r in ranks}
+    stage = {r: (stages or {}).get(r, 0) for r in ranks}
     for k in common:
         d = {r: float(records[r][k]["phases"][EXPOSED]) for r in ranks}
-        floor = min(d.values())
-        transfer += floor
+        floor = {s: min(d[r] for r in ranks if stage[r] == s) for s in set(stage.values())}
+        transfer += min(floor.values())
         for r in ranks:
-            wait[r] += d[r] - floor
+            wait[r] += d[r] - floor[stage[r]]
             exposed[r] += d[r]
             step_time[r] += float(records[r][k]["step_s"])
     n = len(common)

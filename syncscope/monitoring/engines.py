@@ -46,13 +46,15 @@ VMALERT_UNSUPPORTED_FIELDS = {
 # replaced by that record's expression, so that a rule computes what it compares afresh, except
 # a record that takes a range of scraped series (the per-rank rates): recomputed in every later
 # rule, those cost the group several times Prometheus's evaluation (1,024 × 8: the straggler group
-# 6.99 s against 0.76 s, docs/scale.md). Every later rule reads that one back as stored, and
-# computes from it alone what it compares: one stored sample, normally an evaluation late.
+# 6.99 s against 0.76 s, docs/scale.md), and a record per rank (its level names the rank:
+# `job_rank:`), whose expression, inlined, would be recomputed over every rank in each later
+# rule as well. Every later rule reads those back as stored, and computes from them alone what
+# it compares: one stored sample, normally an evaluation late.
 SAME_GROUP_RECORDS = (
     "vmalert reads a record of the same group from VictoriaMetrics, an evaluation late: bare "
     "references to such records are inlined as their expressions, except a record that takes "
-    "a range of scraped series, which later rules read back as stored, so the records after it "
-    "in its group lag an evaluation behind Prometheus's"
+    "a range of scraped series or has a series per rank, which later rules read back as "
+    "stored, so the records after it in its group lag an evaluation behind Prometheus's"
 )
 
 DIFFERENCES = {**VMALERT_UNSUPPORTED_FIELDS, "same_group_records": SAME_GROUP_RECORDS}
@@ -71,13 +73,19 @@ def ranges_scraped_series(expr: str, recorded: set[str]) -> bool:
     return any(name not in recorded for name in _RANGE_OF.findall(unquoted))
 
 
+def per_rank(record: str) -> bool:
+    """Whether a record has a series per rank: its level (before the first colon) names the
+    rank, as `job_rank:` and `job_rank_fault:` do."""
+    return "rank" in record.split(":", 1)[0].split("_")
+
+
 def _same_group_for_vmalert(
     group_rules: list[dict[str, Any]], recorded: set[str]
 ) -> list[dict[str, Any]]:
     """Each rule with its bare references to records defined earlier in the group replaced by
     their (already rewritten) expressions, except records that range scraped series, which
-    stay references to the stored series. References with a selector or a range keep reading
-    the stored series."""
+    stay references to the stored series, as do records per rank. References with a selector
+    or a range keep reading the stored series."""
     defined: dict[str, str] = {}
     out = []
     for rule in group_rules:
@@ -86,7 +94,11 @@ def _same_group_for_vmalert(
             bare = re.compile(rf"(?<![\w:]){re.escape(name)}(?![\w:{{\[])")
             expr = bare.sub(lambda _match: replacement, expr)  # noqa: B023 - used at once
         out.append({**rule, "expr": expr})
-        if "record" in rule and not ranges_scraped_series(expr, recorded):
+        if (
+            "record" in rule
+            and not ranges_scraped_series(expr, recorded)
+            and not per_rank(rule["record"])
+        ):
             defined[rule["record"]] = f"({expr.strip()})"
     return out
 

@@ -298,9 +298,12 @@ ACROSS_NODES = {
     "hsdp": (["--parallel", "hsdp"], 3),
     "tp": (["--parallel", "tp"], 3),
     "pp": (["--parallel", "pp", "--layers", "4"], 2),
+    # Uneven stages (one layer, then two and the head): stage 0 waits ~10 ms a step for stage
+    # 1, over the rule's 5 ms floor and 10 % line if ranks were compared across stages.
+    "pp-uneven": (["--parallel", "pp", "--hidden", "768"], 2),
     "ddp-accumulate": (["--accumulate", "2"], 3),
 }
-CLEAN_ACROSS_NODES = ("fsdp2", "hsdp", "tp", "pp")
+CLEAN_ACROSS_NODES = ("fsdp2", "hsdp", "tp", "pp", "pp-uneven")
 
 
 def named_by_the_rule(sel: str) -> str:

@@ -29,7 +29,14 @@ WORKLOADS = {
     "ddp-accumulate": ["--accumulate", "2"],
     # 4 layers: two per stage, so that neither stage of a clean pipeline is the slower one.
     "pp": ["--parallel", "pp", "--layers", "4"],
+    # 3 layers: one in stage 0, two and the head and loss in stage 1, as real pipelines are
+    # uneven; wider, so that stage 0's wait for stage 1 (~10 ms a step across stages) is over
+    # the exporter's 5 ms floor and 10 % of a step.
+    "pp-uneven": ["--parallel", "pp", "--hidden", "768"],
 }
+# The pipelines' layout (syncscope.lab.workload.pipeline): pairs {0,1} {2,3}, stage = the
+# rank's place in its pair.
+STAGES = {"pp": {r: r % 2 for r in range(4)}, "pp-uneven": {r: r % 2 for r in range(4)}}
 # With tensor parallelism on a (dp=2, tp=2) mesh rank 3's partner is rank 2, which waits for it
 # in the tp all-reduce and so arrives late at the dp collectives too: a victim, not the root.
 SLOWED = {"tp": 3}
@@ -86,7 +93,9 @@ def test_the_slowed_rank_is_named_with_its_cause_and_every_lead_matches_the_trut
     # the same steps, from every rank's own record file.
     by_rank = read_records(record_files(records))
     common = len(set.intersection(*(set(steps) for steps in by_rank.values())))
-    truth = pooled_truth(by_rank, skip_steps=max(WARM_UP_STEPS, common - LEAD_STEPS))
+    truth = pooled_truth(
+        by_rank, skip_steps=max(WARM_UP_STEPS, common - LEAD_STEPS), stages=STAGES.get(name)
+    )
     leads = {r["rank"]: r["arrival_lead_s"] for r in final["ranks"]}
     for rank, true_wait in truth.mean_wait_s.items():
         assert abs(leads[rank] - true_wait) <= max(0.003, 0.15 * true_wait), (rank, leads, truth)
@@ -99,7 +108,7 @@ def test_the_slowed_rank_is_named_with_its_cause_and_every_lead_matches_the_trut
     # A pipeline stage's first step also runs torch.distributed.pipelining's shape inference,
     # a real forward of one micro-batch (of 2) on the stage module with gradients on: counted,
     # once per process (docs/observability.md says so).
-    inference = job_args.batch // 2 if name == "pp" else 0
+    inference = job_args.batch // 2 if name.startswith("pp") else 0
     for r in final["ranks"]:
         assert r["samples_total"] == per_step * r["steps_total"] + inference, (name, r)
         assert r["tokens_total"] is None, (name, r)
@@ -118,7 +127,7 @@ def test_the_slowed_rank_is_named_with_its_cause_and_every_lead_matches_the_trut
         assert forward_ms(final, 2) <= 1.1 * peers[-1] + 0.5, [
             forward_ms(final, r) for r in range(4)
         ]
-    if name == "pp":
+    if name.startswith("pp"):
         # Pipelines {0,1} {2,3} (stage 0, stage 1), dp pairs {0,2} {1,3}: rank 2 is stage 0 of
         # the second pipeline: its next stage waits for it in pp.
         assert chain[3] == ("pp", 2), chain
@@ -133,3 +142,7 @@ def test_a_clean_run_gets_no_straggler_and_no_fabric_verdict(name, exporter, job
         assert diagnosis["straggler"] is None, diagnosis["modes"]["straggler"]
         for mode in ("fabric_contention", "slow_link"):
             assert not diagnosis["modes"].get(mode, {}).get("verdict"), diagnosis["modes"][mode]
+    # A pipeline's ranks are known by their stage (each compared with its own stage's); the
+    # other jobs' ranks have none.
+    stages = {r["rank"]: r.get("pipeline_stage") for r in samples[-1]["ranks"]}
+    assert stages == {r: STAGES.get(name, {}).get(r) for r in range(4)}, stages

@@ -414,8 +414,8 @@ def test_observability_doc_covers_what_was_and_was_not_run():
 def test_vmalert_rules_read_back_only_the_per_rank_rates_of_their_own_group():
     """vmalert reads a record back from VictoriaMetrics an evaluation late: within a group, a
     rule may name bare a record an earlier rule of that group makes only where that record
-    takes a range of scraped series (the per-rank rates, too costly to recompute in every later
-    rule); the others are inlined. The Prometheus file keeps them all. Over a range (`x[10m]`)
+    takes a range of scraped series (the per-rank rates) or has a series per rank (the leads):
+    too costly to recompute in every later rule; the others are inlined. The Prometheus file keeps them all. Over a range (`x[10m]`)
     or with a selector a rule reads the stored series on both engines, and another group's
     record too."""
     from syncscope.monitoring import engines
@@ -435,7 +435,9 @@ def test_vmalert_rules_read_back_only_the_per_rank_rates_of_their_own_group():
                     if re.search(rf"(?<![\w:]){re.escape(n)}(?![\w:{{\[])", rule["expr"])
                 ]
                 if engine == "vmalert":
-                    costly = [n for n in named if "rate(syncscope_" in earlier[n]]
+                    costly = [
+                        n for n in named if "rate(syncscope_" in earlier[n] or engines.per_rank(n)
+                    ]
                     assert named == costly, (group["name"], rule.get("record"), named)
                     read_back |= set(named)
                 else:
@@ -447,4 +449,5 @@ def test_vmalert_rules_read_back_only_the_per_rank_rates_of_their_own_group():
                     ), rule["expr"]
     # The straggler's per-rank exposed communication is read back, not recomputed six times.
     assert "job_rank:syncscope_phase_comm_exposed_seconds_per_step:ratio" in read_back
+    assert "job_rank:syncscope_phase_comm_exposed_seconds_per_step:minus_job_min" in read_back
     assert found_inlined  # the Prometheus rules do chain within groups: the check means something

@@ -199,3 +199,52 @@ def test_a_kind_that_skips_steps_does_not_take_the_sync_baseline_to_zero():
     # where the other kinds alone exceed the job's transfer, the sync keeps its share of it
     out = with_job_transfer({sync: 0.030, flag: 0.006}, 0.036, 0.005)
     assert abs(out[sync] - 0.030 * 0.005 / 0.036) < 1e-12
+
+
+def test_a_pipelines_leads_are_over_its_stage_and_its_waits_over_the_job():
+    """Two-stage pipelines {0,1} {2,3}, rank 2 (stage 0) slow: the lead rule's series carry the
+    stage; stage 1's ranks lead each other by little, yet they wait (rank 3 in pp for rank 2)
+    as long as their stage's least blocked time is over the job's."""
+
+    def sample(value: str, **labels: str) -> dict:
+        return {"metric": labels, "value": [1.0, value]}
+
+    replies = {
+        rules.LEAD: [
+            sample("0.3", job="p", rank="0", stage="0"),
+            sample("0.05", job="p", rank="1", stage="1"),
+            sample("0", job="p", rank="2", stage="0"),
+            sample("0", job="p", rank="3", stage="1"),
+        ],
+        rules.SYNC_PER_STEP_MIN: [sample("0.6", job="p")],
+        rules.SYNC_PER_STEP_STAGE_MIN: [
+            sample("0.6", job="p", stage="0"),
+            sample("0.45", job="p", stage="1"),
+        ],
+    }
+    wide = parse(replies, now=100.0)["p"]
+    assert wide.stages == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert wide.leads == {0: 0.3, 1: 0.05, 2: 0.0, 3: 0.0}
+    # stage 1's least blocked rank (3) is blocked 0.15 s a step less than the job's (2)
+    assert {r: round(w, 9) for r, w in wide.job_waits().items()} == {
+        0: 0.3,
+        1: -0.1,
+        2: 0.0,
+        3: -0.15,
+    }
+    # A job that is no pipeline: its leads are its waits.
+    flat = JobWide({0: 0.03, 1: 0.0})
+    assert flat.job_waits() == flat.leads
+
+
+def test_job_wide_view_of_a_pipeline_names_the_root_of_the_stage_whose_leads_spread():
+    """Leads per stage: stage 0's rank 0 30 ms ahead of rank 2, stage 1's ranks 2 ms apart.
+    Rank 2 is the root, 30 ms late; ranked across stages, rank 1 (lead 0 too, first) would be."""
+    ranks = two_of_four("balanced")
+    stages = {0: 0, 1: 1, 2: 0, 3: 1}
+    leads = {0: 0.030, 1: 0.0, 2: 0.0, 3: 0.002}
+    out = diagnose_job(
+        ranks, SETTINGS, job_wide=JobWide(leads, 0.004, 0.1, time.time(), stages=stages)
+    )
+    assert out.straggler is not None and out.straggler.rank == 2
+    assert abs(out.skew_s - 0.030) < 1e-9

@@ -198,3 +198,25 @@ def test_node_local_contention_is_the_inflation_not_the_share_of_the_step():
     # Both: only the transfer's inflation beyond the work's counts.
     both = contention(0.05, 2.5, 1.25)
     assert both.verdict and "fabric's share is 2.00×" in both.reason, both
+
+
+def test_a_pipelines_ranks_wait_only_beyond_their_own_stages_least_blocked_rank():
+    """Two-stage pipelines {0,1} {2,3}: stage 0 (ranks 0, 2) is blocked 12 ms a step, stage 1
+    (ranks 1, 3) 4 ms, by design; rank 2 is blocked 1 ms longer than rank 0. Each rank's wait is
+    beyond its own stage's least blocked rank; without stages stage 0 would wait 8 ms."""
+    exposed = {0: 0.012, 1: 0.004, 2: 0.013, 3: 0.0045}
+    out = {}
+    for staged in (True, False):
+        pool, sinks = JobPool(), {r: Sink() for r in exposed}
+        if staged:
+            for rank in exposed:
+                pool.set_stage(rank, rank % 2)
+        for step in range(3):
+            for rank, blocked in exposed.items():
+                phases = (0.0, 0.01, 0.01, 0.0, blocked, 0.0, 0.0)
+                pool.add_collective(rank, KEY, step, blocked, sinks[rank])
+                pool.add_step(rank, step, sum(phases), phases)
+        waits = {p.rank: p.wait_s for p in pool.complete(list(exposed)) if p.step == 2}
+        out[staged] = {rank: round(w, 9) for rank, w in waits.items()}
+    assert out[True] == {0: 0.0, 1: 0.0, 2: 0.001, 3: 0.0005}
+    assert out[False] == {0: 0.008, 1: 0.0, 2: 0.009, 3: 0.0005}

@@ -208,6 +208,7 @@ def test_recording_rule_names_follow_level_metric_operations():
                 "node",
                 "le",
                 "category",
+                "stage",
             }, rule["record"]
 
 

@@ -18,12 +18,14 @@ from syncscope.recorded import (
     PHASE_RATIO,
     SKEW,
     SKEW_RATIO,
+    STAGE_SKEW,
     STEP_MEAN,
     STRAGGLER_LAG,
     STRAGGLER_RATIO,
     SYNC_AMPLIFICATION,
     SYNC_PER_STEP,
     SYNC_PER_STEP_MIN,
+    SYNC_PER_STEP_STAGE_MIN,
     TRANSFER_INFLATION,
     TRANSFER_NODE_MIN,
     TRANSFER_PER_STEP,
@@ -170,6 +172,7 @@ clamp_min(
 
 def _straggler_records(cfg: Thresholds) -> list[dict[str, Any]]:
     w = cfg.windows
+    stage = sel(cfg, M.RANK_PIPELINE_STAGE_INFO.name)
     return [
         # Each rank's time blocked in collectives per step (its exposed communication) over
         # the straggler window; the rank blocked least waits for nobody persistently, and the
@@ -190,16 +193,48 @@ def _straggler_records(cfg: Thresholds) -> list[dict[str, Any]]:
 """,
         ),
         record(SYNC_PER_STEP_MIN, f"min by (job) ({SYNC_PER_STEP})"),
-        record(LEAD, f"{SYNC_PER_STEP} - on (job) group_left () {SYNC_PER_STEP_MIN}"),
-        # The smallest lead is 0 by construction (x - x), so the skew is the largest lead.
-        record(SKEW, f"max by (job) ({SYNC_PER_STEP}) - {SYNC_PER_STEP_MIN}"),
+        # A pipeline's stages differ in work by design (the last computes the head and the
+        # loss), so its ranks are compared with their own stage's (the exporter's
+        # syncscope_rank_pipeline_stage_info, present for a pipeline's ranks only; diagnosis.
+        # stage_root): their lead is over their stage's least blocked rank, and carries the
+        # stage. Every other rank's is over the job's least blocked rank.
+        record(
+            SYNC_PER_STEP_STAGE_MIN,
+            f"""
+min by (job, stage) (
+    {SYNC_PER_STEP}
+  * on (job, node, rank) group_left (stage)
+    {stage}
+)
+""",
+        ),
+        record(
+            LEAD,
+            f"""
+    {SYNC_PER_STEP}
+  - on (job, node, rank) group_left (stage)
+    ({stage} * on (job, stage) group_left () {SYNC_PER_STEP_STAGE_MIN})
+or on (job, node, rank)
+  {SYNC_PER_STEP} - on (job) group_left () {SYNC_PER_STEP_MIN}
+""",
+        ),
+        # The smallest lead of a stage is 0 by construction (x - x), so a stage's skew is its
+        # largest lead (a job that is no pipeline: one stage, labelled ""), the job's the
+        # largest of its stages'.
+        record(STAGE_SKEW, f"max by (job, stage) ({LEAD})"),
+        record(SKEW, f"max by (job) ({STAGE_SKEW})"),
         record(SKEW_RATIO, f"{SKEW} / {STEP_MEAN}"),
-        # The straggler is the rank that arrives last, i.e. with the smallest lead; its lag
-        # is how much later than the earliest rank it arrives, which is the job's skew.
+        # The straggler is the rank that arrives last, i.e. with the smallest lead, in the
+        # stage whose skew is the job's; its lag is how much later than the earliest rank of
+        # that stage it arrives, which is the job's skew.
         record(
             STRAGGLER_LAG,
             f"""
-  0 * ({LEAD} == 0)
+  0 * (
+      {LEAD} == 0
+    and on (job, stage)
+      ({STAGE_SKEW} == on (job) group_left () {SKEW})
+  )
 + on (job) group_left ()
   {SKEW}
 """,
