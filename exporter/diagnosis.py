@@ -295,6 +295,11 @@ def stage_root(leads: Mapping[int, float], stages: Mapping[int, int]) -> tuple[i
     return best
 
 
+def _of_stage(stage: int | None) -> str:
+    """' in its pipeline stage (stage 0)' for a pipeline's rank, '' for any other."""
+    return "" if stage is None else f" in its pipeline stage (stage {stage})"
+
+
 def group_members(rank: RankView, group: str) -> tuple[int, ...]:
     """The global ranks of `rank`'s group labelled `group`, as its agent reported them."""
     return group_ranks(rank.topology, group)
@@ -484,7 +489,8 @@ def _diagnose(
             often = f", last in {share:.0%} of steps" if share is not None else ""
             modes["straggler"] = (
                 max(score, t.verdict_score),
-                f"rank {slow.rank} arrives {skew * 1e3:.1f} ms after the earliest peer{often}",
+                f"rank {slow.rank} arrives {skew * 1e3:.1f} ms after the earliest peer"
+                f"{_of_stage(slow.pipeline_stage)}{often}",
             )
 
     mean_step = (
@@ -706,7 +712,7 @@ def _job_wide(
             modes["straggler"] = verdict(
                 max(score, t.verdict_score),
                 f"rank {slow_rank} arrives {skew * 1e3:.1f} ms after the earliest rank of the "
-                "job (job-wide, from Prometheus)",
+                f"job{_of_stage(job_wide.stages.get(slow_rank))} (job-wide, from Prometheus)",
             )
     if job_wide.amplification is not None:
         blame = f", mostly for rank {straggler.rank}" if straggler is not None else ""

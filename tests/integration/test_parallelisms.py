@@ -131,6 +131,9 @@ def test_the_slowed_rank_is_named_with_its_cause_and_every_lead_matches_the_trut
         # Pipelines {0,1} {2,3} (stage 0, stage 1), dp pairs {0,2} {1,3}: rank 2 is stage 0 of
         # the second pipeline: its next stage waits for it in pp.
         assert chain[3] == ("pp", 2), chain
+        # compared with the earliest rank of its own stage, and the reason says so
+        reasons = {s["diagnosis"]["modes"]["straggler"]["reason"] for s in samples}
+        assert all("in its pipeline stage (stage 0)" in why for why in reasons), reasons
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))

@@ -248,3 +248,4 @@ def test_job_wide_view_of_a_pipeline_names_the_root_of_the_stage_whose_leads_spr
     )
     assert out.straggler is not None and out.straggler.rank == 2
     assert abs(out.skew_s - 0.030) < 1e-9
+    assert "in its pipeline stage (stage 0)" in out.modes["straggler"].reason
