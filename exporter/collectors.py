@@ -99,22 +99,20 @@ def collect_steps(view: StoreView) -> Iterable[Metric]:
     phases = counter(M.PHASE_SECONDS_TOTAL)
     cv = gauge(M.STEP_TIME_CV)
     lead = gauge(M.ARRIVAL_LEAD_SECONDS)
-    stage = gauge(M.RANK_PIPELINE_STAGE_INFO)
     last = gauge(M.RANK_LAST_REPORT_TIMESTAMP_SECONDS)
     dropped = counter(M.AGENT_RECORDS_DROPPED_TOTAL)
     for r, labels in rank_views(view):
         steps.add_metric(labels, r.steps_total)
+        stage = "" if r.pipeline_stage is None else str(r.pipeline_stage)  # "": no label
         for phase in Phase:
-            phases.add_metric([*labels, phase.label], r.phase_seconds_total[phase])
+            phases.add_metric([*labels, phase.label, stage], r.phase_seconds_total[phase])
         if r.step_time_cv is not None:
             cv.add_metric(labels, r.step_time_cv)
         if r.node_lead_s is not None:
             lead.add_metric(labels, r.node_lead_s)
-        if r.pipeline_stage is not None:
-            stage.add_metric([*labels, str(r.pipeline_stage)], 1)
         last.add_metric(labels, r.last_report_unix_s)
         dropped.add_metric(labels, r.dropped_total)
-    return [hist, ratio, world, steps, phases, cv, lead, stage, last, dropped]
+    return [hist, ratio, world, steps, phases, cv, lead, last, dropped]
 
 
 def collect_work(view: StoreView) -> Iterable[Metric]:

@@ -31,7 +31,6 @@ CONDITIONS = (
     "rapl",
     "verdict",
     "price",
-    "pipeline",
 )
 
 
@@ -127,8 +126,10 @@ STEPS_TOTAL = _rank("syncscope_steps_total", "counter", "Training steps complete
 PHASE_SECONDS_TOTAL = MetricSpec(
     "syncscope_phase_seconds_total",
     "counter",
-    "Time spent per step phase; phases add up to step time.",
-    (*RANK, "phase"),
+    "Time spent per step phase; phases add up to step time. `stage`: a pipeline's rank's stage, "
+    "its place in the process group its point-to-point ops run in (empty, so absent, for any "
+    f"other rank); the lead rule compares a rank with the ranks of its own stage ({recorded.LEAD}).",
+    (*RANK, "phase", "stage"),
     "always",
     "seconds",
 )
@@ -180,15 +181,6 @@ ARRIVAL_LEAD_SECONDS = _rank(
     "that waits least (the exporter's own measurement, mean of the last 64 steps). Job-wide: "
     f"the recording rule {recorded.LEAD}.",
     "seconds",
-)
-RANK_PIPELINE_STAGE_INFO = MetricSpec(
-    "syncscope_rank_pipeline_stage_info",
-    "info",
-    "The pipeline stage of a pipeline's rank (value 1): its position in the process group its "
-    "point-to-point ops run in. The lead rule compares a rank with the ranks of its own stage "
-    f"({recorded.LEAD}).",
-    (*RANK, "stage"),
-    "pipeline",
 )
 STEP_TIME_CV = _rank(
     "syncscope_step_time_cv",
@@ -594,7 +586,6 @@ SECTIONS = (
         (
             RANK_COLLECTIVE_SECONDS_TOTAL,
             ARRIVAL_LEAD_SECONDS,
-            RANK_PIPELINE_STAGE_INFO,
             STEP_TIME_CV,
         ),
     ),
@@ -722,8 +713,6 @@ CONTRACT_HEADER = """\
 #              | rapl (where the exporter can read the host's RAPL package counters)
 #              | verdict (while the exporter's diagnosis finds the job losing time)
 #              | price (where the exporter is given --price-per-gpu-hour)
-#              | pipeline (a pipeline's rank: its point-to-point ops run in a group whose
-#                ranks it reported)
 """
 
 

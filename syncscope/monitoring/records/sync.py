@@ -172,20 +172,21 @@ clamp_min(
 
 def _straggler_records(cfg: Thresholds) -> list[dict[str, Any]]:
     w = cfg.windows
-    stage = sel(cfg, M.RANK_PIPELINE_STAGE_INFO.name)
     return [
         # Each rank's time blocked in collectives per step (its exposed communication) over
         # the straggler window; the rank blocked least waits for nobody persistently, and the
         # others' lead over it is their persistent skew. Differences of means carry no noise
         # bias (a rolling minimum did). Blocked time, not issue-to-completion time: an async
         # collective (FSDP2's prefetched all-gathers) overlaps compute until someone waits.
+        # A pipeline's rank keeps its `stage` (the exporter's label on its phase counter;
+        # absent for any other rank).
         record(
             SYNC_PER_STEP,
             f"""
-  sum by (job, node, rank) (
+  sum by (job, node, rank, stage) (
     {rate(cfg, M.PHASE_SECONDS_TOTAL.name, 'phase="comm_exposed"', window=w.straggler)}
   )
-/
+/ on (job, node, rank) group_left ()
   (
     sum by (job, node, rank) ({rate(cfg, M.STEPS_TOTAL.name, window=w.straggler)})
     > 0
@@ -194,33 +195,17 @@ def _straggler_records(cfg: Thresholds) -> list[dict[str, Any]]:
         ),
         record(SYNC_PER_STEP_MIN, f"min by (job) ({SYNC_PER_STEP})"),
         # A pipeline's stages differ in work by design (the last computes the head and the
-        # loss), so its ranks are compared with their own stage's (the exporter's
-        # syncscope_rank_pipeline_stage_info, present for a pipeline's ranks only; diagnosis.
-        # stage_root): their lead is over their stage's least blocked rank, and carries the
-        # stage. Every other rank's is over the job's least blocked rank.
-        record(
-            SYNC_PER_STEP_STAGE_MIN,
-            f"""
-min by (job, stage) (
-    {SYNC_PER_STEP}
-  * on (job, node, rank) group_left (stage)
-    {stage}
-)
-""",
-        ),
+        # loss), so its ranks are compared with their own stage's (diagnosis.stage_root):
+        # their lead is over their stage's least blocked rank. A job that is no pipeline is
+        # one stage, labelled "": its ranks' lead is over the job's least blocked rank. One
+        # read of the per-rank ratio, no join.
+        record(SYNC_PER_STEP_STAGE_MIN, f"min by (job, stage) ({SYNC_PER_STEP})"),
         record(
             LEAD,
-            f"""
-    {SYNC_PER_STEP}
-  - on (job, node, rank) group_left (stage)
-    ({stage} * on (job, stage) group_left () {SYNC_PER_STEP_STAGE_MIN})
-or on (job, node, rank)
-  {SYNC_PER_STEP} - on (job) group_left () {SYNC_PER_STEP_MIN}
-""",
+            f"{SYNC_PER_STEP} - on (job, stage) group_left () {SYNC_PER_STEP_STAGE_MIN}",
         ),
         # The smallest lead of a stage is 0 by construction (x - x), so a stage's skew is its
-        # largest lead (a job that is no pipeline: one stage, labelled ""), the job's the
-        # largest of its stages'.
+        # largest lead, the job's the largest of its stages'.
         record(STAGE_SKEW, f"max by (job, stage) ({LEAD})"),
         record(SKEW, f"max by (job) ({STAGE_SKEW})"),
         record(SKEW_RATIO, f"{SKEW} / {STEP_MEAN}"),
