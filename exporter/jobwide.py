@@ -58,8 +58,8 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
     """Instant-query results of the rules -> one JobWide per job."""
     leads: dict[str, dict[int, float]] = {}
     stages: dict[str, dict[int, int]] = {}
-    least: dict[str, float] = {}  # job -> its least blocked rank's time per step
-    stage_least: dict[str, dict[int, float]] = {}  # job -> stage -> the same in the stage
+    # job -> stage (None: ranks with none) -> its least blocked rank's time per step
+    stage_least: dict[str, dict[int | None, float]] = {}
     transfer: dict[str, float] = {}
     amplification: dict[str, float] = {}
     inflation: dict[str, float] = {}
@@ -78,8 +78,8 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
             sample["metric"].get("stage", ""),
             _number(sample),
         )
-        if job and stage.isdigit() and value is not None:
-            stage_least.setdefault(job, {})[int(stage)] = value
+        if job and (stage == "" or stage.isdigit()) and value is not None:
+            stage_least.setdefault(job, {})[int(stage) if stage else None] = value
     for sample in replies.get(recorded.LINK_CAPACITY_RATIO, []):
         job, node, value = (
             sample["metric"].get("job"),
@@ -92,7 +92,6 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
         (recorded.TRANSFER_PER_STEP, transfer),
         (recorded.SYNC_AMPLIFICATION, amplification),
         (recorded.TRANSFER_INFLATION, inflation),
-        (recorded.SYNC_PER_STEP_MIN, least),
     ):
         for sample in replies.get(name, []):
             job, value = sample["metric"].get("job"), _number(sample)
@@ -107,7 +106,7 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
             inflation.get(job),
             links.get(job, {}),
             stages.get(job, {}),
-            _waits(leads.get(job, {}), stages.get(job), least.get(job), stage_least.get(job)),
+            _waits(leads.get(job, {}), stages.get(job, {}), stage_least.get(job)),
         )
         for job in set(leads) | set(transfer) | set(amplification)
     }
@@ -115,17 +114,18 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
 
 def _waits(
     leads: Mapping[int, float],
-    stages: Mapping[int, int] | None,
-    least: float | None,
-    stage_least: Mapping[int, float] | None,
+    stages: Mapping[int, int],
+    stage_least: Mapping[int | None, float] | None,
 ) -> dict[int, float] | None:
     """A pipeline's ranks' blocked time beyond the job's least blocked rank: each one's lead
-    over its stage plus its stage's least blocked time over the job's. None where the job is
-    no pipeline (its leads are that already) or the least blocked times are not known."""
-    if not stages or least is None or not stage_least:
+    over its stage plus its stage's least blocked time over the job's (the least of the
+    stages'). None where the job is no pipeline (its leads are that already) or the stages'
+    least blocked times are not known."""
+    if not stages or not stage_least:
         return None
+    least = min(stage_least.values())
     return {
-        rank: lead + stage_least.get(stages[rank], least) - least if rank in stages else lead
+        rank: lead + stage_least.get(stages.get(rank), least) - least
         for rank, lead in leads.items()
     }
 
@@ -147,7 +147,6 @@ class PrometheusReader:
         recorded.SYNC_AMPLIFICATION,
         recorded.TRANSFER_INFLATION,
         recorded.LINK_CAPACITY_RATIO,
-        recorded.SYNC_PER_STEP_MIN,
         recorded.SYNC_PER_STEP_STAGE_MIN,
     )
 

@@ -583,11 +583,7 @@ SECTIONS = (
     Section("per rank: steps and phases", (STEPS_TOTAL, PHASE_SECONDS_TOTAL)),
     Section(
         "per rank: collectives and arrival",
-        (
-            RANK_COLLECTIVE_SECONDS_TOTAL,
-            ARRIVAL_LEAD_SECONDS,
-            STEP_TIME_CV,
-        ),
+        (RANK_COLLECTIVE_SECONDS_TOTAL, ARRIVAL_LEAD_SECONDS, STEP_TIME_CV),
     ),
     Section(
         "per rank: liveness and transport",

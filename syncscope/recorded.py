@@ -45,8 +45,9 @@ SYNC_PER_STEP = "job_rank:syncscope_phase_comm_exposed_seconds_per_step:ratio"
 SYNC_PER_STEP_MIN = "job:syncscope_phase_comm_exposed_seconds_per_step:min"
 SYNC_PER_STEP_STAGE_MIN = "job_stage:syncscope_phase_comm_exposed_seconds_per_step:min"
 # Job-wide: each rank's lead, its time blocked in collectives per step beyond the rank of the
-# job blocked least (not the exporter's node-local gauge syncscope_arrival_lead_seconds); the
-# skew, the largest lead; and the skew as a share of the mean step.
+# job blocked least, a pipeline's rank's beyond the least blocked rank of its stage (not the
+# exporter's node-local gauge syncscope_arrival_lead_seconds); the skew, the largest lead; and
+# the skew as a share of the mean step.
 LEAD = "job_rank:syncscope_phase_comm_exposed_seconds_per_step:minus_job_min"
 STAGE_SKEW = "job_stage:syncscope_phase_comm_exposed_seconds_per_step:max_minus_min"
 SKEW = "job:syncscope_phase_comm_exposed_seconds_per_step:max_minus_min"

@@ -202,9 +202,10 @@ def test_a_kind_that_skips_steps_does_not_take_the_sync_baseline_to_zero():
 
 
 def test_a_pipelines_leads_are_over_its_stage_and_its_waits_over_the_job():
-    """Two-stage pipelines {0,1} {2,3}, rank 2 (stage 0) slow: the lead rule's series carry the
-    stage; stage 1's ranks lead each other by little, yet they wait (rank 3 in pp for rank 2)
-    as long as their stage's least blocked time is over the job's."""
+    """Two-stage pipelines {0,1} {2,3}, rank 2 (stage 0) slow, blocked per step 0.9, 0.5, 0.6
+    and 0.45 s (ranks 0-3): the lead rule's series carry the stage, each lead over its stage's
+    least blocked rank; the waits are over the job's least blocked rank (rank 3, the least of
+    the stages' minima), whatever the stage."""
 
     def sample(value: str, **labels: str) -> dict:
         return {"metric": labels, "value": [1.0, value]}
@@ -216,7 +217,6 @@ def test_a_pipelines_leads_are_over_its_stage_and_its_waits_over_the_job():
             sample("0", job="p", rank="2", stage="0"),
             sample("0", job="p", rank="3", stage="1"),
         ],
-        rules.SYNC_PER_STEP_MIN: [sample("0.6", job="p")],
         rules.SYNC_PER_STEP_STAGE_MIN: [
             sample("0.6", job="p", stage="0"),
             sample("0.45", job="p", stage="1"),
@@ -225,12 +225,12 @@ def test_a_pipelines_leads_are_over_its_stage_and_its_waits_over_the_job():
     wide = parse(replies, now=100.0)["p"]
     assert wide.stages == {0: 0, 1: 1, 2: 0, 3: 1}
     assert wide.leads == {0: 0.3, 1: 0.05, 2: 0.0, 3: 0.0}
-    # stage 1's least blocked rank (3) is blocked 0.15 s a step less than the job's (2)
+    # stage 0's least blocked rank (2) is blocked 0.15 s a step more than the job's (3)
     assert {r: round(w, 9) for r, w in wide.job_waits().items()} == {
-        0: 0.3,
-        1: -0.1,
-        2: 0.0,
-        3: -0.15,
+        0: 0.45,
+        1: 0.05,
+        2: 0.15,
+        3: 0.0,
     }
     # A job that is no pipeline: its leads are its waits.
     flat = JobWide({0: 0.03, 1: 0.0})
