@@ -50,7 +50,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from syncscope.exporter.gpu import has_gpu, locality_faults
+from syncscope.exporter.gpu import PCIE_FAULTS, has_gpu, locality_faults
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.pooling import NodeInflation
 from syncscope.exporter.settings import Settings
@@ -201,22 +201,17 @@ def _phase_means(
 
 
 def locality_fault(topology: Mapping[str, Any] | None) -> str | None:
-    """The first locality fault of the rank's GPU (gpu.locality_faults), in words; else None.
-
-    A lower PCIe *generation* alone is no cause here: the topology's first reading is taken
-    at start-up, possibly idle, where a GPU trains its link down; the width is trusted. The
-    fault series (and the rules' locality alert) carry it.
-    """
+    """The first locality fault of the rank's GPU (gpu.locality_faults: the faults its series
+    and the rules' locality alert carry), in words; else None."""
     if not topology:
         return None
     for fault in locality_faults(topology):
-        if fault == "pcie_width":
-            width, most = (
-                number(topology.get(k)) for k in ("pcie_link_width", "pcie_link_max_width")
-            )
-            return f"PCIe link x{int(width or 0)} of x{int(most or 0)}"
         if fault == "numa_mismatch":
             return "process on another NUMA node than its GPU"
+        _, current, supported = next(f for f in PCIE_FAULTS if f[0] == fault)
+        prefix = "x" if fault == "pcie_width" else "gen "
+        now, most = (int(number(topology.get(k)) or 0) for k in (current, supported))
+        return f"PCIe link {prefix}{now} of {prefix}{most}"
     return None
 
 

@@ -45,8 +45,11 @@ GAUGES = tuple(
     s for s in CATALOG if s.condition == "gpu" and s not in (GPU_INFO, GPU_LOCALITY_FAULT)
 )
 # A PCIe link below what the GPU and slot support: (fault, current key, supported key). The
-# agent reports the current link as seen under load only (agent.topology: an idle GPU trains
-# its link down), so a lower generation is a fault like a narrower width.
+# agent reports the current link as seen under load only where NVML's clock-event reasons say
+# whether the GPU idles (agent.topology: an idle GPU trains its link down, and the agent keeps
+# the last loaded reading); from sysfs alone it cannot tell. A narrower width is a fault either
+# way (a link trains its speed down, rarely its width); a lower generation only where it was
+# read under load (link_read_under_load).
 PCIE_FAULTS = (
     ("pcie_width", "pcie_link_width", "pcie_link_max_width"),
     ("pcie_generation", "pcie_link_generation", "pcie_link_max_generation"),
@@ -86,11 +89,20 @@ def has_gpu(topology: Mapping[str, Any] | None) -> bool:
     return any(_text(topology, k) != UNKNOWN for k in ("gpu_uuid", "pci_bus_id", "gpu_name"))
 
 
+def link_read_under_load(topology: Mapping[str, Any]) -> bool:
+    """Whether the GPU's current PCIe generation was read under load: NVML gave its clock-event
+    reasons, by which the agent drops idle readings (without them nothing says so)."""
+    return topology_number(topology.get("throttle_reasons")) is not None
+
+
 def locality_faults(topology: Mapping[str, Any]) -> list[str]:
     """The GPU's locality faults (GPU_LOCALITY_FAULT's `fault` values); none where a reading is
-    missing, so an unread link or placement never looks like a fault."""
+    missing, so an unread link or placement never looks like a fault, and no generation fault
+    where the generation was not read under load."""
     faults = []
     for fault, current, supported in PCIE_FAULTS:
+        if fault == "pcie_generation" and not link_read_under_load(topology):
+            continue
         now, most = topology_number(topology.get(current)), topology_number(topology.get(supported))
         if now is not None and most is not None and 0 < now < most:
             faults.append(fault)

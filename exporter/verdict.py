@@ -25,7 +25,7 @@ from syncscope.exporter.diagnosis import (
     number,
     rank_list,
 )
-from syncscope.exporter.gpu import has_gpu
+from syncscope.exporter.gpu import has_gpu, link_read_under_load
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.store import RankView
 
@@ -200,8 +200,8 @@ def hardware_checks(
             now, most = number(topo.get(key)), number(topo.get(key.replace("link_", "link_max_")))
             if now is None or most is None or now <= 0 or most <= 0:
                 return None
-            if key == "pcie_link_generation" and number(topo.get("throttle_reasons")) is None:
-                return None  # without NVML nothing says the link was read under load
+            if key == "pcie_link_generation" and not link_read_under_load(topo):
+                return None
             return f"PCIe link {prefix}{int(now)} of {prefix}{int(most)}" if now < most else ""
 
         return per_rank

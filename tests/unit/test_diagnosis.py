@@ -166,11 +166,25 @@ def test_numa_mismatch_shared_by_every_rank_explains_no_single_one() -> None:
     assert out.modes["locality"].verdict
 
 
-def test_link_generation_alone_is_not_a_fault() -> None:
-    # GPUs train PCIe down while idle; a start-up sample of the generation proves nothing.
-    assert locality_fault({"pcie_link_generation": 1, "pcie_link_max_generation": 5}) is None
+def test_a_link_generation_is_a_fault_only_where_it_was_read_under_load() -> None:
+    # GPUs train PCIe down while idle: from sysfs alone (no clock-event reasons) a lower
+    # generation proves nothing; where NVML gave them the agent dropped idle readings.
+    slow = {"pcie_link_generation": 3, "pcie_link_max_generation": 5}
+    assert locality_fault(slow) is None
+    assert locality_fault({**slow, "throttle_reasons": 0}) == "PCIe link gen 3 of gen 5"
     assert locality_fault({"pcie_link_width": 16, "pcie_link_max_width": 16}) is None
     assert locality_fault(None) is None
+
+
+def test_a_straggler_on_a_link_below_its_generation_has_cause_locality() -> None:
+    # The straggler's link runs at gen 3 of gen 5 under load, its peers' at gen 5: the fault
+    # series carries it (gpu.locality_faults), so the cause names it as well.
+    ranks = gpu(ranks_of("forward_straggler"), r2={"pcie_link_generation": 3})
+    out = diagnose(ranks)
+    assert cause_of(out) == "locality"
+    assert out.straggler is not None
+    assert out.straggler.cause_reason == "PCIe link gen 3 of gen 5, unlike its peers"
+    assert out.modes["locality"].reason == "rank 2: PCIe link gen 3 of gen 5"
 
 
 def test_lateness_split_between_phases_is_unknown() -> None:

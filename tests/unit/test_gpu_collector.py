@@ -99,7 +99,12 @@ def faults(text: str) -> set[tuple[str, str]]:
     [
         ({"pcie_link_width": 16, "pcie_link_max_width": 16, "numa_mismatch": 0}, []),
         ({"pcie_link_width": 8, "pcie_link_max_width": 16}, ["pcie_width"]),
-        ({"pcie_link_generation": 4, "pcie_link_max_generation": 5}, ["pcie_generation"]),
+        (
+            {"pcie_link_generation": 4, "pcie_link_max_generation": 5, "throttle_reasons": 0},
+            ["pcie_generation"],
+        ),
+        # a generation not known to be read under load (no clock-event reasons: sysfs alone)
+        ({"pcie_link_generation": 4, "pcie_link_max_generation": 5}, []),
         ({"numa_mismatch": True}, ["numa_mismatch"]),
         # a reading missing (an idle GPU's link is not reported) or unread is no fault
         ({"pcie_link_width": None, "pcie_link_max_width": 16, "numa_mismatch": None}, []),
@@ -111,6 +116,7 @@ def faults(text: str) -> set[tuple[str, str]]:
                 "pcie_link_generation": 1,
                 "pcie_link_max_generation": 4,
                 "numa_mismatch": 1,
+                "throttle_reasons": 0x4,
             },
             ["pcie_width", "pcie_generation", "numa_mismatch"],
         ),
