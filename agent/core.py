@@ -117,6 +117,7 @@ class Agent:
         self.last_error: BaseException | None = None
         self._closed = False
         torch = sys.modules.get("torch") if model is None and optimizer is None else _import_torch()
+        model = model_parts(torch, model)
         self.identity = _identity(config)
         self.queues = RecordQueues(config.queue_size)
         labels = self.labels = GroupLabels()
@@ -516,6 +517,17 @@ def _import_torch() -> Any:
         return None
 
 
+def model_parts(torch: Any, model: Any) -> Any:
+    """`model` as attach() takes it: None, one module, or a pipeline rank's stages (a list or
+    tuple of modules, or an nn.ModuleList, whose own forward nobody calls) as a list."""
+    if isinstance(model, (list, tuple)) or (
+        torch is not None and isinstance(model, torch.nn.ModuleList)
+    ):
+        parts = list(model)
+        return parts[0] if len(parts) == 1 else parts or None
+    return model
+
+
 def _ddp_sync(torch: Any, model: Any, labels: GroupLabels) -> tuple[Any, str | None, float]:
     """(the DDP module, its group's label, bytes of gradients it synchronises per step), or
     (None, None, 0.0) when the model synchronises no gradients through DDP."""
@@ -532,7 +544,8 @@ def _cuda_device(torch: Any, model: Any, optimizer: Any) -> int | None:
     if torch is None:
         return None
     try:
-        first = next(iter(model.parameters()), None) if model is not None else None
+        parts = model if isinstance(model, list) else [] if model is None else [model]
+        first = next((p for m in parts for p in m.parameters()), None)
         if first is None and optimizer is not None:
             first = next((p for g in optimizer.param_groups for p in g["params"]), None)
         if first is not None and first.is_cuda:
@@ -573,7 +586,9 @@ def attach(
 ) -> RankAgent:
     """Attach syncscope to this rank's training.
 
-    model      the (DDP-wrapped) module: phases from its forward and backward
+    model      the (DDP-wrapped) module: phases from its forward and backward; or a pipeline
+               rank's stages (a list of modules, as torchtitan's model_parts), every one's
+               forward timed
     optimizer  step boundaries from its post-step hook, and the optimizer phase
     exporter   http://host:port or unix:///path (default: $SYNCSCOPE_EXPORTER)
     **config   any AgentConfig field (job, detail, pacing, flush_interval_s, ...)

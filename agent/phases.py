@@ -203,16 +203,21 @@ class PhaseClock:
         """Nothing to finish on CPU (CudaPhaseClock resolves what the GPU has done)."""
 
     def instrument(self, model: Any = None, optimizer: Any = None) -> None:
-        """Hook `model` (forward, parameter gradients, torch.autograd.backward) and `optimizer`."""
+        """Hook `model` (forward, parameter gradients, torch.autograd.backward) and `optimizer`.
+
+        `model`: a module, or a list of them (a pipeline rank's stages, each called apart):
+        every one's forward is the forward phase; the batch is read from the first one's
+        inputs only (the rank's first stage: later stages see the same samples again)."""
         handles = self._handles
-        if model is not None:
-            handles.append(wrap_forward(model, self.timed_forward))
-            if self.queue_callback is not None:
-                # Every trainable parameter is hooked until the first backward shows which
-                # gradients come first.
-                self._params = [p for p in model.parameters() if p.requires_grad]
-                self._learn()
-                install_backward(self)
+        parts = model if isinstance(model, list) else [] if model is None else [model]
+        for i, part in enumerate(parts):
+            handles.append(wrap_forward(part, self.timed_forward, count=i == 0))
+        if parts and self.queue_callback is not None:
+            # Every trainable parameter is hooked until the first backward shows which
+            # gradients come first.
+            self._params = [p for m in parts for p in m.parameters() if p.requires_grad]
+            self._learn()
+            install_backward(self)
         if optimizer is not None:
             handles.append(optimizer.register_step_pre_hook(self.optimizer_pre))
             handles.append(optimizer.register_step_post_hook(self.optimizer_post))
@@ -283,10 +288,11 @@ class PhaseClock:
         return waited
 
     # -- forward ------------------------------------------------------------------------------
-    def timed_forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def timed_forward(self, original: Callable[..., Any], count: bool = True) -> Callable[..., Any]:
         """`original` (a model's forward) timed as the forward phase, in the one frame that
         calls it: every extra Python call on the hot path runs on caches the step's kernels
-        have flushed, ~2-6 µs each on a 10 ms CPU step (bench_agent_overhead.py --sizes)."""
+        have flushed, ~2-6 µs each on a 10 ms CPU step (bench_agent_overhead.py --sizes).
+        `count`: read the batch from its inputs (count_inputs), else not."""
         clock = self
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -303,7 +309,7 @@ class PhaseClock:
                 clock.fwd_start = t
                 if clock.mark is not None:
                     clock.mark(FWD_PRE)
-                inputs = clock.inputs
+                inputs = clock.inputs if count else None
                 if inputs is not None and inputs[3]():  # shapes only: what the batch holds
                     x: Any = args[0] if args else kwargs.get(inputs[2])
                     shape = x.shape if isinstance(x, inputs[0]) else None
@@ -390,25 +396,32 @@ class PhaseClock:
         self.grad_ready(None)
 
     def grad_ready(self, param: Any) -> None:
-        """Post-accumulate-grad hook: the first one in a backward starts the backward phase."""
+        """Post-accumulate-grad hook: the first one in a backward starts the backward phase.
+
+        A hook called while no backward runs starts nothing: a pipeline schedule reduces
+        FSDP2's gradients after its backward passes (PipelineStage.perform_reduce_grad), and
+        FSDP2 then calls the sharded parameters' hooks itself, outside autograd, where no
+        callback can be queued."""
         try:
+            if not self.bwd_pending:
+                if self.bwd_depth > 1:
+                    self.bwd_deferred = True
+                else:
+                    try:
+                        self.queue_callback(self._backward_done)  # type: ignore[misc]
+                    except RuntimeError:  # "Final callbacks can only be installed during ..."
+                        return
+                self.bwd_pending = True
+                self.fwd_since_bwd = False
+                if self.bwd_entry:
+                    self.bwd_start = self.bwd_entry
+                else:  # a backward not run through torch.autograd.backward: it starts here
+                    self.bwd_start = _now()
+                    if self.mark is not None:
+                        self.mark(BWD_START)
             learned = self._learned
             if learned is not None and len(learned) < TRIGGERS and param is not None:
                 learned.append(param)
-            if self.bwd_pending:
-                return
-            self.bwd_pending = True
-            self.fwd_since_bwd = False
-            if self.bwd_entry:
-                self.bwd_start = self.bwd_entry
-            else:  # a backward not run through torch.autograd.backward: it starts here
-                self.bwd_start = _now()
-                if self.mark is not None:
-                    self.mark(BWD_START)
-            if self.bwd_depth > 1:
-                self.bwd_deferred = True
-            else:
-                self.queue_callback(self._backward_done)  # type: ignore[misc]
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
 
@@ -638,9 +651,9 @@ class _ForwardWrapper:
         self.model = None
 
 
-def wrap_forward(model: Any, timed: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Any:
+def wrap_forward(model: Any, timed: Callable[..., Callable[..., Any]], count: bool = True) -> Any:
     """Time `model`'s forward by wrapping it on the instance (as accelerate does): its forward
-    becomes `timed(original)` (PhaseClock.timed_forward).
+    becomes `timed(original, count)` (PhaseClock.timed_forward).
 
     Not register_forward_(pre_)hook: any module hook sends every call through nn.Module's slow
     path, several times the wrapper's cost per step (bench/bench_hook_costs.py measures both).
@@ -648,7 +661,7 @@ def wrap_forward(model: Any, timed: Callable[[Callable[..., Any]], Callable[...,
     """
     had_own = "forward" in model.__dict__
     original = model.forward
-    forward = _not_traced(functools.wraps(original)(timed(original)))
+    forward = _not_traced(functools.wraps(original)(timed(original, count)))
     model.__dict__["forward"] = forward
     return _ForwardWrapper(model, forward, had_own, original)
 

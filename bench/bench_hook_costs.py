@@ -91,7 +91,7 @@ def main() -> None:
         return [model.register_forward_pre_hook(noop), model.register_forward_hook(noop)]
 
     def instance_wrapper() -> list:
-        def timed(original: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(original: Callable[..., Any], count: bool = True) -> Callable[..., Any]:
             def forward(*args: Any, **kwargs: Any) -> Any:
                 noop()
                 out = original(*args, **kwargs)

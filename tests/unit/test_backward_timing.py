@@ -13,7 +13,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from syncscope.agent.phases import BACKWARD, COMM, RELEARN_LIMIT, TRIGGERS, PhaseClock  # noqa: E402
+from syncscope.agent.phases import (  # noqa: E402
+    BACKWARD,
+    COMM,
+    FORWARD,
+    RELEARN_LIMIT,
+    ROW_WORK,
+    TRIGGERS,
+    PhaseClock,
+)
 
 from syncscope.wire import DDP_GRAD_SYNC  # noqa: E402
 
@@ -80,6 +88,68 @@ def test_backward_starts_before_the_first_parameter_gradient():
     for row in rows[1:]:
         assert row[3 + BACKWARD] >= 8 * MS
         assert sum(row[3:9]) <= row[2]  # the phases, not the work counts after them
+
+
+def test_a_gradient_hook_called_outside_backward_starts_nothing():
+    # Under a pipeline schedule FSDP2 reduces gradients after the backward passes
+    # (PipelineStage.perform_reduce_grad) and calls the sharded parameters' hooks itself,
+    # outside autograd. That must neither fail nor leave a backward open: every later
+    # backward is still timed.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Sleeper(8.0))
+    errors: list = []
+    clock = clock_for(model, errors)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    clock.instrument(model, opt)
+    try:
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            clock.grad_ready(model[0].weight)  # what FSDP2's deferred reduction does
+            opt.step()
+    finally:
+        clock.uninstrument()
+    assert errors == []
+    assert not clock.bwd_pending
+    rows = list(clock.steps)
+    assert len(rows) == 5
+    for row in rows[1:]:
+        assert row[3 + BACKWARD] >= 8 * MS
+
+
+def test_every_stage_of_a_pipeline_rank_is_timed_and_its_batch_read_once():
+    # A rank of an interleaved pipeline holds two stage modules, each called on its own: both
+    # forwards are the forward phase; the samples are the first stage's inputs only.
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            import time
+
+            time.sleep(0.004)
+            return self.linear(x)
+
+    first, second = Stage(), Stage()
+    errors: list = []
+    clock = clock_for(first, errors)
+    clock.count_inputs(torch, "input")
+    opt = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.01)
+    clock.instrument([first, second], opt)
+    try:
+        for _ in range(4):
+            opt.zero_grad()
+            for micro in torch.randn(8, 8).chunk(2):  # two micro-batches of 4
+                second(first(micro)).pow(2).mean().backward()
+            opt.step()
+    finally:
+        clock.uninstrument()
+    assert errors == []
+    assert first.__dict__.get("forward") is None and second.__dict__.get("forward") is None
+    for row in list(clock.steps)[1:]:
+        assert row[3 + FORWARD] >= 4 * 4 * MS  # 2 micro-batches x 2 stages x 4 ms
+        assert row[3 + BACKWARD] > 0
+        assert row[ROW_WORK] == 8  # the batch, once
 
 
 def test_reentrant_checkpoint_backward_is_timed_to_the_outer_end():
