@@ -317,7 +317,11 @@ def wait_chain(
     Prometheus) reaches past this node: a rank here that waits for a rank elsewhere waits as
     long as its node's peers, so its wait beyond them is nil; its job-wide lead is its wait,
     the group its collectives take longest in is where it waits, and members elsewhere are
-    compared by their leads."""
+    compared by their leads.
+
+    Where that leads round in a circle (an interleaved pipeline's pair sends both ways, so each
+    rank of it waits most in `pp`, for the other), the rank of the circle that waits longest in
+    a group whose chain leaves the circle waits there instead, until no circle is left."""
     if job_leads:
         blocked = dict(job_leads)
     else:
@@ -325,7 +329,8 @@ def wait_chain(
         blocked = {
             r.rank: _phase_means(r, window, exposed).get(Phase.COMM_EXPOSED, 0.0) for r in ranks
         }
-    out = []
+    out: dict[int, Victim] = {}
+    others: dict[int, list[Victim]] = {}  # each victim's other groups, longest wait first
     for r in ranks:
         if r.rank == root or r.steps_total <= 0 or not r.collectives:
             continue
@@ -342,14 +347,56 @@ def wait_chain(
             for c in r.collectives:
                 spent[c.group] = spent.get(c.group, 0.0) + c.seconds
             group, wait = max(spent, key=spent.__getitem__), lead
-        members = group_members(r, group)
-        if root in members:
-            whom: int | None = root
-        else:
-            peers = [m for m in members if m != r.rank and m in blocked]
-            whom = min(peers, key=lambda m: blocked[m]) if peers else None
-        out.append(Victim(r.rank, group, whom, wait))
-    return tuple(out)
+            waits = {}
+        out[r.rank] = Victim(r.rank, group, _waits_for(r, group, root, blocked), wait)
+        others[r.rank] = [
+            Victim(r.rank, g, _waits_for(r, g, root, blocked), w)
+            for g, w in sorted(waits.items(), key=lambda kv: -kv[1])
+            if g != group
+        ]
+    _break_circles(out, others)
+    return tuple(out.values())
+
+
+def _waits_for(r: RankView, group: str, root: int, blocked: Mapping[int, float]) -> int | None:
+    """Whom `r` waits for in `group`: the root where it is a member, else the member blocked
+    least (None: no member this exporter knows)."""
+    members = group_members(r, group)
+    if root in members:
+        return root
+    peers = [m for m in members if m != r.rank and m in blocked]
+    return min(peers, key=lambda m: blocked[m]) if peers else None
+
+
+def _break_circles(out: dict[int, Victim], others: Mapping[int, list[Victim]]) -> None:
+    """Re-point victims of `out` (in place) whose `waits_for` lead round in a circle: each time
+    the one, of all in circles, that waits longest in another group whose chain ends outside
+    a circle."""
+
+    def circular(rank: int) -> bool:
+        seen = set()
+        while rank in out and rank not in seen:
+            seen.add(rank)
+            whom = out[rank].waits_for
+            if whom is None:
+                return False
+            rank = whom
+        return rank in seen
+
+    while True:
+        exits = [
+            next(
+                (v for v in others[rank] if v.waits_for is not None and not circular(v.waits_for)),
+                None,
+            )
+            for rank in out
+            if circular(rank)
+        ]
+        found = [v for v in exits if v is not None]
+        if not found:
+            return
+        best = max(found, key=lambda v: v.wait_s)
+        out[best.rank] = best
 
 
 def _aligned(ranks: Sequence[RankView], window: int) -> list[dict[int, RecentStep]]:

@@ -68,6 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extra-allreduce", action="store_true", help="a direct all_reduce every step")
     p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp2", "hsdp", "tp", "pp"])
     p.add_argument("--no-reshard", action="store_true", help="fsdp2: reshard_after_forward off")
+    p.add_argument(
+        "--schedule",
+        default="gpipe",
+        choices=list(SCHEDULES),
+        help="pp: the pipeline schedule (interleaved: two virtual stages per rank)",
+    )
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--no-agent", action="store_true", help="run without syncscope (baseline)")
     p.add_argument("--pacing", action="store_true")
@@ -85,7 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-MICRO_BATCHES = 2  # --parallel pp: GPipe's micro-batches per step
+MICRO_BATCHES = 2  # --parallel pp: the schedule's micro-batches per step
+# --parallel pp's schedules (torch.distributed.pipelining) by --schedule, and how many stages
+# each rank holds: interleaved 1F1B (Megatron's) runs two virtual stages per rank.
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
 
 
 class Checkpoints:
@@ -137,30 +146,58 @@ class Checkpoints:
         opt.load_state_dict(state["optimizer"])
 
 
-def pipeline(net: Any, args: argparse.Namespace, world: int, rank: int) -> tuple[Any, Any, bool]:
-    """This rank's stage of `net` (a pair of ranks, two stages, fully_shard across pairs) and
-    its schedule: (stage module, schedule, whether it is the first stage)."""
+def pipeline(
+    net: Any, chunk: Any, args: argparse.Namespace, world: int, rank: int
+) -> tuple[list[Any], Any, bool]:
+    """This rank's stages of `net` (pairs of ranks, fully_shard across pairs) and its
+    schedule: (the stages' modules, schedule, whether it holds the first stage).
+
+    `net`'s (Linear, ReLU) pairs are cut, in order, into 2 stages per rank pair times the
+    --schedule's stages per rank; the last stage also holds the head. Stage s runs on the pair's rank s mod 2 (interleaved:
+    rank 0 holds stages 0 and 2, rank 1 stages 1 and 3). `chunk(body, head, first)` makes a
+    stage's module; `first`: the rank's first stage (a slowed rank sleeps there only, once per
+    micro-batch whatever the schedule).
+    """
     import torch
     from torch import nn
+    from torch.distributed import pipelining
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "pp"))
     index = mesh["pp"].get_local_rank()
+    per_rank = SCHEDULES[args.schedule]
+    stages = 2 * per_rank
+    pairs = len(net.body) // 2
+    if pairs < stages:
+        raise SystemExit(f"--schedule {args.schedule}: at least {stages} layers")
+    # 3 layers over 2 stages: one in stage 0, two in stage 1 (the uneven default).
+    cuts = [2 * (pairs * s // stages) for s in range(stages)] + [len(net.body)]
     modules = list(net.body)
-    half = 2 * (len(modules) // 4) or 2  # whole (Linear, ReLU) pairs
-    if index == 0:
-        net.body, net.head = nn.Sequential(*modules[:half]), None
-    else:
-        net.body = nn.Sequential(*modules[half:])
-    # The pipeline's micro-batches run forward and backward apart: gradients are reduced once,
-    # after the last micro-batch (the schedule drives FSDP2's gradient sync).
-    fully_shard(net, mesh=mesh["dp"], reshard_after_forward=False)
+    parts = []
+    for s in range(index, stages, 2):
+        body = nn.Sequential(*modules[cuts[s] : cuts[s + 1]])
+        part = chunk(body, net.head if s == stages - 1 else None, s == index)
+        # The pipeline's micro-batches run forward and backward apart: gradients are reduced
+        # once, after the last micro-batch (the schedule drives FSDP2's gradient sync).
+        fully_shard(part, mesh=mesh["dp"], reshard_after_forward=False)
+        parts.append(part)
     torch.manual_seed(args.seed)
-    stage = PipelineStage(net, index, 2, torch.device("cpu"), group=mesh["pp"].get_group())
-    schedule = ScheduleGPipe(stage, MICRO_BATCHES, loss_fn=nn.functional.mse_loss)
-    return net, schedule, index == 0
+    group = mesh["pp"].get_group()
+    device = torch.device("cpu")
+    held: list[Any] = [
+        pipelining.PipelineStage(part, s, stages, device, group=group)
+        for part, s in zip(parts, range(index, stages, 2), strict=True)
+    ]
+    loss = nn.functional.mse_loss
+    schedule: Any
+    if args.schedule == "interleaved":
+        schedule = pipelining.ScheduleInterleaved1F1B(held, MICRO_BATCHES, loss_fn=loss)
+    elif args.schedule == "1f1b":
+        schedule = pipelining.Schedule1F1B(held[0], MICRO_BATCHES, loss_fn=loss)
+    else:
+        schedule = pipelining.ScheduleGPipe(held[0], MICRO_BATCHES, loss_fn=loss)
+    return parts, schedule, index == 0
 
 
 def parallelize(net: Any, args: argparse.Namespace, world: int) -> Any:
@@ -254,34 +291,53 @@ def main(argv: list[str] | None = None) -> int:
                     for m in (nn.Linear(d0, d1), nn.ReLU())
                 ]
             )
-            self.head: nn.Module | None = nn.Linear(args.hidden, 1)
+            self.head = nn.Linear(args.hidden, 1)
             n_extra = int(args.big_grad_mb * 1024 * 1024 / 4)
             self.extra = nn.Parameter(torch.zeros(n_extra)) if n_extra else None
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if slow_s and time.monotonic() >= slow_from[0]:
-                time.sleep(slow_s)
-            if (
-                args.jitter_prob
-                and time.monotonic() < jitter_end[0]
-                and rng.random() < args.jitter_prob
-            ):
-                time.sleep(args.jitter_ms / 1000)
-            out = self.body(x)
-            if self.head is not None:  # a pipeline's first stage has none
-                out = self.head(out)
+            stall()
+            out = self.head(self.body(x))
             if self.extra is not None:
                 out = out + self.extra[:1].sum() * 0.0
             return out
+
+    def stall() -> None:
+        """The slowed rank's sleep and the jitter, at the start of a forward."""
+        if slow_s and time.monotonic() >= slow_from[0]:
+            time.sleep(slow_s)
+        if (
+            args.jitter_prob
+            and time.monotonic() < jitter_end[0]
+            and rng.random() < args.jitter_prob
+        ):
+            time.sleep(args.jitter_ms / 1000)
+
+    class Stage(nn.Module):
+        """A pipeline stage of Net: some of its layers, the head in the last stage."""
+
+        def __init__(self, body: nn.Module, head: nn.Module | None, first: bool) -> None:
+            super().__init__()
+            self.body, self.head, self.first = body, head, first
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.first:
+                stall()
+            out = self.body(x)
+            return out if self.head is None else self.head(out)
 
     schedule = None
     if args.parallel == "pp":
         if args.accumulate != 1 or world % 2:
             raise SystemExit("--parallel pp: an even world size, no --accumulate")
-        model, schedule, first = pipeline(Net(), args, world, rank)
+        parts, schedule, first = pipeline(Net(), Stage, args, world, rank)
+        # A rank's stages, one module each: the agent times every one's forward.
+        model: Any = parts[0] if len(parts) == 1 else parts
+        params = [p for part in parts for p in part.parameters()]
     else:
         model = parallelize(Net(), args, world)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=1e-3)
     checkpoints = Checkpoints(args.checkpoint_dir, rank) if args.checkpoint_dir else None
     start = checkpoints.steps_done() if checkpoints is not None else 0
     agent = None

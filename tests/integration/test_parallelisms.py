@@ -33,10 +33,13 @@ WORKLOADS = {
     # uneven; wider, so that stage 0's wait for stage 1 (~10 ms a step across stages) is over
     # the exporter's 5 ms floor and 10 % of a step.
     "pp-uneven": ["--parallel", "pp", "--hidden", "768"],
+    # Interleaved 1F1B (Megatron's): two virtual stages per rank, rank 0 of a pair holding
+    # stages 0 and 2, rank 1 stages 1 and 3; the agent times both stage modules' forwards.
+    "pp-interleaved": ["--parallel", "pp", "--schedule", "interleaved", "--layers", "4"],
 }
 # The pipelines' layout (syncscope.lab.workload.pipeline): pairs {0,1} {2,3}, stage = the
 # rank's place in its pair.
-STAGES = {"pp": {r: r % 2 for r in range(4)}, "pp-uneven": {r: r % 2 for r in range(4)}}
+STAGES = {name: {r: r % 2 for r in range(4)} for name in WORKLOADS if name.startswith("pp")}
 # With tensor parallelism on a (dp=2, tp=2) mesh rank 3's partner is rank 2, which waits for it
 # in the tp all-reduce and so arrives late at the dp collectives too: a victim, not the root.
 SLOWED = {"tp": 3}
@@ -149,3 +152,7 @@ def test_a_clean_run_gets_no_straggler_and_no_fabric_verdict(name, exporter, job
     # other jobs' ranks have none.
     stages = {r["rank"]: r.get("pipeline_stage") for r in samples[-1]["ranks"]}
     assert stages == {r: STAGES.get(name, {}).get(r) for r in range(4)}, stages
+    # Every rank's backward is timed, whoever drives it (a pipeline schedule runs it per
+    # micro-batch and has FSDP2 reduce the gradients only after the last one).
+    shares = {r["rank"]: r["phase_shares"] for r in samples[-1]["ranks"]}
+    assert all(s["backward"] > 0 for s in shares.values()), shares

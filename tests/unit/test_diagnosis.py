@@ -295,6 +295,61 @@ def test_the_wait_chain_leads_every_victim_to_the_root() -> None:
     assert [(v.rank, v.group, v.waits_for) for v in alone] == [(0, "tp", None)]
 
 
+def test_a_wait_chain_that_goes_round_in_a_circle_is_led_out_of_it() -> None:
+    """An interleaved pipeline: pairs {0,1} {2,3} in pp, each rank holding two stages, so each
+    rank of a pair waits for the other (its sends go both ways); dp pairs {0,2} {1,3}; rank 2
+    is slow. Ranks 0 and 1 wait most in pp, each for the other: a circle that names no root.
+    Rank 0 waits longer in dp, for the root, than rank 1 does there (for rank 3): it is the
+    one led out, and rank 1's chain then reaches the root through it. (Waits per step as
+    measured on 4 gloo ranks, `--parallel pp --schedule interleaved`, rank 2 slowed 30 ms.)"""
+    base = ranks_of("forward_straggler")[0]
+    steps = 100
+    waits = {  # rank: {group: seconds per step}
+        0: {"pp": 0.353, "dp": 0.0614},
+        1: {"pp": 0.327, "dp": 0.0610},
+        2: {"pp": 0.059, "dp": 0.0032},
+        3: {"pp": 0.0636, "dp": 0.0036},
+    }
+    pp = {0: "0,1", 1: "0,1", 2: "2,3", 3: "2,3"}
+    dp = {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}
+    blocked = {0: 0.070, 1: 0.069, 2: 0.010, 3: 0.070}
+    ranks = [
+        replace(
+            base,
+            rank=rank,
+            steps_total=steps,
+            collectives=tuple(
+                CollectiveView("send", g, steps, steps * 0.4, 1e6, steps * w)
+                for g, w in waits[rank].items()
+            ),
+            topology={"group.pp": pp[rank], "group.dp": dp[rank]},
+            recent_steps=tuple(
+                RecentStep(
+                    k,
+                    0.078,
+                    tuple(blocked[rank] if p == Phase.COMM_EXPOSED else 0.001 for p in Phase),
+                    0.0,
+                )
+                for k in range(64)
+            ),
+        )
+        for rank in waits
+    ]
+    chain = {v.rank: (v.group, v.waits_for) for v in wait_chain(ranks, root=2, min_wait_s=0.005)}
+    assert chain == {0: ("dp", 2), 1: ("pp", 0), 3: ("pp", 2)}
+    # with rank 1 the longer waiter in dp, it is led out instead (to rank 3, then the root)
+    waits[1]["dp"] = 0.0620
+    ranks[1] = replace(
+        ranks[1],
+        collectives=tuple(
+            CollectiveView("send", g, steps, steps * 0.4, 1e6, steps * w)
+            for g, w in waits[1].items()
+        ),
+    )
+    chain = {v.rank: (v.group, v.waits_for) for v in wait_chain(ranks, root=2, min_wait_s=0.005)}
+    assert chain == {0: ("pp", 1), 1: ("dp", 3), 3: ("pp", 2)}
+
+
 def test_the_wait_chain_crosses_nodes_with_the_job_wide_leads() -> None:
     """HSDP on two nodes: shard pairs {0,1} (node 0) and {2,3} (node 1), replicate pairs {0,2}
     {1,3}; rank 3 is slow. On node 0 ranks 0 and 1 wait alike (for ranks elsewhere), so
