@@ -85,7 +85,8 @@ def pooled_truth(
     (`rule_window_steps`); then exactly those steps, not the ones that ended in the window.
     ``stages``: rank -> pipeline stage, as the job laid its pipelines out; a rank's wait is
     then over the least blocked rank of its own stage (a pipeline's stages differ in work by
-    design), and the transfer the least blocked rank's of the job.
+    design), the transfer the least blocked rank's of the job, and the straggler the least
+    blocked rank of the stage whose ranks wait longest.
     """
     ranks = sorted(records)
     if not ranks:
@@ -122,14 +123,21 @@ def pooled_truth(
     n = len(common)
     total_step = sum(step_time.values())
     mean_exposed = {r: exposed[r] / n for r in ranks}
+    mean_wait = {r: wait[r] / n for r in ranks}
+    # The straggler: the least exposed rank of the stage whose ranks wait longest for theirs
+    # (the job's least exposed rank where the job is no pipeline).
+    worst = max(
+        set(stage.values()), key=lambda s: max(mean_wait[r] for r in ranks if stage[r] == s)
+    )
+    in_worst = [r for r in ranks if stage[r] == worst]
     return Truth(
         steps=n,
-        mean_wait_s={r: wait[r] / n for r in ranks},
+        mean_wait_s=mean_wait,
         mean_exposed_s=mean_exposed,
         mean_step_s={r: step_time[r] / n for r in ranks},
         amplification=sum(wait.values()) / total_step if total_step > 0 else 0.0,
         mean_transfer_s=transfer / n,
-        straggler=min(ranks, key=mean_exposed.__getitem__) if len(ranks) > 1 else None,
+        straggler=min(in_worst, key=mean_exposed.__getitem__) if len(in_worst) > 1 else None,
         at_unix_s=at,
     )
 

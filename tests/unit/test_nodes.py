@@ -68,6 +68,19 @@ def test_a_steady_straggler_is_named_and_waits_are_relative_to_it():
     assert truth.mean_wait_s[0] == pytest.approx(0.030)
 
 
+def test_a_pipelines_straggler_is_the_least_blocked_rank_of_the_stage_that_waits_longest():
+    # Two stages: stage 1 (ranks 1, 3) is heavier, so stage 0 (ranks 0, 2) blocks longer every
+    # step, and rank 1 is the job's least blocked rank. Rank 2 is slow within stage 0: rank 0
+    # waits 20 ms for it there; stage 1's ranks wait 2 ms for each other.
+    exposed = {0: 0.030, 1: 0.001, 2: 0.010, 3: 0.003}
+    records = {r: {k: _rec(r, k, exposed[r]) for k in range(5)} for r in range(4)}
+    stages = {r: r % 2 for r in range(4)}
+    truth = pooled_truth(records, stages=stages)
+    assert truth.mean_wait_s == pytest.approx({0: 0.020, 1: 0.0, 2: 0.0, 3: 0.002})
+    assert truth.straggler == 2
+    assert pooled_truth(records).straggler == 1  # compared across stages
+
+
 def test_truth_refuses_records_without_a_common_step():
     with pytest.raises(ValueError, match="every rank"):
         pooled_truth({0: {1: _rec(0, 1, 0.0)}, 1: {2: _rec(1, 2, 0.0)}})
