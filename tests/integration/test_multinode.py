@@ -302,8 +302,9 @@ ACROSS_NODES = {
     # 1, over the rule's 5 ms floor and 10 % line if ranks were compared across stages.
     "pp-uneven": (["--parallel", "pp", "--hidden", "768"], 2),
     "ddp-accumulate": (["--accumulate", "2"], 3),
+    "pp-interleaved": (["--parallel", "pp", "--schedule", "interleaved", "--layers", "4"], 2),
 }
-CLEAN_ACROSS_NODES = ("fsdp2", "hsdp", "tp", "pp", "pp-uneven")
+CLEAN_ACROSS_NODES = ("fsdp2", "hsdp", "tp", "pp", "pp-uneven", "pp-interleaved")
 
 
 def named_by_the_rule(sel: str) -> str:
