@@ -22,7 +22,7 @@ from syncscope.agent.collectives import (
 from syncscope.agent.config import AgentConfig, process_identity, process_started_unix_s
 from syncscope.agent.link import LinkSampler, with_link
 from syncscope.agent.local_arrival import LocalArrival
-from syncscope.agent.phases import PhaseClock
+from syncscope.agent.phases import PhaseClock, parts_of
 from syncscope.agent.queues import RecordQueues
 from syncscope.agent.recording import RecordWriter
 from syncscope.agent.shm_ring import ShmTransport
@@ -544,8 +544,7 @@ def _cuda_device(torch: Any, model: Any, optimizer: Any) -> int | None:
     if torch is None:
         return None
     try:
-        parts = model if isinstance(model, list) else [] if model is None else [model]
-        first = next((p for m in parts for p in m.parameters()), None)
+        first = next((p for m in parts_of(model) for p in m.parameters()), None)
         if first is None and optimizer is not None:
             first = next((p for g in optimizer.param_groups for p in g["params"]), None)
         if first is not None and first.is_cuda:

@@ -209,7 +209,7 @@ class PhaseClock:
         every one's forward is the forward phase; the batch is read from the first one's
         inputs only (the rank's first stage: later stages see the same samples again)."""
         handles = self._handles
-        parts = model if isinstance(model, list) else [] if model is None else [model]
+        parts = parts_of(model)
         for i, part in enumerate(parts):
             handles.append(wrap_forward(part, self.timed_forward, count=i == 0))
         if parts and self.queue_callback is not None:
@@ -649,6 +649,11 @@ class _ForwardWrapper:
         else:
             del model.__dict__["forward"]
         self.model = None
+
+
+def parts_of(model: Any) -> list[Any]:
+    """The modules of `model` as the clock takes it: none, one, or a list of them."""
+    return model if isinstance(model, list) else [] if model is None else [model]
 
 
 def wrap_forward(model: Any, timed: Callable[..., Callable[..., Any]], count: bool = True) -> Any:
