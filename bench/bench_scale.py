@@ -104,6 +104,7 @@ import contextlib
 import gc
 import hashlib
 import json
+import multiprocessing
 import os
 import pathlib
 import random
@@ -115,10 +116,12 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from multiprocessing import connection
 from typing import Any
 
 import yaml
@@ -424,14 +427,17 @@ class Server(ThreadingHTTPServer):
 
 
 class Emulator:
-    """Every node's agents fed on one thread, every node served by one HTTP server."""
+    """Nodes' agents fed on one thread, those nodes served by one HTTP server (every node of the
+    job, or one worker's share of them: EmulatorPool)."""
 
-    def __init__(self, job: Job, feed_s: float, seed: int) -> None:
+    def __init__(
+        self, job: Job, feed_s: float, seed: int, nodes: Sequence[int] | None = None
+    ) -> None:
         self.job, self.feed_s = job, feed_s
-        self.shared = SharedSteps(job, seed)
+        self.shared = SharedSteps(job, seed)  # the same in every worker: one seed, in step order
         per = job.per_node
-        self.nodes = [
-            Node(
+        self.nodes = {
+            n: Node(
                 n,
                 job,
                 [
@@ -440,8 +446,8 @@ class Emulator:
                 ],
                 [gpu_topology(n, local, per) for local in range(per)],
             )
-            for n in range(job.nodes)
-        ]
+            for n in (range(job.nodes) if nodes is None else nodes)
+        }
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.feed_cpu_s = self.render_cpu_s = 0.0
@@ -453,24 +459,52 @@ class Emulator:
         self.server = Server(("127.0.0.1", 0), self._handler())
         self.port = self.server.server_address[1]
 
+    @property
+    def ports(self) -> list[int]:
+        """Each node's target port, by node index."""
+        return [self.port] * self.job.nodes
+
     def feed_all(self) -> None:
         now = time.time()
-        for node in self.nodes:
+        for node in self.nodes.values():
             self.records += node.feed(now, self.shared)
 
-    def start(self) -> None:
+    def start(self, cpus: set[int] | None = None) -> None:
+        """Feed and serve from now on (the threads take the caller's CPUs; `cpus` is the pool's)."""
         self.started = True
         for target in (self._feed_loop, self.server.serve_forever):
             threading.Thread(target=target, daemon=True).start()
 
     def close(self) -> None:
         self.stop.set()
-        self.server.shutdown()
+        if self.started:
+            self.server.shutdown()
         self.server.server_close()
 
     def check(self) -> None:
         if self.error is not None:
             raise RuntimeError("the emulator's feeder failed") from self.error
+
+    def reset_first_scrape(self) -> None:
+        with self.lock:
+            self.first_scrape = None
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative figures: records fed, scrapes served, feeding's and rendering's CPU, each
+        feed cycle's lateness (a list per process), the first scrape since the last reset,
+        this process's CPU (its polling included) and RSS."""
+        with self.lock:
+            return {
+                "records": self.records,
+                "scrapes": self.scrapes,
+                "feed_cpu_s": self.feed_cpu_s,
+                "render_cpu_s": self.render_cpu_s,
+                "feed_late_s": [list(self.feed_late_s)],
+                "first_scrape": self.first_scrape,
+                "cpu_s": cpu_times(),
+                "rss_mb": rss_mb(os.getpid()),
+                "error": None if self.error is None else repr(self.error),
+            }
 
     def _feed_loop(self) -> None:
         try:
@@ -484,7 +518,7 @@ class Emulator:
         start = time.monotonic()
         while not self.stop.is_set():
             late = 0.0
-            for i, node in enumerate(self.nodes):
+            for i, node in enumerate(self.nodes.values()):
                 due = start + i * self.feed_s / n
                 if self.stop.wait(max(0.0, due - time.monotonic())):
                     return
@@ -494,7 +528,8 @@ class Emulator:
                 with self.lock:
                     self.records += records
                     self.feed_cpu_s += time.thread_time() - t0
-            self.feed_late_s.append(late)
+            with self.lock:
+                self.feed_late_s.append(late)
             start = max(start + self.feed_s, time.monotonic() - self.feed_s)
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
@@ -502,18 +537,27 @@ class Emulator:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path in ("/stats", "/reset"):  # a pool's parent asks its workers
+                    if self.path == "/reset":
+                        emulator.reset_first_scrape()
+                    self._reply(json.dumps(emulator.stats()).encode(), "application/json")
+                    return
                 prefix, _, index = self.path.rpartition("/")
-                if prefix != "/metrics" or not index.isdigit() or int(index) >= len(emulator.nodes):
+                node = emulator.nodes.get(int(index)) if index.isdigit() else None
+                if prefix != "/metrics" or node is None:
                     self.send_error(404)
                     return
-                body, cpu_s = emulator.nodes[int(index)].exposition()
+                body, cpu_s = node.exposition()
                 with emulator.lock:
                     emulator.render_cpu_s += cpu_s
                     emulator.scrapes += 1
                     if emulator.first_scrape is None:
                         emulator.first_scrape = time.time()
+                self._reply(body, CONTENT_TYPE_LATEST)
+
+            def _reply(self, body: bytes, content_type: str) -> None:
                 self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -522,6 +566,127 @@ class Emulator:
                 pass
 
         return Handler
+
+
+def _worker(
+    job: Job,
+    feed_s: float,
+    seed: int,
+    nodes: Sequence[int],
+    conn: connection.Connection,
+    inherited: list[connection.Connection],
+) -> None:
+    """One EmulatorPool worker: feed its nodes once, hand its port over, take its CPUs and
+    start; run until the parent says stop or its end of the pipe closes (the parent exited)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for other in inherited:  # the earlier workers' pipes: their parent ends must close with it
+        other.close()
+    emulator = Emulator(job, feed_s, seed, nodes)
+    try:
+        emulator.feed_all()
+        gc.collect()
+        gc.freeze()
+        conn.send(emulator.port)
+        message = conn.recv()  # ("start", its CPUs or None), or "stop" before any start
+        if message == "stop":
+            return
+        if message[1] is not None:
+            os.sched_setaffinity(0, message[1])
+        emulator.start()
+        conn.recv()  # "stop", or EOFError when the parent has gone
+    except EOFError:
+        pass
+    finally:
+        emulator.close()
+
+
+SUMMED_STATS = ("records", "scrapes", "feed_cpu_s", "render_cpu_s")
+
+
+class EmulatorPool:
+    """The job's nodes spread over --workers processes (node n in worker n mod workers), each an
+    Emulator with its own feeder and HTTP server, so the emulator can use more than one core
+    (one Python process holds one at 1,024 x 8: docs/scale.md). Every worker draws the same
+    shared steps and each rank its own numbers, so the job is the one a single process feeds.
+    The figures are the workers' summed (their CPU, RSS), with this process's."""
+
+    def __init__(self, job: Job, feed_s: float, seed: int, workers: int) -> None:
+        self.job = job
+        self.started = False
+        context = multiprocessing.get_context("fork")  # before any thread of this process
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.conns: list[connection.Connection] = []
+        for w in range(workers):
+            parent, child = context.Pipe()
+            proc = context.Process(
+                target=_worker,
+                args=(job, feed_s, seed, range(w, job.nodes, workers), child, self.conns),
+                name=f"emulator-{w}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        self.worker_ports: list[int] = []
+
+    @property
+    def ports(self) -> list[int]:
+        w = len(self.worker_ports)
+        return [self.worker_ports[n % w] for n in range(self.job.nodes)]
+
+    def feed_all(self) -> None:
+        """Wait for every worker's first feed (they feed at once, side by side)."""
+        for i, conn in enumerate(self.conns):
+            try:
+                self.worker_ports.append(conn.recv())
+            except EOFError:
+                raise RuntimeError(f"emulator worker {i} exited before its first feed") from None
+
+    def start(self, cpus: set[int] | None = None) -> None:
+        self.started = True
+        for conn in self.conns:
+            conn.send(("start", cpus))
+
+    def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):  # a worker that exited closed its end
+                conn.send("stop")
+            conn.close()
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+    def check(self) -> None:
+        for i, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                raise RuntimeError(f"emulator worker {i} exited ({proc.exitcode})")
+
+    def _ask(self, path: str) -> list[dict[str, Any]]:
+        out = []
+        for port in self.worker_ports:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+                out.append(json.load(r))
+        errors = [s["error"] for s in out if s["error"]]
+        if errors:
+            raise RuntimeError(f"an emulator worker's feeder failed: {errors[0]}")
+        return out
+
+    def reset_first_scrape(self) -> None:
+        self._ask("/reset")
+
+    def stats(self) -> dict[str, Any]:
+        self.check()
+        each = self._ask("/stats")
+        firsts = [s["first_scrape"] for s in each if s["first_scrape"] is not None]
+        return {
+            **{k: sum(s[k] for s in each) for k in SUMMED_STATS},
+            "feed_late_s": [late for s in each for late in s["feed_late_s"]],
+            "first_scrape": min(firsts, default=None),
+            "cpu_s": cpu_times() + sum(s["cpu_s"] for s in each),
+            "rss_mb": rss_mb(os.getpid()) + sum(s["rss_mb"] for s in each),
+        }
 
 
 # Of the loss counters (scale_engines.LOSS_COUNTER), those that count samples (the rest count
@@ -599,11 +764,19 @@ def run_size(nodes: int, args: argparse.Namespace, done: Callable[[Measured], No
         job = Job(
             nodes, args.ranks_per_node, args.step_s, args.lag_ms / 1e3, time.time() - args.feed_s
         )
-        emulator = Emulator(job, args.feed_s, args.seed)
-        stack.callback(emulator.close)
         t = time.perf_counter()
+        emulator: Emulator | EmulatorPool
+        if args.workers > 1:
+            emulator = EmulatorPool(job, args.feed_s, args.seed, args.workers)
+        else:
+            emulator = Emulator(job, args.feed_s, args.seed)
+        stack.callback(emulator.close)
         emulator.feed_all()
-        print(f"  {nodes} nodes fed once in {time.perf_counter() - t:.1f} s", flush=True)
+        print(
+            f"  {nodes} nodes fed once in {time.perf_counter() - t:.1f} s "
+            f"({args.workers} emulator process{'es' if args.workers > 1 else ''})",
+            flush=True,
+        )
         gc.collect()
         gc.freeze()  # the stores' long-lived state: full collections skip it from now on
         for name in ENGINE_RUNS[args.engine]:
@@ -611,22 +784,25 @@ def run_size(nodes: int, args: argparse.Namespace, done: Callable[[Measured], No
                 engine: Engine
                 if name == "prometheus":
                     engine = PrometheusEngine(
-                        emulator.port, nodes, os.path.join(workdir, name), engine_cpus
+                        emulator.ports, os.path.join(workdir, name), engine_cpus
                     )
                 else:
                     engine = VictoriaMetricsEngine(
-                        emulator.port, nodes, os.path.join(workdir, name), engine_cpus, args.shards
+                        emulator.ports, os.path.join(workdir, name), engine_cpus, args.shards
                     )
                 running.callback(engine.stop)
                 if not emulator.started:
-                    if engine_cpus is not None:  # the emulator's threads inherit it
-                        stack.enter_context(pinned(cpus - engine_cpus))
-                    emulator.start()
+                    emulator_cpus = None if engine_cpus is None else cpus - engine_cpus
+                    # this thread's, which the emulator's threads inherit; a pool's workers too
+                    stack.enter_context(pinned(emulator_cpus))
+                    emulator.start(emulator_cpus)
                 measured = measure(engine, emulator, args)
             done(measured)  # the engine stopped
 
 
-def measure(engine: Engine, emulator: Emulator, args: argparse.Namespace) -> Measured:
+def measure(
+    engine: Engine, emulator: Emulator | EmulatorPool, args: argparse.Namespace
+) -> Measured:
     """Wait for the engine's first scrape, settle, measure; the engine still running."""
     job = emulator.job
     intervals, rules_sha = rule_intervals(engine.rules_file, engine.interval)
@@ -640,11 +816,10 @@ def measure(engine: Engine, emulator: Emulator, args: argparse.Namespace) -> Mea
     watch = Watch(engine)
     settle = args.settle if args.settle is not None else default_settle(longest)
     duration = args.duration if args.duration is not None else max(120.0, 3 * longest)
-    emulator.first_scrape = None  # this engine's
-    while emulator.first_scrape is None:
+    emulator.reset_first_scrape()  # this engine's
+    while (first_scrape := emulator.stats()["first_scrape"]) is None:
         emulator.check()
         time.sleep(0.2)
-    first_scrape = emulator.first_scrape
     measure_from = first_scrape + settle
     end = measure_from + duration
     print(
@@ -664,24 +839,24 @@ def measure(engine: Engine, emulator: Emulator, args: argparse.Namespace) -> Mea
         time.sleep(1.0)
     watch.poll()
     missed_before = dict(watch.missed)
-    wall0, cpu0 = time.time(), cpu_times()
-    feed0, render0 = emulator.feed_cpu_s, emulator.render_cpu_s
-    late_from, records0, scrapes0 = len(emulator.feed_late_s), emulator.records, emulator.scrapes
+    wall0, before = time.time(), emulator.stats()
     while time.time() < end:
         emulator.check()
         watch.poll()
         time.sleep(1.0)
     watch.poll()
-    wall = time.time() - wall0
+    wall, after = time.time() - wall0, emulator.stats()
+    late = zip(before["feed_late_s"], after["feed_late_s"], strict=True)
     emu = {
-        "cores": (cpu_times() - cpu0) / wall,
-        "feed_cores": (emulator.feed_cpu_s - feed0) / wall,
-        "render_cores": (emulator.render_cpu_s - render0) / wall,
-        "feed_late_max_s": max(emulator.feed_late_s[late_from:], default=0.0),
-        "records": emulator.records - records0,
+        "cores": (after["cpu_s"] - before["cpu_s"]) / wall,
+        "feed_cores": (after["feed_cpu_s"] - before["feed_cpu_s"]) / wall,
+        "render_cores": (after["render_cpu_s"] - before["render_cpu_s"]) / wall,
+        "feed_late_max_s": max((s for a, b in late for s in b[len(a) :]), default=0.0),
+        "records": after["records"] - before["records"],
         "wall_s": wall,
-        "scrapes": emulator.scrapes - scrapes0,
-        "rss_mb": rss_mb(os.getpid()),
+        "scrapes": after["scrapes"] - before["scrapes"],
+        "rss_mb": after["rss_mb"],
+        "workers": args.workers,
     }
     targets = target_figures(engine.url, duration, job.nodes, split=engine.name == "vm")
     panels = None
@@ -1165,6 +1340,12 @@ def main() -> int:
         "--lag-ms", type=float, default=30.0, help="the straggler's lateness at the sync"
     )
     p.add_argument("--seed", type=int, default=20)
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="emulator processes, the nodes spread over them (one holds a core at 1,024 x 8)",
+    )
     p.add_argument(
         "--engine",
         choices=tuple(ENGINE_RUNS),

@@ -24,28 +24,8 @@
 #               flushes taken out (--without), to tell which side its cost is on
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$(mktemp -d /tmp/gpu-check.XXXXXX)}
-mkdir -p "$OUT"
-FIG="$OUT/gpu-figures.txt"
-PY=${PYTHON:-python3}
-: >"$FIG"
-say() { echo "$*" | tee -a "$FIG"; }
-section() { say ""; say "== $1 ($(date -u +%H:%M:%S))"; }
-
-# run NAME SECONDS CMD...: the command's log to $OUT/NAME.log, its last lines and status to FIG
-run() {
-  local name=$1 seconds=$2
-  shift 2
-  timeout "$seconds" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  tail -n "${TAIL:-15}" "$OUT/$name.log" | tee -a "$FIG"
-  case $rc in
-    0) say "-- $name: ok" ;;
-    124) say "-- $name: TIMEOUT after ${seconds}s" ;;
-    *) say "-- $name: exit $rc" ;;
-  esac
-  return $rc
-}
+FIGURES=gpu-figures.txt
+. bench/device_common.sh
 
 section versions
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$FIG" \
@@ -67,13 +47,7 @@ PY
 GPU=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
 
 section install
-if [ -d .whl ]; then
-  TAIL=3 run wheels 120 "$PY" -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic
-else
-  say "no .whl/ (scripts/device-wheels makes it): using what $PY has"
-fi
-TAIL=3 run syncscope 120 "$PY" -m pip install -q --no-deps --no-build-isolation -e . \
-  || TAIL=3 run syncscope-copy 120 "$PY" -m pip install -q --no-deps --no-build-isolation .
+install_syncscope
 
 if [ "$GPU" != 1 ]; then
   section skipped

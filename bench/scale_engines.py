@@ -19,7 +19,7 @@ import os
 import re
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -49,38 +49,39 @@ def unix_time(rfc3339: str) -> float:
     return datetime.fromisoformat(text).timestamp()
 
 
-def emulated_targets(scrape: dict[str, Any], port: int, nodes: int) -> None:
-    """Point a shipped scrape job at the emulator: one target per node, instance nodeNNNN:9464,
-    its path /metrics/<node> set by the target's __metrics_path__."""
+def emulated_targets(scrape: dict[str, Any], ports: Sequence[int]) -> None:
+    """Point a shipped scrape job at the emulator: one target per node (`ports`: each node's
+    emulator port, by node index), instance nodeNNNN:9464, its path /metrics/<node> set by the
+    target's __metrics_path__."""
     path = scrape.get("metrics_path", "/metrics")
     scrape["static_configs"] = [
         {
             "targets": [f"127.0.0.1:{port}"],
             "labels": {"__metrics_path__": f"{path}/{n}", "instance": f"{hostname(n)}:9464"},
         }
-        for n in range(nodes)
+        for n, port in enumerate(ports)
     ]
 
 
-def prometheus_config(port: int, nodes: int, rule_files: list[str]) -> tuple[str, float]:
+def prometheus_config(ports: Sequence[int], rule_files: list[str]) -> tuple[str, float]:
     """The shipped configuration (compose_config: its intervals, scrape job, honor_labels), one
     target per emulated node, no Alertmanager; and its evaluation interval in seconds."""
     config = yaml.safe_load(compose_config())
     config.pop("alerting", None)
     config["rule_files"] = rule_files
     (scrape,) = config["scrape_configs"]
-    emulated_targets(scrape, port, nodes)
+    emulated_targets(scrape, ports)
     evaluation = config["global"].get("evaluation_interval", config["global"]["scrape_interval"])
     return yaml.safe_dump(config, sort_keys=False), duration_seconds(evaluation)
 
 
-def vmagent_config(port: int, nodes: int) -> str:
+def vmagent_config(ports: Sequence[int]) -> str:
     """The shards' shipped scrape config (victoriametrics.files: deploy/victoriametrics/
     vmagent.yml, the same generator), one target per emulated node."""
     shipped = victoriametrics.files(load_config())[victoriametrics.VMAGENT_PATH]
     config = yaml.safe_load(shipped)
     (scrape,) = config["scrape_configs"]
-    emulated_targets(scrape, port, nodes)
+    emulated_targets(scrape, ports)
     return yaml.safe_dump(config, sort_keys=False)
 
 
@@ -204,10 +205,10 @@ class PrometheusEngine:
     name = "prometheus"
     storage = "prometheus"
 
-    def __init__(self, port: int, nodes: int, workdir: str, cpus: set[int] | None) -> None:
+    def __init__(self, ports: Sequence[int], workdir: str, cpus: set[int] | None) -> None:
         os.makedirs(workdir, exist_ok=True)
         self.rules_file = str(write_rules(os.path.join(workdir, "rules")))  # no overrides
-        config, self.interval = prometheus_config(port, nodes, [self.rules_file])
+        config, self.interval = prometheus_config(ports, [self.rules_file])
         with pinned(cpus):
             self.prom = Prometheus(config, workdir)
         self.url = self.prom.url
@@ -275,7 +276,7 @@ class VictoriaMetricsEngine:
     storage = "victoria-metrics"
 
     def __init__(
-        self, port: int, nodes: int, workdir: str, cpus: set[int] | None, shards: int
+        self, ports: Sequence[int], workdir: str, cpus: set[int] | None, shards: int
     ) -> None:
         os.makedirs(workdir, exist_ok=True)
         self.rules_file = str(engines.write_rules(os.path.join(workdir, "rules"), engine="vmalert"))
@@ -283,7 +284,7 @@ class VictoriaMetricsEngine:
         vm_flags = [f for f in shipped_flags("victoria-metrics") if not f.startswith(own)]
         evaluation = flag_value(shipped_flags("vmalert"), "-evaluationInterval")
         self.interval = duration_seconds(evaluation)
-        scrape = vmagent_config(port, nodes)
+        scrape = vmagent_config(ports)
         self.servers: dict[str, Any] = {}
         with pinned(cpus):
             self.vm = VictoriaMetrics(workdir, query_flags=vm_flags)

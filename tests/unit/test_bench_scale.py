@@ -58,7 +58,7 @@ def test_a_node_with_full_rings_stays_within_the_series_per_rank_bound(bench):
 
 
 def test_vmagent_config_is_the_shipped_scrape_with_one_target_per_node(engines):
-    config = yaml.safe_load(engines.vmagent_config(port=8123, nodes=3))
+    config = yaml.safe_load(engines.vmagent_config(ports=[8123, 8124, 8123]))
     shipped = yaml.safe_load(
         victoriametrics.files(engines.load_config())[victoriametrics.VMAGENT_PATH]
     )
@@ -69,7 +69,12 @@ def test_vmagent_config_is_the_shipped_scrape_with_one_target_per_node(engines):
     assert [c["labels"] for c in scrape["static_configs"]] == [
         {"__metrics_path__": f"/metrics/{n}", "instance": f"node{n:04d}:9464"} for n in range(3)
     ]
-    assert {t for c in scrape["static_configs"] for t in c["targets"]} == {"127.0.0.1:8123"}
+    # each node at its emulator process's port
+    assert [c["targets"] for c in scrape["static_configs"]] == [
+        ["127.0.0.1:8123"],
+        ["127.0.0.1:8124"],
+        ["127.0.0.1:8123"],
+    ]
 
 
 def test_iterations_from_the_duration_summary(engines):
@@ -123,3 +128,42 @@ def test_counter_increases_from_the_last_value_before_the_window(bench):
     }
     assert bench.increases(counters, 15.0, 25.0) == {"vm x_dropped_total": 2.0}
     assert bench.increases(counters, 0.0, 40.0) == {"vm x_dropped_total": 7.0}
+
+
+def test_an_emulator_pool_serves_the_job_a_single_process_does(bench):
+    """--workers: the nodes spread over processes, each served at its worker's port, with the
+    series one process would serve, and the workers' figures summed."""
+    import urllib.request
+
+    def series(port: int, node: int) -> set[str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics/{node}", timeout=30) as r:
+            lines = r.read().decode().splitlines()
+        return {line.rpartition(" ")[0] for line in lines if line and not line.startswith("#")}
+
+    job = bench.Job(4, 2, 1.0, 0.03, __import__("time").time() - 10)
+    single = bench.Emulator(job, 5.0, 20)
+    pool = bench.EmulatorPool(job, 5.0, 20, workers=2)
+    try:
+        single.feed_all()
+        pool.feed_all()
+        single.start()
+        pool.start()
+        ports = pool.ports
+        assert ports[0] == ports[2] != ports[1] == ports[3]  # node n in worker n mod 2
+        assert pool.stats()["first_scrape"] is None
+        for node in range(4):
+            assert series(ports[node], node) == series(single.port, node)
+            assert f'node="node{node:04d}"' in "".join(series(ports[node], node))
+        with pytest.raises(urllib.error.HTTPError):
+            series(ports[0], 1)  # worker 0 holds nodes 0 and 2 only
+        stats = pool.stats()
+        assert stats["first_scrape"] is not None
+        assert stats["scrapes"] == 8  # each node twice
+        assert stats["records"] > 0
+        assert len(stats["feed_late_s"]) == 2  # one list per worker
+        pool.reset_first_scrape()
+        assert pool.stats()["first_scrape"] is None
+    finally:
+        pool.close()
+        single.close()
+    assert not any(proc.is_alive() for proc in pool.procs)
