@@ -334,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         # A rank's stages, one module each: the agent times every one's forward.
         model: Any = parts[0] if len(parts) == 1 else parts
         params = [p for part in parts for p in part.parameters()]
+        saved: Any = torch.nn.ModuleList(parts)  # what a checkpoint holds: every stage's state
     else:
-        model = parallelize(Net(), args, world)
+        model = saved = parallelize(Net(), args, world)
         params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=1e-3)
     checkpoints = Checkpoints(args.checkpoint_dir, rank) if args.checkpoint_dir else None
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             start_step=start if checkpoints is not None else None,
         )
     if checkpoints is not None and start:
-        checkpoints.load(model, opt, start)  # under the agent: checkpoint time, not startup
+        checkpoints.load(saved, opt, start)  # under the agent: checkpoint time, not startup
     x = torch.randn(args.batch, args.hidden)
     y = torch.randn(args.batch, 1)
     probe = torch.ones(256)
@@ -391,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             and args.checkpoint_every
             and (step + 1) % args.checkpoint_every == 0
         ):
-            checkpoints.save(model, opt, step + 1)
+            checkpoints.save(saved, opt, step + 1)
         now = time.perf_counter()
         times.append(now - last)
         last = now
