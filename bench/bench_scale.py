@@ -104,6 +104,7 @@ import contextlib
 import gc
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import pathlib
@@ -889,11 +890,18 @@ def measure(
     )
 
 
+def alike(a: float, b: float) -> bool:
+    """Two forms' answers for one series: equal but for the rounding of their different float
+    operations (a sum taken in another order; -0 for 0), NaN alike NaN."""
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) or (math.isnan(a) and math.isnan(b))
+
+
 def ab_queries(url: str, exprs: list[str], rounds: int) -> dict[str, Any]:
     """Two forms of one query (--ab), asked alternately `rounds` times each, the order swapped
     every round: each one's wall times and the per-round ratio B / A; and whether the two
-    answer alike, asked once more each round (untimed) at an instant a minute back, whose data
-    every engine holds in full (a query at "now" can race a write between the two)."""
+    answer alike (the same series, values `alike`), asked once more each round (untimed) at an
+    instant a minute back, whose data every engine holds in full (a query at "now" can race a
+    write between the two)."""
     api = PrometheusAPI(url, timeout=120)
     times: list[list[float]] = [[], []]
     same = series = 0
@@ -904,10 +912,15 @@ def ab_queries(url: str, exprs: list[str], rounds: int) -> dict[str, Any]:
             times[k].append(time.perf_counter() - t)
         settled = time.time() - 60
         answers = [
-            {(tuple(sorted(r["metric"].items())), r["value"][1]) for r in api.instant(e, settled)}
+            {
+                tuple(sorted(r["metric"].items())): float(r["value"][1])
+                for r in api.instant(e, settled)
+            }
             for e in exprs
         ]
-        same += answers[0] == answers[1]
+        same += answers[0].keys() == answers[1].keys() and all(
+            alike(v, answers[1][k]) for k, v in answers[0].items()
+        )
         series = len(answers[0])
     return {
         "median_s": [statistics.median(t) for t in times],

@@ -167,3 +167,12 @@ def test_an_emulator_pool_serves_the_job_a_single_process_does(bench):
         pool.close()
         single.close()
     assert not any(proc.is_alive() for proc in pool.procs)
+
+
+def test_two_forms_answer_alike_up_to_float_rounding_only(bench):
+    assert bench.alike(0.0, -0.0)
+    assert bench.alike(1e-18, 0.0)  # a sum taken in another order
+    assert bench.alike(0.06 - 0.02, 0.04)
+    assert bench.alike(float("nan"), float("nan"))
+    assert not bench.alike(0.04, 0.0401)
+    assert not bench.alike(-0.04, 0.0)

@@ -73,7 +73,7 @@ def _sampled_transfer_records(cfg: Thresholds) -> list[dict[str, Any]]:
         # counts where every node of the job holds the same step in it: one step value held
         # by as many nodes as the job has. One count_values over the slots' steps, where a
         # min, a max and a count were three aggregations (vmalert computes this expression
-        # three times an evaluation: engines.SAME_GROUP_RECORDS).
+        # twice an evaluation, here and inlined in the gap: engines.SAME_GROUP_RECORDS).
         record(
             TRANSFER_SAMPLED,
             f"""
@@ -93,7 +93,10 @@ and on (job, stride, slot)
         # node's mean over the same samples. The transfer's own variation, common to every
         # node, cancels in the difference (a control variate), so the gap, averaged over the
         # transfer window, is far steadier than the samples themselves. On one node, or with
-        # a persistent straggler, the gap is 0 and T is exact.
+        # a persistent straggler, the gap is 0 and T is exact. Every node holds every agreed
+        # slot, so the gap is minus the smallest node's mean excess over the slots' minima:
+        # one join with the agreed slots, where the mean of their minima and a filter by them
+        # read them twice (and vmalert, inlining them, computed them twice more).
         record(
             TRANSFER_NODE_MIN,
             f"""
@@ -107,15 +110,13 @@ min by (job) (
         record(
             TRANSFER_SAMPLING_GAP,
             f"""
-  avg by (job) ({TRANSFER_SAMPLED})
--
-  min by (job) (
-    avg by (job, instance) (
-        {sel(cfg, M.NODE_SAMPLED_TRANSFER_SECONDS.name)}
-      and on (job, stride, slot)
-        {TRANSFER_SAMPLED}
-    )
+0 - min by (job) (
+  avg by (job, instance) (
+      {sel(cfg, M.NODE_SAMPLED_TRANSFER_SECONDS.name)}
+    - on (job, stride, slot) group_left ()
+      {TRANSFER_SAMPLED}
   )
+)
 """,
         ),
     ]
