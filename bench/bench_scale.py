@@ -13,7 +13,9 @@ collectives are short (it waits for nobody) and every other rank's are longer by
 Every rank sends all the steps it completed once per --feed-s (the agent flushes every second;
 the emulator batches more to fit its CPU). Expositions come from the exporter's own collectors
 (StoreCollector in a CollectorRegistry, generate_latest), rendered at most once per feed, when a
-scrape asks; one HTTP server on 127.0.0.1 serves every node at /metrics/<node>.
+scrape asks; one HTTP server on 127.0.0.1 serves every node at /metrics/<node>. With
+--workers K the nodes are spread over K forked processes (node n in worker n mod K), each with
+its own feeder and server, the targets pointing at each node's (EmulatorPool).
 
 Prometheus runs with the shipped configuration (compose_config: scrape and evaluation interval,
 scrape job, honor_labels), the shipped rules (rules.write_rules, no overrides) and one target
@@ -39,7 +41,8 @@ Prometheus's own /metrics and /api/v1/rules every second:
                  rank, first after how long from the first scrape, in seconds and in
                  evaluations of its group (rate() needs two scrapes of every rank), and in
                  how many of the measured evaluations.
-  emulator       its own CPU (utime+stime over wall time, this bench's polling included), of
+  emulator       its own CPU (utime+stime over wall time, this bench's polling included; with
+                 --workers, every worker's summed with this process's), of
                  which feeding (body, parse, ingest) and rendering; how late feeds ran; the
                  targets' worst scrape time and lowest up.
   rules          the slowest rules (the worst evaluationTime, /api/v1/rules), --top-rules.
@@ -95,6 +98,7 @@ about 10 min per engine, 1.7 GB for Prometheus and 1.7 GB for the emulator):
 Run: flock /tmp/syncscope-cpu.lock .venv/bin/python bench/bench_scale.py --sizes 64,256,1024
        [--ranks-per-node 8] [--duration 120] [--settle SECONDS] [--no-pin] [--json out.json]
        [--panels] [--engine prometheus|vm|both] [--shards 2] [--ab A.promql B.promql]
+       [--workers K]
 """
 
 from __future__ import annotations
