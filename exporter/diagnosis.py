@@ -50,7 +50,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from syncscope.exporter.gpu import PCIE_FAULTS, has_gpu, locality_faults
+from syncscope.exporter.gpu import PCIE_FAULTS, has_gpu, locality_faults, pcie_link_words
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.pooling import NodeInflation
 from syncscope.exporter.settings import Settings
@@ -208,10 +208,9 @@ def locality_fault(topology: Mapping[str, Any] | None) -> str | None:
     for fault in locality_faults(topology):
         if fault == "numa_mismatch":
             return "process on another NUMA node than its GPU"
-        _, current, supported = next(f for f in PCIE_FAULTS if f[0] == fault)
-        prefix = "x" if fault == "pcie_width" else "gen "
-        now, most = (int(number(topology.get(k)) or 0) for k in (current, supported))
-        return f"PCIe link {prefix}{now} of {prefix}{most}"
+        current, supported, _ = PCIE_FAULTS[fault]
+        now, most = (number(topology.get(k)) or 0 for k in (current, supported))
+        return pcie_link_words(fault, now, most)
     return None
 
 

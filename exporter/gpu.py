@@ -44,16 +44,17 @@ INFO_KEYS = (
 GAUGES = tuple(
     s for s in CATALOG if s.condition == "gpu" and s not in (GPU_INFO, GPU_LOCALITY_FAULT)
 )
-# A PCIe link below what the GPU and slot support: (fault, current key, supported key). The
+# A PCIe link below what the GPU and slot support: fault -> (current key, supported key, the
+# prefix its values are said with: pcie_link_words). The
 # agent reports the current link as seen under load only where NVML's clock-event reasons say
 # whether the GPU idles (agent.topology: an idle GPU trains its link down, and the agent keeps
 # the last loaded reading); from sysfs alone it cannot tell. A narrower width is a fault either
 # way (a link trains its speed down, rarely its width); a lower generation only where it was
 # read under load (link_read_under_load).
-PCIE_FAULTS = (
-    ("pcie_width", "pcie_link_width", "pcie_link_max_width"),
-    ("pcie_generation", "pcie_link_generation", "pcie_link_max_generation"),
-)
+PCIE_FAULTS = {
+    "pcie_width": ("pcie_link_width", "pcie_link_max_width", "x"),
+    "pcie_generation": ("pcie_link_generation", "pcie_link_max_generation", "gen "),
+}
 ENERGY_KEY = GPU_ENERGY_JOULES_TOTAL.family.removeprefix(GPU_PREFIX)
 
 
@@ -95,12 +96,19 @@ def link_read_under_load(topology: Mapping[str, Any]) -> bool:
     return topology_number(topology.get("throttle_reasons")) is not None
 
 
+def pcie_link_words(fault: str, now: float, most: float) -> str:
+    """A PCIe fault's link against what it supports, as the diagnosis and the verdict say it:
+    "PCIe link x8 of x16", "PCIe link gen 3 of gen 5"."""
+    prefix = PCIE_FAULTS[fault][2]
+    return f"PCIe link {prefix}{int(now)} of {prefix}{int(most)}"
+
+
 def locality_faults(topology: Mapping[str, Any]) -> list[str]:
     """The GPU's locality faults (GPU_LOCALITY_FAULT's `fault` values); none where a reading is
     missing, so an unread link or placement never looks like a fault, and no generation fault
     where the generation was not read under load."""
     faults = []
-    for fault, current, supported in PCIE_FAULTS:
+    for fault, (current, supported, _) in PCIE_FAULTS.items():
         if fault == "pcie_generation" and not link_read_under_load(topology):
             continue
         now, most = topology_number(topology.get(current)), topology_number(topology.get(supported))

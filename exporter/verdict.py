@@ -25,7 +25,7 @@ from syncscope.exporter.diagnosis import (
     number,
     rank_list,
 )
-from syncscope.exporter.gpu import has_gpu, link_read_under_load
+from syncscope.exporter.gpu import PCIE_FAULTS, has_gpu, link_read_under_load, pcie_link_words
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.store import RankView
 
@@ -194,15 +194,17 @@ def hardware_checks(
             return None
         return _throttle_fault(r, [p for p in gpus if p is not r], t) or ""
 
-    def link(key: str, prefix: str) -> Any:
+    def link(fault: str) -> Any:
+        current, supported, _ = PCIE_FAULTS[fault]
+
         def per_rank(r: RankView) -> str | None:
             topo = r.topology or {}
-            now, most = number(topo.get(key)), number(topo.get(key.replace("link_", "link_max_")))
+            now, most = number(topo.get(current)), number(topo.get(supported))
             if now is None or most is None or now <= 0 or most <= 0:
                 return None
-            if key == "pcie_link_generation" and not link_read_under_load(topo):
+            if fault == "pcie_generation" and not link_read_under_load(topo):
                 return None
-            return f"PCIe link {prefix}{int(now)} of {prefix}{int(most)}" if now < most else ""
+            return pcie_link_words(fault, now, most) if now < most else ""
 
         return per_rank
 
@@ -213,11 +215,11 @@ def hardware_checks(
         return "process on another NUMA node than its GPU" if mismatch else ""
 
     check("throttle reasons", "no GPU slowed by throttling", throttle)
-    check("PCIe link width", "PCIe links at full width", link("pcie_link_width", "x"))
+    check("PCIe link width", "PCIe links at full width", link("pcie_width"))
     check(
         "PCIe link generation (under load)",
         "PCIe links at full generation",
-        link("pcie_link_generation", "gen "),
+        link("pcie_generation"),
     )
     check("NUMA placement", "processes on their GPU's NUMA node", numa)
     check("XID and ECC errors", "no hardware XID or ECC errors", _error_fault)
