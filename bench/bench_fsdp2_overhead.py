@@ -180,6 +180,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         f"fastest step of each arm (less of this machine's noise), agent vs none: median "
         f"{statistics.median(fastest):+.2%} (90% CI {low:+.2%} .. {high:+.2%})"
     )
+    # each round's figure, so that runs of the same job can be pooled (docs/parallelism.md)
+    print(f"round ratios, median step, agent/none - 1 (%): {[round(r * 100, 2) for r in ratios]}")
     cpu_med = statistics.median(cpu)
     print(
         f"training-thread CPU per step, agent minus none: {cpu_med / 1e3:+.0f} us "

@@ -18,7 +18,11 @@ bench_agent_overhead.py does), so the interval also covers how much processes di
 `--without PART` (repeatable) takes a part of the agent out of the attached arm, to find where a
 cost lies: `events` (one CUDA event per step, at its end, instead of one at every phase
 boundary), `reader` (no Flight Recorder dumps), `topology` (NVML and sysfs read once, at the
-first flush), `reporter` (no flush during the run). `--device cpu` runs the same bench on gloo
+first flush), `reporter` (no flush during the run). Each arm's training-thread CPU per step is
+reported beside its step time (`thread_cpu_us`): a cost that shows in the step but not there lies
+in other threads contending for the GIL or the driver. `--profile N` ends the run with one more
+round of N steps per arm under cProfile and prints each arm's costliest functions with their
+calls per step, to name the code a training-thread cost comes from. `--device cpu` runs the same bench on gloo
 with a small float32 model: a smoke test of this script where there is no GPU
 (tests/unit/test_bench_scripts.py), not a measurement of the GPU path.
 
@@ -91,8 +95,10 @@ def without(agent, parts: list[str]) -> None:
         topology.interval_s = float("inf")
 
 
-def run_steps(model, opt, x, steps: int) -> list[float]:
+def run_steps(model, opt, x, steps: int, cpu: list[float] | None = None) -> list[float]:
+    """Each step's wall time; with `cpu`, the training thread's CPU per step appended to it."""
     times = []
+    cpu0 = time.thread_time_ns()
     last = time.perf_counter()
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -103,7 +109,41 @@ def run_steps(model, opt, x, steps: int) -> list[float]:
         now = time.perf_counter()
         times.append(now - last)
         last = now
+    if cpu is not None:
+        cpu.append((time.thread_time_ns() - cpu0) / 1e3 / steps)
     return times
+
+
+def profile_round(model, opt, x, steps: int, label: str, top: int = 25) -> None:
+    """`steps` steps under cProfile: the costliest functions by own time, with calls per step."""
+    import cProfile
+    import pstats
+
+    import syncscope.agent
+
+    agent_dir = os.path.dirname(syncscope.agent.__file__)
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run_steps(model, opt, x, steps)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    total = sum(v[2] for v in stats.values())
+    print(f"profile, {label}: {total / steps * 1e6:.0f} µs of profiled own time per step")
+    ours = sorted(
+        ((k, v) for k, v in stats.items() if k[0].startswith(agent_dir)),
+        key=lambda kv: kv[1][3],
+        reverse=True,
+    )[:top]
+    for title, chosen in (("by own time", rows), ("syncscope's, by cumulative time", ours)):
+        print(f" {title}:")
+        for (path, line, name), (_cc, calls, tottime, cumtime, _callers) in chosen:
+            where = f"{os.path.basename(path)}:{line}({name})"
+            print(
+                f"  {tottime / steps * 1e6:8.1f} µs own {cumtime / steps * 1e6:8.1f} µs cum "
+                f"{calls / steps:6.1f} calls/step  {where}"
+            )
 
 
 def p99(values: list[float]) -> float:
@@ -167,6 +207,7 @@ def ab(args) -> int:
     model, opt, x = build(torch, args.layers, args.d, args.batch, args.seq, local_rank, cuda)
     run_steps(model, opt, x, args.warmup)
     times: dict[bool, list[float]] = {False: [], True: []}
+    thread_cpu: dict[bool, list[float]] = {False: [], True: []}  # µs per step, per round
     round_ratios: list[float] = []  # per round pair: attached median / detached median
     parts = None
     dumps_per_round: list[int] = []  # Flight Recorder dumps inside each attached round
@@ -184,7 +225,7 @@ def ab(args) -> int:
                 reader.reschedule = lambda: None
             run_steps(model, opt, x, args.warmup)
             before = reader.stats["dumps"] if reader is not None else 0
-            measured = run_steps(model, opt, x, args.steps)
+            measured = run_steps(model, opt, x, args.steps, thread_cpu[attached])
             times[attached] += measured
             if attached:
                 attached_median = statistics.median(measured)
@@ -196,6 +237,13 @@ def ab(args) -> int:
                 parts = agent_parts(agent)
                 agent.close()
         round_ratios.append(attached_median / detached_median)
+    if args.profile:
+        profile_round(model, opt, x, args.profile, "detached")
+        agent = attach(model=model, optimizer=opt, exporter=url, **options)
+        without(agent, args.without)
+        run_steps(model, opt, x, args.warmup)
+        profile_round(model, opt, x, args.profile, f"attached (without {args.without or 'none'})")
+        agent.close()
     dist.destroy_process_group()
     if exporter_proc is not None:
         exporter_proc.terminate()
@@ -210,6 +258,10 @@ def ab(args) -> int:
         "steps_per_arm": len(times[False]),
         "median_ms": {"detached": m0 * 1e3, "attached": m1 * 1e3},
         "p99_ms": {"detached": q0 * 1e3, "attached": q1 * 1e3},
+        "thread_cpu_us": {
+            "detached": statistics.median(thread_cpu[False]),
+            "attached": statistics.median(thread_cpu[True]),
+        },
         "median_ratio": m1 / m0,
         "round_ratios": round_ratios,
         "p99_ratio": q1 / q0,
@@ -268,7 +320,12 @@ def pooled(args) -> int:
             groups += [i] * len(r["round_ratios"])
             ms = r["median_ms"]
             medians.append(f"{ms['detached']:.3f}/{ms['attached']:.3f}")
-            print(f"process {i}: rounds {[round(x, 4) for x in r['round_ratios']]}", flush=True)
+            cpu = r["thread_cpu_us"]
+            print(
+                f"process {i}: rounds {[round(x, 4) for x in r['round_ratios']]}, training "
+                f"thread {cpu['detached']:.0f}/{cpu['attached']:.0f} µs CPU per step",
+                flush=True,
+            )
     return verdict(ratios, groups, f"{args.processes} processes (ms: {', '.join(medians)})", args)
 
 
@@ -355,6 +412,9 @@ def main() -> int:
     p.add_argument("--processes", type=int, default=1, help="fresh processes, rounds pooled")
     p.add_argument("--without", action="append", default=[], choices=PARTS, metavar="PART")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="one more round per arm under cProfile"
+    )
     p.add_argument("--emit", help=argparse.SUPPRESS)  # a child's result file (--processes)
     p.add_argument("--nccl-timing-ab", action="store_true")
     p.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)

@@ -4,7 +4,10 @@
 #
 # On the device (one call; the wheels it lacks travel from here, made by scripts/device-wheels):
 #   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=560)
-# Here (no GPU) it runs in seconds and says what it skipped and why.
+# Here (no GPU) it runs in seconds and says what it skipped and why. SECTIONS="fsdp2-cpu
+# overhead-launch" (any of tests-gpu energy overhead-launch overhead-50ms fsdp2-cpu, in the order
+# given) runs only those, so that a session's 15 device minutes can be split over two calls on
+# the same warm machine.
 #
 # Sections, each under its own timeout so that one hang cannot cost the rest:
 #   versions    GPU, driver, torch, CUDA, NCCL
@@ -13,15 +16,19 @@
 #               DDP, FSDP2 and FSDP1 through attach() with a real exporter, reduce-overhead
 #               compile, CUDA-graph capture in global and thread-local mode
 #   energy      NVML's energy counter over a fixed matmul load, and what the agent reports
-#   fsdp2-cpu   only with FSDP2_CPU=1 (about 3 more minutes): the FSDP2 overhead bench of the
+#   fsdp2-cpu   only with FSDP2_CPU=1 (about 1.5 minutes more on an H200's host at 40 rounds,
+#               FSDP2_ROUNDS to change them): the FSDP2 overhead bench of the
 #               parallelism issue on gloo, 4 ranks on this machine's quiet cores, after
 #               building the C++ collective kernel for its torch: a figure 2 shared vCPUs
 #               cannot resolve (docs/parallelism.md)
-#   overhead    bench/bench_gpu_overhead.py, agent vs none, interleaved rounds in 2 fresh
+#   overhead-launch, overhead-50ms
+#               bench/bench_gpu_overhead.py, agent vs none, interleaved rounds in 2 fresh
 #               processes: a GPU-bound step of ≥ 50 ms (batch 48), a launch-bound one
-#               (2 layers, batch 2: 7 ms on an H200, whose host launches no faster), and that
+#               (2 layers, batch 2: 6 to 7 ms on an H200, whose host launches no faster), and that
 #               one again with the agent's events, Flight Recorder reader, NVML sampling and
-#               flushes taken out (--without), to tell which side its cost is on
+#               flushes taken out (--without), to tell which side its cost is on; the
+#               launch-bound runs with each arm's training-thread CPU per step and a cProfile
+#               round of each arm (--profile), to name the code the cost comes from
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FIGURES=gpu-figures.txt
@@ -55,10 +62,13 @@ if [ "$GPU" != 1 ]; then
   exit 0
 fi
 
-section tests/gpu
-TAIL=25 run tests-gpu 270 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider
+tests_gpu() {
+  section tests/gpu
+  TAIL=25 run tests-gpu 270 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider
+}
 
-section energy
+energy() {
+  section energy
 TAIL=10 run energy 45 "$PY" - <<'PY'
 """NVML's energy counter across a fixed load, read apart from syncscope, beside the agent's own
 topology reading of the same counter (agent.topology): both in joules, and their difference."""
@@ -101,24 +111,47 @@ else:
     agent_j = a1 - a0
     print(f"agent: {agent_j:.1f} J; differs from NVML by {abs(agent_j - nvml_j) / nvml_j:.1%}")
 PY
+}
 
-section overhead
-TAIL=4 run overhead-launch-bound 130 "$PY" -m bench.bench_gpu_overhead --processes 2 \
-  --rounds 5 --steps 250 --warmup 30 --layers 2 --batch 2 --no-fail
-TAIL=4 run overhead-50ms 150 "$PY" -m bench.bench_gpu_overhead --processes 2 --rounds 4 \
-  --steps 60 --warmup 15 --batch 48 --no-fail
-# the launch-bound step again with every part --without can take out: what the phase clock and
-# its hooks cost alone, against the first run's whole agent (docs/gpu.md, Known limits)
-TAIL=4 run overhead-launch-bound-parts-out 130 "$PY" -m bench.bench_gpu_overhead --processes 2 \
-  --rounds 5 --steps 250 --warmup 30 --layers 2 --batch 2 --no-fail \
-  --without events --without reader --without topology --without reporter
-grep -h '"dumps_per_attached_round"\|"median_ms"' -A2 "$OUT"/overhead-*.log | head -30 >>"$FIG"
+overhead_launch() {
+  section overhead-launch
+  TAIL=4 run overhead-launch-bound 130 "$PY" -m bench.bench_gpu_overhead --processes 2 \
+    --rounds 5 --steps 250 --warmup 30 --layers 2 --batch 2 --no-fail --profile 100
+  # again with every part --without can take out: what the phase clock and its hooks cost
+  # alone, against the first run's whole agent (docs/gpu.md, Known limits)
+  TAIL=4 run overhead-launch-bound-parts-out 130 "$PY" -m bench.bench_gpu_overhead \
+    --processes 2 --rounds 5 --steps 250 --warmup 30 --layers 2 --batch 2 --no-fail \
+    --without events --without reader --without topology --without reporter --profile 100
+  overhead_figures
+}
 
-if [ "${FSDP2_CPU:-0}" = 1 ]; then
+overhead_50ms() {
+  section overhead-50ms
+  TAIL=4 run overhead-50ms 150 "$PY" -m bench.bench_gpu_overhead --processes 2 --rounds 4 \
+    --steps 60 --warmup 15 --batch 48 --no-fail
+  overhead_figures
+}
+
+overhead_figures() {
+  grep -h '"dumps_per_attached_round"\|"median_ms"\|"thread_cpu_us"\|^process ' -A2 \
+    "$OUT"/overhead-*.log | head -60 >>"$FIG"
+}
+
+fsdp2_cpu() {
   section fsdp2-cpu
   TAIL=3 run native-kernel 120 "$PY" -m syncscope.agent.native
-  TAIL=5 run fsdp2-cpu 200 "$PY" -m bench.bench_fsdp2_overhead --world 4 --rounds 40 --steps 10
-fi
+  TAIL=6 run fsdp2-cpu 200 "$PY" -m bench.bench_fsdp2_overhead --world 4 \
+    --rounds "${FSDP2_ROUNDS:-40}" --steps 10
+}
+
+DEFAULT="tests-gpu energy overhead-launch overhead-50ms"
+if [ "${FSDP2_CPU:-0}" = 1 ]; then DEFAULT="$DEFAULT fsdp2-cpu"; fi
+for name in ${SECTIONS:-$DEFAULT}; do
+  case $name in
+    tests-gpu | energy | overhead-launch | overhead-50ms | fsdp2-cpu) "${name//-/_}" ;;
+    *) say "unknown section $name (tests-gpu energy overhead-launch overhead-50ms fsdp2-cpu)" ;;
+  esac
+done
 
 say ""
 say "figures: $FIG; logs: $OUT"

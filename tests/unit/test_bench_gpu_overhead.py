@@ -33,11 +33,18 @@ def test_the_script_runs_pooled_over_processes_with_parts_taken_out():
         "--processes", "2", "--rounds", "2", "--steps", "3", "--warmup", "1",
         "--layers", "1", "--d", "32", "--batch", "2", "--seq", "8",
         "--exporter", "none", "--without", "events", "--without", "reporter", "--no-fail",
+        "--profile", "2",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert len(re.findall(r"^process [01]: rounds \[[^\]]+, [^\]]+\]$", out, re.M)) == 2, out
+    process = r"^process [01]: rounds \[[^\]]+, [^\]]+\], training thread \d+/\d+ µs CPU per step$"
+    assert len(re.findall(process, out, re.M)) == 2, out
+    # each process's profile round of each arm names the agent's own code in the attached one
+    assert len(re.findall(r"^profile, detached: \d+ µs", out, re.M)) == 2, out
+    attached = re.findall(r"^profile, attached \(without \['events', 'reporter'\]\)", out, re.M)
+    assert len(attached) == 2, out
+    assert re.search(r"calls/step  phases\.py:\d+\(forward\)$", out, re.M), out
     assert re.search(
         r"^(PASS|FAIL): median round ratio [\d.]+ .* over 4 rounds, 2 processes", out, re.M
     )
