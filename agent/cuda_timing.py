@@ -74,14 +74,25 @@ def torch_event_factory() -> Callable[[], Any]:
     return lambda: torch.cuda.Event(enable_timing=True)
 
 
-def torch_stream_of(torch: Any, device_index: int) -> Callable[[], Any]:
+def torch_stream_of(torch: Any, device_index: int) -> Callable[[bool], Any]:
     """The current stream of the model's device, or None while it is capturing a CUDA graph
-    (an event recorded then would be a node of the graph, not a point in the stream)."""
+    (an event recorded then would be a node of the graph, not a point in the stream).
+
+    `stream_of(fresh)`: the stream is looked up when `fresh` (a step's first mark) and reused for
+    the step's other marks. `torch.cuda.current_stream` builds a new Stream object at each call,
+    the costliest part of a mark on an H200 (bench_gpu_overhead --profile: 7 lookups a step, a
+    third of the agent's time in its training-thread profile); whether the stream is capturing
+    is still asked at every mark, one C call."""
     current_stream = torch.cuda.current_stream
     capturing = torch.cuda.is_current_stream_capturing  # a capture runs on the current device
+    last: list[Any] = [None]
 
-    def stream_of() -> Any:
-        return None if capturing() else current_stream(device_index)
+    def stream_of(fresh: bool = True) -> Any:
+        if capturing():
+            return None
+        if fresh or last[0] is None:
+            last[0] = current_stream(device_index)
+        return last[0]
 
     return stream_of
 
@@ -129,7 +140,7 @@ class CudaPhaseClock(PhaseClock):
         ddp_model: Any = None,
         *,
         event_factory: Callable[[], Any] | None = None,
-        stream_of: Callable[[], Any] | None = None,
+        stream_of: Callable[[bool], Any] | None = None,
         thread_guard: Callable[[], object] = thread_local_capture_mode,
         timeline: Any = None,
         max_pending: int = 64,
@@ -185,7 +196,7 @@ class CudaPhaseClock(PhaseClock):
         try:
             stream = None
             if self.stream_of is not None:
-                stream = self.stream_of()
+                stream = self.stream_of(not marks)  # looked up at the step's first mark
                 if stream is None:  # capturing: leave the graph alone, time this step on CPU
                     self.capture_skips += 1
                     self._abandon_step()

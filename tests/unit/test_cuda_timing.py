@@ -278,7 +278,7 @@ def test_a_query_that_raises_drops_that_step_and_the_rest_still_resolve():
 
 def test_nothing_is_recorded_while_the_stream_is_capturing_a_cuda_graph():
     capturing = [False]
-    loop = Loop(stream_of=lambda: None if capturing[0] else "model-stream")
+    loop = Loop(stream_of=lambda _fresh: None if capturing[0] else "model-stream")
     recorded: list[FakeEvent] = []
     factory = loop.clock.event_factory
     loop.clock.event_factory = lambda: recorded.append(factory()) or recorded[-1]
@@ -297,8 +297,11 @@ def test_nothing_is_recorded_while_the_stream_is_capturing_a_cuda_graph():
 
 
 def test_events_go_on_the_model_devices_stream_not_the_current_devices():
+    lookups: list[int] = []
+
     class FakeCuda:
         def current_stream(self, device=None):
+            lookups.append(device)
             return f"stream-of-{device}"
 
         def is_current_stream_capturing(self):
@@ -310,6 +313,8 @@ def test_events_go_on_the_model_devices_stream_not_the_current_devices():
     loop.step()
     streams = {s for _, e in loop.clock.pending[1][1] for s in e.recorded_on}
     assert streams == {"stream-of-3"}
+    # looked up at each step's first mark, not at all 7 (a Stream object each: the costly part)
+    assert lookups == [3, 3]
 
 
 def test_the_resolver_thread_leaves_global_capture_mode_before_its_first_query():
