@@ -158,13 +158,12 @@ def test_a_capture_survives_the_agents_background_work(tmp_path, mode):
 
 
 def test_pacing_is_fed_the_gpus_exposed_communication(tmp_path):
-    none, gpu, cpu = run_script(tmp_path, "pacing_job.py", "--delay-ms", "10")
-    for arm in (none, gpu, cpu):
+    none, slowed = run_script(tmp_path, "pacing_job.py", "--delay-ms", "10")
+    for arm in (none, slowed):
         assert arm["clock"] == "CudaPhaseClock" and arm["gpu_steps"] > 50, arm
-    for arm in (gpu, cpu):
-        # Rank 0 waits longer for its slowed peer, a GPU-side delay or a CPU one, and its pacer
-        # is fed that on top of the transfer it sees without a straggler. Less than the 10 ms:
-        # both ranks share the one GPU, so part of the delay overlaps rank 0's own kernels
-        # (measured on the H100: +5.0 ms GPU-side, +6.9 ms CPU-side).
-        extra = arm["fed_gpu_comm_ms_median"] - none["fed_gpu_comm_ms_median"]
-        assert 3.0 <= extra <= 15.0, (arm, none)
+    # Rank 0 waits longer for its slowed peer, and its pacer is fed that on top of the transfer
+    # it sees without a straggler. Less than the 10 ms: both ranks share the one GPU, so part
+    # of the delay overlaps rank 0's own kernels. The lead, not the wait: pacing rank 0 turns
+    # part of its wait into its own delay (H200, 2026-11-27: lead +5.0 ms; H100: wait +6.9 ms).
+    extra = slowed["unpaced_ms_median"] - none["unpaced_ms_median"]
+    assert 3.0 <= extra <= 15.0, (slowed, none)
