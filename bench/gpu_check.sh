@@ -16,11 +16,11 @@
 #               DDP, FSDP2 and FSDP1 through attach() with a real exporter, reduce-overhead
 #               compile, CUDA-graph capture in global and thread-local mode
 #   energy      NVML's energy counter over a fixed matmul load, and what the agent reports
-#   fsdp2-cpu   only with FSDP2_CPU=1 (about 1.5 minutes more on an H200's host at 40 rounds,
-#               FSDP2_ROUNDS to change them): the FSDP2 overhead bench of the
-#               parallelism issue on gloo, 4 ranks on this machine's quiet cores, after
-#               building the C++ collective kernel for its torch: a figure 2 shared vCPUs
-#               cannot resolve (docs/parallelism.md)
+#   fsdp2-cpu   only with FSDP2_CPU=1 (about 1.5 minutes more on an H200's host at 40 rounds
+#               of 10 steps an arm; FSDP2_ROUNDS, FSDP2_STEPS change them): the FSDP2 overhead
+#               bench of the parallelism issue on gloo, 4 ranks on this machine's quiet cores,
+#               after building the C++ collective kernel for its torch: a figure 2 shared
+#               vCPUs cannot resolve (docs/parallelism.md)
 #   overhead-launch, overhead-50ms
 #               bench/bench_gpu_overhead.py, agent vs none, interleaved rounds in 2 fresh
 #               processes: a GPU-bound step of ≥ 50 ms (batch 48), a launch-bound one
@@ -141,7 +141,7 @@ fsdp2_cpu() {
   section fsdp2-cpu
   TAIL=3 run native-kernel 120 "$PY" -m syncscope.agent.native
   TAIL=6 run fsdp2-cpu 200 "$PY" -m bench.bench_fsdp2_overhead --world 4 \
-    --rounds "${FSDP2_ROUNDS:-40}" --steps 10
+    --rounds "${FSDP2_ROUNDS:-40}" --steps "${FSDP2_STEPS:-10}"
 }
 
 DEFAULT="tests-gpu energy overhead-launch overhead-50ms"
