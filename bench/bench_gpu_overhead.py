@@ -211,18 +211,22 @@ def ab(args) -> int:
     round_ratios: list[float] = []  # per round pair: attached median / detached median
     parts = None
     dumps_per_round: list[int] = []  # Flight Recorder dumps inside each attached round
+
+    def attached_agent():
+        """The attached arm's agent: `--without` parts out, `--dump-every` applied."""
+        agent = attach(model=model, optimizer=opt, exporter=url, **options)
+        without(agent, args.without)
+        reader = getattr(agent, "nccl_reader", None)
+        if reader is not None and args.dump_every and "reader" not in args.without:
+            # dumps inside every measured round, far more often than the budget allows
+            reader.timeline.dump_every = args.dump_every
+            reader.reschedule = lambda: None
+        return agent
+
     for i in range(args.rounds):
         for attached in (False, True) if i % 2 == 0 else (True, False):
-            agent = (
-                attach(model=model, optimizer=opt, exporter=url, **options) if attached else None
-            )
-            if agent is not None:
-                without(agent, args.without)
+            agent = attached_agent() if attached else None
             reader = getattr(agent, "nccl_reader", None)
-            if reader is not None and args.dump_every and "reader" not in args.without:
-                # dumps inside every measured round, far more often than the budget allows
-                reader.timeline.dump_every = args.dump_every
-                reader.reschedule = lambda: None
             run_steps(model, opt, x, args.warmup)
             before = reader.stats["dumps"] if reader is not None else 0
             measured = run_steps(model, opt, x, args.steps, thread_cpu[attached])
@@ -239,8 +243,7 @@ def ab(args) -> int:
         round_ratios.append(attached_median / detached_median)
     if args.profile:
         profile_round(model, opt, x, args.profile, "detached")
-        agent = attach(model=model, optimizer=opt, exporter=url, **options)
-        without(agent, args.without)
+        agent = attached_agent()
         run_steps(model, opt, x, args.warmup)
         profile_round(model, opt, x, args.profile, f"attached (without {args.without or 'none'})")
         agent.close()

@@ -154,9 +154,9 @@ def pipeline(
 
     `net`'s (Linear, ReLU) pairs are cut, in order, into 2 stages per rank pair times the
     --schedule's stages per rank; the last stage also holds the head. Stage s runs on the
-    pair's rank s mod 2 (interleaved: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3). `chunk(body, head, first)` makes a
-    stage's module; `first`: the rank's first stage (a slowed rank sleeps there only, once per
-    micro-batch whatever the schedule).
+    pair's rank s mod 2 (interleaved: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3).
+    `chunk(body, head, first)` makes a stage's module; `first`: the rank's first stage (a slowed
+    rank sleeps there only, once per micro-batch whatever the schedule).
     """
     import torch
     from torch import nn

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from types import ModuleType
 
@@ -133,14 +136,13 @@ def test_counter_increases_from_the_last_value_before_the_window(bench):
 def test_an_emulator_pool_serves_the_job_a_single_process_does(bench):
     """--workers: the nodes spread over processes, each served at its worker's port, with the
     series one process would serve, and the workers' figures summed."""
-    import urllib.request
 
     def series(port: int, node: int) -> set[str]:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics/{node}", timeout=30) as r:
             lines = r.read().decode().splitlines()
         return {line.rpartition(" ")[0] for line in lines if line and not line.startswith("#")}
 
-    job = bench.Job(4, 2, 1.0, 0.03, __import__("time").time() - 10)
+    job = bench.Job(4, 2, 1.0, 0.03, time.time() - 10)
     single = bench.Emulator(job, 5.0, 20)
     pool = bench.EmulatorPool(job, 5.0, 20, workers=2)
     try:
