@@ -369,27 +369,29 @@ def _waits_for(r: RankView, group: str, root: int, blocked: Mapping[int, float])
 
 def _break_circles(out: dict[int, Victim], others: Mapping[int, list[Victim]]) -> None:
     """Re-point victims of `out` (in place) whose `waits_for` lead round in a circle: each time
-    the one, of all in circles, that waits longest in another group whose chain ends outside
-    a circle."""
+    the one, of all on circles, that waits longest in another group whose chain ends outside
+    a circle. A rank whose chain only runs into a circle keeps its own: once the circle is
+    broken, its chain leads on through it."""
 
-    def circular(rank: int) -> bool:
+    def end(rank: int) -> int | None:
+        """Where `rank`'s chain stops: the first rank it reaches twice (a circle), else None."""
         seen = set()
         while rank in out and rank not in seen:
             seen.add(rank)
             whom = out[rank].waits_for
             if whom is None:
-                return False
+                return None
             rank = whom
-        return rank in seen
+        return rank if rank in seen else None
 
     while True:
         exits = [
             next(
-                (v for v in others[rank] if v.waits_for is not None and not circular(v.waits_for)),
+                (v for v in others[rank] if v.waits_for is not None and end(v.waits_for) is None),
                 None,
             )
             for rank in out
-            if circular(rank)
+            if end(rank) == rank  # on a circle, not on the way into one
         ]
         found = [v for v in exits if v is not None]
         if not found:

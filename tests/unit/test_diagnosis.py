@@ -19,6 +19,8 @@ from syncscope.exporter.diagnosis import (
     CAUSES,
     MODES,
     Diagnosis,
+    Victim,
+    _break_circles,
     diagnose_job,
     locality_fault,
     straggler_cause,
@@ -348,6 +350,32 @@ def test_a_wait_chain_that_goes_round_in_a_circle_is_led_out_of_it() -> None:
     )
     chain = {v.rank: (v.group, v.waits_for) for v in wait_chain(ranks, root=2, min_wait_s=0.005)}
     assert chain == {0: ("pp", 1), 1: ("dp", 3), 3: ("pp", 2)}
+
+
+def test_a_rank_on_the_way_into_a_circle_keeps_its_own_wait() -> None:
+    """Ranks 0 and 1 wait for each other (a circle); rank 4 waits for rank 0 and would wait
+    longest of all elsewhere (for rank 5, outside the circle). The circle is broken where it
+    is: rank 0 (the circle's longer exit, to the root 2) is led out, and rank 4 keeps waiting
+    for rank 0, whose chain now reaches the root."""
+    out = {
+        0: Victim(0, "pp", 1, 0.35),
+        1: Victim(1, "pp", 0, 0.33),
+        4: Victim(4, "tp", 0, 0.20),
+        5: Victim(5, "dp", 2, 0.03),
+    }
+    others = {
+        0: [Victim(0, "dp", 2, 0.061)],
+        1: [Victim(1, "dp", 5, 0.050)],
+        4: [Victim(4, "dp", 5, 0.090)],
+        5: [],
+    }
+    _break_circles(out, others)
+    assert {r: (v.group, v.waits_for) for r, v in out.items()} == {
+        0: ("dp", 2),
+        1: ("pp", 0),
+        4: ("tp", 0),
+        5: ("dp", 2),
+    }
 
 
 def test_the_wait_chain_crosses_nodes_with_the_job_wide_leads() -> None:
