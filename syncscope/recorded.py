@@ -60,6 +60,11 @@ GROUP_WAIT = "job_group:syncscope_rank_collective_seconds_beyond_least:ratio"
 BUS_BANDWIDTH = "job_op_group:syncscope_collective_bus_bandwidth_bytes_per_second:ratio"
 TRANSFER_PER_CALL = "job_op_group:syncscope_collective_transfer_seconds:per_call"
 CONTENTION = "job_op_group:syncscope_fabric_contention:index"
+# What the transfer beyond that baseline costs: the share of each rank's time (per second of
+# wall time, averaged over the job's ranks) that goes to it. SyncscopeFabricContention fires
+# only where it reaches the alert's `min_cost_share` (thresholds.json): a tiny, rare call (a
+# flag broadcast) can double its transfer and cost the job nothing.
+CONTENTION_COST = "job_op_group:syncscope_fabric_contention_cost:ratio"
 PACING_ACTIVE = "job:syncscope_pacing_active:sum"
 PACING_RATIO = "job:syncscope_pacing_delay:ratio"
 LOCALITY_FAULT = "job_rank_fault:syncscope_gpu_locality:bool"

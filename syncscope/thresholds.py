@@ -77,6 +77,7 @@ class Alert(_Model):
     outliers: Outliers | None = None
     none_scraped_severity: Literal["warning", "critical"] | None = None
     lookback: Duration | None = None
+    min_cost_share: Share | None = None  # SyncscopeFabricContention's floor (its _comment)
 
 
 class Windows(_Model):

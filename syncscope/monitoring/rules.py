@@ -30,6 +30,7 @@ from syncscope.recorded import (  # the recorded series' names, declared there o
     BUS_BANDWIDTH,
     COMM_EXPOSED_RATIO,
     CONTENTION,
+    CONTENTION_COST,
     COST_PER_HOUR,
     COST_PER_MILLION_SAMPLES,
     COST_PER_MILLION_TOKENS,
@@ -242,6 +243,7 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
         BUS_BANDWIDTH,
         TRANSFER_PER_CALL,
         CONTENTION,
+        CONTENTION_COST,
         LOCALITY_FAULT,
         GROUP_WAIT,
         # Work and energy: rates for people and days-long panels, no alert reads them.

@@ -302,6 +302,19 @@ MUTATIONS = [
         "SyncscopeFabricContention",
     ),
     ("contention_max_skew_ratio", 0.5, "fabric", "SyncscopeFabricContention"),
+    # A lower floor lets the flag broadcast's cheap excess alert; a higher one silences train's.
+    (
+        "alerts.SyncscopeFabricContention.min_cost_share",
+        0.001,
+        "fabric",
+        "SyncscopeFabricContention",
+    ),
+    (
+        "alerts.SyncscopeFabricContention.min_cost_share",
+        0.02,
+        "fabric",
+        "SyncscopeFabricContention",
+    ),
     (
         "alerts.SyncscopeAgentDroppingRecords.levels.0.threshold",
         0.1,

@@ -7,13 +7,28 @@ from typing import Any
 from syncscope import catalog as M
 from syncscope.monitoring.alerts.base import AlertInput
 from syncscope.monitoring.promql import pct
-from syncscope.recorded import CONTENTION, LINK_CAPACITY_RATIO
+from syncscope.recorded import CONTENTION, CONTENTION_COST, LINK_CAPACITY_RATIO
+from syncscope.thresholds import Thresholds, required
+
+
+def contention_floor(cfg: Thresholds) -> float:
+    """The share of each rank's time a transfer's excess must cost for the alert to fire."""
+    return float(
+        required(
+            cfg.alerts["SyncscopeFabricContention"].min_cost_share,
+            "alerts.SyncscopeFabricContention.min_cost_share",
+        )
+    )
 
 
 def fabric_contention_text(alert: AlertInput) -> dict[str, Any]:
     thr, w = alert.thr, alert.w
+    floor = contention_floor(alert.cfg)
     return {
-        "expr": f"{CONTENTION} > {thr}",
+        # DDP's gradient sync has no cost series (its index is per step already): kept.
+        "expr": (
+            f"{CONTENTION} > {thr}\nunless on (job, op, group)\n  {CONTENTION_COST} < {floor}\n"
+        ),
         "summary": (
             "{{ $labels.op }} on group {{ $labels.group }} of job {{ $labels.job }} "
             "transfers slower than its own baseline."
@@ -22,8 +37,9 @@ def fabric_contention_text(alert: AlertInput) -> dict[str, Any]:
             "The transfer of {{ $labels.op }} on group {{ $labels.group }} of job "
             "{{ $labels.job }} (after the last rank arrives) takes "
             '{{ printf "%.2f" $value }} times its 10th percentile of the last '
-            f"{w.contention_baseline} (threshold {thr}): the time goes to the fabric "
-            "(queueing on shared links), not to waiting for peers."
+            f"{w.contention_baseline} (threshold {thr}; an excess that costs each rank less "
+            f"than {pct(floor)} of its time does not alert): the "
+            "time goes to the fabric (queueing on shared links), not to waiting for peers."
         ),
     }
 

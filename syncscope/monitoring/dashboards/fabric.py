@@ -11,6 +11,7 @@ from grafana_foundation_sdk.builders import (
 
 from syncscope import catalog as M
 from syncscope import recorded as R
+from syncscope.monitoring.alerts.fabric import contention_floor
 from syncscope.monitoring.dashboards.common import (
     BY_RANK,
     DS,
@@ -38,7 +39,7 @@ from syncscope.monitoring.dashboards.queries import (
     ratio_lead_per_step,
     rec,
 )
-from syncscope.monitoring.promql import sel
+from syncscope.monitoring.promql import pct, sel
 from syncscope.thresholds import Thresholds, required
 
 
@@ -236,6 +237,7 @@ def _fabric_collectives(
     cfg: Thresholds, *, seconds: Any, wait: Any, groups: Any
 ) -> tuple[str, list[tuple[int, int, Any]]]:
     """Fabric row: Collectives."""
+    floor = contention_floor(cfg)
     return (
         "Collectives",
         [
@@ -288,7 +290,10 @@ def _fabric_collectives(
                     "Transfer per call (per step for DDP's gradient sync) over its own "
                     "10th percentile in the baseline window, for the 10 op/group pairs "
                     "highest over the time range; calls other than DDP's only while arrival "
-                    "skew is low. Dashed line: the SyncscopeFabricContention threshold.",
+                    "skew is low. Dashed line: the SyncscopeFabricContention threshold, "
+                    "which does not fire where the excess costs each rank less than "
+                    f"{pct(floor)} of its time ({R.CONTENTION_COST}): a tiny call can "
+                    "double and cost nothing.",
                     groups(R.CONTENTION),
                     "none",
                     thresholds=alert_steps(cfg, "SyncscopeFabricContention"),

@@ -11,6 +11,7 @@ from syncscope.monitoring.records.base import record
 from syncscope.recorded import (
     BUS_BANDWIDTH,
     CONTENTION,
+    CONTENTION_COST,
     DDP_BUS_BANDWIDTH,
     LINK_CAPACITY,
     LINK_CAPACITY_RATIO,
@@ -106,6 +107,22 @@ or
     label_replace({TRANSFER_INFLATION}, "op", "{NOT_A_TRANSFER}", "", ""),
     "group", "ddp", "", ""
   )
+""",
+        ),
+        # What that inflation costs each rank: the transfer per call beyond its baseline, times
+        # the calls each rank makes per second (the job's calls over its world size: a group
+        # not every rank is in reads lower, never higher). Seconds per second: a share of time.
+        record(
+            CONTENTION_COST,
+            f"""
+  (
+      {TRANSFER_PER_CALL}
+    -
+      quantile_over_time(0.1, {TRANSFER_PER_CALL}[{cfg.windows.contention_baseline}])
+  )
+* sum by (job, op, group) ({rate(cfg, M.COLLECTIVE_CALLS_TOTAL.name, no_ddp)})
+/ on (job) group_left ()
+  {WORLD_SIZE}
 """,
         ),
         # DDP's bus bandwidth (nccl-tests' all-reduce factor): gradient bytes per step over
