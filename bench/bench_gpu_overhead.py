@@ -22,7 +22,10 @@ first flush), `reporter` (no flush during the run). Each arm's training-thread C
 reported beside its step time (`thread_cpu_us`): a cost that shows in the step but not there lies
 in other threads contending for the GIL or the driver. `--profile N` ends the run with one more
 round of N steps per arm under cProfile and prints each arm's costliest functions with their
-calls per step, to name the code a training-thread cost comes from. `--device cpu` runs the same bench on gloo
+calls per step, to name the code a training-thread cost comes from. `--cpus 2-5` pins each measuring process (not the exporter it starts) to those CPUs, so that
+its threads and the agent's stay on the same cores in both arms (a launch-bound step moves with
+the core its thread lands on). `--steps-out PATH` writes every measured step's time, per process,
+round and arm, as JSON: what a better statistic can be worked out from offline. `--device cpu` runs the same bench on gloo
 with a small float32 model: a smoke test of this script where there is no GPU
 (tests/unit/test_bench_scripts.py), not a measurement of the GPU path.
 
@@ -182,6 +185,9 @@ def ab(args) -> int:
 
     if args.emit:  # a child of `pooled`: should it die, every thread's stack on its stderr
         faulthandler.enable()
+    machine = os.sched_getaffinity(0)
+    if args.cpus:  # first, so that every thread torch, gloo/NCCL and the agent start is here
+        os.sched_setaffinity(0, args.cpus)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -202,11 +208,18 @@ def ab(args) -> int:
         from syncscope.lab.servers import free_port, start_exporter
 
         port = free_port()
-        exporter_proc = start_exporter(port, stdout=subprocess.DEVNULL)
+        others = machine - args.cpus if args.cpus else set()
+        exporter_proc = start_exporter(
+            port,
+            stdout=subprocess.DEVNULL,
+            # the sidecar keeps to the other cores, every thread of it (set before its exec)
+            preexec_fn=(lambda: os.sched_setaffinity(0, others)) if others else None,
+        )
         url = f"http://127.0.0.1:{port}"
     model, opt, x = build(torch, args.layers, args.d, args.batch, args.seq, local_rank, cuda)
     run_steps(model, opt, x, args.warmup)
     times: dict[bool, list[float]] = {False: [], True: []}
+    per_round: list[dict[str, list[float]]] = []  # each round's step times, per arm (--steps-out)
     thread_cpu: dict[bool, list[float]] = {False: [], True: []}  # µs per step, per round
     round_ratios: list[float] = []  # per round pair: attached median / detached median
     parts = None
@@ -224,6 +237,7 @@ def ab(args) -> int:
         return agent
 
     for i in range(args.rounds):
+        per_round.append({})
         for attached in (False, True) if i % 2 == 0 else (True, False):
             agent = attached_agent() if attached else None
             reader = getattr(agent, "nccl_reader", None)
@@ -231,6 +245,7 @@ def ab(args) -> int:
             before = reader.stats["dumps"] if reader is not None else 0
             measured = run_steps(model, opt, x, args.steps, thread_cpu[attached])
             times[attached] += measured
+            per_round[-1]["attached" if attached else "detached"] = measured
             if attached:
                 attached_median = statistics.median(measured)
             else:
@@ -271,7 +286,10 @@ def ab(args) -> int:
         "agent": parts,
         "dumps_per_attached_round": dumps_per_round,
         "exporter": url,
+        "cpus": sorted(os.sched_getaffinity(0)),
     }
+    if args.steps_out:
+        steps_out(args.steps_out, {"argv": sys.argv[1:], "rounds": per_round})
     print(json.dumps(result, indent=1, default=str))
     if args.emit:
         with open(args.emit, "w") as f:
@@ -291,6 +309,31 @@ def ab(args) -> int:
             "this measured the CPU agent only."
         )
     return verdict(round_ratios, None, f"p99 {q1 / q0:.4f}", args)
+
+
+def steps_out(path: str, record: dict) -> None:
+    """Add one process's per-step times (`--steps-out`) to the JSON list at `path`."""
+    runs = []
+    if os.path.exists(path):
+        with open(path) as f:
+            runs = json.load(f)
+    runs.append(record)
+    with open(path, "w") as f:
+        json.dump(runs, f)
+
+
+def cpu_list(text: str) -> set[int]:
+    """'2-5,8' -> {2, 3, 4, 5, 8}."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CPUs like 2-5,8, got {text!r}") from None
+    if not cpus:
+        raise argparse.ArgumentTypeError("no CPUs given")
+    return cpus
 
 
 def verdict(ratios: list[float], groups: list[int] | None, extra: str, args) -> int:
@@ -415,6 +458,8 @@ def main() -> int:
     p.add_argument("--processes", type=int, default=1, help="fresh processes, rounds pooled")
     p.add_argument("--without", action="append", default=[], choices=PARTS, metavar="PART")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--cpus", type=cpu_list, default=None, help="pin each measuring process here")
+    p.add_argument("--steps-out", default=None, metavar="PATH", help="every step's time, JSON")
     p.add_argument(
         "--profile", type=int, default=0, metavar="N", help="one more round per arm under cProfile"
     )

@@ -28,7 +28,9 @@
 #               one again with the agent's events, Flight Recorder reader, NVML sampling and
 #               flushes taken out (--without), to tell which side its cost is on; the
 #               launch-bound runs with each arm's training-thread CPU per step and a cProfile
-#               round of each arm (--profile), to name the code the cost comes from
+#               round of each arm (--profile), to name the code the cost comes from; each
+#               measuring process pinned to BENCH_CPUS (2-5 where there are ≥ 8), every step's
+#               time in $OUT/steps-*.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FIGURES=gpu-figures.txt
@@ -113,22 +115,30 @@ else:
 PY
 }
 
+# Each measuring process pinned to 4 cores (the exporter to the rest), so that its threads and
+# the agent's sit on the same cores in both arms; every step's time kept for offline analysis
+# of the rounds' spread (±8 % at the launch-bound step on 2026-11-27, unpinned).
+PIN=()
+if [ "$(nproc)" -ge 8 ]; then PIN=(--cpus "${BENCH_CPUS:-2-5}"); fi
+
 overhead_launch() {
   section overhead-launch
   TAIL=4 run overhead-launch-bound 130 "$PY" -m bench.bench_gpu_overhead --processes 2 \
-    --rounds 5 --steps 250 --warmup 30 --layers 2 --batch 2 --no-fail --profile 100
+    --rounds 5 --steps 250 --warmup 30 --layers 2 --batch 2 --no-fail --profile 100 \
+    "${PIN[@]}" --steps-out "$OUT/steps-launch-bound.json"
   # again with every part --without can take out: what the phase clock and its hooks cost
   # alone, against the first run's whole agent (docs/gpu.md, Known limits)
   TAIL=4 run overhead-launch-bound-parts-out 130 "$PY" -m bench.bench_gpu_overhead \
     --processes 2 --rounds 5 --steps 250 --warmup 30 --layers 2 --batch 2 --no-fail \
-    --without events --without reader --without topology --without reporter --profile 100
+    --without events --without reader --without topology --without reporter --profile 100 \
+    "${PIN[@]}" --steps-out "$OUT/steps-launch-bound-parts-out.json"
   overhead_figures
 }
 
 overhead_50ms() {
   section overhead-50ms
   TAIL=4 run overhead-50ms 150 "$PY" -m bench.bench_gpu_overhead --processes 2 --rounds 4 \
-    --steps 60 --warmup 15 --batch 48 --no-fail
+    --steps 60 --warmup 15 --batch 48 --no-fail "${PIN[@]}" --steps-out "$OUT/steps-50ms.json"
   overhead_figures
 }
 

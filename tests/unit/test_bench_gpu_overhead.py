@@ -6,6 +6,7 @@ script broken here would spend it."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -27,13 +28,14 @@ def test_the_verdict_needs_the_median_and_the_intervals_upper_end_under_their_ta
     assert bench.verdict([1.05, 1.06, 1.04], None, "", lenient) == 0
 
 
-def test_the_script_runs_pooled_over_processes_with_parts_taken_out():
+def test_the_script_runs_pooled_over_processes_with_parts_taken_out(tmp_path):
+    steps = tmp_path / "steps.json"
     cmd = [
         sys.executable, "-m", "bench.bench_gpu_overhead", "--device", "cpu",
         "--processes", "2", "--rounds", "2", "--steps", "3", "--warmup", "1",
         "--layers", "1", "--d", "32", "--batch", "2", "--seq", "8",
         "--exporter", "none", "--without", "events", "--without", "reporter", "--no-fail",
-        "--profile", "2",
+        "--profile", "2", "--cpus", "0", "--steps-out", str(steps),
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -49,3 +51,11 @@ def test_the_script_runs_pooled_over_processes_with_parts_taken_out():
         r"^(PASS|FAIL): median round ratio [\d.]+ .* over 4 rounds, 2 processes", out, re.M
     )
     assert out.count('"without": [\n  "events",\n  "reporter"\n ]') == 2, out
+    # pinned where asked; every measured step's time, per process, round and arm
+    assert out.count('"cpus": [\n  0\n ]') == 2, out
+    runs = json.loads(steps.read_text())
+    assert len(runs) == 2 and all(len(run["rounds"]) == 2 for run in runs), runs
+    for run in runs:
+        for arms in run["rounds"]:
+            assert sorted(arms) == ["attached", "detached"], arms
+            assert all(len(t) == 3 and min(t) > 0 for t in arms.values()), arms
