@@ -22,12 +22,13 @@ first flush), `reporter` (no flush during the run). Each arm's training-thread C
 reported beside its step time (`thread_cpu_us`): a cost that shows in the step but not there lies
 in other threads contending for the GIL or the driver. `--profile N` ends the run with one more
 round of N steps per arm under cProfile and prints each arm's costliest functions with their
-calls per step, to name the code a training-thread cost comes from. `--cpus 2-5` pins each measuring process (not the exporter it starts) to those CPUs, so that
-its threads and the agent's stay on the same cores in both arms (a launch-bound step moves with
-the core its thread lands on). `--steps-out PATH` writes every measured step's time, per process,
-round and arm, as JSON: what a better statistic can be worked out from offline. `--device cpu` runs the same bench on gloo
-with a small float32 model: a smoke test of this script where there is no GPU
-(tests/unit/test_bench_scripts.py), not a measurement of the GPU path.
+calls per step, to name the code a training-thread cost comes from. `--cpus 2-5` pins each
+measuring process (not the exporter it starts) to those CPUs, so that its threads and the
+agent's stay on the same cores in both arms (a launch-bound step moves with the core its thread
+lands on). `--steps-out PATH` writes every measured step's time, per process, round and arm, as
+JSON: what a better statistic can be worked out from offline. `--device cpu` runs the same bench
+on gloo with a small float32 model: a smoke test of this script where there is no GPU
+(tests/unit/test_bench_gpu_overhead.py), not a measurement of the GPU path.
 
 Run (GPU machine; one GPU is enough, torchrun for more):
   .venv/bin/python -m bench.bench_gpu_overhead [--rounds 8] [--steps 150] [--processes 2]
