@@ -150,8 +150,11 @@ overhead_figures() {
 fsdp2_cpu() {
   section fsdp2-cpu
   TAIL=3 run native-kernel 120 "$PY" -m syncscope.agent.native
-  TAIL=6 run fsdp2-cpu 200 "$PY" -m bench.bench_fsdp2_overhead --world 4 \
-    --rounds "${FSDP2_ROUNDS:-40}" --steps "${FSDP2_STEPS:-10}"
+  local rounds=${FSDP2_ROUNDS:-40} steps=${FSDP2_STEPS:-10}
+  # its timeout grows with the rounds and steps asked (40 x 10 ran in about 90 s on an H200's
+  # host; a fixed 200 s would cut 40 x 30 short)
+  TAIL=6 run fsdp2-cpu $((60 + rounds * steps * 3 / 10)) "$PY" -m bench.bench_fsdp2_overhead \
+    --world 4 --rounds "$rounds" --steps "$steps"
 }
 
 DEFAULT="tests-gpu energy overhead-launch overhead-50ms"
