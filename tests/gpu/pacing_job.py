@@ -14,9 +14,9 @@ regulates is that wait plus the delay it decided at the step before (agent/pacin
 
 No GPU-side delay (`torch.cuda._sleep` on rank 1): the two processes time-slice the one GPU
 (the likely cause, not traced), so rank 1's sleeping kernel holds up rank 0's kernels as much as
-its own, and rank 0 does not arrive earlier. Measured on an H200 (2026-11-27), against the arm without delay: rank 0's wait
-+2.2 ms in one run and its lead -0.3 ms in the next, where the CPU sleep gave +5.0 ms. That
-case needs two GPUs.
+its own, and rank 0 does not arrive earlier. Measured on an H200 (2026-11-27), against the arm
+without delay: rank 0's wait +2.2 ms in one run and its lead -0.3 ms in the next, where the CPU
+sleep gave +5.0 ms. That case needs two GPUs.
 """
 
 from __future__ import annotations
