@@ -1,18 +1,26 @@
 """What the agent costs an FSDP2 job, whose steps issue tens of collectives: step time and
-training-thread CPU with the agent against without, side by side in interleaved rounds of one
-4-rank gloo job (a real exporter beside it), and the interception's cost per collective.
+training-thread CPU with the agent against without, side by side in one run (a real exporter
+beside it), and the interception's cost per collective.
 
-Every rank runs the same rounds in the same order (the collectives keep them in step): in each
-round one arm attaches the agent, runs its steps and closes it, the other runs them bare; the
-order alternates. A round's ratio is the agent arm's median step over the bare arm's, for the
-ranks' slowest (the job's step); the CI bootstraps rounds. Also the same for each arm's fastest
-step, which this machine's noise (2 shared cores) moves less than the median.
+Two ways to put the arms side by side (--mode; auto picks paired where the machine has the
+cores for it, 2 x world + 2, else interleaved):
+- paired: two copies of the job run at the same time, one with the agent attached once for the
+  whole run (as a real job has it), one never attached. Rounds start at the same wall-clock
+  marks in both, and each rank holds one core of its own, the two jobs trading core sets every
+  round; what moves the whole machine (a neighbour, the clock speed, the memory bus) moves both
+  arms of a round alike, and the cores' differences cancel over the rounds.
+- interleaved: one job; in each round one arm attaches the agent, runs its steps and closes it,
+  the other runs them bare, the order alternating (what 2 shared cores allow).
+A round's ratio is the agent arm's median step over the bare arm's, for the ranks' slowest (the
+job's step); the CI bootstraps rounds. Also the same for each arm's fastest step, which noise
+moves less than the median.
 Run: .venv/bin/python -m bench.bench_fsdp2_overhead [--rounds 30] [--steps 20] [--layers 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -24,6 +32,8 @@ import time
 from typing import Any
 
 from syncscope.lab.stats import median_ci
+
+MODULE = "bench.bench_fsdp2_overhead"
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,7 +56,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="http: a real exporter beside the job, sharing its cores (default); none: the "
         "agent alone, its reporter thread draining with nowhere to send",
     )
+    p.add_argument(
+        "--mode",
+        choices=("auto", "paired", "interleaved"),
+        default="auto",
+        help="paired: the two arms as two jobs at once, each rank on a core of its own; "
+        "interleaved: one job, the arms in turn (auto: paired where there are 2 x world + 2 "
+        "cores; paired on fewer shares them)",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # result path of a rank
+    p.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # a paired job's arm
+    p.add_argument("--cores", default=None, help=argparse.SUPPRESS)  # its rounds' core sets
+    p.add_argument("--sync", default=None, help=argparse.SUPPRESS)  # the jobs' meeting place
     return p.parse_args(argv)
 
 
@@ -57,8 +78,11 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
+    cores = _core_sets(args.cores)[rank] if args.cores else None
+    if cores is not None:  # before any thread starts: gloo's and the agent's start here too
+        os.sched_setaffinity(0, {cores[0]})
+    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
         init_method=f"file://{os.environ['SYNCSCOPE_INIT_FILE']}",
@@ -85,7 +109,12 @@ def worker(args: argparse.Namespace) -> None:
             wall.append(time.perf_counter() - t0)
         return wall, (time.thread_time_ns() - cpu0) / n
 
+    def arm(wall: list[float], cpu: float) -> dict[str, float]:
+        return {"median_s": statistics.median(wall), "min_s": min(wall), "cpu_ns": cpu}
+
     steps(5)
+    # Every job (both of a paired run) counts its collectives with an agent of its own, closed
+    # again before the measured rounds: each has loaded and unloaded the same kernels.
     probe = attach(model=net, optimizer=opt, exporter=None, flush_interval_s=3600)
     steps(3)
     if probe.patch is not None:
@@ -93,22 +122,111 @@ def worker(args: argparse.Namespace) -> None:
     per_step = len([c for c in probe.queues.collectives if c[0] != "ddp_grad_sync"]) / 3
     kernel = probe.patch.kernel if probe.patch is not None else "no (interception off)"
     probe.close()
-    rounds = []
-    for r in range(args.rounds):
-        arms = {}
-        for arm in ("agent", "none") if r % 2 == 0 else ("none", "agent"):
-            agent = attach(model=net, optimizer=opt) if arm == "agent" else None
+    rounds: list[dict[str, Any]] = []
+    late = 0
+    if cores is not None:  # paired: this job is one arm, attached (or not) for the whole run
+        agent = attach(model=net, optimizer=opt) if args.arm == "agent" else None
+        # Both jobs warm up together, so that each measures its step beside the other; the
+        # rounds then start at the same wall-clock marks in both, a period apart that leaves
+        # the slower job's round a fifth again to spare.
+        me = f"{args.arm}-{rank}"
+        _meet(args.sync, "ready", me, args.world)
+        warm, _ = steps(10)
+        seen = _meet(args.sync, "warm", me, args.world, step_s=statistics.median(warm))
+        period = 1.2 * (args.steps + 2) * max(s["step_s"] for s in seen) + 0.05
+        start = max(s["at"] for s in seen) + 0.5
+        if rank == 0:
+            print(f"{args.arm}: {args.rounds} rounds, {period:.2f} s apart", file=sys.stderr)
+        for r in range(args.rounds):
+            delay = start + r * period - time.time()
+            if delay > 0:
+                time.sleep(delay)
+            else:
+                late += 1
+            _pin_process(cores[r % 2])
             steps(2)
-            wall, cpu = steps(args.steps)
-            if agent is not None:
-                agent.close()
-            arms[arm] = {"median_s": statistics.median(wall), "min_s": min(wall), "cpu_ns": cpu}
-        rounds.append(arms)
+            rounds.append({args.arm: arm(*steps(args.steps))})
+            if rank == 0 and (r + 1) % 10 == 0:
+                print(f"{args.arm}: round {r + 1}, {late} late", file=sys.stderr, flush=True)
+        if agent is not None:
+            agent.close()
+    else:
+        for r in range(args.rounds):
+            arms = {}
+            for name in ("agent", "none") if r % 2 == 0 else ("none", "agent"):
+                agent = attach(model=net, optimizer=opt) if name == "agent" else None
+                steps(2)
+                arms[name] = arm(*steps(args.steps))
+                if agent is not None:
+                    agent.close()
+            rounds.append(arms)
     with open(args.worker.format(rank=rank), "w") as f:
         json.dump(
-            {"rank": rank, "rounds": rounds, "collectives_per_step": per_step, "kernel": kernel}, f
+            {
+                "rank": rank,
+                "rounds": rounds,
+                "collectives_per_step": per_step,
+                "kernel": kernel,
+                "late_rounds": late,
+            },
+            f,
         )
     dist.destroy_process_group()
+
+
+def _core_sets(text: str) -> list[tuple[int, int]]:
+    """ "a,b/c,d": rank i's core in even rounds (a, b, ...) and in odd ones (c, d, ...)."""
+    even, odd = ([int(c) for c in half.split(",")] for half in text.split("/"))
+    return list(zip(even, odd, strict=True))
+
+
+def _pin_process(core: int) -> None:
+    """Every thread of this process (the training thread, gloo's, the agent's) onto `core`."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that has just exited
+            os.sched_setaffinity(int(tid), {core})
+
+
+def _meet(sync: str, phase: str, me: str, world: int, **mine: float) -> list[dict[str, float]]:
+    """Wait until every rank of both jobs has reached `phase`; what each wrote there (its
+    time of arrival, `at`, and `mine`)."""
+    path = os.path.join(sync, f"{phase}.{me}")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"at": time.time(), **mine}, f)
+    os.rename(path + ".tmp", path + ".json")
+    deadline = time.monotonic() + 600
+    while True:
+        names = [n for n in os.listdir(sync) if n.startswith(phase + ".") and n.endswith(".json")]
+        if len(names) == 2 * world:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the other job never reached {phase}: {sorted(names)}")
+        time.sleep(0.05)
+    seen = []
+    for name in names:
+        with open(os.path.join(sync, name)) as f:
+            seen.append(json.load(f))
+    return seen
+
+
+def paired_cores(world: int, force: bool = False) -> tuple[str, set[int]] | None:
+    """The ranks' core sets for a paired run (see _core_sets) and the cores left for the rest,
+    or None where this machine has fewer than 2 x world + 2 (unless `force`: then ranks share
+    cores, round robin, and the figure is only as good as that). The first two are left to the
+    exporter and the system where there are cores to spare."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2 * world + 2 and not force:
+        return None
+    skip = 2 if len(cores) >= 2 * world + 4 else 0
+    ranks = [cores[(skip + i) % len(cores)] for i in range(2 * world)]
+    a, b = ranks[:world], ranks[world:]
+    rest = (set(cores) - set(ranks)) or set(cores)
+
+    def text(even: list[int], odd: list[int]) -> str:
+        return ",".join(map(str, even)) + "/" + ",".join(map(str, odd))
+
+    # the agent's job holds set a in even rounds, the bare job set b; they trade each round
+    return text(a, b) + "|" + text(b, a), rest
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,7 +237,14 @@ def main(argv: list[str] | None = None) -> None:
     from syncscope.lab.launch import launch, wait_all
     from syncscope.lab.servers import free_port, start_exporter
 
+    plan = (
+        paired_cores(args.world, force=args.mode == "paired")
+        if args.mode != "interleaved"
+        else None
+    )
     tmp = tempfile.mkdtemp(prefix="syncscope-fsdp2-bench-")
+    if plan is not None:
+        os.sched_setaffinity(0, plan[1])  # the exporter and this process keep off the ranks'
     env = {k: v for k, v in os.environ.items() if k != "SYNCSCOPE_EXPORTER"}
     exporter = None
     if args.exporter == "http":
@@ -128,18 +253,41 @@ def main(argv: list[str] | None = None) -> None:
         env["SYNCSCOPE_EXPORTER"] = f"http://127.0.0.1:{port}"
     try:
         flags = list(argv if argv is not None else sys.argv[1:])
-        flags += ["--worker", os.path.join(tmp, "rank{rank}.json")]
-        world = args.world
-        codes = wait_all(launch(world, flags, env=env, module="bench.bench_fsdp2_overhead"), 3600)
-        assert codes == [0] * world, codes
+        if plan is None:
+            flags += ["--worker", os.path.join(tmp, "rank{rank}.json")]
+            jobs = [launch(args.world, flags, env=env, module=MODULE)]
+        else:
+            jobs = []
+            for name, cores in zip(("agent", "none"), plan[0].split("|"), strict=True):
+                job = [f"--arm={name}", f"--cores={cores}", f"--sync={tmp}"]
+                job += ["--worker", os.path.join(tmp, name + "-rank{rank}.result")]
+                jobs.append(launch(args.world, flags + job, env=env, module=MODULE))
+        for procs in jobs:
+            codes = wait_all(procs, 3600)
+            assert codes == [0] * args.world, codes
     finally:
         if exporter is not None:
             exporter.terminate()
             exporter.wait(10)
     results = []
     for rank in range(args.world):
-        with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-            results.append(json.load(f))
+        if plan is None:
+            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+                results.append(json.load(f))
+            continue
+        arms = {}
+        for name in ("agent", "none"):
+            with open(os.path.join(tmp, f"{name}-rank{rank}.result")) as f:
+                arms[name] = json.load(f)
+        # one record per rank, its rounds holding both jobs' arms (what report() reads)
+        merged = dict(
+            arms["agent"], late_rounds=arms["agent"]["late_rounds"] + arms["none"]["late_rounds"]
+        )
+        merged["rounds"] = [
+            {**a, **n} for a, n in zip(arms["agent"]["rounds"], arms["none"]["rounds"], strict=True)
+        ]
+        results.append(merged)
+    args.mode = "interleaved" if plan is None else "paired"
     report(results, args)
 
 
@@ -166,6 +314,11 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         f"FSDP2, {args.world} ranks gloo CPU, exporter {args.exporter}, "
         f"{args.layers} fully_shard units of {args.hidden}^2, "
         f"{n_rounds} rounds x {args.steps} steps per arm; step {bare * 1e3:.1f} ms bare"
+    )
+    late = sum(r.get("late_rounds", 0) for r in results)
+    print(
+        f"arms {getattr(args, 'mode', 'interleaved')}"
+        + (f"; {late} rank-rounds started after their mark" if late else "")
     )
     print(
         f"collectives per step (recorded by the agent): {per_step:.0f}, "

@@ -18,7 +18,8 @@
 #   energy      NVML's energy counter over a fixed matmul load, and what the agent reports
 #   fsdp2-cpu   only with FSDP2_CPU=1 (about 1.5 minutes more on an H200's host at 40 rounds
 #               of 10 steps an arm; FSDP2_ROUNDS, FSDP2_STEPS change them): the FSDP2 overhead
-#               bench of the parallelism issue on gloo, 4 ranks on this machine's quiet cores,
+#               bench of the parallelism issue on gloo, 4 ranks on this machine's quiet cores
+#               (paired: two copies of the job at once, a core per rank, one with the agent),
 #               after building the C++ collective kernel for its torch: a figure 2 shared
 #               vCPUs cannot resolve (docs/parallelism.md)
 #   overhead-launch, overhead-50ms

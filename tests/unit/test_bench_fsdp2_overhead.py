@@ -38,3 +38,26 @@ def test_each_round_is_the_slowest_ranks_step_with_the_agent_over_without(capsys
     assert "round ratios, median step, agent/none - 1 (%): [2.0, 0.0, -1.0]" in out
     # 24 µs more CPU a step on every rank and round: 1 µs a collective
     assert "agent minus none: +24 us (quartiles +24 .. +24); per collective +1.0 us" in out
+
+
+def test_paired_ranks_hold_a_core_each_and_the_jobs_trade_sets_every_round(monkeypatch):
+    from bench import bench_fsdp2_overhead as bench
+
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda _pid: set(range(16)))
+    plan, rest = bench.paired_cores(4)
+    # cores 0 and 1 left to the system and the exporter; the agent's job on 2-5 in even rounds
+    # and 6-9 in odd ones, the bare job the other way round
+    assert plan == "2,3,4,5/6,7,8,9|6,7,8,9/2,3,4,5"
+    assert rest == {0, 1, *range(10, 16)}
+    agent, bare = plan.split("|")
+    assert bench._core_sets(agent) == [(2, 6), (3, 7), (4, 8), (5, 9)]
+    assert bench._core_sets(bare)[0] == (6, 2)
+
+
+def test_too_few_cores_for_pairs_fall_back_to_interleaved_unless_asked(monkeypatch):
+    from bench import bench_fsdp2_overhead as bench
+
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda _pid: {0, 1})
+    assert bench.paired_cores(4) is None
+    plan, rest = bench.paired_cores(2, force=True)
+    assert plan == "0,1/0,1|0,1/0,1" and rest == {0, 1}
