@@ -50,7 +50,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from syncscope.exporter.gpu import PCIE_FAULTS, has_gpu, locality_faults, pcie_link_words
+from syncscope.exporter.gpu import has_gpu, locality_faults, pcie_link_fault
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.pooling import NodeInflation
 from syncscope.exporter.settings import Settings
@@ -208,9 +208,7 @@ def locality_fault(topology: Mapping[str, Any] | None) -> str | None:
     for fault in locality_faults(topology):
         if fault == "numa_mismatch":
             return "process on another NUMA node than its GPU"
-        current, supported, _ = PCIE_FAULTS[fault]
-        now, most = (number(topology.get(k)) or 0 for k in (current, supported))
-        return pcie_link_words(fault, now, most)
+        return pcie_link_fault(topology, fault)
     return None
 
 

@@ -45,9 +45,8 @@ GAUGES = tuple(
     s for s in CATALOG if s.condition == "gpu" and s not in (GPU_INFO, GPU_LOCALITY_FAULT)
 )
 # A PCIe link below what the GPU and slot support: fault -> (current key, supported key, the
-# prefix its values are said with: pcie_link_words). The
-# agent reports the current link as seen under load only where NVML's clock-event reasons say
-# whether the GPU idles (agent.topology: an idle GPU trains its link down, and the agent keeps
+# prefix its values are said with: pcie_link_fault). The agent reports the current link as
+# seen under load only where NVML's clock-event reasons say whether the GPU idles (agent.topology: an idle GPU trains its link down, and the agent keeps
 # the last loaded reading); from sysfs alone it cannot tell. A narrower width is a fault either
 # way (a link trains its speed down, rarely its width); a lower generation only where it was
 # read under load (link_read_under_load).
@@ -96,24 +95,24 @@ def link_read_under_load(topology: Mapping[str, Any]) -> bool:
     return topology_number(topology.get("throttle_reasons")) is not None
 
 
-def pcie_link_words(fault: str, now: float, most: float) -> str:
-    """A PCIe fault's link against what it supports, as the diagnosis and the verdict say it:
-    "PCIe link x8 of x16", "PCIe link gen 3 of gen 5"."""
-    prefix = PCIE_FAULTS[fault][2]
-    return f"PCIe link {prefix}{int(now)} of {prefix}{int(most)}"
+def pcie_link_fault(topology: Mapping[str, Any], fault: str) -> str | None:
+    """One PCIe link (a PCIE_FAULTS key) as the series, the diagnosis and the verdict all judge
+    it: "PCIe link x8 of x16", "PCIe link gen 3 of gen 5" where it runs below what it supports;
+    "" where it runs at that; None where either reading is missing or not a positive number, and
+    for the generation where it was not read under load (link_read_under_load)."""
+    current, supported, prefix = PCIE_FAULTS[fault]
+    if fault == "pcie_generation" and not link_read_under_load(topology):
+        return None
+    now, most = topology_number(topology.get(current)), topology_number(topology.get(supported))
+    if now is None or most is None or now <= 0 or most <= 0:
+        return None
+    return f"PCIe link {prefix}{int(now)} of {prefix}{int(most)}" if now < most else ""
 
 
 def locality_faults(topology: Mapping[str, Any]) -> list[str]:
     """The GPU's locality faults (GPU_LOCALITY_FAULT's `fault` values); none where a reading is
-    missing, so an unread link or placement never looks like a fault, and no generation fault
-    where the generation was not read under load."""
-    faults = []
-    for fault, (current, supported, _) in PCIE_FAULTS.items():
-        if fault == "pcie_generation" and not link_read_under_load(topology):
-            continue
-        now, most = topology_number(topology.get(current)), topology_number(topology.get(supported))
-        if now is not None and most is not None and 0 < now < most:
-            faults.append(fault)
+    missing, so an unread link or placement never looks like a fault (pcie_link_fault)."""
+    faults = [fault for fault in PCIE_FAULTS if pcie_link_fault(topology, fault)]
     if topology_number(topology.get("numa_mismatch")) == 1:
         faults.append("numa_mismatch")
     return faults

@@ -25,7 +25,7 @@ from syncscope.exporter.diagnosis import (
     number,
     rank_list,
 )
-from syncscope.exporter.gpu import PCIE_FAULTS, has_gpu, link_read_under_load, pcie_link_words
+from syncscope.exporter.gpu import has_gpu, pcie_link_fault
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.store import RankView
 
@@ -195,18 +195,7 @@ def hardware_checks(
         return _throttle_fault(r, [p for p in gpus if p is not r], t) or ""
 
     def link(fault: str) -> Any:
-        current, supported, _ = PCIE_FAULTS[fault]
-
-        def per_rank(r: RankView) -> str | None:
-            topo = r.topology or {}
-            now, most = number(topo.get(current)), number(topo.get(supported))
-            if now is None or most is None or now <= 0 or most <= 0:
-                return None
-            if fault == "pcie_generation" and not link_read_under_load(topo):
-                return None
-            return pcie_link_words(fault, now, most) if now < most else ""
-
-        return per_rank
+        return lambda r: pcie_link_fault(r.topology or {}, fault)
 
     def numa(r: RankView) -> str | None:
         mismatch = numa_mismatch(r.topology)

@@ -17,6 +17,7 @@ from syncscope.agent.topology import DeviceLocator, TopologySampler
 from syncscope.exporter import verdict as verdict_module
 from syncscope.exporter.collectors import collect_verdict
 from syncscope.exporter.diagnosis import Diagnosis, diagnose_job
+from syncscope.exporter.gpu import locality_faults
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.page import render_status
 from syncscope.exporter.store import JobView, RankView, StoreView, as_json
@@ -181,6 +182,22 @@ def test_a_pcie_generation_below_max_counts_only_when_read_under_load() -> None:
     assert v is not None and (v.verdict, v.hardware) == ("coupling", "unknown")
     assert "throttle reasons not read for rank 1" in v.unknown
     assert "PCIe link generation (under load) not read for rank 1" in v.unknown
+
+
+def test_the_verdict_judges_a_link_as_its_series_does() -> None:
+    # A width sent as text has no gauge and no locality-fault series (exporter.gpu), so the
+    # verdict calls it unread too, not a fault its page could not show; the same width as a
+    # number is the fault in both.
+    as_text = gpu(ranks_of("forward_straggler"), r1={"pcie_link_width": "8"})
+    v = verdict_of(as_text)
+    assert v is not None and (v.verdict, v.hardware) == ("coupling", "unknown")
+    assert "PCIe link width not read for rank 1" in v.unknown
+    assert locality_faults(as_text[1].topology) == []
+    as_number = gpu(ranks_of("forward_straggler"), r1={"pcie_link_width": 8})
+    v = verdict_of(as_number)
+    assert v is not None
+    assert v.faults == ("rank 1's GPU NVIDIA H100 on node vm: PCIe link x8 of x16",)
+    assert locality_faults(as_number[1].topology) == ["pcie_width"]
 
 
 # -- health is never claimed without its facts ---------------------------------------------
