@@ -10,8 +10,8 @@ backend's kernel, and times those on CPU tensors. The kernel is C++ where its li
 (native.py, csrc/c10d_timing.cpp): it times each op from its issue to its
 completion (the Work's future, else the end of its first wait) and keeps the records until
 `poll()` moves them into the queue; the transports poll before they drain. Elsewhere a Python
-kernel (`torch.library`, several times dearer per call) times from the issue to the end of the first wait for
-it, `Work.wait` or `wait_tensor` for a functional collective (a completion callback on the
+kernel (`torch.library`, several times dearer per call) times from the issue to the end of the first
+wait for it, `Work.wait` or `wait_tensor` for a functional collective (a completion callback on the
 future would cost more again in Python). Why not elsewhere, and what each costs
 (bench/bench_collective_kernel.py): docs/parallelism.md.
 

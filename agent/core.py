@@ -106,9 +106,9 @@ class Agent:
     Its parts: `queues`, which the producers fill and the reporter drains; producers `clock`
     (phases from hooks on the model and optimizer; on CUDA it also records CUDA events),
     `patch` (every c10d op on CPU tensors, timed at the dispatcher) and `nccl_reader` (Flight
-    Recorder, NCCL groups); `topology` (GPU locality, sampled on the reporter's thread); `arrival`, the local
-    arrival estimate, only when `pacer` (pacing's controller) or `record` (the record file)
-    reads it; and `reporter`, which sends everything to the exporter.
+    Recorder, NCCL groups); `topology` (GPU locality, sampled on the reporter's thread); `arrival`,
+    the local arrival estimate, only when `pacer` (pacing's controller) or `record` (the record
+    file) reads it; and `reporter`, which sends everything to the exporter.
     """
 
     def __init__(self, model: Any, optimizer: Any, config: AgentConfig) -> None:

@@ -19,9 +19,9 @@ Where the GPU's time goes between two consecutive events (k = this step):
 The phases of a step add up to the GPU's step time (step end k-1 -> step end k). A step reaches
 the reporter as the same tuple the CPU clock emits, GPU phases in place of CPU ones (pacing
 stays the CPU delay the controller inserted, the work counts are the CPU clock's); DDP's
-`ddp_grad_sync` records carry the GPU's exposed communication. If the queue of unresolved steps is full, an event cannot be had or
-queried, or the stream is capturing a CUDA graph, a step goes out with its CPU phases instead,
-and the next step starts a new chain.
+`ddp_grad_sync` records carry the GPU's exposed communication. If the queue of unresolved steps is
+full, an event cannot be had or queried, or the stream is capturing a CUDA graph, a step goes out
+with its CPU phases instead, and the next step starts a new chain.
 
 Events go on the current stream *of the model's device* (`stream_of`), not of whatever device
 is current: a model on cuda:3 without torch.cuda.set_device(3) would otherwise be timed on

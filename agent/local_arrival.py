@@ -1,4 +1,4 @@
-"""This rank's own arrival estimate: each step's wait at its collectives, and DDP's transfer baseline.
+"""This rank's own arrival estimate: each step's wait at its collectives, DDP's transfer baseline.
 
 The exporter estimates arrival node-wide (syncscope.arrival); a rank runs its own single-rank
 estimator only for readers on the rank itself: pacing subtracts `ddp_baseline_s` or

@@ -135,7 +135,9 @@ class PacingConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> PacingConfig:
-        """Defaults overridden by ``SYNCSCOPE_PACING_*``; a bad value raises ValueError naming it."""
+        """Defaults overridden by ``SYNCSCOPE_PACING_*``.
+
+        A bad value raises ValueError naming it."""
         values: dict[str, Any] = {}
         for f in fields(cls):
             var = cls.env_name(f.name)

@@ -6,8 +6,8 @@ its own phase. In synchronous training a pause on any rank delays every rank, so
 thousand ranks nearly every step holds someone's pause. Here the training thread itself moves
 the queued rows into a shared-memory ring at every `align_every_steps`-th step boundary (a few
 struct.pack_into per row; the same steps on every rank, so the ranks pause together, once), and
-the exporter, another process, reads the ring. No JSON, no HTTP, no background thread in the training
-process. The HTTP path stays for remote exporters.
+the exporter, another process, reads the ring. No JSON, no HTTP, no background thread in the
+training process. The HTTP path stays for remote exporters.
 
 The ring's layout and protocol: syncscope/shm_layout.py.
 """
@@ -198,8 +198,9 @@ class ShmTransport:
     phase clock calls it after the step's row is queued, as does the end of `with
     agent.step()`): it moves the queued rows into the ring. Every HOUSEKEEPING_EVERY pumps it
     also refreshes the header's clock offset, heartbeat and drop count. Being tied to step
-    numbers, it falls on the same steps on every rank: the ranks pause together. Nothing here waits or raises into
-    training: a full ring drops and counts, an error is counted and the transport goes quiet.
+    numbers, it falls on the same steps on every rank: the ranks pause together. Nothing here
+    waits or raises into training: a full ring drops and counts, an error is counted and the
+    transport goes quiet.
     """
 
     def __init__(
