@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from typing import Any
 from syncscope.lab.stats import median_ci
 
 MODULE = "bench.bench_fsdp2_overhead"
+ARMS = ("agent", "none")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -122,8 +124,10 @@ def worker(args: argparse.Namespace) -> None:
     per_step = len([c for c in probe.queues.collectives if c[0] != "ddp_grad_sync"]) / 3
     kernel = probe.patch.kernel if probe.patch is not None else "no (interception off)"
     probe.close()
-    rounds: list[dict[str, Any]] = []
-    late = 0
+    # One JSON line per round as it completes, after a first line of facts, so that a run cut
+    # short (the device call's time, a timeout) still reports the rounds it finished.
+    out = open(args.worker.format(rank=rank), "w")  # noqa: SIM115 - written round by round
+    _line(out, {"rank": rank, "collectives_per_step": per_step, "kernel": kernel})
     if cores is not None:  # paired: this job is one arm, attached (or not) for the whole run
         agent = attach(model=net, optimizer=opt) if args.arm == "agent" else None
         # Both jobs warm up together, so that each measures its step beside the other; the
@@ -139,15 +143,13 @@ def worker(args: argparse.Namespace) -> None:
             print(f"{args.arm}: {args.rounds} rounds, {period:.2f} s apart", file=sys.stderr)
         for r in range(args.rounds):
             delay = start + r * period - time.time()
+            _pin_process(cores[r % 2])
             if delay > 0:
                 time.sleep(delay)
-            else:
-                late += 1
-            _pin_process(cores[r % 2])
             steps(2)
-            rounds.append({args.arm: arm(*steps(args.steps))})
+            _line(out, {"round": {args.arm: arm(*steps(args.steps))}, "late": delay <= 0})
             if rank == 0 and (r + 1) % 10 == 0:
-                print(f"{args.arm}: round {r + 1}, {late} late", file=sys.stderr, flush=True)
+                print(f"{args.arm}: round {r + 1}", file=sys.stderr, flush=True)
         if agent is not None:
             agent.close()
     else:
@@ -159,19 +161,31 @@ def worker(args: argparse.Namespace) -> None:
                 arms[name] = arm(*steps(args.steps))
                 if agent is not None:
                     agent.close()
-            rounds.append(arms)
-    with open(args.worker.format(rank=rank), "w") as f:
-        json.dump(
-            {
-                "rank": rank,
-                "rounds": rounds,
-                "collectives_per_step": per_step,
-                "kernel": kernel,
-                "late_rounds": late,
-            },
-            f,
-        )
+            _line(out, {"round": arms, "late": False})
+    out.close()
     dist.destroy_process_group()
+
+
+def _line(out: Any, record: dict[str, Any]) -> None:
+    out.write(json.dumps(record) + "\n")
+    out.flush()
+
+
+def read_rank(path: str) -> dict[str, Any]:
+    """A rank's result file (its facts, then a line per round; a line cut off mid-write by a
+    kill is left out) as report() takes it."""
+    with open(path) as f:
+        lines = []
+        for text in f:
+            with contextlib.suppress(ValueError):
+                lines.append(json.loads(text))
+    facts = lines[0] if lines else {}
+    rounds = [line for line in lines[1:] if "round" in line]
+    return {
+        **facts,
+        "rounds": [line["round"] for line in rounds],
+        "late_rounds": sum(bool(line["late"]) for line in rounds),
+    }
 
 
 def _core_sets(text: str) -> list[tuple[int, int]]:
@@ -251,20 +265,31 @@ def main(argv: list[str] | None = None) -> None:
         port = free_port()
         exporter = start_exporter(port, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         env["SYNCSCOPE_EXPORTER"] = f"http://127.0.0.1:{port}"
+    jobs: list[list[subprocess.Popen]] = []
+    cut_short = False
+
+    def stop(_signum: int, _frame: Any) -> None:
+        raise TimeoutError
+
+    signal.signal(signal.SIGTERM, stop)  # `timeout`'s: report the rounds done so far
     try:
         flags = list(argv if argv is not None else sys.argv[1:])
         if plan is None:
-            flags += ["--worker", os.path.join(tmp, "rank{rank}.json")]
-            jobs = [launch(args.world, flags, env=env, module=MODULE)]
+            flags += ["--worker", os.path.join(tmp, "interleaved-rank{rank}.result")]
+            jobs.append(launch(args.world, flags, env=env, module=MODULE))
         else:
-            jobs = []
-            for name, cores in zip(("agent", "none"), plan[0].split("|"), strict=True):
+            for name, cores in zip(ARMS, plan[0].split("|"), strict=True):
                 job = [f"--arm={name}", f"--cores={cores}", f"--sync={tmp}"]
                 job += ["--worker", os.path.join(tmp, name + "-rank{rank}.result")]
                 jobs.append(launch(args.world, flags + job, env=env, module=MODULE))
         for procs in jobs:
             codes = wait_all(procs, 3600)
             assert codes == [0] * args.world, codes
+    except (TimeoutError, KeyboardInterrupt):
+        cut_short = True
+        for p in (p for procs in jobs for p in procs if p.poll() is None):
+            p.kill()
+            p.wait()
     finally:
         if exporter is not None:
             exporter.terminate()
@@ -272,21 +297,22 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for rank in range(args.world):
         if plan is None:
-            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                results.append(json.load(f))
+            results.append(read_rank(os.path.join(tmp, f"interleaved-rank{rank}.result")))
             continue
-        arms = {}
-        for name in ("agent", "none"):
-            with open(os.path.join(tmp, f"{name}-rank{rank}.result")) as f:
-                arms[name] = json.load(f)
+        agent, bare = (read_rank(os.path.join(tmp, f"{n}-rank{rank}.result")) for n in ARMS)
         # one record per rank, its rounds holding both jobs' arms (what report() reads)
-        merged = dict(
-            arms["agent"], late_rounds=arms["agent"]["late_rounds"] + arms["none"]["late_rounds"]
-        )
-        merged["rounds"] = [
-            {**a, **n} for a, n in zip(arms["agent"]["rounds"], arms["none"]["rounds"], strict=True)
-        ]
+        merged = dict(agent, late_rounds=agent["late_rounds"] + bare["late_rounds"])
+        # (cut short, one job may be a round ahead of the other: the rounds both finished)
+        pairs = zip(agent["rounds"], bare["rounds"], strict=False)
+        merged["rounds"] = [{**a, **n} for a, n in pairs]
         results.append(merged)
+    done = min(len(r["rounds"]) for r in results)
+    if cut_short:
+        print(f"cut short: {done} of {args.rounds} rounds done by every rank", flush=True)
+    if done == 0:
+        raise SystemExit("no round finished")
+    for r in results:
+        del r["rounds"][done:]
     args.mode = "interleaved" if plan is None else "paired"
     report(results, args)
 

@@ -9,10 +9,24 @@ PY=${PYTHON:-python3}
 say() { echo "$*" | tee -a "$FIG"; }
 section() { say ""; say "== $1 ($(date -u +%H:%M:%S))"; }
 
+# BUDGET_S: the seconds the whole script may take (the device call's timeout_s less the
+# machine's start): each step's own timeout is cut to what is left of it less 15 s, so that a
+# bench is stopped (SIGTERM: bench_fsdp2_overhead then reports the rounds it finished) and the
+# figures are written before the call itself is killed. Unset: each step's own timeout.
+BUDGET_S=${BUDGET_S:-}
+
 # run NAME SECONDS CMD...: the command's log to $OUT/NAME.log, its last lines and status to FIG
 run() {
   local name=$1 seconds=$2
   shift 2
+  if [ -n "$BUDGET_S" ]; then
+    local left=$((BUDGET_S - SECONDS - 15))
+    if [ "$left" -lt 10 ]; then
+      say "-- $name: SKIPPED (${BUDGET_S}s budget spent)"
+      return 124
+    fi
+    if [ "$left" -lt "$seconds" ]; then seconds=$left; fi
+  fi
   timeout "$seconds" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   tail -n "${TAIL:-15}" "$OUT/$name.log" | tee -a "$FIG"

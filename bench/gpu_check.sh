@@ -3,7 +3,10 @@
 # its figures in one file ($OUT/gpu-figures.txt) and each check's whole log beside it.
 #
 # On the device (one call; the wheels it lacks travel from here, made by scripts/device-wheels):
-#   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=560)
+#   run(command="BUDGET_S=550 bash bench/gpu_check.sh", carry=[".whl"], timeout_s=560)
+# BUDGET_S (bench/device_common.sh) cuts every section's timeout to what is left of it, so that
+# the call's own limit never kills the script before it writes its figures: set it a little
+# under the call's timeout_s.
 # Here (no GPU) it runs in seconds and says what it skipped and why. SECTIONS="fsdp2-cpu
 # overhead-launch" (any of tests-gpu energy overhead-launch overhead-50ms fsdp2-cpu, in the order
 # given) runs only those, so that a session's 15 device minutes can be split over two calls on

@@ -5,6 +5,7 @@ that runs of the same job can be pooled. The figures below are worked out by han
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 from bench.bench_fsdp2_overhead import report
@@ -61,3 +62,20 @@ def test_too_few_cores_for_pairs_fall_back_to_interleaved_unless_asked(monkeypat
     assert bench.paired_cores(4) is None
     plan, rest = bench.paired_cores(2, force=True)
     assert plan == "0,1/0,1|0,1/0,1" and rest == {0, 1}
+
+
+def test_a_rank_cut_off_mid_line_reports_the_rounds_it_finished(tmp_path):
+    from bench.bench_fsdp2_overhead import read_rank
+
+    path = tmp_path / "agent-rank0.result"
+    done = [
+        {"round": {"agent": arm(0.1, 5)}, "late": False},
+        {"round": {"agent": arm(0.1, 5)}, "late": True},
+    ]
+    lines = [json.dumps({"rank": 0, "collectives_per_step": 24, "kernel": "c++"})]
+    lines += [json.dumps(d) for d in done]
+    path.write_text("\n".join(lines) + '\n{"round": {"agent": {"median_s": 0.1')  # killed here
+    got = read_rank(str(path))
+    assert (got["rank"], got["collectives_per_step"], got["kernel"]) == (0, 24, "c++")
+    assert got["rounds"] == [d["round"] for d in done]
+    assert got["late_rounds"] == 1
