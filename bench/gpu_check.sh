@@ -155,9 +155,12 @@ fsdp2_cpu() {
   section fsdp2-cpu
   TAIL=3 run native-kernel 120 "$PY" -m syncscope.agent.native
   local rounds=${FSDP2_ROUNDS:-40} steps=${FSDP2_STEPS:-10}
-  # its timeout grows with the rounds and steps asked (40 x 10 ran in about 90 s on an H200's
-  # host; a fixed 200 s would cut 40 x 30 short)
-  TAIL=6 run fsdp2-cpu $((60 + rounds * steps * 3 / 10)) "$PY" -m bench.bench_fsdp2_overhead \
+  # its timeout grows with the rounds and steps asked (interleaved, 40 x 10 ran in about 90 s
+  # on an H200's host; a fixed 200 s would cut 40 x 30 short). Paired (16 cores), rounds start
+  # 1.2 x (steps + 2) steps apart: 40 x 30 at ~62 ms about 100 s after the jobs' start-up (an
+  # estimate: no paired run has finished on a device yet). Cut short, it reports the rounds
+  # every rank finished.
+  TAIL=9 run fsdp2-cpu $((60 + rounds * steps * 3 / 10)) "$PY" -m bench.bench_fsdp2_overhead \
     --world 4 --rounds "$rounds" --steps "$steps"
 }
 
