@@ -140,7 +140,13 @@ def worker(args: argparse.Namespace) -> None:
         period = 1.2 * (args.steps + 2) * max(s["step_s"] for s in seen) + 0.05
         start = max(s["at"] for s in seen) + 0.5
         if rank == 0:
-            print(f"{args.arm}: {args.rounds} rounds, {period:.2f} s apart", file=sys.stderr)
+            warm_ms = ", ".join(f"{s['step_s'] * 1e3:.1f}" for s in seen)
+            print(
+                f"{args.arm}: {args.rounds} rounds, {period:.2f} s apart (warm steps, ms: "
+                f"{warm_ms})",
+                file=sys.stderr,
+                flush=True,
+            )
         for r in range(args.rounds):
             delay = start + r * period - time.time()
             _pin_process(cores[r % 2])
