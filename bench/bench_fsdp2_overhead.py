@@ -161,7 +161,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         for r in range(args.rounds):
             arms = {}
-            for name in ("agent", "none") if r % 2 == 0 else ("none", "agent"):
+            for name in ARMS if r % 2 == 0 else ARMS[::-1]:
                 agent = attach(model=net, optimizer=opt) if name == "agent" else None
                 steps(2)
                 arms[name] = arm(*steps(args.steps))

@@ -46,8 +46,9 @@ GAUGES = tuple(
 )
 # A PCIe link below what the GPU and slot support: fault -> (current key, supported key, the
 # prefix its values are said with: pcie_link_fault). The agent reports the current link as
-# seen under load only where NVML's clock-event reasons say whether the GPU idles (agent.topology: an idle GPU trains its link down, and the agent keeps
-# the last loaded reading); from sysfs alone it cannot tell. A narrower width is a fault either
+# seen under load only where NVML's clock-event reasons say whether the GPU idles
+# (agent.topology: an idle GPU trains its link down, and the agent keeps the last loaded
+# reading); from sysfs alone it cannot tell. A narrower width is a fault either
 # way (a link trains its speed down, rarely its width); a lower generation only where it was
 # read under load (link_read_under_load).
 PCIE_FAULTS = {
