@@ -45,6 +45,11 @@ class AgentConfig:
     # costs less than every step). http/unix: the reporter flushes at the first such boundary
     # of each `flush_interval_s` tick of the wall clock (agent/transport.py).
     align_every_steps: int = 16
+    # Time the phases of one step in N, the same steps on every rank (agent/phases.py, "Phase
+    # sampling"); the others count their total and work, and report the last timed step's
+    # phase shares. For steps of a few ms (docs/gpu.md: the clock's cost a step); with pacing
+    # on every step is timed.
+    phase_every: int = 1
     token: str | None = None  # bearer token for TCP ingest
     record: str | None = None  # also append step records as JSON lines here ({rank} is replaced)
     patch_collectives: bool = True
@@ -99,6 +104,8 @@ class AgentConfig:
         config = cls(**values)  # type: ignore[arg-type]
         if config.detail not in DETAIL_LEVELS:
             raise ValueError(f"detail must be one of {DETAIL_LEVELS}, not {config.detail!r}")
+        if config.phase_every < 1:
+            raise ValueError(f"phase_every must be 1 or more, not {config.phase_every!r}")
         return config
 
 

@@ -130,6 +130,7 @@ class Agent:
             torch, model, ddp_model, ddp_group, ddp_bytes, timeline, cuda_index
         )
         self.queues.clock = self.clock
+        self.clock.phase_every = config.phase_every
         self.clock.events = self.queues.events
         self._number_steps(optimizer, config)
         self.nccl_reader: FlightRecorderReader | None = None

@@ -23,6 +23,11 @@ stays the CPU delay the controller inserted, the work counts are the CPU clock's
 full, an event cannot be had or queried, or the stream is capturing a CUDA graph, a step goes out
 with its CPU phases instead, and the next step starts a new chain.
 
+Phase sampling (phases.py): a quiet step records one event, its end, so that every step's GPU
+time is still measured (end k-1 -> end k, on the stream looked up at the last timed step); its
+phases are the last timed step's shares of its total times its own GPU total (a timed step that
+went out with CPU phases, the first of a chain, gives its CPU shares).
+
 Events go on the current stream *of the model's device* (`stream_of`), not of whatever device
 is current: a model on cuda:3 without torch.cuda.set_device(3) would otherwise be timed on
 device 0's idle stream. The resolver thread puts itself in thread-local capture mode before its
@@ -63,6 +68,8 @@ from syncscope.agent.phases import (
     STEP_END,
     STEP_START,
     PhaseClock,
+    estimate_phases,
+    phase_shares,
 )
 
 _IDLE_BEFORE_FORWARD = (STEP_START, BWD_END, COMM_END)
@@ -182,6 +189,7 @@ class CudaPhaseClock(PhaseClock):
         self.capture_skips = 0  # marks not recorded because the stream was capturing
         self.query_errors = 0
         self.gpu_delay_ns = 0  # pacing's latest decision from a GPU step (resolver writes)
+        self.gpu_shares: list[float] | None = None  # the last timed GPU step's (resolver side)
         self._prev_end: Any = None  # resolver side only (under _lock)
         self._lock = threading.Lock()  # the resolver thread vs. stop() at close
         self._stop = threading.Event()
@@ -191,12 +199,13 @@ class CudaPhaseClock(PhaseClock):
     # -- training thread ------------------------------------------------------------------------
     def _mark(self, kind: int) -> None:
         marks = self.marks
-        if marks is None:
+        if marks is None or (self.quiet and kind != STEP_END):
             return
         try:
             stream = None
             if self.stream_of is not None:
-                stream = self.stream_of(not marks)  # looked up at the step's first mark
+                # looked up at a timed step's first mark; a quiet step reuses it
+                stream = self.stream_of(not marks and not self.quiet)
                 if stream is None:  # capturing: leave the graph alone, time this step on CPU
                     self.capture_skips += 1
                     self._abandon_step()
@@ -228,7 +237,7 @@ class CudaPhaseClock(PhaseClock):
         return self.gpu_delay_ns
 
     def end_step(self, t: int) -> None:
-        step = self.step
+        step, quiet = self.step, self.quiet
         self._mark(STEP_END)  # before PhaseClock's pacing sleep: that belongs to the next step
         if self.timeline is not None:
             self.timeline.mark(step)
@@ -248,7 +257,7 @@ class CudaPhaseClock(PhaseClock):
             self.chain_broken = True
             self._emit_cpu(cpu, ddp)
             return
-        self.pending.append((cpu, marks if timed else None, ddp, self.chain_broken))
+        self.pending.append((cpu, marks if timed else None, ddp, self.chain_broken, quiet))
         self.chain_broken = False
         if self.step % self.resolve_every == 0:
             self._due.set()
@@ -270,7 +279,7 @@ class CudaPhaseClock(PhaseClock):
                 time.sleep(0.01)
         with self._lock:
             while self.pending:
-                cpu, _marks, ddp, _ = self.pending.popleft()
+                cpu, _marks, ddp, _, _ = self.pending.popleft()
                 self._emit_cpu(cpu, ddp)
 
     def _run(self) -> None:
@@ -295,7 +304,7 @@ class CudaPhaseClock(PhaseClock):
     def _resolve_locked(self) -> int:
         done = 0
         while self.pending:
-            cpu, marks, ddp, chain_break = self.pending[0]
+            cpu, marks, ddp, chain_break, quiet = self.pending[0]
             try:
                 if marks and not all(event.query() for _, event in marks):
                     break  # in stream order: nothing after this step has completed either
@@ -320,16 +329,22 @@ class CudaPhaseClock(PhaseClock):
                 self._emit_cpu(cpu, ddp)
                 continue
             if start is None:  # the first step of a chain has no start event
+                if not quiet and self.phase_every > 1:  # the shares the quiet steps carry
+                    self.gpu_shares = phase_shares(list(cpu[ROW_PHASES:ROW_WORK]), cpu[2])
                 self._emit_cpu(cpu, ddp)
             else:
-                self._emit_gpu(cpu, ddp, start, marks)
+                self._emit_gpu(cpu, ddp, start, marks, quiet)
                 self.free.append(start)
             self.free.extend(event for _, event in marks[:-1])
             self._prev_end = marks[-1][1]
         return done
 
-    def _emit_gpu(self, cpu: tuple, ddp: list, start: Any, marks: list) -> None:
+    def _emit_gpu(self, cpu: tuple, ddp: list, start: Any, marks: list, quiet: bool) -> None:
         total, phases, comm = gpu_phases(start, marks)
+        if quiet:  # phase sampling: one event, the step's end
+            phases = estimate_phases(self.gpu_shares or self.shares, total)
+        elif self.phase_every > 1:
+            self.gpu_shares = phase_shares(phases, total)
         step, end_ns = cpu[0], cpu[1]
         # The CPU's pacing sleep; on the GPU it looks like data wait.
         pacing = min(cpu[ROW_PHASES + PACING], total)

@@ -55,6 +55,16 @@ often the largest, come before any parameter gradient); without that wrapper (a 
 another way) it starts at the first parameter gradient.
 Everything here runs on the training thread (or autograd's), so it only reads the clock, adds
 integers and appends a tuple: no locks, no I/O.
+
+Phase sampling (`AgentConfig.phase_every` = N > 1, for steps of a few ms, where the clock's
+~20 µs a step, and on CUDA its events' ~45 µs, are a visible share: docs/gpu.md): the phases of
+the steps whose number is a multiple of N are timed, the same steps on every rank, so the
+job-wide comparison stays per step. The steps between them are "quiet": every hook returns at
+once (the forward wrapper still reads the batch), the step's total and work are counted as
+always, and its phases are the last timed step's shares of its total times its own total
+(estimate_phases), its waits in collectives dropped. DDP's sync records come from timed steps
+only. Pacing needs every step's first wait: with a pacer every step is timed. The first step of
+a process is always timed.
 """
 
 from __future__ import annotations
@@ -194,6 +204,11 @@ class PhaseClock:
         # read once at the first optimizer step; None: the number was given, or no optimizer.
         self.detect_start: Any = None
         self.on_first_step: Callable[[], None] | None = None  # the agent's, after the first step
+        # Phase sampling (module docstring): set by the agent; `quiet` while the current step's
+        # phases are not timed, `shares` the last timed step's phases over its total.
+        self.phase_every = 1
+        self.quiet = False
+        self.shares: list[float] | None = None
 
     # -- wiring -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -296,19 +311,21 @@ class PhaseClock:
         clock = self
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            quiet = clock.quiet  # a step whose phases are not timed: only its batch is read
             try:
-                t = _now()
-                blocked = clock.blocked
-                waited = 0
-                if blocked is not None and blocked.ns != clock.blocked_seen:
-                    waited = clock.take_blocked(FWD_PRE)
-                idle = clock.idle_since
-                if idle:
-                    clock.acc[DATA] += max(0, t - idle - waited)
-                    clock.idle_since = 0
-                clock.fwd_start = t
-                if clock.mark is not None:
-                    clock.mark(FWD_PRE)
+                if not quiet:
+                    t = _now()
+                    blocked = clock.blocked
+                    waited = 0
+                    if blocked is not None and blocked.ns != clock.blocked_seen:
+                        waited = clock.take_blocked(FWD_PRE)
+                    idle = clock.idle_since
+                    if idle:
+                        clock.acc[DATA] += max(0, t - idle - waited)
+                        clock.idle_since = 0
+                    clock.fwd_start = t
+                    if clock.mark is not None:
+                        clock.mark(FWD_PRE)
                 inputs = clock.inputs if count else None
                 if inputs is not None and inputs[3]():  # shapes only: what the batch holds
                     x: Any = args[0] if args else kwargs.get(inputs[2])
@@ -325,6 +342,8 @@ class PhaseClock:
             except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
                 clock.on_error(exc)
             out = _call_traced(original, *args, **kwargs)
+            if quiet:
+                return out
             try:
                 t = _now()
                 if clock.fwd_start:
@@ -401,7 +420,9 @@ class PhaseClock:
         A hook called while no backward runs starts nothing: a pipeline schedule reduces
         FSDP2's gradients after its backward passes (PipelineStage.perform_reduce_grad), and
         FSDP2 then calls the sharded parameters' hooks itself, outside autograd, where no
-        callback can be queued."""
+        callback can be queued. In a quiet step (phase sampling) it starts nothing either."""
+        if self.quiet:
+            return
         try:
             if not self.bwd_pending:
                 if self.bwd_depth > 1:
@@ -519,6 +540,8 @@ class PhaseClock:
 
     # -- optimizer hooks ----------------------------------------------------------------------
     def optimizer_pre(self, *_: Any) -> None:
+        if self.quiet:  # never the first step, where detect_start is read
+            return
         self.opt_start = _now()
         if self.detect_start is not None:
             try:
@@ -563,10 +586,17 @@ class PhaseClock:
             self.idle_since = t
 
     def end_step(self, t: int) -> None:
-        self.take_blocked(STEP_END)  # waits outside the timed phases (loss, clipping): `other`
-        acc = self.acc
-        steps = self.steps
         total = t - self.step_start
+        if self.quiet:  # its phases from the last timed step's shares; its waits are not timed
+            if self.blocked is not None:
+                self.blocked_seen = self.blocked.ns
+            acc = estimate_phases(self.shares, total)
+        else:
+            self.take_blocked(STEP_END)  # waits outside the timed phases (loss, clipping): `other`
+            acc = self.acc
+            if self.phase_every > 1:
+                self.shares = phase_shares(acc, total)
+        steps = self.steps
         if len(steps) < self.steps_max:
             steps.append((self.step, t, total, *acc, *self._work()))
         else:
@@ -575,6 +605,10 @@ class PhaseClock:
         self.step += 1
         if self.step_counter is not None:
             self.step_counter.value = self.step
+        every = self.phase_every
+        self.quiet = (
+            every > 1 and self.step % every != 0 and self.pacer is None and self.shares is not None
+        )
         self.acc = [0, 0, 0, 0, 0, 0]
         self.step_start = t
         self.idle_since = t
@@ -606,6 +640,24 @@ class PhaseClock:
             first = blocked.first_ns if blocked is not None else -1
             at = self.first_at if self.first_at >= 0 else STEP_END
         return self.pacer(comm_ns, step_ns, first, at)  # type: ignore[misc]
+
+
+def phase_shares(phases: list[int], total: int) -> list[float]:
+    """A timed step's phases (DATA .. PACING) as shares of its total; pacing's share is 0 (a
+    quiet step has no pacer)."""
+    if total <= 0:
+        return [0.0] * len(phases)
+    shares = [max(0, ns) / total for ns in phases]
+    shares[PACING] = 0.0
+    return shares
+
+
+def estimate_phases(shares: list[float] | None, total: int) -> list[int]:
+    """A quiet step's phases: the last timed step's shares of its own total (they add up to at
+    most the total; the rest is `other`, as on a timed step)."""
+    if shares is None or total <= 0:
+        return [0, 0, 0, 0, 0, 0]
+    return [int(s * total) for s in shares]
 
 
 def restored_step(optimizer: Any) -> int:
@@ -734,8 +786,10 @@ def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable
         t = _now()
         for c in clocks:
             try:
+                # The depth also in quiet steps: the interceptor skips DDP's buckets while
+                # a backward runs (agent/core.py).
                 depth = c.bwd_depth = c.bwd_depth + 1
-                if depth == 1:
+                if depth == 1 and not c.quiet:
                     c.bwd_entry = t
                     # waits before backward (a loss's collective) are not it
                     c.take_blocked(BWD_START)
@@ -747,7 +801,9 @@ def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable
             return original(*args, **kwargs)
         finally:
             for c in clocks:
-                if c.bwd_depth == 1 and not c.fwd_since_bwd and not c.bwd_deferred:
+                if c.quiet:  # nothing learnt or missed in a step whose phases are not timed
+                    c.bwd_depth = max(0, c.bwd_depth - 1)
+                elif c.bwd_depth == 1 and not c.fwd_since_bwd and not c.bwd_deferred:
                     c.bwd_depth = c.bwd_entry = 0  # the outermost backward; a trigger fired
                 else:
                     c.backward_exit()

@@ -10,7 +10,10 @@ tiny DDP model (gloo, one process) so the hooks are visible. Mechanisms:
   agent clock        the agent's whole PhaseClock (forward, backward, optimizer, callbacks)
   CUDA clock         the CUDA path's CudaPhaseClock with its resolver thread, CUDA stubbed:
                      events that cost nothing (a real Event.record is ~2.2 µs on an H100), so
-                     the figure is the agent's own Python per step on a GPU job (issue 33)
+                     the figure is the agent's own Python per step on a GPU job (issue 33);
+                     the events it recorded a step are printed, to add their real cost
+  ... 1 in 16        both clocks with phase sampling (`phase_every=16`, agent/phases.py): the
+                     phases of one step in 16 timed, the other steps only counted
 Besides the training thread's CPU, the whole process's (the resolver thread's work included).
 Run: .venv/bin/python bench/bench_hook_costs.py [--rounds 20] [--steps 400]
 """
@@ -41,12 +44,14 @@ class StubEvent:
     """A CUDA event that is done as soon as recorded, timed by the host's clock, and free."""
 
     __slots__ = ("t",)
+    recorded = 0  # records made, all events together
 
     def __init__(self) -> None:
         self.t = 0
 
     def record(self, stream: Any = None) -> None:
         self.t = time.perf_counter_ns()
+        StubEvent.recorded += 1
 
     def query(self) -> bool:
         return True
@@ -109,15 +114,16 @@ def main() -> None:
     def param_hook() -> list:
         return [list(model.parameters())[-1].register_post_accumulate_grad_hook(noop)]
 
-    def agent_clock() -> list:
+    def agent_clock(every: int = 1) -> list:
         queue = torch.autograd.Variable._execution_engine.queue_callback
         clock = PhaseClock(
             deque(maxlen=8192), deque(maxlen=32768), queue, "g", 1.0, noop, ddp_model=model
         )
+        clock.phase_every = every
         clock.instrument(model, opt)
         return [SimpleNamespace(remove=clock.uninstrument)]
 
-    def cuda_clock() -> list:
+    def cuda_clock(every: int = 1) -> list:
         queue = torch.autograd.Variable._execution_engine.queue_callback
         clock = CudaPhaseClock(
             deque(maxlen=8192),
@@ -130,6 +136,7 @@ def main() -> None:
             event_factory=StubEvent,
             thread_guard=lambda: None,
         )
+        clock.phase_every = every
         clock.instrument(model, opt)
         clock.start()
 
@@ -146,7 +153,10 @@ def main() -> None:
         "post-accumulate-grad hook, once": param_hook,
         "agent PhaseClock, everything": agent_clock,
         "CudaPhaseClock, CUDA stubbed": cuda_clock,
+        "PhaseClock, phases 1 step in 16": lambda: agent_clock(16),
+        "CudaPhaseClock, stubbed, 1 in 16": lambda: cuda_clock(16),
     }
+    events: dict[str, float] = {}
     run(200)  # warm-up
     diffs: dict[str, list[float]] = {name: [] for name in mechanisms}
     process: dict[str, list[float]] = {name: [] for name in mechanisms}
@@ -157,7 +167,9 @@ def main() -> None:
                 if with_it:
                     handles = install()
                     run(20)  # the clock learns its trigger parameters on the first backward
+                    before = StubEvent.recorded
                     out[True] = run(a.steps)
+                    events[name] = (StubEvent.recorded - before) / a.steps
                     for h in handles:
                         h.remove()
                 else:
@@ -167,12 +179,13 @@ def main() -> None:
     base = run(1000)[0]
     print(f"DDP (gloo, 1 rank), tiny model: {base:.0f} µs of training-thread CPU per step")
     print(f"{a.rounds} rounds x {a.steps} steps; CPU per step, with minus without:")
-    print(f"  {'':34s} {'training thread':28s} whole process")
+    print(f"  {'':34s} {'training thread':28s} whole process  events a step")
     for name, d in diffs.items():
         q = statistics.quantiles(d, n=4)
+        recorded = f"  {events[name]:.2f}" if events.get(name) else ""
         print(
             f"  {name:34s} {statistics.median(d):+6.1f} µs  (quartiles {q[0]:+.1f} .. {q[2]:+.1f})"
-            f"  {statistics.median(process[name]):+6.1f} µs"
+            f"  {statistics.median(process[name]):+6.1f} µs{recorded}"
         )
     dist.destroy_process_group()
 

@@ -94,10 +94,12 @@ class Loop:
     def _backward(self, p: dict[str, float]) -> None:
         """What autograd's engine does inside loss.backward() of a DDP model."""
         self.stream.enqueue(p["backward"])
-        self.clock.grad_ready(None)  # the first parameter gradient: queues A
-        self.callbacks.pop(0)()  # callback A: backward done, queues B
+        self.clock.grad_ready(None)  # the first parameter gradient: queues A (not when quiet)
+        if self.callbacks:
+            self.callbacks.pop(0)()  # callback A: backward done, queues B
         self.stream.enqueue(p["comm"])
-        self.callbacks.pop(0)()  # callback B: gradients reduced
+        if self.callbacks:
+            self.callbacks.pop(0)()  # callback B: gradients reduced
 
     def step(self, **override: float) -> None:
         p = {**self.PHASES, **override}
