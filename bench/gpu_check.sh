@@ -29,8 +29,7 @@
 #               bench/bench_gpu_overhead.py, agent vs none, interleaved rounds in 2 fresh
 #               processes: a GPU-bound step of ≥ 50 ms (batch 48), a launch-bound one
 #               (2 layers, batch 2: 6 to 7 ms on an H200, whose host launches no faster), and that
-#               one again with the agent's events, Flight Recorder reader, NVML sampling and
-#               flushes taken out (--without), to tell which side its cost is on; the
+#               one again with phase sampling (phase_every=16: one step in 16 timed); the
 #               launch-bound runs with each arm's training-thread CPU per step and a cProfile
 #               round of each arm (--profile), to name the code the cost comes from; each
 #               measuring process pinned to BENCH_CPUS (2-5 where there are ≥ 8), every step's
@@ -130,12 +129,14 @@ overhead_launch() {
   TAIL=4 run overhead-launch-bound 130 "$PY" -m bench.bench_gpu_overhead --processes 2 \
     --rounds 5 --steps 250 --warmup 30 --layers 2 --batch 2 --no-fail --profile 100 \
     "${PIN[@]}" --steps-out "$OUT/steps-launch-bound.json"
-  # again with every part --without can take out: what the phase clock and its hooks cost
-  # alone, against the first run's whole agent (docs/gpu.md, Known limits)
-  TAIL=4 run overhead-launch-bound-parts-out 130 "$PY" -m bench.bench_gpu_overhead \
+  # again with phase sampling (one step in 16 timed, one event on the others): its cost with
+  # real events beside the first run's every-step clock (docs/gpu.md, "Phase sampling"). The
+  # parts-out run it replaces (--without events reader topology reporter) answered its
+  # question on 2026-11-27: the cost is in those parts.
+  TAIL=4 run overhead-launch-bound-sampled 130 "$PY" -m bench.bench_gpu_overhead \
     --processes 2 --rounds 5 --steps 250 --warmup 30 --layers 2 --batch 2 --no-fail \
-    --without events --without reader --without topology --without reporter --profile 100 \
-    "${PIN[@]}" --steps-out "$OUT/steps-launch-bound-parts-out.json"
+    --attach-option phase_every=16 --profile 100 \
+    "${PIN[@]}" --steps-out "$OUT/steps-launch-bound-sampled.json"
   overhead_figures
 }
 
