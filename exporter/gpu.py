@@ -2,7 +2,9 @@
 
 Series exist only for ranks that reported a GPU (a UUID, PCI bus id or name); a number the
 agent could not read (NVML "not supported", a VM without NUMA) is left out rather than sent as
-0, so a missing reading never looks like a degraded link. Registered in collectors.COLLECTORS
+0, so a missing reading never looks like a degraded link. The fault flags and codes (the last
+XID, a pending or failed row remapping) are written only where non-zero, as the locality faults
+are: a healthy GPU costs no series for them (docs/scale.md, "Series per rank"). Registered in collectors.COLLECTORS
 as "gpu"; like every collector it gets the store's snapshot and yields metric families, built
 from their specs in syncscope.catalog (collectors.py imports this module, so the families are
 made here directly rather than through its helpers).
@@ -42,7 +44,9 @@ INFO_KEYS = (
 # Every other GPU family but the locality faults is named GPU_PREFIX + the topology key it
 # reports: gauges, and the energy counter (whose key has no "_total": its family's name).
 GAUGES = tuple(
-    s for s in CATALOG if s.condition == "gpu" and s not in (GPU_INFO, GPU_LOCALITY_FAULT)
+    s
+    for s in CATALOG
+    if s.condition in ("gpu", "gpu_fault") and s not in (GPU_INFO, GPU_LOCALITY_FAULT)
 )
 # A PCIe link below what the GPU and slot support: fault -> (current key, supported key, the
 # prefix its values are said with: pcie_link_fault). The agent reports the current link as
@@ -56,6 +60,10 @@ PCIE_FAULTS = {
     "pcie_generation": ("pcie_link_generation", "pcie_link_max_generation", "gen "),
 }
 ENERGY_KEY = GPU_ENERGY_JOULES_TOTAL.family.removeprefix(GPU_PREFIX)
+# Gauges with a series only where the reading is non-zero: a fault's code or flag.
+NONZERO_ONLY = frozenset(
+    s.name.removeprefix(GPU_PREFIX) for s in GAUGES if s.condition == "gpu_fault"
+)
 
 
 def _family(spec: MetricSpec) -> tuple[str, GaugeMetricFamily | CounterMetricFamily]:
@@ -144,7 +152,7 @@ def collect_gpu(view: StoreView) -> Iterable[Metric]:
                 faults.add_metric([*labels, fault], 1.0)
             for key, family in gauges:
                 value = topology_number(topology.get(key))
-                if value is not None:
+                if value is not None and (value or key not in NONZERO_ONLY):
                     family.add_metric(labels, value)
         except Exception:  # noqa: BLE001 - one odd rank must not cost the others their series
             continue

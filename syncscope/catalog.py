@@ -20,6 +20,7 @@ TYPES = ("counter", "gauge", "histogram", "info")
 CONDITIONS = (
     "always",
     "gpu",
+    "gpu_fault",
     "pacing",
     "straggler",
     "sampled",
@@ -98,6 +99,11 @@ def _rank(
 
 def _gpu(key: str, help_: str, unit: str = "") -> MetricSpec:
     return MetricSpec(GPU_PREFIX + key, "gauge", help_, RANK, "gpu", unit)
+
+
+def _gpu_fault(key: str, help_: str) -> MetricSpec:
+    """A GPU gauge with a series only where it is non-zero (a fault's code or flag)."""
+    return MetricSpec(GPU_PREFIX + key, "gauge", help_, RANK, "gpu_fault")
 
 
 def _process(name: str, type_: str, help_: str, unit: str = "") -> MetricSpec:
@@ -313,10 +319,11 @@ GPU_XID_ERRORS_TOTAL = MetricSpec(
     RANK,
     "gpu",
 )
-GPU_LAST_XID = _gpu(
+GPU_LAST_XID = _gpu_fault(
     "last_xid",
-    "The last XID code NVML delivered for the rank's GPU, 0 while none has come since its agent "
-    "started watching (as DCGM_FI_DEV_XID_ERRORS; absent where NVML cannot deliver them).",
+    "The last XID code NVML delivered for the rank's GPU since its agent started watching "
+    "(as DCGM_FI_DEV_XID_ERRORS; absent while none has come, and where NVML cannot deliver "
+    "them: xid_errors_total tells which).",
 )
 GPU_ECC_UNCORRECTED_ERRORS_TOTAL = MetricSpec(
     GPU_PREFIX + "ecc_uncorrected_errors_total",
@@ -326,15 +333,15 @@ GPU_ECC_UNCORRECTED_ERRORS_TOTAL = MetricSpec(
     RANK,
     "gpu",
 )
-GPU_ROW_REMAP_PENDING = _gpu(
+GPU_ROW_REMAP_PENDING = _gpu_fault(
     "row_remap_pending",
-    "1 while a memory row remapping waits for a GPU reset, else 0 (Ampere and later; absent "
-    "before).",
+    "1 while a memory row remapping waits for a GPU reset (Ampere and later; absent while "
+    "none waits, and before Ampere).",
 )
-GPU_ROW_REMAP_FAILURE = _gpu(
+GPU_ROW_REMAP_FAILURE = _gpu_fault(
     "row_remap_failure",
-    "1 if a memory row remapping failed on the rank's GPU, else 0 (Ampere and later; absent "
-    "before).",
+    "1 if a memory row remapping failed on the rank's GPU (Ampere and later; absent while "
+    "none has, and before Ampere).",
 )
 # -- per exporter: local diagnosis
 DIAGNOSIS = MetricSpec(
@@ -697,7 +704,9 @@ CONTRACT_HEADER = """\
 #              stands for its _bucket{le}, _sum and _count series
 #   LABELS     comma-separated label names the exporter sets (not instance/job added by
 #              Prometheus), "-" for none
-#   CONDITION  always | gpu (only where the rank has a GPU) | pacing (only where the agent
+#   CONDITION  always | gpu (only where the rank has a GPU) | gpu_fault (only where the rank's
+#              GPU reports that fault: a non-zero XID code, a row remapping pending or failed)
+#              | pacing (only where the agent
 #              runs the pacing controller) | straggler (only while the exporter names one)
 #              | sampled (once the job has pooled a step its rings sample: exporter/pooling.py)
 #              | link (where the ranks report the interface they communicate over)

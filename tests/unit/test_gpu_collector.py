@@ -162,8 +162,16 @@ def test_series_per_rank(store):
 
 
 def test_xid_and_ecc_series_where_nvml_read_them_and_none_where_it_did_not(tmp_path):
+    """Counters where read, zero included; the last XID and the row-remap flags only where
+    non-zero (a healthy GPU costs no series for them)."""
     topo = topology("degraded", tmp_path)
-    topo.update(xid_errors=2, last_xid=79, ecc_uncorrected_errors=3, row_remap_pending=1)
+    topo.update(
+        xid_errors=2,
+        last_xid=79,
+        ecc_uncorrected_errors=3,
+        row_remap_pending=1,
+        row_remap_failure=0,
+    )
     store = Store(Settings())
     store.ingest(parse_batch(batch(0, topo)))
     store.ingest(parse_batch(batch(1, topology("captured-h100", tmp_path))))  # not read
@@ -173,10 +181,19 @@ def test_xid_and_ecc_series_where_nvml_read_them_and_none_where_it_did_not(tmp_p
         ("syncscope_gpu_last_xid", 79),
         ("syncscope_gpu_ecc_uncorrected_errors_total", 3),
         ("syncscope_gpu_row_remap_pending", 1),
-        ("syncscope_gpu_row_remap_failure", 0),
     ):
         series = samples(text, name)
         assert set(series) == {"0"} and series["0"]["value"] == value, name
+    assert samples(text, "syncscope_gpu_row_remap_failure") == {}
+    # rank 1 read none of them; a read zero count is a series, a zero flag or code is not
+    healthy = topology("degraded", tmp_path / "healthy")
+    healthy.update(xid_errors=0, last_xid=0, row_remap_pending=0, row_remap_failure=0)
+    store = Store(Settings())
+    store.ingest(parse_batch(batch(0, healthy)))
+    text = render(store)
+    assert samples(text, "syncscope_gpu_xid_errors_total")["0"]["value"] == 0
+    for name in ("last_xid", "row_remap_pending", "row_remap_failure"):
+        assert samples(text, f"syncscope_gpu_{name}") == {}, name
 
 
 def test_families_and_labels_are_the_contracts_gpu_lines(store):
