@@ -156,6 +156,25 @@ def gpu_step_check(steps: list[tuple], ends: list[int], first: int) -> dict:
     }
 
 
+def sampling_check(steps: list[tuple], every: int, first: int) -> dict:
+    """With phase sampling: each quiet step's phase shares against its timed step's (the last
+    step before it whose number is a multiple of `every`)."""
+    by_step = {s[0]: s for s in steps}
+
+    def shares(row: tuple) -> list[float]:
+        return [ns / row[2] for ns in row[3:9]]
+
+    compared = mismatched = 0
+    for step, row in by_step.items():
+        timed = step - step % every
+        if every == 1 or step == timed or timed < first or timed not in by_step:
+            continue
+        compared += 1
+        if any(abs(a - b) > 1e-6 for a, b in zip(shares(row), shares(by_step[timed]), strict=True)):
+            mismatched += 1
+    return {"every": every, "quiet_steps_compared": compared, "mismatched": mismatched}
+
+
 def via_modules(torch, args) -> dict:
     from syncscope.agent.cuda_timing import CudaPhaseClock
     from syncscope.agent.nccl_trace import FlightRecorderReader, StepTimeline
@@ -175,6 +194,7 @@ def via_modules(torch, args) -> dict:
         errors.append,
         timeline=timeline,
     )
+    clock.phase_every = args.phase_every
     clock.instrument(model, opt)
     fr_sink: deque = deque(maxlen=100_000)
     reader = FlightRecorderReader(
@@ -208,6 +228,7 @@ def via_modules(torch, args) -> dict:
         "gpu_steps": clock.gpu_steps,
         "cpu_steps": clock.cpu_steps,
         "cuda": gpu_step_check(list(steps), ends, first=10),
+        "sampling": sampling_check(list(steps), args.phase_every, first=10),
         "fr": compare_with_flight_recorder(torch, list(fr_sink)),
         "fr_stats": reader.stats,
         "fr_fallback": reader.fallback_reason,
@@ -282,6 +303,7 @@ def main() -> int:
     p.add_argument("--via", choices=("modules", "attach"), default="modules")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--wrap", choices=("ddp", "fsdp2", "fsdp1"), default="ddp")
+    p.add_argument("--phase-every", type=int, default=1, help="phase sampling (--via modules)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d", type=int, default=1024)
     p.add_argument("--batch", type=int, default=16)

@@ -3,7 +3,7 @@
 On the device machine:  .venv/bin/pytest -q -m gpu tests/gpu -s
   * topology shows the real GPU (NVML through pynvml, sysfs), and the fixture capture works;
   * a one-process NCCL DDP job timed by CudaPhaseClock: GPU step times sum to the wall clock
-    within 5 %, no torch.cuda.synchronize() in the timed loop;
+    within 5 %, no torch.cuda.synchronize() in the timed loop; likewise with phase sampling;
   * the Flight Recorder reader's records equal Flight Recorder's own dump, entry for entry;
   * the same job through attach() and a real exporter, and FSDP2 and FSDP1 jobs likewise: the
     exporter counts, per op, exactly the collectives Flight Recorder timed on the GPU (a CPU
@@ -105,6 +105,20 @@ def test_nccl_ddp_job_cuda_phases_and_flight_recorder(tmp_path):
     assert fr["missing_from_reader"] == 0 and fr["extra_in_reader"] == 0, fr
     assert r["fr_stats"]["errors"] == 0
     print("dump cost", r["fr_stats"]["last_dump_seconds"], "s per dump")
+
+
+def test_phase_sampling_still_times_every_gpu_step(tmp_path):
+    """phase_every=8: one event on the quiet steps, so the GPU step totals still sum to the
+    wall clock; their phases are their timed step's shares (agent/phases.py)."""
+    r = run_job(tmp_path, "--via", "modules", "--phase-every", "8")
+    assert r["errors"] == []
+    cuda = r["cuda"]
+    assert abs(cuda["gpu_over_wall"] - 1) <= 0.05, cuda
+    assert cuda["other_share"] < 0.10, cuda
+    assert r["gpu_steps"] >= 100
+    sampling = r["sampling"]
+    assert sampling["quiet_steps_compared"] >= 80 and sampling["mismatched"] == 0, sampling
+    assert r["fr"]["missing_from_reader"] == 0 and r["fr"]["extra_in_reader"] == 0, r["fr"]
 
 
 def test_nccl_ddp_job_through_attach_and_a_real_exporter(tmp_path):
