@@ -62,7 +62,9 @@ def sample_states(exporter: Any, job: Any, every_s: float = 1.0) -> list[dict[st
     return samples
 
 
-def run(exporter: Any, job_factory: Any, tmp_path: Any, args: list[str], seconds: int) -> tuple:
+def run(
+    exporter: Any, job_factory: Any, tmp_path: Any, args: list[str], seconds: int, **env: str
+) -> tuple:
     records = tmp_path / "records"
     records.mkdir()
     job = job_factory(
@@ -70,6 +72,7 @@ def run(exporter: Any, job_factory: Any, tmp_path: Any, args: list[str], seconds
         ["--duration", str(seconds), *args],
         exporter.url,
         SYNCSCOPE_RECORD=str(records / "rank{rank}.jsonl"),
+        **env,
     )
     assert wait_until(lambda: exporter.state()["jobs"].get("test"), timeout=60), "no reports"
     samples = sample_states(exporter, job)
@@ -165,3 +168,49 @@ def test_a_clean_run_gets_no_straggler_and_no_fabric_verdict(name, exporter, job
     # micro-batch and has FSDP2 reduce the gradients only after the last one).
     shares = {r["rank"]: r["phase_shares"] for r in samples[-1]["ranks"]}
     assert all(s["backward"] > 0 for s in shares.values()), shares
+
+
+def test_with_phase_sampling_the_slowed_rank_is_named_and_its_lead_is_true(
+    exporter, job_factory, tmp_path
+):
+    """SYNCSCOPE_PHASE_EVERY=4 on the DDP job, rank 2 slowed 30 ms in forward: the exporter still
+    names it with cause forward; the leads, pooled from the timed steps' syncs only, match the
+    truth of the last 64 timed steps; every quiet step's record carries its timed step's phase
+    shares, and every step its work."""
+    every = 4
+    args = ["--slow-rank", "2", "--slow-ms", "30"]
+    samples, final, records = run(
+        exporter, job_factory, tmp_path, args, 30, SYNCSCOPE_PHASE_EVERY=str(every)
+    )
+    assert len(samples) >= 8, f"only {len(samples)} samples after warm-up"
+    named = [s["diagnosis"]["straggler"] for s in samples]
+    right = [n for n in named if n is not None and n["rank"] == 2]
+    assert len(right) >= 0.95 * len(samples), [n and (n["rank"], n["cause"]) for n in named]
+    assert {n["cause"] for n in right} == {"forward"}, {n["cause_reason"] for n in right}
+    by_rank = read_records(record_files(records))
+    quiet = 0
+    for steps in by_rank.values():
+        for step, rec in steps.items():
+            timed = steps.get(step - step % every)
+            if step % every and timed is not None:
+                quiet += 1
+                for phase, seconds in rec["phases"].items():
+                    share, timed_share = (
+                        seconds / rec["step_s"],
+                        timed["phases"][phase] / timed["step_s"],
+                    )
+                    assert abs(share - timed_share) <= 1e-6, (step, phase, rec, timed)
+    assert quiet >= 3 * 4 * 64, quiet
+    timed_only = {
+        r: {k: v for k, v in steps.items() if k % every == 0} for r, steps in by_rank.items()
+    }
+    common = len(set.intersection(*(set(steps) for steps in timed_only.values())))
+    truth = pooled_truth(timed_only, skip_steps=max(16, common - LEAD_STEPS))
+    leads = {r["rank"]: r["arrival_lead_s"] for r in final["ranks"]}
+    print(f"\nquiet rows {quiet}, timed steps {common}, named {len(right)}/{len(samples)}")
+    print(f"leads {leads}, truth {truth.mean_wait_s}")
+    for rank, true_wait in truth.mean_wait_s.items():
+        assert abs(leads[rank] - true_wait) <= max(0.003, 0.15 * true_wait), (rank, leads, truth)
+    batch = parse_args([]).batch
+    for r in final["ranks"]:
+        assert r["samples_total"] == batch * r["steps_total"], r
