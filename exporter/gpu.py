@@ -4,10 +4,10 @@ Series exist only for ranks that reported a GPU (a UUID, PCI bus id or name); a 
 agent could not read (NVML "not supported", a VM without NUMA) is left out rather than sent as
 0, so a missing reading never looks like a degraded link. The fault flags and codes (the last
 XID, a pending or failed row remapping) are written only where non-zero, as the locality faults
-are: a healthy GPU costs no series for them (docs/scale.md, "Series per rank"). Registered in collectors.COLLECTORS
-as "gpu"; like every collector it gets the store's snapshot and yields metric families, built
-from their specs in syncscope.catalog (collectors.py imports this module, so the families are
-made here directly rather than through its helpers).
+are: a healthy GPU costs no series for them (docs/scale.md, "Series per rank"). Registered in
+collectors.COLLECTORS as "gpu"; like every collector it gets the store's snapshot and yields
+metric families, built from their specs in syncscope.catalog (collectors.py imports this
+module, so the families are made here directly rather than through its helpers).
 """
 
 from __future__ import annotations
