@@ -62,9 +62,11 @@ the steps whose number is a multiple of N are timed, the same steps on every ran
 job-wide comparison stays per step. The steps between them are "quiet": every hook returns at
 once (the forward wrapper still reads the batch), the step's total and work are counted as
 always, and its phases are the last timed step's shares of its total times its own total
-(estimate_phases), its waits in collectives dropped. DDP's sync records come from timed steps
-only. Pacing needs every step's first wait: with a pacer every step is timed. The first step of
-a process is always timed.
+(estimate_phases), its waits in collectives dropped. Where the timed step had DDP's sync, a
+quiet step's sync record is an estimate too (the timed sync's share of its step times this
+step's total), so that waits and calls per step keep their meaning in the exporter (its wait
+chain divides a group's wait by the steps). Pacing needs every step's first wait: with a pacer
+every step is timed. The first step of a process is always timed.
 """
 
 from __future__ import annotations
@@ -209,6 +211,11 @@ class PhaseClock:
         self.phase_every = 1
         self.quiet = False
         self.shares: list[float] | None = None
+        # DDP's exposed sync recorded this step (ns) and how many; the last timed step's as a
+        # share of its total (None: it had none), for the quiet steps' estimated records.
+        self.sync_ns = 0
+        self.syncs = 0
+        self.sync_share: float | None = None
 
     # -- wiring -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -486,6 +493,8 @@ class PhaseClock:
                 coll.append((DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, exposed, self.step))
             else:
                 self.dropped += 1
+            self.sync_ns += exposed
+            self.syncs += 1
             if self.mark is not None:
                 self.mark(COMM_END)
         except BaseException as exc:  # noqa: BLE001
@@ -591,11 +600,15 @@ class PhaseClock:
             if self.blocked is not None:
                 self.blocked_seen = self.blocked.ns
             acc = estimate_phases(self.shares, total)
+            if self.sync_share is not None:
+                self._estimated_sync(int(self.sync_share * total))
         else:
             self.take_blocked(STEP_END)  # waits outside the timed phases (loss, clipping): `other`
             acc = self.acc
             if self.phase_every > 1:
                 self.shares = phase_shares(acc, total)
+                self.sync_share = self.sync_ns / total if self.syncs and total > 0 else None
+            self.sync_ns = self.syncs = 0
         steps = self.steps
         if len(steps) < self.steps_max:
             steps.append((self.step, t, total, *acc, *self._work()))
@@ -621,6 +634,14 @@ class PhaseClock:
             after = _now()
             self.acc[PACING] = after - t
             self.idle_since = after
+
+    def _estimated_sync(self, ns: int) -> None:
+        """A quiet step's DDP sync record: an estimate, where its timed step had a sync."""
+        coll = self.collectives
+        if len(coll) < self.coll_max:
+            coll.append((DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, ns, self.step))
+        else:
+            self.dropped += 1
 
     def _forget_first_wait(self) -> None:
         """A new step: no wait of it seen yet, by DDP's sync or on the training thread."""

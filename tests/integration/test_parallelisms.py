@@ -174,9 +174,9 @@ def test_with_phase_sampling_the_slowed_rank_is_named_and_its_lead_is_true(
     exporter, job_factory, tmp_path
 ):
     """SYNCSCOPE_PHASE_EVERY=4 on the DDP job, rank 2 slowed 30 ms in forward: the exporter still
-    names it with cause forward; the leads, pooled from the timed steps' syncs only, match the
-    truth of the last 64 timed steps; every quiet step's record carries its timed step's phase
-    shares, and every step its work."""
+    names it with cause forward, and every other rank its victim; the leads match the truth of
+    the last 64 timed steps; every quiet step's record carries its timed step's phase shares,
+    and every step its work."""
     every = 4
     args = ["--slow-rank", "2", "--slow-ms", "30"]
     samples, final, records = run(
@@ -214,3 +214,7 @@ def test_with_phase_sampling_the_slowed_rank_is_named_and_its_lead_is_true(
     batch = parse_args([]).batch
     for r in final["ranks"]:
         assert r["samples_total"] == batch * r["steps_total"], r
+    # The wait chain divides each group's wait by the steps: the quiet steps' estimated syncs
+    # keep every other rank a victim of rank 2.
+    chain = {v["rank"]: (v["group"], v["waits_for"]) for v in final["diagnosis"]["victims"]}
+    assert {r: whom for r, (_group, whom) in chain.items()} == {0: 2, 1: 2, 3: 2}, chain
