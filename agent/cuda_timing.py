@@ -26,8 +26,8 @@ with its CPU phases instead, and the next step starts a new chain.
 Phase sampling (phases.py): a quiet step records one event, its end, so that every step's GPU
 time is still measured (end k-1 -> end k, on the stream looked up at the last timed step); its
 phases are the last timed step's shares of its total times its own GPU total (a timed step that
-went out with CPU phases, the first of a chain, gives its CPU shares), and its DDP sync record
-the last timed GPU step's exposed communication as a share, likewise.
+went out with CPU phases, the first of a chain, gives its CPU shares), its DDP sync record its
+estimated exposed communication.
 
 Events go on the current stream *of the model's device* (`stream_of`), not of whatever device
 is current: a model on cuda:3 without torch.cuda.set_device(3) would otherwise be timed on
@@ -191,7 +191,6 @@ class CudaPhaseClock(PhaseClock):
         self.query_errors = 0
         self.gpu_delay_ns = 0  # pacing's latest decision from a GPU step (resolver writes)
         self.gpu_shares: list[float] | None = None  # the last timed GPU step's (resolver side)
-        self.gpu_sync_share: float | None = None  # its DDP syncs' exposed share of its total
         self._prev_end: Any = None  # resolver side only (under _lock)
         self._lock = threading.Lock()  # the resolver thread vs. stop() at close
         self._stop = threading.Event()
@@ -345,11 +344,9 @@ class CudaPhaseClock(PhaseClock):
         total, phases, comm = gpu_phases(start, marks)
         if quiet:  # phase sampling: one event, the step's end
             phases = estimate_phases(self.gpu_shares or self.shares, total)
-            if self.gpu_sync_share is not None:  # its sync records, estimated on the GPU too
-                comm = [int(self.gpu_sync_share * total)] * len(ddp)
+            comm = [phases[COMM]] * len(ddp)  # on CUDA the exposed phase is DDP's sync alone
         elif self.phase_every > 1:
             self.gpu_shares = phase_shares(phases, total)
-            self.gpu_sync_share = sum(comm) / total if comm and total > 0 else None
         step, end_ns = cpu[0], cpu[1]
         # The CPU's pacing sleep; on the GPU it looks like data wait.
         pacing = min(cpu[ROW_PHASES + PACING], total)
