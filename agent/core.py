@@ -153,6 +153,8 @@ class Agent:
         self.pacer: PacingController | None = None
         if config.pacing and self.arrival is not None:
             self.pacer = self._enable_pacing(self.arrival)
+        # The exporter tells estimated phases from timed ones (pacing times every step).
+        self.identity["phase_every"] = config.phase_every if self.pacer is None else 1
         self.link = LinkSampler()
         self.reporter: Reporter | ShmTransport
         if config.exporter is not None and config.exporter.startswith("shm:"):

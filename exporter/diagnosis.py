@@ -254,16 +254,19 @@ def straggler_cause(
     shared = fault is not None and all(locality_fault(p.topology) for p in peers)
     if fault and not shared and compute + positive.get(Phase.DATA, 0.0) >= t.cause_share * total:
         return "locality", f"{fault}, unlike its peers"
+    # Phases sampled (agent/phases.py): the other steps' phases are the timed steps' shares.
+    every = straggler.phase_every
+    sampled = f"; its phases timed in 1 step of {every}" if every > 1 else ""
     phase, gap = max(positive.items(), key=lambda kv: kv[1])
     if gap >= t.cause_share * total:
         return (
             phase.label,
             f"{phase.label} takes {gap * 1e3:.1f} ms longer than on its peers "
-            f"({gap / total:.0%} of its lateness)",
+            f"({gap / total:.0%} of its lateness{sampled})",
         )
     ranked = sorted(positive.items(), key=lambda kv: -kv[1])[:2]
     split = ", ".join(f"{p.label} {g / total:.0%}" for p, g in ranked)
-    return "unknown", f"no single signal explains 80 % of its lateness ({split})"
+    return "unknown", f"no single signal explains 80 % of its lateness ({split}{sampled})"
 
 
 def stage_root(leads: Mapping[int, float], stages: Mapping[int, int]) -> tuple[int, float] | None:

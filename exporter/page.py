@@ -558,7 +558,7 @@ def _ranks_table(job: JobView, now: float) -> str:
             f'<td class="num">{fmt_s(r.step_time_median_s)}</td>'
             f"<td>{trend}</td>"
             f'<td class="num">{_fmt_num(r.step_time_cv)}</td>'
-            f'<td class="phases">{phase_bar(r.phase_shares)}</td>'
+            f'<td class="phases">{phase_bar(r.phase_shares)}{_sampled(r.phase_every)}</td>'
             f'<td class="num">{lead}</td>'
             f'<td class="num">{fmt_s(r.wait_mean_s)}</td>'
             f"<td>{_pacing(r.pacing)}</td>"
@@ -593,6 +593,17 @@ def _ranks_table(job: JobView, now: float) -> str:
         "how early a rank reaches the gradient sync before the last peer (the straggler's is "
         "near 0); wait: its time blocked there per step.</caption>"
         f"<thead><tr>{ths}</tr></thead><tbody>{''.join(rows)}</tbody></table></div>"
+    )
+
+
+def _sampled(every: int) -> str:
+    """A rank whose phases are sampled says so under its bar: most of its steps' phases are
+    estimates, the timed steps' shares of their totals (agent/phases.py)."""
+    if every <= 1:
+        return ""
+    return (
+        f'<div class="sub" title="the other steps\' phases are estimates: the timed steps\' '
+        f'shares of their totals">timed 1 step in {every}</div>'
     )
 
 

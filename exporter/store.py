@@ -173,6 +173,9 @@ class RankView:
     # the sync compare it with the ranks of its stage only (a pipeline's stages differ in work
     # by design; exporter.pooling).
     pipeline_stage: int | None = field(default=None, metadata=OMIT_IF_NONE)
+    # Its phases are timed in one step of this many; the other steps' phases are estimates,
+    # that step's shares of their totals (agent/phases.py, "Phase sampling"). 1: all timed.
+    phase_every: int = 1
 
     def label_values(self, job: str) -> list[str]:
         """Its values for the catalog's RANK labels (job, node, rank, local_rank)."""
@@ -364,6 +367,7 @@ class RankState:
     # Its pipeline stage (wire.pipeline_stage), once a point-to-point op in a group whose
     # ranks its topology lists says it is one; None: not a pipeline's rank (or not known yet).
     stage: int | None = None
+    phase_every: int = 1  # its current incarnation's phase sampling (wire.AgentInfo)
     # The rank's life (Store._events, _steps, _new_incarnation): what goodput is made of.
     process_started_unix_s: float = 0.0  # the earliest of its incarnations; 0: not known
     productive_s: float = 0.0
@@ -506,6 +510,7 @@ class Store:
             state.hostname, state.pid = clean_label(a.hostname), a.pid
             state.incarnation = clean_label(a.incarnation)
             state.started_unix_s = a.started_unix_s
+            state.phase_every = a.phase_every
             # Agents before goodput do not say when their process started: their attach, else
             # the first time this exporter heard of them.
             started = a.process_started_unix_s or a.started_unix_s or now
@@ -894,6 +899,7 @@ def _rank_view(s: RankState, now: float, stale_after: float, keep: int | None) -
         lost_steps=s.lost_steps,
         throughput=s.throughput.view(),
         pipeline_stage=s.stage,
+        phase_every=s.phase_every,
     )
 
 

@@ -153,6 +153,10 @@ class AgentInfo:
     # When the training process started (the kernel's start time of the process, else the
     # agent's attach time); 0: not said (agents before goodput was measured).
     process_started_unix_s: Annotated[float, Ge(0.0), Le(1e11)] = 0.0
+    # Phase sampling (agent/phases.py): the rank times the phases of one step in N and
+    # reports the others' as that step's shares of their totals; 1: every step timed (and
+    # agents before sampling, which do not say).
+    phase_every: Annotated[int, Ge(1), Le(1 << 20)] = 1
 
 
 @dataclass

@@ -101,6 +101,19 @@ def test_forward_straggler_is_named_with_its_phase() -> None:
     assert "runtime_jitter" not in verdicts(out)
 
 
+def test_a_cause_from_sampled_phases_says_they_are_sampled() -> None:
+    """A straggler whose agent times its phases in 1 step of N keeps its cause; the reason
+    says the phases behind it were sampled."""
+    plain = diagnose(ranks_of("forward_straggler")).straggler
+    sampled = diagnose(
+        [replace(r, phase_every=16) for r in ranks_of("forward_straggler")]
+    ).straggler
+    assert plain is not None and sampled is not None
+    assert (sampled.rank, sampled.cause) == (plain.rank, plain.cause) == (2, "forward")
+    assert "timed in 1 step of 16" in sampled.cause_reason
+    assert "step of" not in plain.cause_reason
+
+
 def test_slow_data_loading_on_one_rank_is_named_data() -> None:
     out = diagnose(ranks_of("data_straggler"))
     s = out.straggler

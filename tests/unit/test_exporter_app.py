@@ -322,10 +322,13 @@ def test_a_gpu_hour_price_is_exported_per_job_and_node_only_where_given():
             parser.parse_args(["--price-per-gpu-hour", bad])
 
 
-def _straggling_job(settings: Settings) -> tuple[dict, str]:
+def _straggling_job(settings: Settings, phase_every: int = 1) -> tuple[dict, str]:
     """/v1/state's job and the status page after two ranks' 30 steps of 100 ms: rank 1 waits
-    50 ms at the sync each step and rank 0 20 ms, so rank 0 arrives 30 ms after rank 1."""
+    50 ms at the sync each step and rank 0 20 ms, so rank 0 arrives 30 ms after rank 1.
+    Rank 0 says it times its phases in 1 step of `phase_every` (1: the field left out)."""
     agents = [{**BATCH_V2["agent"], "rank": r, "local_rank": r, "hostname": "h"} for r in (0, 1)]
+    if phase_every != 1:
+        agents[0]["phase_every"] = phase_every
     with TestClient(create_app(settings)) as c:
         for agent in agents:  # both report before any step, so that every step pools both
             batch = {**BATCH_V2, "agent": agent, "steps": [], "collectives": []}
@@ -348,6 +351,20 @@ def _straggling_job(settings: Settings) -> tuple[dict, str]:
             batch = {**BATCH_V2, "agent": agent, "steps": steps, "collectives": []}
             assert c.post("/v1/ingest", json=batch).status_code == 200
         return c.get("/v1/state").json()["jobs"]["j"], c.get("/").text
+
+
+def test_a_rank_that_samples_its_phases_is_shown_so():
+    """An agent timing its phases in 1 step of N (phase sampling) says so: /v1/state carries
+    it per rank and the page marks that rank's phase bar, and only that rank's; an agent that
+    does not say is every step timed. A value the wire does not allow is refused."""
+    job, page = _straggling_job(Settings(), phase_every=8)
+    assert {r["rank"]: r["phase_every"] for r in job["ranks"]} == {0: 8, 1: 1}
+    assert page.count("timed 1 step in 8") == 1
+    assert "timed 1 step in" not in _straggling_job(Settings())[1]
+    bad = {**BATCH_V2, "agent": {**BATCH_V2["agent"], "phase_every": 0}}
+    with TestClient(create_app(Settings())) as c:
+        assert c.post("/v1/ingest", json=bad).status_code == 422
+        assert c.get("/v1/state").json()["jobs"] == {}
 
 
 def test_the_exporters_set_moves_its_diagnosis_and_verdict_as_it_moves_the_rules():

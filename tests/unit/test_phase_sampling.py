@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from syncscope.agent import attach  # noqa: E402
 from syncscope.agent.phases import FORWARD, ROW_PHASES, ROW_WORK  # noqa: E402
 
-from syncscope.wire import DDP_GRAD_SYNC  # noqa: E402
+from syncscope.wire import DDP_GRAD_SYNC, AgentInfo  # noqa: E402
 from tests.unit.test_cuda_timing import Loop  # noqa: E402
 
 EVERY = 4
@@ -35,9 +35,9 @@ class Sleepy(torch.nn.Module):
         return self.lin(x)
 
 
-def run_ddp(phase_every: int, **settings) -> tuple[list[tuple], list[tuple], dict]:
+def run_ddp(phase_every: int, **settings) -> tuple[list[tuple], list[tuple], dict, dict]:
     """STEPS steps of a DDP job whose step 6's forward sleeps 40 ms instead of 10: its step
-    rows, its collective records, the agent's stats."""
+    rows, its collective records, the agent's stats, and who it says it is to the exporter."""
     module = Sleepy()
     model = torch.nn.parallel.DistributedDataParallel(module)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -58,7 +58,8 @@ def run_ddp(phase_every: int, **settings) -> tuple[list[tuple], list[tuple], dic
             opt.zero_grad()
             model(x).pow(2).mean().backward()
             opt.step()
-        return list(agent.queues.steps), list(agent.queues.collectives), dict(agent.stats)
+        queues = agent.queues
+        return list(queues.steps), list(queues.collectives), dict(agent.stats), agent.identity
     finally:
         agent.close()
 
@@ -71,8 +72,10 @@ def test_only_every_nth_step_is_timed_and_the_others_carry_its_shares(
     gloo_world_of_one, monkeypatch
 ):
     monkeypatch.delenv("SYNCSCOPE_EXPORTER", raising=False)
-    rows, colls, stats = run_ddp(EVERY)
+    rows, colls, stats, identity = run_ddp(EVERY)
     assert stats["errors"] == 0
+    # The exporter is told, so that it shows these phases as estimates (wire.AgentInfo).
+    assert AgentInfo(**identity).phase_every == EVERY
     assert [r[0] for r in rows] == list(range(STEPS))
     by_step = {r[0]: r for r in rows}
     for r in rows:
@@ -104,8 +107,9 @@ def test_only_every_nth_step_is_timed_and_the_others_carry_its_shares(
 def test_with_pacing_every_step_is_timed(gloo_world_of_one, monkeypatch):
     """Pacing answers each step's first wait: a pacer turns sampling off."""
     monkeypatch.delenv("SYNCSCOPE_EXPORTER", raising=False)
-    _rows, colls, stats = run_ddp(EVERY, pacing=True)
+    _rows, colls, stats, identity = run_ddp(EVERY, pacing=True)
     assert stats["errors"] == 0
+    assert AgentInfo(**identity).phase_every == 1
     assert [c[4] for c in colls if c[0] == DDP_GRAD_SYNC] == list(range(STEPS))
 
 
