@@ -27,7 +27,9 @@ Phase sampling (phases.py): a quiet step records one event, its end, so that eve
 time is still measured (end k-1 -> end k, on the stream looked up at the last timed step); its
 phases are the last timed step's shares of its total times its own GPU total (a timed step that
 went out with CPU phases, the first of a chain, gives its CPU shares), its DDP sync record its
-estimated exposed communication.
+estimated exposed communication. The training thread only records that event and queues the
+step's total and work with the shares it will be estimated from; the resolver makes the phases
+and the sync record (a quiet step's end cost 6 µs less so: docs/gpu.md).
 
 Events go on the current stream *of the model's device* (`stream_of`), not of whatever device
 is current: a model on cuda:3 without torch.cuda.set_device(3) would otherwise be timed on
@@ -73,7 +75,13 @@ from syncscope.agent.phases import (
     phase_shares,
 )
 
+from syncscope.wire import DDP_GRAD_SYNC
+
 _IDLE_BEFORE_FORWARD = (STEP_START, BWD_END, COMM_END)
+NO_PHASES = (0, 0, 0, 0, 0, 0)  # a quiet step's row until the resolver estimates them
+# A quiet step's estimate, taken at its end: the last timed step's phase shares (CPU) and its
+# DDP sync's share of its total (None: it had no sync).
+Estimate = tuple[list[float] | None, float | None]
 
 
 def torch_event_factory() -> Callable[[], Any]:
@@ -238,15 +246,24 @@ class CudaPhaseClock(PhaseClock):
         return self.gpu_delay_ns
 
     def end_step(self, t: int) -> None:
-        step, quiet = self.step, self.quiet
+        step = self.step
         self._mark(STEP_END)  # before PhaseClock's pacing sleep: that belongs to the next step
         if self.timeline is not None:
             self.timeline.mark(step)
         marks = self.marks
-        super().end_step(t)
-        cpu = self.steps.pop() if self.steps else None
-        ddp = list(self.collectives)
-        self.collectives.clear()
+        estimate: Estimate | None = None
+        if self.quiet:
+            # Its phases and DDP sync are the resolver's to estimate, from the GPU's shares;
+            # here only its total and work (the less a quiet step touches, the less it costs).
+            cpu: tuple | None = (step, t, t - self.step_start, *NO_PHASES, *self._work())
+            ddp: list = []
+            estimate = (self.shares, self.sync_share)
+            self._next_step(t)
+        else:
+            super().end_step(t)
+            cpu = self.steps.pop() if self.steps else None
+            ddp = list(self.collectives)
+            self.collectives.clear()
         self.marks = []
         if cpu is None:
             return
@@ -256,9 +273,9 @@ class CudaPhaseClock(PhaseClock):
             if marks:
                 self.free.extend(event for _, event in marks)
             self.chain_broken = True
-            self._emit_cpu(cpu, ddp)
+            self._emit_cpu(cpu, ddp, estimate)
             return
-        self.pending.append((cpu, marks if timed else None, ddp, self.chain_broken, quiet))
+        self.pending.append((cpu, marks if timed else None, ddp, self.chain_broken, estimate))
         self.chain_broken = False
         if self.step % self.resolve_every == 0:
             self._due.set()
@@ -280,8 +297,8 @@ class CudaPhaseClock(PhaseClock):
                 time.sleep(0.01)
         with self._lock:
             while self.pending:
-                cpu, _marks, ddp, _, _ = self.pending.popleft()
-                self._emit_cpu(cpu, ddp)
+                cpu, _marks, ddp, _, estimate = self.pending.popleft()
+                self._emit_cpu(cpu, ddp, estimate)
 
     def _run(self) -> None:
         while True:
@@ -305,7 +322,7 @@ class CudaPhaseClock(PhaseClock):
     def _resolve_locked(self) -> int:
         done = 0
         while self.pending:
-            cpu, marks, ddp, chain_break, quiet = self.pending[0]
+            cpu, marks, ddp, chain_break, estimate = self.pending[0]
             try:
                 if marks and not all(event.query() for _, event in marks):
                     break  # in stream order: nothing after this step has completed either
@@ -315,7 +332,7 @@ class CudaPhaseClock(PhaseClock):
                 self.pending.popleft()
                 self.query_errors += 1
                 self._prev_end = None
-                self._emit_cpu(cpu, ddp)
+                self._emit_cpu(cpu, ddp, estimate)
                 done += 1
                 self.on_error(exc)
                 continue
@@ -327,24 +344,28 @@ class CudaPhaseClock(PhaseClock):
                     self.free.append(start)
                 start = self._prev_end = None
             if not marks:
-                self._emit_cpu(cpu, ddp)
+                self._emit_cpu(cpu, ddp, estimate)
                 continue
             if start is None:  # the first step of a chain has no start event
-                if not quiet and self.phase_every > 1:  # the shares the quiet steps carry
+                if estimate is None and self.phase_every > 1:  # the shares quiet steps carry
                     self.gpu_shares = phase_shares(list(cpu[ROW_PHASES:ROW_WORK]), cpu[2])
-                self._emit_cpu(cpu, ddp)
+                self._emit_cpu(cpu, ddp, estimate)
             else:
-                self._emit_gpu(cpu, ddp, start, marks, quiet)
+                self._emit_gpu(cpu, ddp, start, marks, estimate)
                 self.free.append(start)
             self.free.extend(event for _, event in marks[:-1])
             self._prev_end = marks[-1][1]
         return done
 
-    def _emit_gpu(self, cpu: tuple, ddp: list, start: Any, marks: list, quiet: bool) -> None:
+    def _emit_gpu(
+        self, cpu: tuple, ddp: list, start: Any, marks: list, estimate: Estimate | None
+    ) -> None:
         total, phases, comm = gpu_phases(start, marks)
-        if quiet:  # phase sampling: one event, the step's end
-            phases = estimate_phases(self.gpu_shares or self.shares, total)
-            comm = [phases[COMM]] * len(ddp)  # on CUDA the exposed phase is DDP's sync alone
+        if estimate is not None:  # phase sampling: one event, the step's end
+            phases = estimate_phases(self.gpu_shares or estimate[0], total)
+            if estimate[1] is not None:  # on CUDA the exposed phase is DDP's sync alone
+                comm = [phases[COMM]]
+                ddp = [self._sync_record(cpu[0])]
         elif self.phase_every > 1:
             self.gpu_shares = phase_shares(phases, total)
         step, end_ns = cpu[0], cpu[1]
@@ -364,10 +385,21 @@ class CudaPhaseClock(PhaseClock):
             gpu_ddp.append(record)
         self._emit((step, end_ns, total, *phases, *cpu[ROW_WORK:]), gpu_ddp)
 
-    def _emit_cpu(self, cpu: tuple, ddp: list) -> None:
-        """A step that goes out with its CPU phases (no usable events)."""
+    def _emit_cpu(self, cpu: tuple, ddp: list, estimate: Estimate | None = None) -> None:
+        """A step that goes out with its CPU phases (no usable events); a quiet one with the
+        CPU clock's estimate, its timed step's shares of its total."""
+        if estimate is not None:
+            shares, sync_share = estimate
+            total = cpu[2]
+            cpu = (*cpu[:ROW_PHASES], *estimate_phases(shares, total), *cpu[ROW_WORK:])
+            if sync_share is not None:
+                ddp = [self._sync_record(cpu[0], int(sync_share * total))]
         self._emit(cpu, ddp)
         self.cpu_steps += 1
+
+    def _sync_record(self, step: int, ns: int = 0) -> tuple:
+        """A quiet step's DDP sync record, `ns` long (an estimate; _emit_gpu sets the GPU's)."""
+        return (DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, ns, step)
 
     def _emit(self, step_tuple: tuple, ddp: list) -> None:
         # Tail drop, as PhaseClock does: a full queue refuses the new record and counts it.

@@ -599,32 +599,23 @@ class PhaseClock:
         if self.quiet:  # its phases from the last timed step's shares; its waits are not timed
             if self.blocked is not None:
                 self.blocked_seen = self.blocked.ns
-            acc = estimate_phases(self.shares, total)
+            self._queue_row(t, total, estimate_phases(self.shares, total))
             if self.sync_share is not None:
                 self._estimated_sync(int(self.sync_share * total))
-        else:
-            self.take_blocked(STEP_END)  # waits outside the timed phases (loss, clipping): `other`
-            acc = self.acc
-            if self.phase_every > 1:
-                self.shares = phase_shares(acc, total)
-                self.sync_share = self.sync_ns / total if self.syncs and total > 0 else None
-            self.sync_ns = self.syncs = 0
-        steps = self.steps
-        if len(steps) < self.steps_max:
-            steps.append((self.step, t, total, *acc, *self._work()))
-        else:
-            self._work()  # the dropped step's work must not count in the next one
-            self.dropped += 1
-        self.step += 1
-        if self.step_counter is not None:
-            self.step_counter.value = self.step
-        every = self.phase_every
-        self.quiet = (
-            every > 1 and self.step % every != 0 and self.pacer is None and self.shares is not None
-        )
+            # Nothing was added to `acc` (every hook returned at once) and there is no pacer.
+            self._next_step(t)
+            if not self.quiet:  # the next step is timed: no wait of it seen yet
+                self._forget_first_wait()
+            return
+        self.take_blocked(STEP_END)  # waits outside the timed phases (loss, clipping): `other`
+        acc = self.acc
+        if self.phase_every > 1:
+            self.shares = phase_shares(acc, total)
+            self.sync_share = self.sync_ns / total if self.syncs and total > 0 else None
+        self.sync_ns = self.syncs = 0
+        self._queue_row(t, total, acc)
+        self._next_step(t)
         self.acc = [0, 0, 0, 0, 0, 0]
-        self.step_start = t
-        self.idle_since = t
         if self.first_step:
             self._first_step_done(t - total)
         delay = self._pace(acc[COMM], total) if self.pacer is not None else 0
@@ -634,6 +625,27 @@ class PhaseClock:
             after = _now()
             self.acc[PACING] = after - t
             self.idle_since = after
+
+    def _queue_row(self, t: int, total: int, phases: list[int]) -> None:
+        """The ending step's row: its end, total, `phases` and work (the work read either way)."""
+        steps = self.steps
+        if len(steps) < self.steps_max:
+            steps.append((self.step, t, total, *phases, *self._work()))
+        else:
+            self._work()  # the dropped step's work must not count in the next one
+            self.dropped += 1
+
+    def _next_step(self, t: int) -> None:
+        """The next step starts at `t`: its number, and whether its phases are timed."""
+        step = self.step = self.step + 1
+        if self.step_counter is not None:
+            self.step_counter.value = step
+        every = self.phase_every
+        self.quiet = (
+            every > 1 and step % every != 0 and self.pacer is None and self.shares is not None
+        )
+        self.step_start = t
+        self.idle_since = t
 
     def _estimated_sync(self, ns: int) -> None:
         """A quiet step's DDP sync record: an estimate, where its timed step had a sync."""

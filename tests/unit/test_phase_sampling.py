@@ -161,3 +161,26 @@ def test_cuda_quiet_steps_record_one_event_and_carry_the_gpu_shares():
     for step in range(EVERY, STEPS):
         expected = 4e6 if step in TIMED else int(4 / 24.5 * rows[step][2])
         assert syncs[step] == pytest.approx(expected, abs=1), (step, syncs)
+
+
+def test_cuda_quiet_steps_that_go_out_on_cpu_carry_the_cpu_estimate():
+    """A quiet step the GPU never resolved (here: the clock stopped before any query) goes out
+    with the CPU clock's estimate, its timed step's CPU shares of its own total, and a DDP
+    sync of the timed step's share; the training thread left both to the resolver side."""
+    loop = Loop()
+    loop.clock.phase_every = EVERY
+    for _ in range(STEPS):
+        loop.step()
+    assert len(loop.steps) == 0 and len(loop.colls) == 0  # all still pending
+    loop.clock.stop(timeout=0)
+    assert loop.errors == [] and loop.clock.cpu_steps == STEPS
+    rows = {r[0]: r for r in loop.steps}
+    assert sorted(rows) == list(range(STEPS))
+    syncs = {c[4]: c[3] for c in loop.colls}
+    assert sorted(syncs) == list(range(STEPS))
+    for step in set(range(STEPS)) - set(TIMED):
+        timed = rows[step - step % EVERY]
+        assert sum(shares(timed)) > 0
+        # µs-long CPU steps: the integer phases round to within a few parts in 10^4
+        assert shares(rows[step]) == pytest.approx(shares(timed), abs=1e-3), step
+        assert syncs[step] == int(syncs[timed[0]] / timed[2] * rows[step][2]), step
