@@ -29,7 +29,7 @@ phases are the last timed step's shares of its total times its own GPU total (a 
 went out with CPU phases, the first of a chain, gives its CPU shares), its DDP sync record its
 estimated exposed communication. The training thread only records that event and queues the
 step's total and work with the shares it will be estimated from; the resolver makes the phases
-and the sync record (a quiet step's end cost 6 µs less so: docs/gpu.md).
+and the sync record (a quiet step's end costs ≈ 5 µs less so: docs/gpu.md).
 
 Events go on the current stream *of the model's device* (`stream_of`), not of whatever device
 is current: a model on cuda:3 without torch.cuda.set_device(3) would otherwise be timed on
