@@ -108,6 +108,7 @@ def rank_totals(s: RankState) -> dict[str, Any]:
     for name in _LISTS:
         out[name] = list(getattr(s, name))
     out["badput_s"] = dict(s.badput_s)
+    out["phase_every"] = s.phase_every
     out["checkpoint_pending"] = {str(k): v for k, v in s.checkpoint_pending.items()}
     out["collectives"] = [
         [op, group, t.calls, t.seconds, t.bytes, t.wait_seconds]
@@ -179,6 +180,8 @@ def rank_from_totals(data: Any) -> RankState:
             )
         s.pacing = _pacing(data["pacing"])
         s.throughput = _throughput(data.get("throughput"))
+        # Files written before phase sampling was reported: every step timed.
+        s.phase_every = _number(data.get("phase_every", 1), "phase_every", int, least=1)
     except BadStateFile:
         raise
     except (KeyError, TypeError, ValueError) as exc:

@@ -498,6 +498,8 @@ def busy_store() -> Store:
 def test_the_state_file_round_trip_keeps_every_counter(tmp_path):
     path = str(tmp_path / "state.json")
     before = busy_store()
+    (kept,) = before.ranks.values()
+    kept.phase_every = 4  # its agent samples its phases (wire.AgentInfo)
     assert StateFile(path, before).save()
     after = Store(Settings())
     assert StateFile(path, after).load() == 1
@@ -506,7 +508,23 @@ def test_the_state_file_round_trip_keeps_every_counter(tmp_path):
         assert parse_samples(new, name) == parse_samples(old, name), name
         assert parse_samples(new, name), name
     (rank,) = after.view().jobs["g"].ranks
-    assert rank.restarts == 1 and rank.lost_steps == 5
+    assert rank.restarts == 1 and rank.lost_steps == 5 and rank.phase_every == 4
+
+
+def test_a_state_file_from_before_phase_sampling_loads_every_step_timed(tmp_path):
+    """A file without `phase_every` loads with every step timed; one below 1 is refused."""
+    path = str(tmp_path / "state.json")
+    StateFile(path, busy_store()).save()
+    data = json.loads(Path(path).read_text())
+    del data["ranks"][0]["phase_every"]
+    Path(path).write_text(json.dumps(data))
+    store = Store(Settings())
+    assert StateFile(path, store).load() == 1
+    assert [r.phase_every for r in store.ranks.values()] == [1]
+    data["ranks"][0]["phase_every"] = 0
+    Path(path).write_text(json.dumps(data))
+    store = Store(Settings())
+    assert StateFile(path, store).load() == 0 and store.ranks == {}
 
 
 def test_counters_continue_after_a_reload(tmp_path):
