@@ -75,8 +75,6 @@ from syncscope.agent.phases import (
     phase_shares,
 )
 
-from syncscope.wire import DDP_GRAD_SYNC
-
 _IDLE_BEFORE_FORWARD = (STEP_START, BWD_END, COMM_END)
 NO_PHASES = (0, 0, 0, 0, 0, 0)  # a quiet step's row until the resolver estimates them
 # A quiet step's estimate, taken at its end: the last timed step's phase shares (CPU) and its
@@ -396,10 +394,6 @@ class CudaPhaseClock(PhaseClock):
                 ddp = [self._sync_record(cpu[0], int(sync_share * total))]
         self._emit(cpu, ddp)
         self.cpu_steps += 1
-
-    def _sync_record(self, step: int, ns: int = 0) -> tuple:
-        """A quiet step's DDP sync record, `ns` long (an estimate; _emit_gpu sets the GPU's)."""
-        return (DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, ns, step)
 
     def _emit(self, step_tuple: tuple, ddp: list) -> None:
         # Tail drop, as PhaseClock does: a full queue refuses the new record and counts it.

@@ -490,7 +490,7 @@ class PhaseClock:
             self.idle_since = t
             coll = self.collectives
             if len(coll) < self.coll_max:
-                coll.append((DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, exposed, self.step))
+                coll.append(self._sync_record(self.step, exposed))
             else:
                 self.dropped += 1
             self.sync_ns += exposed
@@ -651,9 +651,13 @@ class PhaseClock:
         """A quiet step's DDP sync record: an estimate, where its timed step had a sync."""
         coll = self.collectives
         if len(coll) < self.coll_max:
-            coll.append((DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, ns, self.step))
+            coll.append(self._sync_record(self.step, ns))
         else:
             self.dropped += 1
+
+    def _sync_record(self, step: int, ns: int = 0) -> tuple:
+        """DDP's sync in `step`, `ns` long, as the collectives queue holds it."""
+        return (DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, ns, step)
 
     def _forget_first_wait(self) -> None:
         """A new step: no wait of it seen yet, by DDP's sync or on the training thread."""
