@@ -53,6 +53,12 @@ step: dearer, but it needs no parameter.
 Backward starts where torch.autograd.backward is entered (the first layer's gradient kernels,
 often the largest, come before any parameter gradient); without that wrapper (a backward run
 another way) it starts at the first parameter gradient.
+A split backward is timed by a wrapper of torch.autograd.grad: zero-bubble pipeline schedules
+(ZB-V, DualPipeV, interleaved zero bubble) compute each micro-batch's input gradients and,
+later, its weight gradients by torch.autograd.grad, which accumulates no gradient, so no
+parameter hook fires and no callback ends it. A call outside forward and outside any timed
+backward is backward time from entry to return, less its waits in collectives (exposed
+communication). Inside a forward (a gradient penalty) or a backward it is part of that phase.
 Everything here runs on the training thread (or autograd's), so it only reads the clock, adds
 integers and appends a tuple: no locks, no I/O.
 
@@ -142,6 +148,7 @@ class PhaseClock:
         self.bwd_depth = 0  # nesting of wrapped backward calls (reentrant checkpoint)
         self.bwd_entry = 0  # when the outermost wrapped backward was entered; 0 outside one
         self.bwd_deferred = False  # the trigger fired in a nested backward: queue A on return
+        self.grad_entry = 0  # when a split backward's torch.autograd.grad was entered; 0: none
         self.fwd_since_bwd = False  # a forward ran and no trigger has fired since
         self.misses = 0  # backwards after a forward of the model in which no trigger fired
         # Fallback when parameter hooks cannot see this model's gradients (they are assigned,
@@ -427,8 +434,9 @@ class PhaseClock:
         A hook called while no backward runs starts nothing: a pipeline schedule reduces
         FSDP2's gradients after its backward passes (PipelineStage.perform_reduce_grad), and
         FSDP2 then calls the sharded parameters' hooks itself, outside autograd, where no
-        callback can be queued. In a quiet step (phase sampling) it starts nothing either."""
-        if self.quiet:
+        callback can be queued. In a quiet step (phase sampling) it starts nothing either, nor
+        inside a torch.autograd.grad that times itself (a split backward: timed_grad)."""
+        if self.quiet or self.grad_entry:
             return
         try:
             if not self.bwd_pending:
@@ -811,7 +819,6 @@ class Clocks:
 
 
 _registered = Clocks()
-_original_backward: Any = None  # set while our wrapper is in torch.autograd.backward's chain
 
 
 def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable[..., Any]:
@@ -848,29 +855,72 @@ def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable
     return backward
 
 
+def timed_grad(original: Callable[..., Any], registered: Clocks) -> Callable[..., Any]:
+    """`original` (torch.autograd.grad) timed as backward by every registered clock for which
+    it is a backward of its own: not in a quiet step, not inside a forward, a wrapped backward,
+    a backward a parameter hook started, or another such call (module docstring)."""
+
+    def grad(*args: Any, **kwargs: Any) -> Any:
+        t = _now()
+        timing = []
+        for c in registered.clocks:
+            try:
+                if c.quiet or c.fwd_start or c.bwd_depth or c.bwd_pending or c.grad_entry:
+                    continue
+                c.grad_entry = t
+                c.take_blocked(BWD_START)  # waits before it (a recv of its output's gradient)
+                if c.mark is not None:
+                    c.mark(BWD_START)
+                timing.append(c)
+            except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
+                c.on_error(exc)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            t = _now()
+            for c in timing:
+                try:
+                    c.acc[BACKWARD] += max(0, t - c.grad_entry - c.take_blocked(BWD_END))
+                    c.grad_entry = 0
+                    c.idle_since = t
+                    if c.mark is not None:
+                        c.mark(BWD_END)
+                except BaseException as exc:  # noqa: BLE001
+                    c.on_error(exc)
+
+    return grad
+
+
+# torch.autograd's functions the clocks wrap, and how: the wrapped originals while ours are on.
+_WRAPPERS = {"backward": timed_backward, "grad": timed_grad}
+_originals: dict[str, Any] = {}
+
+
 def install_backward(clock: PhaseClock) -> None:
-    """Make torch.autograd.backward (what Tensor.backward calls) tell `clock` it ran."""
-    global _original_backward
+    """Make torch.autograd.backward (what Tensor.backward calls) and torch.autograd.grad (a
+    split backward's) tell `clock` they ran."""
     import torch.autograd
 
     if clock not in _registered.clocks:
         _registered.clocks = (*_registered.clocks, clock)
-    if _original_backward is not None:
-        return  # already wrapped (perhaps under someone else's wrapper): never twice
-    _original_backward = original = torch.autograd.backward
-    backward = timed_backward(original, _registered)
-    backward.__syncscope_wrapped__ = True  # type: ignore[attr-defined]
-    backward.__wrapped__ = original  # type: ignore[attr-defined]
-    backward.__doc__ = original.__doc__
-    torch.autograd.backward = backward
+    for name, timed in _WRAPPERS.items():
+        if name in _originals:
+            continue  # already wrapped (perhaps under someone else's wrapper): never twice
+        _originals[name] = original = getattr(torch.autograd, name)
+        wrapper = functools.wraps(original)(timed(original, _registered))
+        wrapper.__syncscope_wrapped__ = True  # type: ignore[attr-defined]
+        # torch.compile leaves torch.autograd.grad's frame alone (trace_autograd_ops off): it
+        # leaves ours alone too, so that a compiled function calling it captures the same.
+        setattr(torch.autograd, name, _not_traced(wrapper) if name == "grad" else wrapper)
 
 
 def uninstall_backward(clock: PhaseClock) -> None:
-    """Forget `clock`; with no clock left, put torch's own function back if ours is on top."""
-    global _original_backward
+    """Forget `clock`; with no clock left, put torch's own functions back where ours are on top."""
     import torch.autograd
 
     _registered.clocks = tuple(c for c in _registered.clocks if c is not clock)
-    if not _registered.clocks and getattr(torch.autograd.backward, "__syncscope_wrapped__", False):
-        torch.autograd.backward = _original_backward
-        _original_backward = None
+    if _registered.clocks:
+        return
+    for name in list(_originals):
+        if getattr(getattr(torch.autograd, name), "__syncscope_wrapped__", False):
+            setattr(torch.autograd, name, _originals.pop(name))

@@ -9,8 +9,9 @@ model is data-parallel with DDP by default; `--parallel` runs it the ways large 
   tp      a 2-D mesh ("dp", "tp"): DTensor tensor parallel (parallelize_module, colwise then
           rowwise per block) inside each pair, fully_shard across pairs
   pp      a 2-D mesh ("dp", "pp"): each pair a two-stage pipeline (torch.distributed.pipelining,
-          GPipe over 2 micro-batches; the first half of the layers, then the rest and the head),
-          fully_shard across pairs; the slow rank's stage sleeps in each micro-batch's forward
+          GPipe over 2 micro-batches by default, `--schedule` for the others, SCHEDULES; the first
+          half of the layers, then the rest and the head), fully_shard across pairs; the slow
+          rank's first stage sleeps in each micro-batch's forward
 `--accumulate N` runs N micro-batches per optimizer step (DDP's under no_sync()).
 `--checkpoint-every N --checkpoint-dir DIR` saves model, optimizer and step count with torch.save
 every N steps, one file per rank, and a run that finds one there resumes from it: the agent is
@@ -72,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--schedule",
         default="gpipe",
         choices=list(SCHEDULES),
-        help="pp: the pipeline schedule (interleaved: two virtual stages per rank)",
+        help="pp: the pipeline schedule (all but gpipe and 1f1b: two stages per rank)",
     )
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--no-agent", action="store_true", help="run without syncscope (baseline)")
@@ -91,10 +92,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-MICRO_BATCHES = 2  # --parallel pp: the schedule's micro-batches per step
-# --parallel pp's schedules (torch.distributed.pipelining) by --schedule, and how many stages
-# each rank holds: interleaved 1F1B (Megatron's) runs two virtual stages per rank.
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+# --parallel pp's schedules (torch.distributed.pipelining) by --schedule: the class, how many
+# stages each rank holds, where they sit, and its micro-batches per step. "loop": stage s on the pair's rank s mod 2
+# (interleaved 1F1B, Megatron's, and its zero-bubble form); "v": rank r holds stages r and
+# 3 - r, so rank 0 holds the first and the last (ZB-V and DualPipeV, which split each
+# backward into its input and its weight gradients, computed apart by torch.autograd.grad).
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", 1, "loop", 2),
+    "1f1b": ("Schedule1F1B", 1, "loop", 2),
+    "interleaved": ("ScheduleInterleaved1F1B", 2, "loop", 2),
+    "zb-interleaved": ("ScheduleInterleavedZeroBubble", 2, "loop", 4),
+    "zbv": ("ScheduleZBVZeroBubble", 2, "v", 4),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v", 4),
+}
 
 
 class Checkpoints:
@@ -148,15 +158,17 @@ class Checkpoints:
 
 def pipeline(
     net: Any, chunk: Any, args: argparse.Namespace, world: int, rank: int
-) -> tuple[list[Any], Any, bool]:
+) -> tuple[list[Any], Any, bool, bool]:
     """This rank's stages of `net` (pairs of ranks, fully_shard across pairs) and its
-    schedule: (the stages' modules, schedule, whether it holds the first stage).
+    schedule: (the stages' modules, schedule, whether it holds the first stage, whether it
+    holds the last).
 
     `net`'s (Linear, ReLU) pairs are cut, in order, into 2 stages per rank pair times the
-    --schedule's stages per rank; the last stage also holds the head. Stage s runs on the
-    pair's rank s mod 2 (interleaved: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3).
-    `chunk(body, head, first)` makes a stage's module; `first`: the rank's first stage (a slowed
-    rank sleeps there only, once per micro-batch whatever the schedule).
+    --schedule's stages per rank; the last stage also holds the head. The stages sit on the
+    pair's ranks as SCHEDULES says (loop: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3;
+    v: rank 0 stages 0 and 3, rank 1 stages 1 and 2). `chunk(body, head, first)` makes a
+    stage's module; `first`: the rank's first stage (a slowed rank sleeps there only, once per
+    micro-batch whatever the schedule).
     """
     import torch
     from torch import nn
@@ -166,7 +178,7 @@ def pipeline(
 
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "pp"))
     index = mesh["pp"].get_local_rank()
-    per_rank = SCHEDULES[args.schedule]
+    kind, per_rank, placement, micro = SCHEDULES[args.schedule]
     stages = 2 * per_rank
     pairs = len(net.body) // 2
     if pairs < stages:
@@ -174,8 +186,11 @@ def pipeline(
     # 3 layers over 2 stages: one in stage 0, two in stage 1 (the uneven default).
     cuts = [2 * (pairs * s // stages) for s in range(stages)] + [len(net.body)]
     modules = list(net.body)
+    mine = list(range(index, stages, 2))
+    if placement == "v":
+        mine = [index, stages - 1 - index]
     parts = []
-    for s in range(index, stages, 2):
+    for s in mine:
         body = nn.Sequential(*modules[cuts[s] : cuts[s + 1]])
         part = chunk(body, net.head if s == stages - 1 else None, s == index)
         # The pipeline's micro-batches run forward and backward apart: gradients are reduced
@@ -187,17 +202,12 @@ def pipeline(
     device = torch.device("cpu")
     held: list[Any] = [
         pipelining.PipelineStage(part, s, stages, device, group=group)
-        for part, s in zip(parts, range(index, stages, 2), strict=True)
+        for part, s in zip(parts, mine, strict=True)
     ]
+    cls = getattr(pipelining, kind)
     loss = nn.functional.mse_loss
-    schedule: Any
-    if args.schedule == "interleaved":
-        schedule = pipelining.ScheduleInterleaved1F1B(held, MICRO_BATCHES, loss_fn=loss)
-    elif args.schedule == "1f1b":
-        schedule = pipelining.Schedule1F1B(held[0], MICRO_BATCHES, loss_fn=loss)
-    else:
-        schedule = pipelining.ScheduleGPipe(held[0], MICRO_BATCHES, loss_fn=loss)
-    return parts, schedule, index == 0
+    schedule = cls(held if per_rank > 1 else held[0], micro, loss_fn=loss)
+    return parts, schedule, 0 in mine, stages - 1 in mine
 
 
 def parallelize(net: Any, args: argparse.Namespace, world: int) -> Any:
@@ -330,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.parallel == "pp":
         if args.accumulate != 1 or world % 2:
             raise SystemExit("--parallel pp: an even world size, no --accumulate")
-        parts, schedule, first = pipeline(Net(), Stage, args, world, rank)
+        parts, schedule, feeds, scores = pipeline(Net(), Stage, args, world, rank)
         # A rank's stages, one module each: the agent times every one's forward.
         model: Any = parts[0] if len(parts) == 1 else parts
         params = [p for part in parts for p in part.parameters()]
@@ -375,10 +385,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(slow_data_s)
         opt.zero_grad(set_to_none=True)
         if schedule is not None:  # the pipeline runs forward and backward of every micro-batch
-            if first:
-                schedule.step(x)
-            else:
-                schedule.step(target=y, losses=[])
+            schedule.step(
+                *((x,) if feeds else ()), **({"target": y, "losses": []} if scores else {})
+            )
         for micro in range(args.accumulate if schedule is None else 0):
             last_micro = micro == args.accumulate - 1
             with contextlib.nullcontext() if last_micro else no_sync(model):

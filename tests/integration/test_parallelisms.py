@@ -1,8 +1,8 @@
 """The parallelisms large jobs run, each a real 4-rank gloo job with one rank slowed 30 ms in
 forward and a clean run: FSDP2 (resharding, and not resharding with explicit prefetch), HSDP on
-a 2-D mesh, DTensor tensor parallel inside pairs with FSDP2 across them, two-stage pipelines
-(torch.distributed.pipelining) inside pairs with FSDP2 across them, DDP with gradient
-accumulation. The exporter must name the slowed rank with cause forward, every rank's lead must
+a 2-D mesh, DTensor tensor parallel inside pairs with FSDP2 across them, pipelines
+(torch.distributed.pipelining: GPipe, interleaved 1F1B, DualPipeV with its split backward)
+inside pairs with FSDP2 across them, DDP with gradient accumulation. The exporter must name the slowed rank with cause forward, every rank's lead must
 match the truth pooled per step from the ranks' own records, and a clean run must stay silent.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from syncscope.lab.truth import pooled_truth, read_records, record_files
-from syncscope.lab.workload import parse_args
+from syncscope.lab.workload import SCHEDULES, parse_args
 from tests.conftest import chain_end, torch_available, wait_until
 
 pytestmark = [
@@ -36,6 +36,10 @@ WORKLOADS = {
     # Interleaved 1F1B (Megatron's): two virtual stages per rank, rank 0 of a pair holding
     # stages 0 and 2, rank 1 stages 1 and 3; the agent times both stage modules' forwards.
     "pp-interleaved": ["--parallel", "pp", "--schedule", "interleaved", "--layers", "4"],
+    # DualPipeV (DeepSeek's): stages in a V (rank 0 of a pair holds stages 0 and 3), 4
+    # micro-batches, each backward split into input and weight gradients computed apart by
+    # torch.autograd.grad, so no parameter hook fires (the agent times that call).
+    "pp-dualpipev": ["--parallel", "pp", "--schedule", "dualpipev", "--layers", "4"],
 }
 # The pipelines' layout (syncscope.lab.workload.pipeline): pairs {0,1} {2,3}, stage = the
 # rank's place in its pair.
@@ -114,9 +118,10 @@ def test_the_slowed_rank_is_named_with_its_cause_and_every_lead_matches_the_trut
     job_args = parse_args(WORKLOADS[name])
     per_step = job_args.batch * job_args.accumulate
     # A pipeline stage's first step also runs torch.distributed.pipelining's shape inference,
-    # a real forward of one micro-batch (of 2) on the stage module with gradients on: counted,
-    # once per process (docs/observability.md says so).
-    inference = job_args.batch // 2 if name.startswith("pp") else 0
+    # a real forward of one micro-batch on the stage module with gradients on: counted, once per
+    # process (docs/observability.md says so).
+    micro_batches = SCHEDULES[job_args.schedule][3]
+    inference = job_args.batch // micro_batches if name.startswith("pp") else 0
     for r in final["ranks"]:
         assert r["samples_total"] == per_step * r["steps_total"] + inference, (name, r)
         assert r["tokens_total"] is None, (name, r)

@@ -250,15 +250,59 @@ def test_gradients_that_bypass_accumulation_fall_back_to_the_output_hook():
     assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[RELEARN_LIMIT + 2 :])
 
 
+def test_a_split_backward_by_autograd_grad_is_backward_time():
+    # A zero-bubble pipeline schedule (ZB-V, DualPipeV) computes a micro-batch's input
+    # gradients, then later its weight gradients, each by torch.autograd.grad and assigns the
+    # weights' .grad itself: no parameter hook fires and no callback ends a backward. Both
+    # calls are backward time; a gradient taken inside forward (a penalty) stays forward.
+    class WithPenalty(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.sleeper, self.penalty = torch.nn.Linear(8, 8), Sleeper(6.0), Sleeper(4.0)
+
+        def forward(self, x):
+            probe = x.detach().requires_grad_()
+            (g,) = torch.autograd.grad(self.penalty(probe).sum(), probe)  # forward time
+            return self.sleeper(self.lin(x)) + g
+
+    model = WithPenalty()
+    errors: list = []
+    clock = clock_for(model, errors)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    clock.instrument(model, opt)
+    weights = list(model.parameters())
+    try:
+        for _ in range(5):
+            opt.zero_grad()
+            x = torch.randn(4, 8, requires_grad=True)
+            loss = model(x).pow(2).mean()
+            torch.autograd.grad(loss, [x], retain_graph=True)  # dI: through the 6 ms sleeper
+            for w, g in zip(weights, torch.autograd.grad(loss, weights), strict=True):  # dW
+                w.grad = g
+            opt.step()
+    finally:
+        clock.uninstrument()
+    assert errors == []
+    rows = list(clock.steps)
+    assert len(rows) == 5
+    for row in rows[1:]:
+        phases = row[3:9]
+        # dI sleeps 6 ms and dW passes the sleeper again (the loss's graph is kept): ~12 ms
+        assert phases[BACKWARD] >= 12 * MS, phases
+        assert 4 * MS <= phases[FORWARD] < 10 * MS, phases  # the penalty's 4 ms, not dI's
+        assert sum(phases) <= row[2]
+
+
 def test_uninstrument_puts_torch_and_the_model_back():
-    original = torch.autograd.backward
+    original, original_grad = torch.autograd.backward, torch.autograd.grad
     model = torch.nn.Linear(4, 1)
     clock = clock_for(model, [])
     clock.instrument(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert torch.autograd.backward is not original and "forward" in model.__dict__
+    assert torch.autograd.grad is not original_grad
     clock.uninstrument()
     clock.uninstrument()
-    assert torch.autograd.backward is original
+    assert torch.autograd.backward is original and torch.autograd.grad is original_grad
     assert "forward" not in model.__dict__
     assert not model._forward_hooks and not model._forward_pre_hooks
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
