@@ -45,8 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--slow-in",
         default="forward",
-        choices=["forward", "data"],
-        help="where the slow rank sleeps: in forward, or loading data (before any collective)",
+        choices=["forward", "backward", "data"],
+        help="where the slow rank sleeps: in forward, in backward (its first stage's, before any "
+        "gradient of its layers), or loading data (before any collective)",
     )
     p.add_argument(
         "--slow-after",
@@ -286,9 +287,28 @@ def main(argv: list[str] | None = None) -> int:
     slow = args.slow_ms / 1000 if rank == args.slow_rank else 0.0
     slow_s = slow if args.slow_in == "forward" else 0.0  # slept in forward
     slow_data_s = slow if args.slow_in == "data" else 0.0  # slept loading the step's data
+    slow_bwd_s = slow if args.slow_in == "backward" else 0.0  # slept in backward
     # Set when the loop starts, so that start-up time does not eat into the jittery phase.
     jitter_end = [float("inf")]
     slow_from = [float("inf")]
+
+    class SleepInBackward(torch.autograd.Function):
+        """Identity forward (a copy: a pipeline stage detaches its outputs in place, which a
+        view refuses); its backward sleeps (once slowing has started)."""
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            if time.monotonic() >= slow_from[0]:
+                time.sleep(slow_bwd_s)
+            return grad
+
+    def slowed(out: torch.Tensor) -> torch.Tensor:
+        """`out` whose backward sleeps first, on the rank slowed in backward."""
+        return SleepInBackward.apply(out) if slow_bwd_s else out
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -307,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             stall()
-            out = self.head(self.body(x))
+            out = slowed(self.head(self.body(x)))
             if self.extra is not None:
                 out = out + self.extra[:1].sum() * 0.0
             return out
@@ -334,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             if self.first:
                 stall()
             out = self.body(x)
-            return out if self.head is None else self.head(out)
+            out = out if self.head is None else self.head(out)
+            return slowed(out) if self.first else out
 
     schedule = None
     if args.parallel == "pp":
@@ -371,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.duration
     if args.jitter_until > 0:
         jitter_end[0] = time.monotonic() + args.jitter_until
-    if slow_s or slow_data_s:
+    if slow_s or slow_data_s or slow_bwd_s:
         slow_from[0] = time.monotonic() + args.slow_after
         onset = time.time() + args.slow_after
         print(f"syncscope-workload: rank {rank} slow from unix {onset:.3f}", flush=True)

@@ -1,9 +1,11 @@
-"""The parallelisms large jobs run, each a real 4-rank gloo job with one rank slowed 30 ms in
-forward and a clean run: FSDP2 (resharding, and not resharding with explicit prefetch), HSDP on
-a 2-D mesh, DTensor tensor parallel inside pairs with FSDP2 across them, pipelines
-(torch.distributed.pipelining: GPipe, interleaved 1F1B, DualPipeV with its split backward)
-inside pairs with FSDP2 across them, DDP with gradient accumulation. The exporter must name the slowed rank with cause forward, every rank's lead must
-match the truth pooled per step from the ranks' own records, and a clean run must stay silent.
+"""The parallelisms large jobs run, each a real 4-rank gloo job with one rank slowed 30 ms and
+a clean run: FSDP2 (resharding, and not resharding with explicit prefetch), HSDP on a 2-D mesh,
+DTensor tensor parallel inside pairs with FSDP2 across them, pipelines
+(torch.distributed.pipelining: GPipe, interleaved 1F1B, ZB-V with its split backward)
+inside pairs with FSDP2 across them, DDP with gradient accumulation. The exporter must name the
+slowed rank with the phase it was slowed in as its cause (forward; backward on ZB-V), every
+rank's lead must match the truth pooled per step from the ranks' own records, and a clean run
+must stay silent.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ WORKLOADS = {
     # Interleaved 1F1B (Megatron's): two virtual stages per rank, rank 0 of a pair holding
     # stages 0 and 2, rank 1 stages 1 and 3; the agent times both stage modules' forwards.
     "pp-interleaved": ["--parallel", "pp", "--schedule", "interleaved", "--layers", "4"],
-    # DualPipeV (DeepSeek's): stages in a V (rank 0 of a pair holds stages 0 and 3), 4
-    # micro-batches, each backward split into input and weight gradients computed apart by
-    # torch.autograd.grad, so no parameter hook fires (the agent times that call).
-    "pp-dualpipev": ["--parallel", "pp", "--schedule", "dualpipev", "--layers", "4"],
+    # ZB-V (zero bubble): stages in a V (rank 0 of a pair holds stages 0 and 3, rank 1 stages
+    # 1 and 2), 4 micro-batches, backwards split into input and weight gradients computed
+    # apart by torch.autograd.grad, so no parameter hook fires (the agent times that call).
+    "pp-zbv": ["--parallel", "pp", "--schedule", "zbv", "--layers", "4"],
 }
 # The pipelines' layout (syncscope.lab.workload.pipeline): pairs {0,1} {2,3}, stage = the
 # rank's place in its pair.
@@ -48,7 +50,14 @@ CHECKPOINTED = {"pp-interleaved"}
 STAGES = {name: {r: r % 2 for r in range(4)} for name in WORKLOADS if name.startswith("pp")}
 # With tensor parallelism on a (dp=2, tp=2) mesh rank 3's partner is rank 2, which waits for it
 # in the tp all-reduce and so arrives late at the dp collectives too: a victim, not the root.
-SLOWED = {"tp": 3}
+# On ZB-V rank 3 holds the middle stages (1 and 2), whose backwards are all split: input
+# gradients, then weight gradients, each by torch.autograd.grad (a first stage has no input
+# gradient to send, so the schedule runs its backward whole, through torch.autograd.backward;
+# DualPipeV runs some middle-stage backwards whole too).
+SLOWED = {"tp": 3, "pp-zbv": 3}
+# Where the slowed rank sleeps (the lab's --slow-in), forward unless said: on ZB-V in its first
+# stage's backward (stage 1's input-gradient half).
+SLOWED_IN = {"pp-zbv": "backward"}
 WARM_UP_STEPS = 64  # the exporter's lead is the mean of the last 64 pooled steps
 LEAD_STEPS = 64
 
@@ -94,13 +103,14 @@ def test_the_slowed_rank_is_named_with_its_cause_and_every_lead_matches_the_trut
     name, exporter, job_factory, tmp_path
 ):
     slowed = SLOWED.get(name, 2)
-    args = [*WORKLOADS[name], "--slow-rank", str(slowed), "--slow-ms", "30"]
+    cause = SLOWED_IN.get(name, "forward")
+    args = [*WORKLOADS[name], "--slow-rank", str(slowed), "--slow-ms", "30", "--slow-in", cause]
     samples, final, records = run(exporter, job_factory, tmp_path, args, 30)
     assert len(samples) >= 8, f"only {len(samples)} samples after warm-up"
     named = [s["diagnosis"]["straggler"] for s in samples]
     right = [n for n in named if n is not None and n["rank"] == slowed]
     assert len(right) >= 0.95 * len(samples), [n and (n["rank"], n["cause"]) for n in named]
-    assert {n["cause"] for n in right} == {"forward"}, {n["cause_reason"] for n in right}
+    assert {n["cause"] for n in right} == {cause}, {n["cause_reason"] for n in right}
     # The exporter's lead (mean wait of the last 64 pooled steps) against the pooled truth of
     # the same steps, from every rank's own record file.
     by_rank = read_records(record_files(records))
@@ -141,12 +151,13 @@ def test_the_slowed_rank_is_named_with_its_cause_and_every_lead_matches_the_trut
             forward_ms(final, r) for r in range(4)
         ]
     if name.startswith("pp"):
-        # Pipelines {0,1} {2,3} (stage 0, stage 1), dp pairs {0,2} {1,3}: rank 2 is stage 0 of
-        # the second pipeline: its next stage waits for it in pp.
-        assert chain[3] == ("pp", 2), chain
+        # Pipelines {0,1} {2,3} (stage 0, stage 1), dp pairs {0,2} {1,3}: the slowed rank's
+        # partner in the second pipeline waits for it in pp.
+        assert chain[slowed ^ 1] == ("pp", slowed), chain
         # compared with the earliest rank of its own stage, and the reason says so
         reasons = {s["diagnosis"]["modes"]["straggler"]["reason"] for s in samples}
-        assert all("in its pipeline stage (stage 0)" in why for why in reasons), reasons
+        stage = f"in its pipeline stage (stage {slowed % 2})"
+        assert all(stage in why for why in reasons), reasons
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))
