@@ -97,6 +97,7 @@ def collect_steps(view: StoreView) -> Iterable[Metric]:
         world.add_metric(labels, max(r.world_size for r in ranks))
     steps = counter(M.STEPS_TOTAL)
     phases = counter(M.PHASE_SECONDS_TOTAL)
+    sampling = gauge(M.PHASE_SAMPLING_EVERY)
     cv = gauge(M.STEP_TIME_CV)
     lead = gauge(M.ARRIVAL_LEAD_SECONDS)
     last = gauge(M.RANK_LAST_REPORT_TIMESTAMP_SECONDS)
@@ -106,13 +107,15 @@ def collect_steps(view: StoreView) -> Iterable[Metric]:
         stage = "" if r.pipeline_stage is None else str(r.pipeline_stage)  # "": no label
         for phase in Phase:
             phases.add_metric([*labels, phase.label, stage], r.phase_seconds_total[phase])
+        if r.phase_every > 1:
+            sampling.add_metric(labels, r.phase_every)
         if r.step_time_cv is not None:
             cv.add_metric(labels, r.step_time_cv)
         if r.node_lead_s is not None:
             lead.add_metric(labels, r.node_lead_s)
         last.add_metric(labels, r.last_report_unix_s)
         dropped.add_metric(labels, r.dropped_total)
-    return [hist, ratio, world, steps, phases, cv, lead, last, dropped]
+    return [hist, ratio, world, steps, phases, sampling, cv, lead, last, dropped]
 
 
 def collect_work(view: StoreView) -> Iterable[Metric]:

@@ -32,6 +32,7 @@ CONDITIONS = (
     "rapl",
     "verdict",
     "price",
+    "phase_sampling",
 )
 
 
@@ -138,6 +139,14 @@ PHASE_SECONDS_TOTAL = MetricSpec(
     (*RANK, "phase", "stage"),
     "always",
     "seconds",
+)
+PHASE_SAMPLING_EVERY = _rank(
+    "syncscope_phase_sampling_every",
+    "gauge",
+    "N where the rank times its phases in 1 step of N (phase sampling, for steps of a few ms); "
+    "the other steps' phases are the last timed step's shares of their own time. No series "
+    "where every step is timed.",
+    condition="phase_sampling",
 )
 # -- per node: collectives, summed over the node's ranks; per rank: collective time
 COLLECTIVE_CALLS_TOTAL = MetricSpec(
@@ -587,7 +596,7 @@ ALERTS = MetricSpec(
 )
 
 SECTIONS = (
-    Section("per rank: steps and phases", (STEPS_TOTAL, PHASE_SECONDS_TOTAL)),
+    Section("per rank: steps and phases", (STEPS_TOTAL, PHASE_SECONDS_TOTAL, PHASE_SAMPLING_EVERY)),
     Section(
         "per rank: collectives and arrival",
         (RANK_COLLECTIVE_SECONDS_TOTAL, ARRIVAL_LEAD_SECONDS, STEP_TIME_CV),
@@ -718,6 +727,7 @@ CONTRACT_HEADER = """\
 #              | rapl (where the exporter can read the host's RAPL package counters)
 #              | verdict (while the exporter's diagnosis finds the job losing time)
 #              | price (where the exporter is given --price-per-gpu-hour)
+#              | phase_sampling (where the rank times its phases in 1 step of N > 1)
 """
 
 

@@ -230,6 +230,10 @@ def test_with_phase_sampling_the_slowed_rank_is_named_and_its_lead_is_true(
     batch = parse_args([]).batch
     for r in final["ranks"]:
         assert r["samples_total"] == batch * r["steps_total"], r
+    # and Prometheus is told so, for the dashboard's "Phases timed"
+    scraped = exporter.samples("syncscope_phase_sampling_every")
+    sampling = {int(dict(labels)["rank"]): n for labels, n in scraped.items()}
+    assert sampling == dict.fromkeys(range(4), every), sampling
     # The wait chain divides each group's wait by the steps: the quiet steps' estimated syncs
     # keep every other rank a victim of rank 2.
     chain = {v["rank"]: (v["group"], v["waits_for"]) for v in final["diagnosis"]["victims"]}

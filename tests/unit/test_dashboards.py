@@ -192,6 +192,7 @@ def test_failure_mode_panels_are_present():
         "Step time",
         "Step-time CV",
         "Phase shares",
+        "Phases timed",
         "Phases of the selected ranks",
         "Phases of the selected ranks against the job's median rank",
         "Sync amplification",
@@ -228,6 +229,8 @@ def test_queries_json_lists_every_panel_target_with_flags():
             assert "gpu" in q["needs"], q
         if any(contract.get(n) == "pacing" for n in raw) or "pacing_delay:ratio" in q["expr"]:
             assert "pacing" in q["needs"], q
+        if any(contract.get(n) == "phase_sampling" for n in raw):
+            assert "phase_sampling" in q["needs"], q
         if "ALERTS" in raw:
             assert "alerts" in q["needs"]
     plain = [q for q in listed if not q["needs"]]

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 from syncscope.exporter.app import create_app
 from syncscope.exporter.settings import Settings
 
@@ -322,10 +323,13 @@ def test_a_gpu_hour_price_is_exported_per_job_and_node_only_where_given():
             parser.parse_args(["--price-per-gpu-hour", bad])
 
 
-def _straggling_job(settings: Settings, phase_every: int = 1) -> tuple[dict, str]:
+def _straggling_job(
+    settings: Settings, phase_every: int = 1, scrapes: list[str] | None = None
+) -> tuple[dict, str]:
     """/v1/state's job and the status page after two ranks' 30 steps of 100 ms: rank 1 waits
     50 ms at the sync each step and rank 0 20 ms, so rank 0 arrives 30 ms after rank 1.
-    Rank 0 says it times its phases in 1 step of `phase_every` (1: the field left out)."""
+    Rank 0 says it times its phases in 1 step of `phase_every` (1: the field left out).
+    `scrapes`: /metrics is appended to it."""
     agents = [{**BATCH_V2["agent"], "rank": r, "local_rank": r, "hostname": "h"} for r in (0, 1)]
     if phase_every != 1:
         agents[0]["phase_every"] = phase_every
@@ -350,17 +354,32 @@ def _straggling_job(settings: Settings, phase_every: int = 1) -> tuple[dict, str
             ]
             batch = {**BATCH_V2, "agent": agent, "steps": steps, "collectives": []}
             assert c.post("/v1/ingest", json=batch).status_code == 200
+        if scrapes is not None:
+            scrapes.append(c.get("/metrics").text)
         return c.get("/v1/state").json()["jobs"]["j"], c.get("/").text
 
 
 def test_a_rank_that_samples_its_phases_is_shown_so():
     """An agent timing its phases in 1 step of N (phase sampling) says so: /v1/state carries
-    it per rank and the page marks that rank's phase bar, and only that rank's; an agent that
-    does not say is every step timed. A value the wire does not allow is refused."""
-    job, page = _straggling_job(Settings(), phase_every=8)
+    it per rank, the page marks that rank's phase bar, and only that rank's, and /metrics has
+    syncscope_phase_sampling_every for that rank alone (what the dashboard's "Phases timed"
+    reads); an agent that does not say is every step timed. A value the wire does not allow is
+    refused."""
+    scrapes: list[str] = []
+    job, page = _straggling_job(Settings(), phase_every=8, scrapes=scrapes)
     assert {r["rank"]: r["phase_every"] for r in job["ranks"]} == {0: 8, 1: 1}
     assert page.count("timed 1 step in 8") == 1
-    assert "timed 1 step in" not in _straggling_job(Settings())[1]
+    assert "timed 1 step in" not in _straggling_job(Settings(), scrapes=scrapes)[1]
+    sampled, timed = (
+        [
+            (s.labels["rank"], s.value)
+            for family in text_string_to_metric_families(text)
+            if family.name == "syncscope_phase_sampling_every"
+            for s in family.samples
+        ]
+        for text in scrapes
+    )
+    assert sampled == [("0", 8.0)] and timed == []
     bad = {**BATCH_V2, "agent": {**BATCH_V2["agent"], "phase_every": 0}}
     with TestClient(create_app(Settings())) as c:
         assert c.post("/v1/ingest", json=bad).status_code == 422

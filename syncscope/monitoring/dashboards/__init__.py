@@ -219,6 +219,7 @@ NEEDS = (
     "work",
     "rapl",
     "price",
+    "phase_sampling",
 )
 
 
@@ -231,7 +232,8 @@ def needs(expr: str, cfg: Thresholds) -> list[str]:
     collectives: collectives other than DDP's gradient sync; link: the ranks' link facts
     (agent/link.py); work: ranks whose samples or tokens are known; rapl: an exporter that
     reads its host's CPU package energy (a query reading energy of either source lists both);
-    price: exporters given a GPU-hour's price.
+    price: exporters given a GPU-hour's price; phase_sampling: ranks that time their phases
+    in 1 step of N > 1.
     """
     conditions = R.series_conditions()
     deps = rule_dependencies(cfg)

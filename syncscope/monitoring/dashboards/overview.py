@@ -379,9 +379,10 @@ def _overview_step_time_and_phases_1(
     cfg: Thresholds, *, busy: Any, by_phase: Any, every_rank_phase: Any
 ) -> list[tuple[int, int, Any]]:
     """Overview row "Step time and phases", panels, part 1."""
+    sampling = sel(cfg, M.PHASE_SAMPLING_EVERY.name, JOB, NODE, RANK)
     return [
         (
-            12,
+            8,
             8,
             ts(
                 "Step time",
@@ -392,6 +393,21 @@ def _overview_step_time_and_phases_1(
                     q(rec(R.STEP_QUANTILE), "p{{quantile}}"),
                 ],
                 "s",
+            ),
+        ),
+        (
+            4,
+            8,
+            stat_panel(
+                "Phases timed",
+                "How often the selected ranks time their phases: every step, or 1 step in N "
+                "where a rank samples them (AgentConfig.phase_every, SYNCSCOPE_PHASE_EVERY, for "
+                "steps of a few ms). The other steps' phases are the last timed step's shares "
+                "of their own time: the phase panels below are estimates between timed steps. "
+                "The largest N among the selected ranks.",
+                [q(f"max by (job) ({sampling})", "{{job}}")],
+                "prefix:1 step in ",
+                no_value="every step",
             ),
         ),
         (
