@@ -94,10 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # --parallel pp's schedules (torch.distributed.pipelining) by --schedule: the class, how many
-# stages each rank holds, where they sit, and its micro-batches per step. "loop": stage s on the pair's rank s mod 2
-# (interleaved 1F1B, Megatron's, and its zero-bubble form); "v": rank r holds stages r and
-# 3 - r, so rank 0 holds the first and the last (ZB-V and DualPipeV, which split each
-# backward into its input and its weight gradients, computed apart by torch.autograd.grad).
+# stages each rank holds, where they sit, and its micro-batches per step (the zero-bubble ones
+# need as many as stages). "loop": stage s on the pair's rank s mod 2 (interleaved 1F1B,
+# Megatron's, and its zero-bubble form); "v": rank r holds stages r and 3 - r, so rank 0 holds
+# the first and the last (ZB-V and DualPipeV). The zero-bubble schedules split a backward into
+# its input and its weight gradients, computed apart by torch.autograd.grad.
 SCHEDULES = {
     "gpipe": ("ScheduleGPipe", 1, "loop", 2),
     "1f1b": ("Schedule1F1B", 1, "loop", 2),
