@@ -382,7 +382,7 @@ def _overview_step_time_and_phases_1(
     sampling = sel(cfg, M.PHASE_SAMPLING_EVERY.name, JOB, NODE, RANK)
     return [
         (
-            8,
+            12,
             8,
             ts(
                 "Step time",
@@ -393,6 +393,20 @@ def _overview_step_time_and_phases_1(
                     q(rec(R.STEP_QUANTILE), "p{{quantile}}"),
                 ],
                 "s",
+            ),
+        ),
+        (
+            8,
+            8,
+            ts(
+                "Busy time per step: the slowest ranks",
+                f"Each rank's seconds per step outside exposed communication and "
+                f"pacing (its phases' sum less the time it waits), for the {TOP} "
+                "selected ranks highest over the time range, against the job's median "
+                "and 10th-90th percentile band. A straggler sits above the band.",
+                ranks_that_stand_out(busy),
+                "s",
+                band=True,
             ),
         ),
         (
@@ -408,20 +422,6 @@ def _overview_step_time_and_phases_1(
                 [q(f"max by (job) ({sampling})", "{{job}}")],
                 "prefix:1 step in ",
                 no_value="every step",
-            ),
-        ),
-        (
-            12,
-            8,
-            ts(
-                "Busy time per step: the slowest ranks",
-                f"Each rank's seconds per step outside exposed communication and "
-                f"pacing (its phases' sum less the time it waits), for the {TOP} "
-                "selected ranks highest over the time range, against the job's median "
-                "and 10th-90th percentile band. A straggler sits above the band.",
-                ranks_that_stand_out(busy),
-                "s",
-                band=True,
             ),
         ),
         (
