@@ -373,11 +373,18 @@ class JobPool:
         for (rank, (step_s, phases)), by_key in zip(entries.items(), by_rank.values(), strict=True):
             wait = 0.0
             if not alone and by_key:
+                extras = {key: seconds - minima[key] for key, seconds in by_key.items()}
+                wait = sum(extras.values())
+                # Issue to completion beyond the node's least, per kind and group: async ops
+                # posted ahead (a pipeline's receives) overlap compute and each other, so their
+                # sum can exceed the step. No rank waits longer than it was blocked: where the
+                # agent times its waits, the kinds share that time in their proportions.
+                scale = 1.0
+                if least_blocked and wait > phases[Phase.COMM_EXPOSED]:
+                    scale = phases[Phase.COMM_EXPOSED] / wait
                 sinks = self._sinks[rank]
-                for key, seconds in by_key.items():
-                    extra = seconds - minima[key]
-                    sinks[key][1].wait_seconds += extra
-                    wait += extra
+                for key, extra in extras.items():
+                    sinks[key][1].wait_seconds += extra * scale
             if least_blocked:
                 # The rank's wait is what it spent blocked in collectives beyond the rank that
                 # was blocked least: async collectives overlap compute, so their issue-to-

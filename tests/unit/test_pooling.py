@@ -220,3 +220,27 @@ def test_a_pipelines_ranks_wait_only_beyond_their_own_stages_least_blocked_rank(
         out[staged] = {rank: round(w, 9) for rank, w in waits.items()}
     assert out[True] == {0: 0.0, 1: 0.0, 2: 0.001, 3: 0.0005}
     assert out[False] == {0: 0.008, 1: 0.0, 2: 0.009, 3: 0.0005}
+
+
+def test_a_ranks_waits_per_group_never_exceed_the_time_it_was_blocked():
+    """A pipeline posts its receives ahead: rank 1's `pp` receives take 90 ms issue to
+    completion beyond rank 0's, and its dp all-reduce 10 ms, on a step where it was blocked
+    40 ms in all. Its per-group waits share those 40 ms in the proportions 9 : 1. Rank 2, a
+    symmetric collective's late-comer blocked longer than its excess, keeps its excess whole."""
+    recv = collective_key("recv", "pp", 4e5)
+    exposed = {0: 0.0, 1: 0.040, 2: 0.030}
+    excess = {0: {recv: 0.0, KEY: 0.0}, 1: {recv: 0.090, KEY: 0.010}, 2: {recv: 0.0, KEY: 0.020}}
+    pool = JobPool()
+    sinks = {r: {recv: Sink(), KEY: Sink()} for r in exposed}
+    for rank, blocked in exposed.items():
+        for key, extra in excess[rank].items():
+            pool.add_collective(rank, key, 0, 0.005 + extra, sinks[rank][key])
+        phases = (0.0, 0.03, 0.03, 0.0, blocked, 0.0, 0.0)
+        pool.add_step(rank, 0, sum(phases), phases)
+    pool.complete(list(exposed))
+    waits = {r: {k[1]: round(s.wait_seconds, 9) for k, s in by.items()} for r, by in sinks.items()}
+    assert waits == {
+        0: {"pp": 0.0, "ddp": 0.0},
+        1: {"pp": 0.036, "ddp": 0.004},
+        2: {"pp": 0.0, "ddp": 0.02},
+    }

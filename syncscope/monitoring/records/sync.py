@@ -46,7 +46,8 @@ def records(cfg: Thresholds) -> list[dict[str, Any]]:
         # spends least in that group's collectives, summed over the ranks, as a share of the
         # job's rank-time. A group label names a mesh dimension, so every dp group of a 2-D
         # job is one "dp". Issue-to-completion time: the overlap an async collective shares
-        # with every rank cancels in the difference.
+        # with every rank cancels in the difference; what does not cancel (a pipeline's
+        # receives posted ahead) is bounded by the rank's blocked time.
         record(GROUP_WAIT, _group_wait(cfg)),
     ]
 
@@ -237,12 +238,31 @@ def _group_wait(cfg: Thresholds) -> str:
   )
 / on (job, node, rank) group_left ()
   (sum by (job, node, rank) ({rate(cfg, M.STEPS_TOTAL.name, window=window)}) > 0)"""
-    return f"""
-  sum by (job, group) (
-{indent(per_rank, 4)}
+    excess = f"""
+  (
+{indent(per_rank, 6)}
     - on (job, group) group_left ()
       min by (job, group) (
 {indent(per_rank, 8)}
+      )
+  )"""
+    # No rank waits longer than it was blocked: a pipeline's receives, posted ahead, overlap
+    # compute and each other, and their excess alone summed past the step. A rank whose excess
+    # exceeds its blocked time per step has its groups share that time in their proportions.
+    return f"""
+  sum by (job, group) (
+{indent(excess, 4)}
+    * on (job, node, rank) group_left ()
+      clamp_max(
+          {SYNC_PER_STEP}
+        / on (job, node, rank)
+          clamp_min(
+            sum by (job, node, rank) (
+{indent(excess, 14)}
+            ),
+            1e-09
+          ),
+        1
       )
   )
 / on (job) group_left ()
