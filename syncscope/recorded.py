@@ -56,6 +56,8 @@ STRAGGLER_LAG = "job_rank:syncscope_straggler_lag_seconds:argmin_lead"
 STRAGGLER_RATIO = "job_rank:syncscope_straggler_lag_step:ratio"
 # Job-wide, per process group (its label: dp, tp, pp, shard, ...): the job's rank-time spent in
 # that group's collectives beyond the rank there that spends least: which group it loses time in.
+# Issue to completion (the first), then bounded by the time the ranks were blocked (the second).
+GROUP_ISSUE_TO_COMPLETION = "job_group:syncscope_rank_collective_seconds_beyond_least:unbounded"
 GROUP_WAIT = "job_group:syncscope_rank_collective_seconds_beyond_least:ratio"
 BUS_BANDWIDTH = "job_op_group:syncscope_collective_bus_bandwidth_bytes_per_second:ratio"
 TRANSFER_PER_CALL = "job_op_group:syncscope_collective_transfer_seconds:per_call"

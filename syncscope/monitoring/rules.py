@@ -41,6 +41,7 @@ from syncscope.recorded import (  # the recorded series' names, declared there o
     ENERGY_RATE,
     GOODPUT,
     GPU_ENERGY_RATE,
+    GROUP_ISSUE_TO_COMPLETION,
     GROUP_WAIT,
     LEAD,
     LINK_CAPACITY,
@@ -245,6 +246,7 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
         CONTENTION,
         CONTENTION_COST,
         LOCALITY_FAULT,
+        GROUP_ISSUE_TO_COMPLETION,
         GROUP_WAIT,
         # Work and energy: rates for people and days-long panels, no alert reads them.
         SAMPLES_RATE,

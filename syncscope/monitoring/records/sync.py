@@ -12,6 +12,7 @@ from syncscope.monitoring.promql import STEP_SECONDS_COUNT, STEP_SECONDS_SUM, in
 from syncscope.monitoring.records.base import record
 from syncscope.recorded import (
     COMM_EXPOSED_RATIO,
+    GROUP_ISSUE_TO_COMPLETION,
     GROUP_WAIT,
     LEAD,
     PHASE_RATE,
@@ -46,9 +47,32 @@ def records(cfg: Thresholds) -> list[dict[str, Any]]:
         # spends least in that group's collectives, summed over the ranks, as a share of the
         # job's rank-time. A group label names a mesh dimension, so every dp group of a 2-D
         # job is one "dp". Issue-to-completion time: the overlap an async collective shares
-        # with every rank cancels in the difference; what does not cancel (a pipeline's
-        # receives posted ahead) is bounded by the rank's blocked time.
-        record(GROUP_WAIT, _group_wait(cfg)),
+        # with every rank cancels in the difference.
+        record(GROUP_ISSUE_TO_COMPLETION, _group_wait(cfg)),
+        # What does not cancel (a pipeline's receives, posted ahead, overlap its compute and
+        # each other: 175 % of the interleaved job's rank-time) is bounded by the time the
+        # ranks were blocked: where the groups' sum exceeds the job's exposed communication
+        # over the same window, they share it in their proportions. Job-level series only:
+        # the same bound per rank read every rank's rates twice more (the exporter bounds
+        # each rank's own waits).
+        record(
+            GROUP_WAIT,
+            f"""
+  {GROUP_ISSUE_TO_COMPLETION}
+* on (job) group_left ()
+  clamp_max(
+      sum by (job) ({SYNC_PER_STEP})
+    / on (job)
+      clamp_min(
+          sum by (job) ({GROUP_ISSUE_TO_COMPLETION})
+        * on (job)
+          ({WORLD_SIZE} * {STEP_MEAN}),
+        1e-09
+      ),
+    1
+  )
+""",
+        ),
     ]
 
 
@@ -238,31 +262,12 @@ def _group_wait(cfg: Thresholds) -> str:
   )
 / on (job, node, rank) group_left ()
   (sum by (job, node, rank) ({rate(cfg, M.STEPS_TOTAL.name, window=window)}) > 0)"""
-    excess = f"""
-  (
-{indent(per_rank, 6)}
+    return f"""
+  sum by (job, group) (
+{indent(per_rank, 4)}
     - on (job, group) group_left ()
       min by (job, group) (
 {indent(per_rank, 8)}
-      )
-  )"""
-    # No rank waits longer than it was blocked: a pipeline's receives, posted ahead, overlap
-    # compute and each other, and their excess alone summed past the step. A rank whose excess
-    # exceeds its blocked time per step has its groups share that time in their proportions.
-    return f"""
-  sum by (job, group) (
-{indent(excess, 4)}
-    * on (job, node, rank) group_left ()
-      clamp_max(
-          {SYNC_PER_STEP}
-        / on (job, node, rank)
-          clamp_min(
-            sum by (job, node, rank) (
-{indent(excess, 14)}
-            ),
-            1e-09
-          ),
-        1
       )
   )
 / on (job) group_left ()
