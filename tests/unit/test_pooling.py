@@ -224,8 +224,8 @@ def test_a_pipelines_ranks_wait_only_beyond_their_own_stages_least_blocked_rank(
 
 def test_a_ranks_waits_per_group_never_exceed_the_time_it_was_blocked():
     """A pipeline posts its receives ahead: rank 1's `pp` receives take 90 ms issue to
-    completion beyond rank 0's, and its dp all-reduce 10 ms, on a step where it was blocked
-    40 ms in all. Its per-group waits share those 40 ms in the proportions 9 : 1. Rank 2, a
+    completion beyond rank 0's, and its ddp sync 10 ms, on a step where it was blocked 40 ms
+    in all. Its per-group waits share those 40 ms in the proportions 9 : 1. Rank 2, a
     symmetric collective's late-comer blocked longer than its excess, keeps its excess whole."""
     recv = collective_key("recv", "pp", 4e5)
     exposed = {0: 0.0, 1: 0.040, 2: 0.030}

@@ -534,10 +534,10 @@ def _overview_where_the_job_waits(
                     "Rank-time lost per process group",
                     "Share of the job's rank-time each process group's collectives take "
                     "beyond the rank that spends least in them (groups by their mesh "
-                    f"dimension: dp, tp, pp, shard, ...), over {cfg.windows.straggler}; no "
-                    "rank counted past the time it was blocked (a pipeline's receives, posted "
-                    "ahead, overlap its compute). Where a tensor- or pipeline-parallel job "
-                    "loses its time.",
+                    f"dimension: dp, tp, pp, shard, ...), over {cfg.windows.straggler}; the "
+                    "groups together never past the time the ranks were blocked (a pipeline's "
+                    "receives, posted ahead, overlap its compute). Where a tensor- or "
+                    "pipeline-parallel job loses its time.",
                     [q(rec(R.GROUP_WAIT), "{{group}}")],
                     "percentunit",
                     stack=True,
