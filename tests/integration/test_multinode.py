@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from syncscope import catalog as M
 from syncscope.lab import render, scenarios
 from syncscope.lab.launch import wait_all
 from syncscope.lab.nodes import EmulatedNodes, NodesUnavailable, iproute, list_netns
@@ -327,11 +328,20 @@ def run_across_nodes(tmp_path, job: str, args: list[str]) -> dict[str, Any]:
         ranks = cluster.launch(
             args, env=dict(os.environ, SYNCSCOPE_JOB=job), stdout=log, stderr=subprocess.STDOUT
         )
+        sel = f'{{job="{job}"}}'
+        # The rules compare a rank once its counters cover a whole window, and the exporters
+        # read that back (every 2 s): both count from the first full window after every
+        # rank's first scrape (`ready`), however long this machine took to start the job.
+        warm = started + scenarios.WARM_UP_S + 5
+        ready = 0.0
         samples: list[tuple[int, Any]] = []
         first = last = 0.0
         while any(r.poll() is None for r in ranks):
             time.sleep(1)
-            if time.time() - started < scenarios.WARM_UP_S + 5:
+            if not ready:
+                scraped = prom.query(f"count({M.STEPS_TOTAL.name}{sel}) >= {len(ranks)}")
+                ready = time.time() if scraped else 0.0
+            if not ready or time.time() < max(warm, ready + local_window_s() + 3):
                 continue
             first = first or time.time()
             for node, state in enumerate(cluster.states()):
@@ -339,11 +349,12 @@ def run_across_nodes(tmp_path, job: str, args: list[str]) -> dict[str, Any]:
                     samples.append((node, state["jobs"][job]))
             last = time.time()
         assert wait_all(ranks, 60) == [0, 0, 0, 0], (tmp_path / f"{job}.log").read_text()[-2000:]
-        sel = f'{{job="{job}"}}'
         out = {
             "samples": samples,
             # Whom SyncscopeStraggler's condition names, at every evaluation (1 s)
-            "ruled": prom.query_range(named_by_the_rule(sel), first, last),
+            "ruled": prom.query_range(
+                named_by_the_rule(sel), max(warm, ready + local_window_s() + 1), last
+            ),
             "alerts": prom.query_range(
                 f'ALERTS{{alertname="SyncscopeStraggler",alertstate="firing",job="{job}"}}',
                 # after warm-up, as for the slow link: here the alert's for: is 2 s, not 5m
