@@ -185,6 +185,10 @@ def test_multi_group_job_paces_only_below_the_first_wait_and_nobody_waits_longer
             s["step_s"] if field == "step" else s["phases"][field] for s in steps
         )
 
+    def blocked(steps: list[dict]) -> float:
+        """The median step's share spent blocked in collectives."""
+        return statistics.median(s["phases"]["comm_exposed"] / s["step_s"] for s in steps)
+
     on, off = spans(1)
     assert len(on) >= 60 and len(off) >= 60, (len(on), len(off))
     assert median(on, "pacing") >= 0.005, median(on, "pacing")  # a real share of its 30 ms wait
@@ -197,11 +201,14 @@ def test_multi_group_job_paces_only_below_the_first_wait_and_nobody_waits_longer
             1e3 * median(root_off, "comm_exposed"),
         ),
         "step ms (paced, off)": (1e3 * median(root_on, "step"), 1e3 * median(root_off, "step")),
+        "root blocked share (paced, off)": (blocked(root_on), blocked(root_off)),
     }
     print(f"\n{report}")
     # Had the delay outrun rank 1's wait, the root would wait for rank 1 at the all-gather, up
-    # to the 13-14 ms of delay, and every step would be that much longer (~20 %). Measured over
-    # 5 runs on 2 shared cores, the spans differ by noise alone: root comm -1.9..+1.3 ms, the
-    # step -5.9..+4.5 %; the bounds sit at about 3 such standard deviations.
-    assert median(root_on, "comm_exposed") <= median(root_off, "comm_exposed") + 0.004, report
-    assert median(root_on, "step") <= 1.10 * median(root_off, "step"), report
+    # to the 12-13 ms of delay: its step that much longer and blocked that much more, ~0.09 of
+    # its ~87 ms step. The share blocked is compared, not milliseconds: the spans are seconds
+    # apart and this machine's speed drifts between them. A CI run read the off span's step
+    # 77.3 ms against 85-89 ms in reruns, its paced one 91.6 ms (+18.6 %, root comm +4.6 ms),
+    # while the ratio of those medians read 0.296 against 0.291. Over 4 runs the shares differ by
+    # -0.021..+0.010; the bound is 0.05.
+    assert blocked(root_on) <= blocked(root_off) + 0.05, report
