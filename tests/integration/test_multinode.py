@@ -335,6 +335,7 @@ def run_across_nodes(tmp_path, job: str, args: list[str]) -> dict[str, Any]:
         warm = started + scenarios.WARM_UP_S + 5
         ready = 0.0
         samples: list[tuple[int, Any]] = []
+        running: list[tuple[int, Any]] = []
         first = last = 0.0
         while any(r.poll() is None for r in ranks):
             time.sleep(1)
@@ -344,13 +345,20 @@ def run_across_nodes(tmp_path, job: str, args: list[str]) -> dict[str, Any]:
             if not ready or time.time() < max(warm, ready + local_window_s() + 3):
                 continue
             first = first or time.time()
-            for node, state in enumerate(cluster.states()):
-                if job in state["jobs"]:
-                    samples.append((node, state["jobs"][job]))
+            alive = all(r.poll() is None for r in ranks)
+            states = [
+                (n, s["jobs"][job]) for n, s in enumerate(cluster.states()) if job in s["jobs"]
+            ]
+            samples.extend(states)
+            if alive and all(r.poll() is None for r in ranks):
+                running = states
             last = time.time()
         assert wait_all(ranks, 60) == [0, 0, 0, 0], (tmp_path / f"{job}.log").read_text()[-2000:]
         out = {
             "samples": samples,
+            # Every exporter's last sample while every rank was still running: the job's end
+            # (ranks stopping one by one, the last steps' waits for them) is no steady state.
+            "running": running,
             # Whom SyncscopeStraggler's condition names, at every evaluation (1 s)
             "ruled": prom.query_range(
                 named_by_the_rule(sel), max(warm, ready + local_window_s() + 1), last
@@ -410,10 +418,16 @@ def test_each_parallelism_across_nodes_names_the_root_job_wide(name, tmp_path):
     assert len(ruled) >= 15, ruled
     assert ruled.count(str(slowed)) >= 0.95 * len(ruled), ruled
     victims: dict[int, tuple[str, int, float]] = {}
-    for _node, s in samples[-2:]:  # the last sample of each exporter
+    for _node, s in run["running"]:
         for v in s["diagnosis"]["victims"]:
             victims[v["rank"]] = (v["group"], v["waits_for"], v["wait_s"])
-    assert set(victims) == {0, 1, 2, 3} - {slowed}, victims
+    # on failure: each rank's lead and the delay pacing has given it (a paced rank waits less)
+    seen = {
+        r["rank"]: (r["arrival_lead_s"], (r["pacing"] or {}).get("total_delay_s"))
+        for _node, s in run["running"]
+        for r in s["ranks"]
+    }
+    assert set(victims) == {0, 1, 2, 3} - {slowed}, (victims, seen)
     waits_for = {rank: v[1] for rank, v in victims.items()}
     assert all(chain_end(waits_for, rank) == slowed for rank in victims), victims
     print(
@@ -439,7 +453,7 @@ def test_each_parallelism_across_nodes_names_the_root_job_wide(name, tmp_path):
         assert sum(lost.values()) <= 1.1 * run["exposed"], (lost, run["exposed"])
         waited = sum(w for g, _whom, w in victims.values() if g == "pp") / (4 * run["step"])
         assert 0.7 * waited <= lost["pp"] <= 2.5 * waited, (lost, waited)
-    for _node, s in samples[-2:]:
+    for _node, s in run["running"]:
         for r in s["ranks"]:
             assert r["pacing"] and r["pacing"]["enabled"], r
             if r["rank"] == slowed:  # pacing never delays the root
