@@ -307,11 +307,12 @@ def wait_chain(
     window: int = STEP_WINDOW,
     job_leads: Mapping[int, float] | None = None,
 ) -> tuple[Victim, ...]:
-    """Each rank here (but the root) that waits at least `min_wait_s` per step: the group it
-    waits in most (its collectives' waits) and whom it waits for there: the root where the
-    root is in that group, else the member of the group blocked least in collectives (who
-    itself waits elsewhere, or for nobody): a rank that waits for a rank in another group is
-    a victim, and following `waits_for` from any victim leads to the root.
+    """Each rank here (but the root) that waits at least `min_wait_s` per step (a paced rank's
+    delay counted): the group it waits in most (its collectives' waits) and whom it waits for
+    there: the root where the root is in that group, else the member of the group blocked
+    least in collectives (who itself waits elsewhere, or for nobody): a rank that waits for a
+    rank in another group is a victim, and following `waits_for` from any victim leads to the
+    root.
 
     `job_leads` (rank -> its blocked time per step beyond the job's least blocked rank, from
     Prometheus) reaches past this node: a rank here that waits for a rank elsewhere waits as
@@ -338,8 +339,12 @@ def wait_chain(
         for c in r.collectives:
             waits[c.group] = waits.get(c.group, 0.0) + c.wait_seconds / r.steps_total
         group, wait = max(waits.items(), key=lambda kv: kv[1])
+        # Pacing delays a rank before its first wait, by less than that wait: the delay is
+        # time it holds back for the rank it waits for, moved out of the collective. A paced
+        # rank is a victim by both (its wait_s stays what it waited in the collective).
+        held = wait + _phase_means(r, window, (Phase.PACING,)).get(Phase.PACING, 0.0)
         lead = (job_leads or {}).get(r.rank)
-        if wait < min_wait_s:
+        if held < min_wait_s:
             if lead is None or lead < min_wait_s:
                 continue
             # It waits for a rank elsewhere, as long as its node's peers do.

@@ -271,22 +271,19 @@ def test_a_failing_rule_returns_no_verdicts_instead_of_raising() -> None:
     assert out.modes == {} and out.straggler is None and out.error is not None
 
 
-def test_the_wait_chain_leads_every_victim_to_the_root() -> None:
-    """A (dp=2, tp=2) mesh, tp pairs {0,1} {2,3}, dp pairs {0,2} {1,3}; rank 3 is slow. Rank 2
-    waits for it in tp, rank 1 in dp; rank 0 waits in tp for rank 1, itself a victim."""
+def tp_mesh(
+    layout: dict[int, tuple[str, float, float]], paced: dict[int, float] | None = None
+) -> list[RankView]:
+    """A (dp=2, tp=2) mesh, tp pairs {0,1} {2,3}, dp pairs {0,2} {1,3}, from each rank's
+    (group it waits in, seconds per step there, blocked per step) and pacing delay per step."""
     base = ranks_of("forward_straggler")[0]
     steps = 100
-    layout = {  # rank: (group it waits in, seconds per step there, blocked per step)
-        0: ("tp", 0.028, 0.030),
-        1: ("dp", 0.029, 0.030),
-        2: ("tp", 0.028, 0.030),
-        3: ("tp", 0.0002, 0.001),
-    }
     tp = {0: "0,1", 1: "0,1", 2: "2,3", 3: "2,3"}
     dp = {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}
     ranks = []
     for rank, (group, wait, blocked) in layout.items():
-        phases = tuple(blocked if p == Phase.COMM_EXPOSED else 0.01 for p in Phase)
+        held = {Phase.COMM_EXPOSED: blocked, Phase.PACING: (paced or {}).get(rank, 0.0)}
+        phases = tuple(held.get(p, 0.01) for p in Phase)
         colls = tuple(
             CollectiveView(
                 "all_reduce", g, steps, steps * 0.03, 1e6, steps * (wait if g == group else 0.0001)
@@ -303,11 +300,42 @@ def test_the_wait_chain_leads_every_victim_to_the_root() -> None:
                 recent_steps=tuple(RecentStep(k, 0.1, phases, 0.0) for k in range(64)),
             )
         )
+    return ranks
+
+
+def test_the_wait_chain_leads_every_victim_to_the_root() -> None:
+    """Rank 3 is slow. Rank 2 waits for it in tp, rank 1 in dp; rank 0 waits in tp for rank 1,
+    itself a victim."""
+    layout = {
+        0: ("tp", 0.028, 0.030),
+        1: ("dp", 0.029, 0.030),
+        2: ("tp", 0.028, 0.030),
+        3: ("tp", 0.0002, 0.001),
+    }
+    ranks = tp_mesh(layout)
     chain = {v.rank: (v.group, v.waits_for) for v in wait_chain(ranks, root=3, min_wait_s=0.005)}
     assert chain == {2: ("tp", 3), 1: ("dp", 3), 0: ("tp", 1)}
     # a rank whose group lies beyond this exporter: it waits for a rank it cannot name
     alone = wait_chain([ranks[0], ranks[3]], root=3, min_wait_s=0.005)
     assert [(v.rank, v.group, v.waits_for) for v in alone] == [(0, "tp", None)]
+
+
+def test_a_paced_rank_is_still_a_victim_and_the_chain_through_it_reaches_the_root() -> None:
+    """Rank 1 paced 27 ms a step, before its first wait, for rank 3 (pacing moves its wait out
+    of the collective): its dp wait is 2 ms, under the 5 ms line, yet it holds back for the
+    root. It stays a victim, so rank 0's tp wait for it still leads to rank 3."""
+    layout = {
+        0: ("tp", 0.028, 0.030),
+        1: ("dp", 0.002, 0.003),
+        2: ("tp", 0.028, 0.030),
+        3: ("tp", 0.0002, 0.001),
+    }
+    ranks = tp_mesh(layout, paced={1: 0.027})
+    victims = wait_chain(ranks, root=3, min_wait_s=0.005)
+    chain = {v.rank: (v.group, v.waits_for) for v in victims}
+    assert chain == {2: ("tp", 3), 1: ("dp", 3), 0: ("tp", 1)}
+    # its wait is what it waited in the collective; the delay is pacing's, reported as such
+    assert [round(v.wait_s, 4) for v in victims if v.rank == 1] == [0.002]
 
 
 def test_a_wait_chain_that_goes_round_in_a_circle_is_led_out_of_it() -> None:
