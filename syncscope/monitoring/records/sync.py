@@ -205,12 +205,7 @@ def _straggler_records(cfg: Thresholds) -> list[dict[str, Any]]:
         # bias (a rolling minimum did). Blocked time, not issue-to-completion time: an async
         # collective (FSDP2's prefetched all-gathers) overlaps compute until someone waits.
         # A pipeline's rank keeps its `stage` (the exporter's label on its phase counter;
-        # absent for any other rank). A rank is compared once its counters cover the whole
-        # window (its step counter existed a window ago): a rate over a young series' first
-        # few scrapes, with the exporter publishing whole blocks of steps, differs from a
-        # neighbour's by a block's noise: at a job's start (and restart) the rule named a rank
-        # of the clean two-node tensor-parallel job, lagging 13-20 % of a step, at 2 of its
-        # first 4 evaluations, and once long enough to fire the alert.
+        # absent for any other rank).
         record(
             SYNC_PER_STEP,
             f"""
@@ -219,10 +214,8 @@ def _straggler_records(cfg: Thresholds) -> list[dict[str, Any]]:
   )
 / on (job, node, rank) group_left ()
   (
-      sum by (job, node, rank) ({rate(cfg, M.STEPS_TOTAL.name, window=w.straggler)})
-      > 0
-    and on (job, node, rank)
-      {sel(cfg, M.STEPS_TOTAL.name)} offset {w.straggler}
+    sum by (job, node, rank) ({rate(cfg, M.STEPS_TOTAL.name, window=w.straggler)})
+    > 0
   )
 """,
         ),
