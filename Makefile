@@ -12,7 +12,7 @@ test:
 	scripts/setup test
 	.venv/bin/ruff check .
 	.venv/bin/mypy agent exporter sim syncscope bench
-	.venv/bin/pytest -q --durations=25
+	.venv/bin/pytest -q --durations=60
 
 lint:
 	.venv/bin/ruff check .
