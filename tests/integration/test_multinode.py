@@ -336,18 +336,18 @@ def run_across_nodes(tmp_path, job: str, args: list[str]) -> dict[str, Any]:
         # 15-20 % more or less blocked than the other's (measured on the tp job: the rule
         # named rank 2 at 2 of its first 4 evaluations).
         warm = started + scenarios.WARM_UP_S + 5
+        window = local_window_s()
         ready = 0.0
         samples: list[tuple[int, Any]] = []
         running: list[tuple[int, Any]] = []
-        first = last = 0.0
+        last = 0.0
         while any(r.poll() is None for r in ranks):
             time.sleep(1)
             if not ready:
                 scraped = prom.query(f"count({M.STEPS_TOTAL.name}{sel}) >= {len(ranks)}")
                 ready = time.time() if scraped else 0.0
-            if not ready or time.time() < max(warm, ready + local_window_s() + 3):
+            if not ready or time.time() < max(warm, ready + window + 3):
                 continue
-            first = first or time.time()
             alive = all(r.poll() is None for r in ranks)
             states = [
                 (n, s["jobs"][job]) for n, s in enumerate(cluster.states()) if job in s["jobs"]
@@ -357,7 +357,7 @@ def run_across_nodes(tmp_path, job: str, args: list[str]) -> dict[str, Any]:
                 running = states
             last = time.time()
         assert wait_all(ranks, 60) == [0, 0, 0, 0], (tmp_path / f"{job}.log").read_text()[-2000:]
-        ruled_from = max(warm, ready + local_window_s() + 1)
+        ruled_from = max(warm, ready + window + 1)
         # An alert the first window set off keeps firing for keep_firing_for after its for:
         rules = local_overrides()
         alerted_from = ruled_from + sum(
