@@ -142,6 +142,11 @@ class Thresholds:
     # node's link capacity over the job's median below which it is the slow link.
     contention_inflation: float
     slow_link_ratio: float
+    # The job-wide straggler's line, SyncscopeStraggler's (its lag over the mean step): the
+    # job-wide view has no per-step count of last arrivals to tell a persistent straggler from
+    # a lag that noise or a contended link lends one rank for a while, so it names only what
+    # the alert's condition names, and the two agree.
+    straggler_ratio: float
     spike_share_full: float  # runtime_jitter scores 1 at this share lost to spikes
     clock_ratio: float  # a throttling GPU's SM clock is below this × its peers' median
     # The decision verdict's trigger: throughput per GPU below this × the job's own baseline.
@@ -164,6 +169,9 @@ class Thresholds:
         )
         section["slow_link_ratio"] = required(
             alerts["SyncscopeSlowLink"].levels[0].threshold, "threshold"
+        )
+        section["straggler_ratio"] = min(
+            required(level.threshold, "threshold") for level in alerts["SyncscopeStraggler"].levels
         )
         windows = cfg.windows
         section["contention_baseline_s"] = duration_seconds(windows.contention_baseline)
@@ -739,7 +747,7 @@ def _job_wide(
     root = stage_root(job_wide.leads, job_wide.stages)
     if root is not None and step > 0:
         slow_rank, skew = root
-        threshold = max(settings.skew_threshold_s, t.skew_step_fraction * step)
+        threshold = max(settings.skew_threshold_s, t.straggler_ratio * step)
         score = min(1.0, skew / step)
         if skew <= threshold:
             straggler = None

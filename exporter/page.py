@@ -381,7 +381,11 @@ def _energy_card(ranks: Sequence[RankView], cpu: CpuEnergy | None) -> tuple[str,
 
 
 def _cards(
-    live: Sequence[RankView], diag: Diagnosis, settings: Settings, cpu: CpuEnergy | None = None
+    live: Sequence[RankView],
+    diag: Diagnosis,
+    settings: Settings,
+    cpu: CpuEnergy | None = None,
+    job_wide: bool = False,
 ) -> str:
     series = _job_series(live)[-(TREND_STEPS + CV_WINDOW - 1) :]
     trend = series[-TREND_STEPS:]
@@ -391,7 +395,9 @@ def _cards(
     cv = statistics.median(cvs) if cvs else None
     rolling = _rolling_cv(series, CV_WINDOW)
     skew = diag.skew_s
-    fraction = settings.thresholds.skew_step_fraction
+    # the job-wide view names a straggler at the alert's line (diagnosis._job_wide)
+    t = settings.thresholds
+    fraction = t.straggler_ratio if job_wide else t.skew_step_fraction
     threshold = max(settings.skew_threshold_s, fraction * step) if step else None
     cards = [
         (
@@ -711,7 +717,7 @@ def _job_section(
         f'<div class="job-head"><h2 id="{_e(ident)}">Job <code>{_e(job.name)}</code></h2>'
         f'<span class="muted">{len(live)} of {len(ranks)} ranks reporting · world size {world}'
         f" · {_scope(job, world - len(ranks), now)}</span></div>"
-        f"{banner}{_cards(live or ranks, job.diagnosis, settings, cpu)}"
+        f"{banner}{_cards(live or ranks, job.diagnosis, settings, cpu, job.job_wide is not None)}"
         f"{_goodput_line(job, world, now)}"
         '<div class="split"><div class="panel">'
         f"{_verdict_line(job.diagnosis)}"

@@ -340,7 +340,11 @@ def test_stalled_exporter_keeps_queue_bounded_memory_flat_and_loop_unblocked(exp
 def test_killed_rank_goes_stale_expires_and_elastic_restart_is_clean(job_factory):
     """Rank killed: stale, then expired, bystanders untouched; a torchrun-style restart of the
     job's ranks is a new incarnation whose steps add to the old counters, each counted once."""
-    exporter = Exporter(["--stale-after", "2", "--expire-after", "14"])
+    # The restart must report before the killed ranks expire, or it is a new rank and no
+    # restart: from the kill that is 2 s to go stale, 2.5 s here, and a 2-rank job's start
+    # (~6 s on an idle 2-core machine; in CI once over 10 s, and a 14 s expiry lost the restart).
+    expire_s = 30
+    exporter = Exporter(["--stale-after", "2", "--expire-after", str(expire_s)])
     try:
         bystander = job_factory(2, ["--duration", "40"], exporter.url, job="bystander")
         victim = job_factory(2, ["--duration", "40"], exporter.url, job="victim")
@@ -374,12 +378,26 @@ def test_killed_rank_goes_stale_expires_and_elastic_restart_is_clean(job_factory
         assert ranks_gauge[(("job", "victim"),)] == 0 and ranks_gauge[(("job", "bystander"),)] == 2
 
         old = {r: rank_view("victim", r) for r in (0, 1)}
+        relaunched = time.monotonic()
         restarted = job_factory(2, ["--steps", "60"], exporter.url, job="victim")
+        assert wait_until(
+            lambda: (
+                (rank_view("victim", 0) or {}).get("incarnation")
+                not in (None, old[0]["incarnation"])
+            ),
+            60,
+            0.2,
+        )
+        back_s = time.monotonic() - relaunched  # from the relaunch to its first report
+        print(f"\nthe relaunched job reported {back_s:.1f} s after its launch")
         new_results = restarted.wait(120)
         time.sleep(1.0)
         for r in (0, 1):
             view = rank_view("victim", r)
-            assert view["restarts"] == 1 and view["incarnation"] != old[r]["incarnation"]
+            assert view["restarts"] == 1 and view["incarnation"] != old[r]["incarnation"], (
+                back_s,
+                view,
+            )
             stats = new_results[r]["stats"]
             assert stats["dropped_records"] == 0
             # each step exactly once: what the old incarnation delivered plus the new 60
@@ -387,7 +405,7 @@ def test_killed_rank_goes_stale_expires_and_elastic_restart_is_clean(job_factory
 
         restarted.kill()
         t0 = time.monotonic()
-        assert wait_until(lambda: "victim" not in exporter.state()["jobs"], 20, 0.5)
+        assert wait_until(lambda: "victim" not in exporter.state()["jobs"], expire_s + 6, 0.5)
         print(f"\nvictim gone {time.monotonic() - t0:.1f} s after its restarted job was over")
         text = exporter.metrics_text()
         assert 'job="victim"' not in text

@@ -371,6 +371,9 @@ def run_across_nodes(tmp_path, job: str, args: list[str]) -> dict[str, Any]:
             "running": running,
             # Whom SyncscopeStraggler's condition names, at every evaluation (1 s)
             "ruled": prom.query_range(named_by_the_rule(sel), ruled_from, last),
+            # The job's arrival skew over its mean step at every evaluation (on a clean job:
+            # how far under the straggler's line it stayed)
+            "skew": prom.query_range(f"{R.SKEW_RATIO}{sel}", ruled_from, last),
             "alerts": prom.query_range(
                 f'ALERTS{{alertname="SyncscopeStraggler",alertstate="firing",job="{job}"}}',
                 alerted_from,
@@ -477,9 +480,11 @@ def test_each_parallelism_across_nodes_clean_gets_no_straggler_anywhere(name, tm
     run = run_across_nodes(tmp_path, job, ["--duration", "30", *args])
     samples = run["samples"]
     assert len(samples) >= 15, len(samples)
+    skews = [v for series in run["skew"].values() for v in series.values()]
+    print(f"\n{name}: job skew over the mean step, max {max(skews, default=None)}")
     for node, state in samples:
         diagnosis = state["diagnosis"]
-        assert diagnosis["straggler"] is None, (node, diagnosis["modes"]["straggler"])
+        assert diagnosis["straggler"] is None, (node, diagnosis["modes"]["straggler"], skews)
         for mode in ("fabric_contention", "slow_link"):
             assert not diagnosis["modes"].get(mode, {}).get("verdict"), (node, mode, diagnosis)
     ruled = [ruled_rank(series) for series in run["ruled"].values()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import statistics
 
 import pytest
 from fastapi.testclient import TestClient
@@ -10,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from syncscope.exporter.app import create_app
 from syncscope.exporter.settings import Settings
 
+from syncscope.thresholds import load_config
 from tests.conftest import parse_samples
 
 BATCH = {
@@ -293,10 +295,17 @@ def test_the_lead_gauge_is_node_local_and_the_state_job_wide():
             assert c.post("/v1/ingest", json=batch).status_code == 200
         gauge = parse_samples(c.get("/metrics").text, "syncscope_arrival_lead_seconds")
         state = c.get("/v1/state").json()["jobs"]["j"]
+        page = c.get("/").text
     node_local = {dict(k)["rank"]: v for k, v in gauge.items()}
     assert node_local == {"0": pytest.approx(0.0), "1": pytest.approx(0.030)}, node_local
     leads = {r["rank"]: r["arrival_lead_s"] for r in state["ranks"]}
     assert leads == {0: pytest.approx(0.050), 1: pytest.approx(0.080)}, leads
+    # The job-wide view names a straggler at SyncscopeStraggler's line, and the page says so.
+    cfg = load_config()
+    ratio = min(lv.threshold for lv in cfg.alerts["SyncscopeStraggler"].levels)
+    step = statistics.median(r["step_time_median_s"] for r in state["ranks"])
+    line = max(cfg.diagnosis.skew_floor_s, ratio * step)
+    assert f"straggler threshold {line * 1e3:.1f} ms" in page, (line, step)
 
 
 def test_a_gpu_hour_price_is_exported_per_job_and_node_only_where_given():
