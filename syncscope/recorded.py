@@ -41,6 +41,9 @@ DDP_BUS_BANDWIDTH = "job:syncscope_ddp_bus_bandwidth_bytes_per_second:ratio"
 LINK_CAPACITY = "job_node:syncscope_node_link_capacity_bytes_per_second:max"
 LINK_CAPACITY_RATIO = "job_node:syncscope_node_link_capacity_bytes_per_second:ratio_to_median"
 LINK_UTILIZATION = "job_node:syncscope_link_utilization_while_transferring:ratio"
+# Job-wide verdicts are judged over full windows only: the number of the job's ranks whose step
+# counter existed a straggler window ago, recorded only while that is every rank reporting.
+WINDOW_FULL = "job:syncscope_steps_total:count_full_window"
 SYNC_PER_STEP = "job_rank:syncscope_phase_comm_exposed_seconds_per_step:ratio"
 SYNC_PER_STEP_MIN = "job:syncscope_phase_comm_exposed_seconds_per_step:min"
 SYNC_PER_STEP_STAGE_MIN = "job_stage:syncscope_phase_comm_exposed_seconds_per_step:min"

@@ -87,6 +87,7 @@ from syncscope.recorded import (  # the recorded series' names, declared there o
     TRANSFER_PER_STEP,
     TRANSFER_SAMPLED,
     TRANSFER_SAMPLING_GAP,
+    WINDOW_FULL,
     WORLD_SIZE,
 )
 from syncscope.thresholds import Level, Thresholds, load_config
@@ -199,6 +200,7 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
     "syncscope.job": (
         WORLD_SIZE,
         RANKS_REPORTING,
+        WINDOW_FULL,
         STEPS_RATE,
         STEP_MEAN,
         STEP_BUCKET_RATE,

@@ -28,8 +28,8 @@ from syncscope.lab.servers import Alertmanager, Prometheus, VMStack
 from syncscope.lab.truth import compare, format_comparison, rule_window_steps
 from syncscope.monitoring import dashboards as D
 from syncscope.monitoring import rules as R
-from syncscope.monitoring.prometheus_config import local_config, local_overrides, local_window_s
-from syncscope.thresholds import duration_seconds, load_config, required
+from syncscope.monitoring.prometheus_config import local_config, local_window_s
+from syncscope.thresholds import load_config, required
 from tests.conftest import (
     Webhook,
     chain_end,
@@ -329,12 +329,11 @@ def run_across_nodes(tmp_path, job: str, args: list[str]) -> dict[str, Any]:
             args, env=dict(os.environ, SYNCSCOPE_JOB=job), stdout=log, stderr=subprocess.STDOUT
         )
         sel = f'{{job="{job}"}}'
-        # The rules' windows, and the exporters reading them back (every 2 s), are counted
-        # from the first full window after every rank's first scrape (`ready`), however long
-        # this machine took to start the job: before it, a rank's rate covers the few scrapes
-        # since its series appeared, and with the job still settling one node's ranks read
-        # 15-20 % more or less blocked than the other's (measured on the tp job: the rule
-        # named rank 2 at 2 of its first 4 evaluations).
+        # The rules judge a job only once every rank has a full window of its own
+        # (job:syncscope_steps_total:count_full_window): whom they name is read from the first
+        # full window after every rank's first scrape (`ready`), however long this machine
+        # took to start the job, and that they name nobody on a clean job from the launch on.
+        # The exporters, reading the rules back every 2 s, are sampled from that window on.
         warm = started + scenarios.WARM_UP_S + 5
         window = local_window_s()
         ready = 0.0
@@ -358,12 +357,6 @@ def run_across_nodes(tmp_path, job: str, args: list[str]) -> dict[str, Any]:
             last = time.time()
         assert wait_all(ranks, 60) == [0, 0, 0, 0], (tmp_path / f"{job}.log").read_text()[-2000:]
         ruled_from = max(warm, ready + window + 1)
-        # An alert the first window set off keeps firing for keep_firing_for after its for:
-        rules = local_overrides()
-        alerted_from = ruled_from + sum(
-            duration_seconds(rules[f"alerts.SyncscopeStraggler.{k}"])
-            for k in ("for", "keep_firing_for")
-        )
         out = {
             "samples": samples,
             # Every exporter's last sample while every rank was still running: the job's end
@@ -371,12 +364,14 @@ def run_across_nodes(tmp_path, job: str, args: list[str]) -> dict[str, Any]:
             "running": running,
             # Whom SyncscopeStraggler's condition names, at every evaluation (1 s)
             "ruled": prom.query_range(named_by_the_rule(sel), ruled_from, last),
-            # The job's arrival skew over its mean step at every evaluation (on a clean job:
-            # how far under the straggler's line it stayed)
-            "skew": prom.query_range(f"{R.SKEW_RATIO}{sel}", ruled_from, last),
+            # From the launch on: whom the condition names, the job's arrival skew over its
+            # mean step (recorded once every rank has a full window; on a clean job, how far
+            # under the straggler's line it stayed) and the straggler alert.
+            "ruled_since_launch": prom.query_range(named_by_the_rule(sel), started, last),
+            "skew": prom.query_range(f"{R.SKEW_RATIO}{sel}", started, last),
             "alerts": prom.query_range(
                 f'ALERTS{{alertname="SyncscopeStraggler",alertstate="firing",job="{job}"}}',
-                alerted_from,
+                started,
                 time.time(),
             ),
             "lost": {
@@ -481,14 +476,15 @@ def test_each_parallelism_across_nodes_clean_gets_no_straggler_anywhere(name, tm
     samples = run["samples"]
     assert len(samples) >= 15, len(samples)
     skews = [v for series in run["skew"].values() for v in series.values()]
-    print(f"\n{name}: job skew over the mean step, max {max(skews, default=None)}")
+    print(f"\n{name}: job skew over the mean step at {len(skews)} evaluations, max {max(skews)}")
+    assert len(skews) >= 10, run["skew"]  # the rules judged the job, over full windows
     for node, state in samples:
         diagnosis = state["diagnosis"]
         assert diagnosis["straggler"] is None, (node, diagnosis["modes"]["straggler"], skews)
         for mode in ("fabric_contention", "slow_link"):
             assert not diagnosis["modes"].get(mode, {}).get("verdict"), (node, mode, diagnosis)
-    ruled = [ruled_rank(series) for series in run["ruled"].values()]
-    assert len(ruled) >= 10 and set(ruled) == {None}, ruled
+    ruled = [ruled_rank(series) for series in run["ruled_since_launch"].values()]
+    assert set(ruled) == {None}, ruled
     assert not any(run["alerts"].values()), run["alerts"]
 
 

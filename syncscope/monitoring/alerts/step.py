@@ -7,7 +7,7 @@ from typing import Any
 from syncscope.catalog import STEP_WINDOW
 from syncscope.monitoring.alerts.base import AlertInput
 from syncscope.monitoring.promql import pct
-from syncscope.recorded import STEP_CV, STEP_OUTLIER_QUANTILE
+from syncscope.recorded import STEP_CV, STEP_OUTLIER_QUANTILE, WINDOW_FULL
 from syncscope.thresholds import required
 
 
@@ -37,6 +37,8 @@ and on (job)
       < ignoring (quantile)
         {q(mid)}
   )
+and on (job)
+  {WINDOW_FULL}
 """,
         "summary": "Step time is unstable in job {{ $labels.job }}.",
         "description": (

@@ -32,6 +32,7 @@ from syncscope.recorded import (
     TRANSFER_PER_STEP,
     TRANSFER_SAMPLED,
     TRANSFER_SAMPLING_GAP,
+    WINDOW_FULL,
     WORLD_SIZE,
 )
 from syncscope.thresholds import Thresholds
@@ -39,6 +40,7 @@ from syncscope.thresholds import Thresholds
 
 def records(cfg: Thresholds) -> list[dict[str, Any]]:
     return [
+        window_full(cfg),
         *_phase_records(cfg),
         *_sampled_transfer_records(cfg),
         *_transfer_records(cfg),
@@ -74,6 +76,27 @@ def records(cfg: Thresholds) -> list[dict[str, Any]]:
 """,
         ),
     ]
+
+
+def window_full(cfg: Thresholds) -> dict[str, Any]:
+    """The job's ranks, recorded only while every one of them has a full straggler window of
+    its own: its step counter existed a window ago. Before that a rank's rates cover the few
+    scrapes since its series appeared, with the job still settling (measured: a clean tensor-
+    parallel job on two nodes read one node's ranks 15-20 % of a step more blocked than the
+    other's, and the straggler's condition named a rank at 2 of its first 4 evaluations). The
+    straggler's chain, the amplification and SyncscopeStepTimeCVHigh are judged from here on,
+    all alike: the straggler, with the shortest for:, still comes first and inhibits the others
+    (judged from the same start, not the straggler a window later). Identity, not a count: a
+    relaunched rank elsewhere has a window of its own to fill."""
+    steps = sel(cfg, M.STEPS_TOTAL.name)
+    return record(
+        WINDOW_FULL,
+        f"""
+  count by (job) ({steps})
+unless on (job)
+  ({steps} unless on (job, node, rank) {steps} offset {cfg.windows.straggler})
+""",
+    )
 
 
 def _phase_records(cfg: Thresholds) -> list[dict[str, Any]]:
@@ -191,6 +214,8 @@ clamp_min(
     sum by (job) ({rate(cfg, STEP_SECONDS_SUM)}),
   0
 )
+and on (job)
+  {WINDOW_FULL}
 """,
         ),
     ]
@@ -217,6 +242,8 @@ def _straggler_records(cfg: Thresholds) -> list[dict[str, Any]]:
     sum by (job, node, rank) ({rate(cfg, M.STEPS_TOTAL.name, window=w.straggler)})
     > 0
   )
+and on (job)
+  {WINDOW_FULL}
 """,
         ),
         record(SYNC_PER_STEP_MIN, f"min by (job) ({SYNC_PER_STEP})"),
