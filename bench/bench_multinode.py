@@ -221,7 +221,8 @@ def fabric_main(runs: int) -> int:
             f"{r['evaluations']} evaluations; utilisation while transferring node1 "
             f"{u.get('node1', 0):.2f} vs node0 {u.get('node0', 0):.2f} "
             f"(ratio {u.get('node1', 0) / max(u.get('node0', 0), 1e-9):.1f}); exporters' "
-            f"slow_link {verdicts}; straggler alerts {r['straggler_alerts']}; "
+            f"slow_link {verdicts}; straggler alerts {r['straggler_alerts']}; exporters' "
+            f"samples naming a straggler {_named(r)}; "
             f"fabric panels without data {len(r['empty_fabric_panels'])}"
         )
     for r in contended:
@@ -229,9 +230,15 @@ def fabric_main(runs: int) -> int:
             f"competing flow: flagged {r['flagged_before']} of {r['evaluations_before']} "
             f"evaluations before, {r['flagged_while_on_share']:.0%} while on (after 10 s), "
             f"detected after {r['detected_s']} s, cleared {r['cleared_s']} s after, peak index "
-            f"{r['peak_index']:.2f}"
+            f"{r['peak_index']:.2f}; exporters' samples naming a straggler {_named(r)}"
         )
     return 0
+
+
+def _named(result: dict[str, Any]) -> str:
+    """Per node, the exporter's samples that named a straggler, of all it gave."""
+    shares = result["straggler_samples"]
+    return ", ".join(f"node{n} {named}/{seen}" for n, (named, seen) in sorted(shares.items()))
 
 
 def _median(values: list[float | None]) -> float | None:

@@ -69,13 +69,58 @@ def modes(state: dict[str, Any], job: str) -> dict[str, Any]:
     return dict(state["jobs"][job]["diagnosis"]["modes"])
 
 
+def sample_stragglers(
+    cluster: EmulatedNodes,
+    job: str,
+    ranks: list[Any],
+    start: float,
+    until: float,
+    into: dict[int, list[Any]],
+) -> None:
+    """Every exporter's straggler verdict (None: nobody) once a second from `start` until
+    `until` or the job's end, appended to `into` by node."""
+    while time.time() < until and all(r.poll() is None for r in ranks):
+        time.sleep(1)
+        if time.time() < start:
+            continue
+        for node, state in enumerate(cluster.states()):
+            if job in state["jobs"]:
+                into.setdefault(node, []).append(state["jobs"][job]["diagnosis"]["straggler"])
+
+
+def straggler_shares(samples: dict[int, list[Any]]) -> dict[int, tuple[int, int]]:
+    """{node: (samples naming a straggler, samples)}."""
+    return {node: (sum(v is not None for v in seen), len(seen)) for node, seen in samples.items()}
+
+
+@contextlib.contextmanager
+def _running(
+    cluster: EmulatedNodes, workdir: str, job: str, args: list[str], timeout: float = 120.0
+) -> Iterator[list[Any]]:
+    """One job of the workload, its ranks' output in ``workdir/<job>.log``; on leaving, its
+    ranks waited for, and a RuntimeError with the log's tail where one failed."""
+    log_path = os.path.join(workdir, f"{job}.log")
+    with open(log_path, "wb") as log:
+        ranks = cluster.launch(
+            args, env=dict(os.environ, SYNCSCOPE_JOB=job), stdout=log, stderr=log
+        )
+        yield ranks
+        codes = wait_all(ranks, timeout)
+    if codes != [0] * len(codes):
+        with open(log_path, "rb") as f:
+            tail = f.read()[-4000:].decode(errors="replace")
+        raise RuntimeError(f"ranks of {job} exited with {codes}:\n{tail}")
+
+
 def slow_link(
     workdir: str, job: str, duration: float = 30.0, engine: str = "prometheus"
 ) -> dict[str, Any]:
     """Node 1's link shaped to a quarter of node 0's (400 and 100 Mbit/s, tbf at both ends)."""
     with job_wide_nodes(workdir, engine=engine, link_mbit={0: 400, 1: 100}) as (cluster, prom):
         started = time.time()
-        cluster.run(["--duration", str(duration)], job)
+        sampled: dict[int, list[Any]] = {}
+        with _running(cluster, workdir, job, ["--duration", str(duration)]) as ranks:
+            sample_stragglers(cluster, job, ranks, started + WARM_UP_S + 5, started + 300, sampled)
         time.sleep(3)
         states = cluster.states()
         end = time.time()
@@ -107,6 +152,7 @@ def slow_link(
         "named_share": named / len(slow) if slow else 0.0,
         "utilisation": utilisation,
         "straggler_alerts": sorted({k for v in straggler_alerts.values() for k in v}),
+        "straggler_samples": straggler_shares(sampled),
         "exporters": [
             {
                 "slow_link": modes(s, job).get("slow_link"),
@@ -126,27 +172,20 @@ def contention_window(
     """Every link shaped alike (200 Mbit/s); after `before_s` a bulk TCP flow from node 0 to
     node 1 for `flow_s`. The DDP transfer's contention index, evaluation by evaluation."""
     with job_wide_nodes(workdir, link_mbit={0: 200, 1: 200}) as (cluster, prom):
-        log_path = os.path.join(workdir, f"{job}.log")
-        with open(log_path, "wb") as log:
-            ranks = cluster.launch(
-                ["--duration", str(before_s + flow_s + after_s)],
-                env=dict(os.environ, SYNCSCOPE_JOB=job),
-                stdout=log,
-                stderr=log,
-            )
+        args = ["--duration", str(before_s + flow_s + after_s)]
+        # Every exporter's straggler verdict once a second, before, during and after the flow
+        sampled: dict[int, list[Any]] = {}
+        with _running(cluster, workdir, job, args) as ranks:
             started = time.time()
-            time.sleep(before_s)
+            warm = started + WARM_UP_S + 5
+            sample_stragglers(cluster, job, ranks, warm, started + before_s, sampled)
             flow_start = time.time()
             with cluster.competing_flow(0, 1):
-                time.sleep(flow_s - 5)
+                sample_stragglers(cluster, job, ranks, warm, flow_start + flow_s - 5, sampled)
                 during = cluster.states()
-                time.sleep(5)
+                sample_stragglers(cluster, job, ranks, warm, flow_start + flow_s, sampled)
             flow_end = time.time()
-            codes = wait_all(ranks, after_s + 120)
-        if codes != [0] * len(codes):
-            with open(log_path, "rb") as log:
-                tail = log.read()[-4000:].decode(errors="replace")
-            raise RuntimeError(f"ranks of {job} exited with {codes}:\n{tail}")
+            sample_stragglers(cluster, job, ranks, warm, flow_end + after_s + 60, sampled)
         time.sleep(2)
         index = prom.query_range(
             f'{R.CONTENTION}{{job="{job}",op="ddp_grad_sync"}}',
@@ -169,6 +208,7 @@ def contention_window(
         "cleared_s": next((t - flow_end for t in after if not flagged[t]), None),
         "flagged_30s_after": sum(flagged[t] for t in after if t - flow_end > 30),
         "peak_index": max((max(v.values(), default=0.0) for v in index.values()), default=0.0),
+        "straggler_samples": straggler_shares(sampled),
         "exporters_during": [
             {
                 "fabric_contention": modes(s, job).get("fabric_contention"),

@@ -488,6 +488,14 @@ def test_each_parallelism_across_nodes_clean_gets_no_straggler_anywhere(name, tm
     assert not any(run["alerts"].values()), run["alerts"]
 
 
+def assert_no_straggler_verdicts(samples: dict[int, tuple[int, int]]) -> None:
+    """Both exporters sampled once a second after warm-up, a straggler named in under 1 % of
+    each one's samples (none, for fewer than 100)."""
+    assert sorted(samples) == [0, 1], samples
+    for named, seen in samples.values():
+        assert seen >= 10 and named < 0.01 * seen, samples
+
+
 @engines
 def test_a_throttled_node_is_the_slow_link_and_no_rank_a_straggler(engine, tmp_path):
     """Node 1's link shaped to a quarter of node 0's (tbf, both ends): the rule names node 1 the
@@ -499,6 +507,7 @@ def test_a_throttled_node_is_the_slow_link_and_no_rank_a_straggler(engine, tmp_p
     assert out["evaluations"] >= 10, out
     assert out["utilisation"]["node1"] > 2 * out["utilisation"]["node0"], out
     assert out["straggler_alerts"] == [], out
+    assert_no_straggler_verdicts(out["straggler_samples"])
     for node in out["exporters"]:
         assert node["slow_link"]["verdict"] and "node node1" in node["slow_link"]["reason"], node
         assert node["straggler"] is None, node
@@ -522,6 +531,7 @@ def test_a_competing_flow_is_contention_only_while_it_runs(tmp_path):
     assert out["flagged_while_on_share"] >= 0.8, out
     assert out["cleared_s"] is not None and out["cleared_s"] <= 30, out
     assert out["flagged_30s_after"] == 0, out
+    assert_no_straggler_verdicts(out["straggler_samples"])
     for node in out["exporters_during"]:  # both exporters said so while the flow ran
         assert node["fabric_contention"]["verdict"], node
         assert node["straggler"] is None, node
