@@ -184,6 +184,13 @@ class Thresholds:
 DEFAULT_THRESHOLDS = Thresholds.from_config(load_config())
 
 
+def straggler_line(t: Thresholds, floor_s: float, step: float, job_wide: bool = False) -> float:
+    """The arrival skew over which a straggler is named: the skew floor, or a share of the
+    median step, the node-local view's (with its last-arrival count) or, for the job-wide
+    view (none), SyncscopeStraggler's (Thresholds.straggler_ratio)."""
+    return max(floor_s, (t.straggler_ratio if job_wide else t.skew_step_fraction) * step)
+
+
 def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -523,7 +530,7 @@ def _diagnose(
     )
     if root is not None and step > 0:
         slow, skew = here[root[0]], root[1]
-        threshold = max(settings.skew_threshold_s, t.skew_step_fraction * step)
+        threshold = straggler_line(t, settings.skew_threshold_s, step)
         score = min(1.0, skew / step)
         peers_in_stage = sum(1 for r in live if stages[r.rank] == stages[slow.rank])
         need = max(t.last_arrival_share, 1.5 / peers_in_stage)
@@ -747,7 +754,7 @@ def _job_wide(
     root = stage_root(job_wide.leads, job_wide.stages)
     if root is not None and step > 0:
         slow_rank, skew = root
-        threshold = max(settings.skew_threshold_s, t.straggler_ratio * step)
+        threshold = straggler_line(t, settings.skew_threshold_s, step, job_wide=True)
         score = min(1.0, skew / step)
         if skew <= threshold:
             straggler = None

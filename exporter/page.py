@@ -23,6 +23,7 @@ from syncscope.exporter.diagnosis import (
     Diagnosis,
     Victim,
     locality_fault,
+    straggler_line,
     throttle_reasons,
 )
 from syncscope.exporter.energy import CpuEnergy
@@ -395,10 +396,11 @@ def _cards(
     cv = statistics.median(cvs) if cvs else None
     rolling = _rolling_cv(series, CV_WINDOW)
     skew = diag.skew_s
-    # the job-wide view names a straggler at the alert's line (diagnosis._job_wide)
-    t = settings.thresholds
-    fraction = t.straggler_ratio if job_wide else t.skew_step_fraction
-    threshold = max(settings.skew_threshold_s, fraction * step) if step else None
+    threshold = (
+        straggler_line(settings.thresholds, settings.skew_threshold_s, step, job_wide)
+        if step
+        else None
+    )
     cards = [
         (
             "Step time",

@@ -340,16 +340,18 @@ class EmulatedNodes:
         self.ranks += procs
         return procs
 
-    def run(
+    @contextlib.contextmanager
+    def running(
         self,
         args: Sequence[str],
         job: str,
         env: Mapping[str, str] | None = None,
         timeout: float = 300.0,
         record: bool = True,
-    ) -> None:
-        """Run one job of the workload to its end under SYNCSCOPE_JOB=job; its ranks' output
-        goes to ``workdir/<job>.log``, whose tail a RuntimeError carries if a rank fails."""
+    ) -> Iterator[list[subprocess.Popen]]:
+        """One job of the workload under SYNCSCOPE_JOB=job, its ranks' output in
+        ``workdir/<job>.log``, its ranks yielded while it runs; on leaving, they are waited for,
+        and a RuntimeError carries the log's tail if a rank failed."""
         log_path = os.path.join(self.workdir, f"{job}.log")
         with open(log_path, "w+b") as log:
             procs = self.launch(
@@ -359,11 +361,18 @@ class EmulatedNodes:
                 stderr=subprocess.STDOUT,
                 record=record,
             )
+            yield procs
             codes = wait_all(procs, timeout)
             if codes != [0] * len(codes):
                 log.seek(0)
                 tail = log.read()[-6000:].decode(errors="replace")
                 raise RuntimeError(f"ranks of {job} exited with {codes}:\n{tail}")
+
+    def run(self, args: Sequence[str], job: str, **kw: Any) -> None:
+        """Run one job of the workload to its end: `running` (same keywords), with nothing to
+        do meanwhile."""
+        with self.running(args, job, **kw):
+            pass
 
     def set_link_rate(self, node: int, mbit: float | None) -> None:
         """Shape node's link to ``mbit`` Mbit/s each way (None: unshaped), also mid-run."""

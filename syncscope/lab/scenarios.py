@@ -11,12 +11,10 @@ entering raises syncscope.lab.nodes.NodesUnavailable where the kernel refuses.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from syncscope.lab.launch import wait_all
 from syncscope.lab.nodes import EmulatedNodes
 from syncscope.lab.servers import Prometheus, VMStack, free_port
 from syncscope.monitoring import rules as R
@@ -93,25 +91,6 @@ def straggler_shares(samples: dict[int, list[Any]]) -> dict[int, tuple[int, int]
     return {node: (sum(v is not None for v in seen), len(seen)) for node, seen in samples.items()}
 
 
-@contextlib.contextmanager
-def _running(
-    cluster: EmulatedNodes, workdir: str, job: str, args: list[str], timeout: float = 120.0
-) -> Iterator[list[Any]]:
-    """One job of the workload, its ranks' output in ``workdir/<job>.log``; on leaving, its
-    ranks waited for, and a RuntimeError with the log's tail where one failed."""
-    log_path = os.path.join(workdir, f"{job}.log")
-    with open(log_path, "wb") as log:
-        ranks = cluster.launch(
-            args, env=dict(os.environ, SYNCSCOPE_JOB=job), stdout=log, stderr=log
-        )
-        yield ranks
-        codes = wait_all(ranks, timeout)
-    if codes != [0] * len(codes):
-        with open(log_path, "rb") as f:
-            tail = f.read()[-4000:].decode(errors="replace")
-        raise RuntimeError(f"ranks of {job} exited with {codes}:\n{tail}")
-
-
 def slow_link(
     workdir: str, job: str, duration: float = 30.0, engine: str = "prometheus"
 ) -> dict[str, Any]:
@@ -119,7 +98,7 @@ def slow_link(
     with job_wide_nodes(workdir, engine=engine, link_mbit={0: 400, 1: 100}) as (cluster, prom):
         started = time.time()
         sampled: dict[int, list[Any]] = {}
-        with _running(cluster, workdir, job, ["--duration", str(duration)]) as ranks:
+        with cluster.running(["--duration", str(duration)], job) as ranks:
             sample_stragglers(cluster, job, ranks, started + WARM_UP_S + 5, started + 300, sampled)
         time.sleep(3)
         states = cluster.states()
@@ -175,7 +154,7 @@ def contention_window(
         args = ["--duration", str(before_s + flow_s + after_s)]
         # Every exporter's straggler verdict once a second, before, during and after the flow
         sampled: dict[int, list[Any]] = {}
-        with _running(cluster, workdir, job, args) as ranks:
+        with cluster.running(args, job) as ranks:
             started = time.time()
             warm = started + WARM_UP_S + 5
             sample_stragglers(cluster, job, ranks, warm, started + before_s, sampled)
