@@ -37,7 +37,11 @@ from syncscope.lab import scenarios as fabric
 from syncscope.lab.nodes import EmulatedNodes, NodesUnavailable
 from syncscope.lab.servers import Prometheus, free_port
 from syncscope.lab.truth import compare, format_comparison, rule_window_steps
-from syncscope.monitoring.prometheus_config import local_config, local_window_s
+from syncscope.monitoring.prometheus_config import (
+    exporter_overrides,
+    local_config,
+    local_window_s,
+)
 from syncscope.monitoring.rules import STRAGGLER_LAG, STRAGGLER_RATIO
 from syncscope.thresholds import duration_seconds, load_config, required
 
@@ -66,7 +70,11 @@ def one_run(
         stack.callback(shutil.rmtree, workdir, True)
         have_prom = shutil.which("prometheus") is not None
         prom_port = free_port()
-        readback = ["--prometheus-url", f"http://127.0.0.1:{prom_port}"] if have_prom else []
+        readback = (
+            ["--prometheus-url", f"http://127.0.0.1:{prom_port}", *exporter_overrides()]
+            if have_prom
+            else []
+        )
         cluster = stack.enter_context(
             EmulatedNodes(
                 nodes,

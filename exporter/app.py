@@ -165,7 +165,12 @@ def create_app(
         )
     reader = None
     if settings.prometheus_url and store.job_wide is None:
-        reader = PrometheusReader(settings.prometheus_url, settings.prometheus_interval_s)
+        reader = PrometheusReader(
+            settings.prometheus_url,
+            settings.prometheus_interval_s,
+            # the readings that tell how long a straggler has held (diagnosis.Thresholds)
+            history_s=settings.thresholds.straggler_hold_s + settings.prometheus_interval_s,
+        )
         store.job_wide = reader.get
     if settings.powercap_root and store.cpu_energy is None:
         store.cpu_energy = PowercapReader(settings.powercap_root)

@@ -123,6 +123,8 @@ class Diagnosis:
     victims: tuple[Victim, ...] = ()  # while a straggler is named: the ranks here that wait
     # The decision verdict; None while the job loses no time (or nothing reports).
     verdict: JobVerdict | None = field(default=None, metadata=OMIT_IF_NONE)
+    # The line the skew was compared with to name a straggler (straggler_line)
+    skew_line_s: float | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,11 @@ class Thresholds:
     # a lag that noise or a contended link lends one rank for a while, so it names only what
     # the alert's condition names, and the two agree.
     straggler_ratio: float
+    # ... and only once it has held for the alert's for: and a whole straggler window (equal
+    # as shipped, 5 min): a lead that the rules' windows lend the ranks of one node while a
+    # change in the job's steps is inside them (each node's rates end at its own last scrape)
+    # lasts less than a window; a straggler's holds
+    straggler_hold_s: float
     spike_share_full: float  # runtime_jitter scores 1 at this share lost to spikes
     clock_ratio: float  # a throttling GPU's SM clock is below this × its peers' median
     # The decision verdict's trigger: throughput per GPU below this × the job's own baseline.
@@ -174,6 +181,9 @@ class Thresholds:
             required(level.threshold, "threshold") for level in alerts["SyncscopeStraggler"].levels
         )
         windows = cfg.windows
+        section["straggler_hold_s"] = max(
+            duration_seconds(alerts["SyncscopeStraggler"].for_), duration_seconds(windows.straggler)
+        )
         section["contention_baseline_s"] = duration_seconds(windows.contention_baseline)
         section["contention_recent_s"] = duration_seconds(windows.rate)
         section["throughput_horizon_s"] = duration_seconds(windows.trend)
@@ -303,6 +313,39 @@ def stage_root(leads: Mapping[int, float], stages: Mapping[int, int]) -> tuple[i
         if best is None or spread > best[1]:
             best = (rank, spread)
     return best
+
+
+def _over_line(
+    job_wide: JobWide, t: Thresholds, floor_s: float, step: float
+) -> tuple[int, float, float, float] | None:
+    """One reading's root, its skew, the straggler's line and the step it is a share of; None
+    without a root or a step. The leads are means per step over the rules' window: the line
+    is a share of that window's mean step, as SyncscopeStraggler reads them, not of the step
+    the ranks report now (after a slow spell the window still holds its steps, and the line
+    would shrink under them). `step`: the step reported now, where no mean was read."""
+    root = stage_root(job_wide.leads, job_wide.stages)
+    window_step = job_wide.step_mean_s or step
+    if root is None or window_step <= 0:
+        return None
+    line = straggler_line(t, floor_s, window_step, job_wide=True)
+    return root[0], root[1], line, window_step
+
+
+def _held_for(
+    job_wide: JobWide, rank: int, t: Thresholds, floor_s: float, step: float
+) -> float | None:
+    """How long `rank` has been the job-wide root over the line: from the oldest of the
+    consecutive readings, this one included, in which it was, to this one (None: not in
+    this one). A lead that the windows lend the ranks of one node as the job's steps
+    lengthen (each node's rates end at its own last scrape) flickers from one evaluation to
+    the next; a straggler's holds."""
+    since: float | None = None
+    for reading in (job_wide, *reversed(job_wide.earlier)):
+        over = _over_line(reading, t, floor_s, step)
+        if over is None or over[0] != rank or over[1] <= over[2]:
+            break
+        since = reading.read_unix_s
+    return None if since is None else job_wide.read_unix_s - since
 
 
 def _of_stage(stage: int | None) -> str:
@@ -502,6 +545,7 @@ def _diagnose(
     modes: dict[str, tuple[float, str]] = {}
     straggler: Straggler | None = None
     skew: float | None = None
+    threshold: float | None = None
 
     # Who arrived last, per step: the rank that spent the least time at the sync, among the
     # ranks of its pipeline stage (every rank where the job is no pipeline).
@@ -628,7 +672,9 @@ def _diagnose(
         m: ModeVerdict(round(s, 4), s >= t.verdict_score, why) for m, (s, why) in modes.items()
     }
     victims = _victims(live, straggler, t)
-    return Diagnosis(verdicts, straggler, skew, len(aligned), victims=victims), shares
+    return Diagnosis(
+        verdicts, straggler, skew, len(aligned), victims=victims, skew_line_s=threshold
+    ), shares
 
 
 def rank_list(ranks: Sequence[int]) -> str:
@@ -736,7 +782,7 @@ def _job_wide(
     if not live or (job_wide is None and elsewhere <= 0):
         return local  # the whole job reports here: the node's view is the job's
     modes = dict(local.modes)
-    straggler, skew = local.straggler, local.skew_s
+    straggler, skew, threshold = local.straggler, local.skew_s, local.skew_line_s
     step = median([r.step_time_median_s for r in live if r.step_time_median_s]) or 0.0
 
     def verdict(score: float, why: str) -> ModeVerdict:
@@ -751,16 +797,25 @@ def _job_wide(
         )
         return dataclasses.replace(local, modes=modes)
 
-    root = stage_root(job_wide.leads, job_wide.stages)
-    if root is not None and step > 0:
-        slow_rank, skew = root
-        threshold = straggler_line(t, settings.skew_threshold_s, step, job_wide=True)
-        score = min(1.0, skew / step)
+    reading = _over_line(job_wide, t, settings.skew_threshold_s, step)
+    if reading is not None:
+        slow_rank, skew, threshold, window_step = reading
+        score = min(1.0, skew / window_step)
+        held = _held_for(job_wide, slow_rank, t, settings.skew_threshold_s, step)
         if skew <= threshold:
             straggler = None
             modes["straggler"] = verdict(
                 min(score, t.verdict_score - 0.01),
                 f"job-wide arrival skew {skew * 1e3:.1f} ms is below {threshold * 1e3:.1f} ms",
+            )
+        elif held is None or held < t.straggler_hold_s:
+            straggler = None
+            modes["straggler"] = verdict(
+                min(score, t.verdict_score - 0.01),
+                f"rank {slow_rank} arrives {skew * 1e3:.1f} ms after the earliest rank of the "
+                f"job{_of_stage(job_wide.stages.get(slow_rank))}, over {threshold * 1e3:.1f} "
+                f"ms for {held or 0:.0f} s of the {t.straggler_hold_s:g} s it must hold "
+                "(SyncscopeStraggler's for: and window; job-wide, from Prometheus)",
             )
         else:
             here = {r.rank: r for r in live}
@@ -809,5 +864,6 @@ def _job_wide(
         modes=modes,
         straggler=straggler,
         skew_s=skew,
+        skew_line_s=threshold,
         victims=_victims(live, straggler, t, job_wide.job_waits()),
     )

@@ -16,6 +16,7 @@ the job's last report instead.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -48,6 +49,13 @@ class JobWide:
     # (a pipeline's lead plus its stage's least blocked time over the job's): how long it
     # waits, for the wait chain. None: the leads are that (a job that is no pipeline).
     waits: Mapping[int, float] | None = None
+    # The job's mean step over the rules' rate window (recorded.STEP_MEAN): what the leads, a
+    # mean per step over a window, are a share of. The step a rank reports now is not: as a
+    # job's steps lengthen or shorten, the leads still hold the window's steps.
+    step_mean_s: float | None = None
+    # The job's readings before this one, oldest first, over the reader's history (each with
+    # no history of its own): how long a rank has been the straggler, for the alert's for:
+    earlier: tuple[JobWide, ...] = ()
 
     def job_waits(self) -> Mapping[int, float]:
         """Each rank's blocked time per step beyond the job's least blocked rank."""
@@ -63,6 +71,7 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
     transfer: dict[str, float] = {}
     amplification: dict[str, float] = {}
     inflation: dict[str, float] = {}
+    step_mean: dict[str, float] = {}
     links: dict[str, dict[str, float]] = {}
     for sample in replies.get(recorded.LEAD, []):
         job, rank = sample["metric"].get("job"), sample["metric"].get("rank")
@@ -92,6 +101,7 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
         (recorded.TRANSFER_PER_STEP, transfer),
         (recorded.SYNC_AMPLIFICATION, amplification),
         (recorded.TRANSFER_INFLATION, inflation),
+        (recorded.STEP_MEAN, step_mean),
     ):
         for sample in replies.get(name, []):
             job, value = sample["metric"].get("job"), _number(sample)
@@ -107,6 +117,7 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
             links.get(job, {}),
             stages.get(job, {}),
             _waits(leads.get(job, {}), stages.get(job, {}), stage_least.get(job)),
+            step_mean.get(job),
         )
         for job in set(leads) | set(transfer) | set(amplification)
     }
@@ -148,9 +159,16 @@ class PrometheusReader:
         recorded.TRANSFER_INFLATION,
         recorded.LINK_CAPACITY_RATIO,
         recorded.SYNC_PER_STEP_STAGE_MIN,
+        recorded.STEP_MEAN,
     )
 
-    def __init__(self, url: str, interval_s: float = 15.0, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        interval_s: float = 15.0,
+        timeout_s: float = 2.0,
+        history_s: float = 0.0,
+    ) -> None:
         self.url = url.rstrip("/")
         self.api = PrometheusAPI(self.url, timeout_s)
         self.interval_s = interval_s
@@ -161,6 +179,9 @@ class PrometheusReader:
         self.failures = 0
         self._jobs: dict[str, JobWide] = {}
         self._held: dict[str, JobWide] = {}  # job -> the newest reading at its latest `as_of`
+        # job -> its readings over the last `history_s` (and the one before), oldest first
+        self.history_s = history_s
+        self._history: dict[str, list[JobWide]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -211,6 +232,15 @@ class PrometheusReader:
         now = time.time()
         jobs = parse(replies, now)
         with self._lock:
+            for job, reading in jobs.items():
+                kept = self._history.get(job, [])
+                # the newest reading older than the history too: it tells what held that long
+                old = [i for i, r in enumerate(kept) if now - r.read_unix_s > self.history_s]
+                kept = kept[old[-1] :] if old else kept
+                jobs[job] = dataclasses.replace(reading, earlier=tuple(kept))
+                self._history[job] = [*kept, reading]
+            for job in [j for j in self._history if j not in jobs]:
+                del self._history[job]
             self._jobs = jobs
             for job in [j for j, r in self._held.items() if now - r.read_unix_s > HOLD_S]:
                 del self._held[job]

@@ -23,7 +23,6 @@ from syncscope.exporter.diagnosis import (
     Diagnosis,
     Victim,
     locality_fault,
-    straggler_line,
     throttle_reasons,
 )
 from syncscope.exporter.energy import CpuEnergy
@@ -384,9 +383,7 @@ def _energy_card(ranks: Sequence[RankView], cpu: CpuEnergy | None) -> tuple[str,
 def _cards(
     live: Sequence[RankView],
     diag: Diagnosis,
-    settings: Settings,
     cpu: CpuEnergy | None = None,
-    job_wide: bool = False,
 ) -> str:
     series = _job_series(live)[-(TREND_STEPS + CV_WINDOW - 1) :]
     trend = series[-TREND_STEPS:]
@@ -396,11 +393,7 @@ def _cards(
     cv = statistics.median(cvs) if cvs else None
     rolling = _rolling_cv(series, CV_WINDOW)
     skew = diag.skew_s
-    threshold = (
-        straggler_line(settings.thresholds, settings.skew_threshold_s, step, job_wide)
-        if step
-        else None
-    )
+    threshold = diag.skew_line_s
     cards = [
         (
             "Step time",
@@ -719,7 +712,7 @@ def _job_section(
         f'<div class="job-head"><h2 id="{_e(ident)}">Job <code>{_e(job.name)}</code></h2>'
         f'<span class="muted">{len(live)} of {len(ranks)} ranks reporting · world size {world}'
         f" · {_scope(job, world - len(ranks), now)}</span></div>"
-        f"{banner}{_cards(live or ranks, job.diagnosis, settings, cpu, job.job_wide is not None)}"
+        f"{banner}{_cards(live or ranks, job.diagnosis, cpu)}"
         f"{_goodput_line(job, world, now)}"
         '<div class="split"><div class="panel">'
         f"{_verdict_line(job.diagnosis)}"

@@ -19,7 +19,7 @@ from syncscope.lab.nodes import EmulatedNodes
 from syncscope.lab.servers import Prometheus, VMStack, free_port
 from syncscope.monitoring import rules as R
 from syncscope.monitoring.dashboards import FABRIC_UID, evaluable_queries
-from syncscope.monitoring.prometheus_config import local_config
+from syncscope.monitoring.prometheus_config import exporter_overrides, local_config
 from syncscope.thresholds import load_config, required
 
 WARM_UP_S = 15.0  # gloo connects, the first steps, the rules' first full windows
@@ -43,7 +43,13 @@ def job_wide_nodes(
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: one of {ENGINES}")
     port = free_port()
-    readback = ["--prometheus-url", f"http://127.0.0.1:{port}", "--prometheus-interval", "2"]
+    readback = [
+        "--prometheus-url",
+        f"http://127.0.0.1:{port}",
+        "--prometheus-interval",
+        "2",
+        *exporter_overrides(),
+    ]
     with contextlib.ExitStack() as stack:
         vm = VMStack(workdir, port=port) if engine == "vm" else None
         if vm is not None:
@@ -75,20 +81,46 @@ def sample_stragglers(
     until: float,
     into: dict[int, list[Any]],
 ) -> None:
-    """Every exporter's straggler verdict (None: nobody) once a second from `start` until
-    `until` or the job's end, appended to `into` by node."""
+    """Every exporter's straggler verdict once a second from `start` until `until` or the
+    job's end, appended to `into` by node: (unix time, the straggler (None: nobody), the
+    straggler mode's score and reason)."""
     while time.time() < until and all(r.poll() is None for r in ranks):
         time.sleep(1)
         if time.time() < start:
             continue
         for node, state in enumerate(cluster.states()):
             if job in state["jobs"]:
-                into.setdefault(node, []).append(state["jobs"][job]["diagnosis"]["straggler"])
+                diagnosis = state["jobs"][job]["diagnosis"]
+                mode = diagnosis["modes"].get("straggler", {})
+                into.setdefault(node, []).append(
+                    (time.time(), diagnosis["straggler"], mode.get("score"), mode.get("reason"))
+                )
 
 
 def straggler_shares(samples: dict[int, list[Any]]) -> dict[int, tuple[int, int]]:
     """{node: (samples naming a straggler, samples)}."""
-    return {node: (sum(v is not None for v in seen), len(seen)) for node, seen in samples.items()}
+    return {
+        node: (sum(named is not None for _, named, _, _ in seen), len(seen))
+        for node, seen in samples.items()
+    }
+
+
+def nearest_verdicts(samples: dict[int, list[Any]], origin: float, n: int = 4) -> list[str]:
+    """The `n` samples closest to naming a straggler (the straggler mode's highest scores; a
+    verdict at and over the score line), each with its node, its time from `origin` and the
+    reason: the margin of a run that named nobody, and when and why for one that did."""
+    ranked = sorted(
+        (
+            (score or 0.0, t, node, reason)
+            for node, seen in samples.items()
+            for t, _, score, reason in seen
+        ),
+        reverse=True,
+    )
+    return [
+        f"node {node} at {t - origin:+.1f} s, score {score:.3f}: {reason}"
+        for score, t, node, reason in ranked[:n]
+    ]
 
 
 def slow_link(
@@ -132,6 +164,7 @@ def slow_link(
         "utilisation": utilisation,
         "straggler_alerts": sorted({k for v in straggler_alerts.values() for k in v}),
         "straggler_samples": straggler_shares(sampled),
+        "straggler_nearest": nearest_verdicts(sampled, started),
         "exporters": [
             {
                 "slow_link": modes(s, job).get("slow_link"),
@@ -188,6 +221,7 @@ def contention_window(
         "flagged_30s_after": sum(flagged[t] for t in after if t - flow_end > 30),
         "peak_index": max((max(v.values(), default=0.0) for v in index.values()), default=0.0),
         "straggler_samples": straggler_shares(sampled),
+        "straggler_nearest": nearest_verdicts(sampled, flow_start),
         "exporters_during": [
             {
                 "fabric_contention": modes(s, job).get("fabric_contention"),

@@ -125,6 +125,24 @@ def local_overrides(overrides: Mapping[str, Any] | None = None) -> dict[str, Any
     return {**demo_overrides(load_config()), **(overrides or {})}
 
 
+# What the exporter's job-wide view holds a straggler to before naming it (the alert's line
+# itself is the same at any speed): SyncscopeStraggler's for: and the straggler window.
+STRAGGLER_HOLD = ("alerts.SyncscopeStraggler.for", "windows.straggler")
+
+
+def exporter_overrides() -> list[str]:
+    """The exporter's --set for the rules of `local_config`: how long its job-wide view holds
+    a straggler (STRAGGLER_HOLD)."""
+    lab = local_overrides()
+    return [arg for key in STRAGGLER_HOLD for arg in ("--set", f"{key}={lab[key]}")]
+
+
+def local_straggler_hold_s() -> float:
+    """How long the exporters given `exporter_overrides` hold a straggler before naming it."""
+    lab = local_overrides()
+    return max(duration_seconds(lab[key]) for key in STRAGGLER_HOLD)
+
+
 def local_window_s() -> float:
     """The windows (rate and straggler, seconds) of `local_config`'s rules: what a job-wide rule
     read there covers (syncscope.lab.truth's windowed truth compares over the same steps)."""

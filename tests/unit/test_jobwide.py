@@ -12,6 +12,7 @@ import statistics
 import time
 from typing import Any
 
+import pytest
 from syncscope.exporter.collectors import collect_diagnosis
 from syncscope.exporter.diagnosis import ModeVerdict, diagnose_job
 from syncscope.exporter.jobwide import JobWide, PrometheusReader, parse
@@ -25,6 +26,13 @@ from syncscope.thresholds import load_config
 from tests.unit.test_diagnosis import ranks_of
 
 SETTINGS = Settings()
+
+
+def held(wide: JobWide) -> JobWide:
+    """`wide` as a reading whose values have held for SyncscopeStraggler's for: (the same
+    reading that long before it)."""
+    before = wide.read_unix_s - SETTINGS.thresholds.straggler_hold_s
+    return dataclasses.replace(wide, earlier=(dataclasses.replace(wide, read_unix_s=before),))
 
 
 def two_of_four(name: str) -> list:
@@ -46,9 +54,10 @@ def test_parse_groups_the_rules_by_job():
         rules.TRANSFER_PER_STEP: [sample("0.005", job="a")],
         rules.SYNC_AMPLIFICATION: [sample("0.4", job="a"), sample("+Inf", job="b")],
         rules.TRANSFER_INFLATION: [sample("1.25", job="a")],
+        rules.STEP_MEAN: [sample("0.2", job="a")],
     }
     jobs = parse(replies, now=100.0)
-    assert jobs["a"] == JobWide({0: 0.03, 3: 0.0}, 0.005, 0.4, 100.0, 1.25)
+    assert jobs["a"] == JobWide({0: 0.03, 3: 0.0}, 0.005, 0.4, 100.0, 1.25, step_mean_s=0.2)
     assert jobs["b"] == JobWide({1: 0.01}, None, None, 100.0)
 
 
@@ -99,7 +108,7 @@ def test_node_local_view_of_a_multi_node_job_never_calls_the_fabric_contended():
 def test_job_wide_view_names_a_straggler_on_another_node():
     ranks = two_of_four("balanced")
     step = statistics.median(r.step_time_median_s for r in ranks)  # the node's median step
-    job_wide = JobWide({0: 0.030, 1: 0.031, 2: 0.029, 3: 0.0}, 0.004, 0.45, time.time())
+    job_wide = held(JobWide({0: 0.030, 1: 0.031, 2: 0.029, 3: 0.0}, 0.004, 0.45, time.time()))
     out = diagnose_job(ranks, SETTINGS, job_wide=job_wide)
     assert out.straggler is not None and out.straggler.rank == 3
     assert out.straggler.cause == "unknown" and "another node" in out.straggler.cause_reason
@@ -120,7 +129,7 @@ def test_only_the_exporter_of_the_stragglers_node_exports_its_cause():
     ranks = two_of_four("balanced")  # ranks 0 and 1 of a 4-rank job
 
     def causes(leads: dict[int, float]) -> list[dict[str, str]]:
-        out = diagnose_job(ranks, SETTINGS, job_wide=JobWide(leads, 0.004, 0.45, time.time()))
+        out = diagnose_job(ranks, SETTINGS, job_wide=held(JobWide(leads, 0.004, 0.45, time.time())))
         assert out.straggler is not None
         view = StoreView(0.0, 0.0, 0, {}, {"j": JobView(tuple(ranks), out, "j")})
         families = {f.name: f for f in collect_diagnosis(view)}
@@ -178,7 +187,7 @@ def test_a_local_straggler_keeps_its_cause_in_the_job_wide_view():
     slow = min(ranks, key=lambda r: r.arrival_lead_s).rank
     mates = [r for r in ranks if r.rank in (slow, (slow + 1) % 4)]
     leads = {r: (0.0 if r == slow else 0.03) for r in range(4)}
-    out = diagnose_job(mates, SETTINGS, job_wide=JobWide(leads, 0.004, 0.5, time.time()))
+    out = diagnose_job(mates, SETTINGS, job_wide=held(JobWide(leads, 0.004, 0.5, time.time())))
     assert out.straggler is not None and out.straggler.rank == slow
     assert out.straggler.cause == "forward"
 
@@ -247,7 +256,7 @@ def test_job_wide_view_of_a_pipeline_names_the_root_of_the_stage_whose_leads_spr
     stages = {0: 0, 1: 1, 2: 0, 3: 1}
     leads = {0: 0.030, 1: 0.0, 2: 0.0, 3: 0.002}
     out = diagnose_job(
-        ranks, SETTINGS, job_wide=JobWide(leads, 0.004, 0.1, time.time(), stages=stages)
+        ranks, SETTINGS, job_wide=held(JobWide(leads, 0.004, 0.1, time.time(), stages=stages))
     )
     assert out.straggler is not None and out.straggler.rank == 2
     assert abs(out.skew_s - 0.030) < 1e-9
@@ -268,10 +277,94 @@ def test_job_wide_view_names_a_straggler_only_over_the_alerts_line():
 
     def job_wide(lag: float) -> Any:
         leads = {0: lag, 1: lag, 2: lag, 3: 0.0}
-        return diagnose_job(ranks, SETTINGS, job_wide=JobWide(leads, 0.004, 0.05, time.time()))
+        return diagnose_job(
+            ranks, SETTINGS, job_wide=held(JobWide(leads, 0.004, 0.05, time.time()))
+        )
 
     between = job_wide(0.08 * step)
     assert between.straggler is None and not between.modes["straggler"].verdict, between
     assert "below" in between.modes["straggler"].reason
     over = job_wide(0.12 * step)
     assert over.straggler is not None and over.straggler.rank == 3, over.modes["straggler"]
+
+
+def test_the_job_wide_line_is_a_share_of_the_windows_mean_step_not_of_the_step_now():
+    """The leads are means per step over the rules' window. After a slow spell (a competing
+    flow doubled the transfer) the ranks' step is short again while the window still holds the
+    long steps: 8 ms of lead from that window is under 10 % of its 100 ms mean step, though
+    over 10 % of the 60 ms step reported now (in CI such a transition named a straggler). The
+    reverse, a job slowing down, is judged on the window's steps alike."""
+    now = 0.06
+    ranks = [dataclasses.replace(r, step_time_median_s=now) for r in two_of_four("balanced")]
+    leads = {0: 0.008, 1: 0.008, 2: 0.008, 3: 0.0}
+
+    def reading(step_mean: float | None) -> Any:
+        wide = held(JobWide(leads, 0.004, 0.05, time.time(), step_mean_s=step_mean))
+        return diagnose_job(ranks, SETTINGS, job_wide=wide)
+
+    after_spell = reading(0.1)
+    assert after_spell.straggler is None, after_spell.modes["straggler"]
+    assert after_spell.skew_line_s == pytest.approx(0.01)
+    slowing = reading(0.07)  # 8 ms over 10 % of the window's 70 ms
+    assert slowing.straggler is not None and slowing.straggler.rank == 3
+    assert slowing.skew_line_s == pytest.approx(0.007)
+    # No step mean read (an older rule set): the step reported now, as before
+    assert reading(None).skew_line_s == pytest.approx(0.006)
+
+
+def test_the_job_wide_view_names_a_rank_only_once_it_has_held_for_a_window():
+    """The job-wide view names a rank once it has been the root over the line for the alert's
+    for: and a straggler window (5 min each as shipped). As a competing flow began, each
+    node's rates ended at its own last scrape, and the ranks of one node led the others by
+    12 % of the window's step at one evaluation, 2 % at the next, then 11 % twice: a lead
+    that lasts while the change is inside the window, less than a window. A straggler's
+    lead holds."""
+    ranks = [dataclasses.replace(r, step_time_median_s=0.1) for r in two_of_four("balanced")]
+    hold = SETTINGS.thresholds.straggler_hold_s
+    assert hold > 0, "the shipped alert waits"
+    late, flat = {0: 0.03, 1: 0.03, 2: 0.03, 3: 0.0}, {0: 0.001, 1: 0.0, 2: 0.002, 3: 0.001}
+    now = time.time()
+
+    def named(*readings: dict[int, float]) -> Any:
+        """The newest of `readings`, evenly spread over the alert's for:, oldest first."""
+        at = [
+            now - hold * (len(readings) - 1 - i) / max(1, len(readings) - 1)
+            for i in range(len(readings))
+        ]
+        wide = [JobWide(leads, 0.004, 0.05, t) for leads, t in zip(readings, at, strict=True)]
+        out = diagnose_job(
+            ranks, SETTINGS, job_wide=dataclasses.replace(wide[-1], earlier=tuple(wide[:-1]))
+        )
+        return out.straggler.rank if out.straggler else None, out.modes["straggler"]
+
+    rank, mode = named(late)  # just over the line
+    assert rank is None and not mode.verdict and "must hold" in mode.reason, mode
+    assert named(late, late)[0] == 3
+    assert named(late, late, late)[0] == 3
+    assert named(late, flat, late)[0] is None  # the flicker
+    other = {0: 0.0, 1: 0.03, 2: 0.03, 3: 0.03}  # rank 0 the root a for: ago
+    assert named(other, late)[0] is None
+
+
+def test_the_reader_hands_each_reading_the_history_the_hold_needs(monkeypatch):
+    """Each reading carries the readings of the last `history_s` and the one before them
+    (what tells that a lead held that long), and no more: memory stays bounded."""
+    reader = PrometheusReader("http://127.0.0.1:1", interval_s=1.0, history_s=10.0)
+    clock = iter([100.0, 104.0, 108.0, 112.0, 116.0])
+    monkeypatch.setattr(time, "time", lambda: next(clock))
+
+    def instant(name: str) -> list:
+        return (
+            [{"metric": {"job": "a", "rank": "0"}, "value": [0, "0.01"]}]
+            if name == rules.LEAD
+            else []
+        )
+
+    monkeypatch.setattr(reader.api, "instant", instant)
+    for _ in range(5):
+        assert reader.read_once()
+    newest = reader._jobs["a"]
+    assert newest.read_unix_s == 116.0
+    # 104 is 12 s before: the one older than the history that tells it held from then
+    assert [r.read_unix_s for r in newest.earlier] == [104.0, 108.0, 112.0]
+    assert all(r.earlier == () for r in newest.earlier)
