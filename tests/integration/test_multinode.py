@@ -279,7 +279,7 @@ def test_pacing_paces_the_early_ranks_on_both_nodes_and_never_the_straggler(tmp_
     down and they are paced like rank 2, while rank 3, which waits for nobody, never is."""
     job = "paced-remote-straggler"
     with job_wide_nodes(tmp_path) as (cluster, _prom):
-        cluster.run(["--duration", "30", "--slow-rank", "3", "--pacing"], job)
+        cluster.run(["--duration", "45", "--slow-rank", "3", "--pacing"], job)
         time.sleep(2)
         states = cluster.states()
     pacing = {r["rank"]: r["pacing"] for state in states for r in state["jobs"][job]["ranks"]}
