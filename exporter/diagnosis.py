@@ -797,7 +797,10 @@ def _job_wide(
         )
         return dataclasses.replace(local, modes=modes)
 
-    reading = _over_line(job_wide, t, settings.skew_threshold_s, step)
+    # Where the whole job reports here the node's view, with its per-step count of last
+    # arrivals, names the straggler (over the job-wide leads, exactly and without a hold);
+    # the reading adds what the node cannot measure alone (amplification, the fabric).
+    reading = _over_line(job_wide, t, settings.skew_threshold_s, step) if elsewhere > 0 else None
     if reading is not None:
         slow_rank, skew, threshold, window_step = reading
         score = min(1.0, skew / window_step)

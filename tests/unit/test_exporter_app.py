@@ -284,7 +284,11 @@ def test_the_lead_gauge_is_node_local_and_the_state_job_wide():
     store = Store(settings)
     job_wide = JobWide({0: 0.050, 1: 0.080}, None, None, 0.0)
     store.job_wide = lambda job, as_of=None: job_wide  # as a PrometheusReader would
-    agents = [{**BATCH_V2["agent"], "rank": r, "local_rank": r, "hostname": "h"} for r in (0, 1)]
+    # Two ranks of four here: the job-wide view is the job's
+    agents = [
+        {**BATCH_V2["agent"], "rank": r, "local_rank": r, "hostname": "h", "world_size": 4}
+        for r in (0, 1)
+    ]
     with TestClient(create_app(settings, store)) as c:
         for agent in agents:  # both report before any step, so that every step pools both
             batch = {**BATCH_V2, "agent": agent, "steps": [], "collectives": []}

@@ -368,3 +368,20 @@ def test_the_reader_hands_each_reading_the_history_the_hold_needs(monkeypatch):
     # 104 is 12 s before: the one older than the history that tells it held from then
     assert [r.read_unix_s for r in newest.earlier] == [104.0, 108.0, 112.0]
     assert all(r.earlier == () for r in newest.earlier)
+
+
+def test_an_exporter_that_holds_the_whole_job_names_its_straggler_without_the_hold():
+    """All four ranks report here: the node's view, which counts last arrivals per step, is the
+    job's, and names the straggler at once; the reading Prometheus gives (no history yet) adds
+    the amplification, not a hold of 5 minutes."""
+    ranks = ranks_of("forward_straggler")
+    slow = min(ranks, key=lambda r: r.arrival_lead_s).rank
+    leads = {r.rank: r.arrival_lead_s for r in ranks}
+    out = diagnose_job(ranks, SETTINGS, job_wide=JobWide(leads, 0.004, 0.5, time.time()))
+    assert out.straggler is not None and out.straggler.rank == slow, out.modes["straggler"]
+    assert out.straggler.cause == "forward"
+    assert "job-wide" in out.modes["sync_amplification"].reason
+    # Half of the job here: the job-wide view, which must hold first
+    mates = [r for r in ranks if r.rank in (slow, (slow + 1) % 4)]
+    half = diagnose_job(mates, SETTINGS, job_wide=JobWide(leads, 0.004, 0.5, time.time()))
+    assert half.straggler is None and "must hold" in half.modes["straggler"].reason
