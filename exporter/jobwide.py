@@ -28,6 +28,8 @@ from syncscope import recorded
 from syncscope.prometheus_api import PrometheusAPI, PrometheusError
 
 log = logging.getLogger("syncscope.exporter")
+# Field metadata for store.as_json (which declares the others): the field is left out of the JSON.
+NOT_IN_JSON = {"json": "omit"}
 # How long an ended job's last reading is kept (the exporter expires the job itself sooner).
 HOLD_S = 24 * 3600.0
 
@@ -54,8 +56,9 @@ class JobWide:
     # job's steps lengthen or shorten, the leads still hold the window's steps.
     step_mean_s: float | None = None
     # The job's readings before this one, oldest first, over the reader's history (each with
-    # no history of its own): how long a rank has been the straggler, for the alert's for:
-    earlier: tuple[JobWide, ...] = ()
+    # no history of its own): how long a rank has been the straggler, for the hold. The
+    # diagnosis's input, not part of the view: /v1/state leaves it out.
+    earlier: tuple[JobWide, ...] = field(default=(), metadata=NOT_IN_JSON)
 
     def job_waits(self) -> Mapping[int, float]:
         """Each rank's blocked time per step beyond the job's least blocked rank."""

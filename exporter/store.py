@@ -19,7 +19,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from syncscope.exporter.jobwide import JobWide
+from syncscope.exporter.jobwide import NOT_IN_JSON, JobWide
 from syncscope.exporter.pooling import JobPool, Sample
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.throughput import Throughput, ThroughputView
@@ -71,6 +71,7 @@ RATIO_MEDIAN_EVERY = 16
 # Field metadata for `as_json`. BY_PHASE: the field holds one number per wire.Phase, in Phase
 # order (index it with a Phase), and its JSON is an object keyed by phase label ({} when the
 # tuple is empty). OMIT_IF_NONE: the key is left out of the JSON while the field is None.
+# NOT_IN_JSON (jobwide, which store imports): the key is always left out.
 BY_PHASE = {"json": "by_phase"}
 OMIT_IF_NONE = {"json": "omit_if_none"}
 
@@ -319,6 +320,7 @@ def _json_fields(cls: type) -> tuple[tuple[str, bool, bool], ...]:
     return tuple(
         (f.name, f.metadata == BY_PHASE, f.metadata == OMIT_IF_NONE)
         for f in dataclasses.fields(cls)
+        if f.metadata != NOT_IN_JSON
     )
 
 

@@ -137,12 +137,6 @@ def exporter_overrides() -> list[str]:
     return [arg for key in STRAGGLER_HOLD for arg in ("--set", f"{key}={lab[key]}")]
 
 
-def local_straggler_hold_s() -> float:
-    """How long the exporters given `exporter_overrides` hold a straggler before naming it."""
-    lab = local_overrides()
-    return max(duration_seconds(lab[key]) for key in STRAGGLER_HOLD)
-
-
 def local_window_s() -> float:
     """The windows (rate and straggler, seconds) of `local_config`'s rules: what a job-wide rule
     read there covers (syncscope.lab.truth's windowed truth compares over the same steps)."""

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from syncscope.exporter import __main__ as exporter_main
 
 from syncscope import catalog as M
 from syncscope.lab import render, scenarios
@@ -29,8 +30,8 @@ from syncscope.lab.truth import compare, format_comparison, rule_window_steps
 from syncscope.monitoring import dashboards as D
 from syncscope.monitoring import rules as R
 from syncscope.monitoring.prometheus_config import (
+    exporter_overrides,
     local_config,
-    local_straggler_hold_s,
     local_window_s,
 )
 from syncscope.thresholds import load_config, required
@@ -343,7 +344,7 @@ def run_across_nodes(tmp_path, job: str, args: list[str], named: bool = True) ->
         # a window) and read it once more.
         warm = started + scenarios.WARM_UP_S + 5
         window = local_window_s()
-        hold = local_straggler_hold_s() + 2 if named else 0.0
+        hold = exporter_hold_s() + 2 if named else 0.0
         ready = 0.0
         samples: list[tuple[int, Any]] = []
         running: list[tuple[int, Any]] = []
@@ -390,6 +391,13 @@ def run_across_nodes(tmp_path, job: str, args: list[str], named: bool = True) ->
             "exposed": float(prom.query(f"{R.COMM_EXPOSED_RATIO}{sel}", at=last)[0]["value"][1]),
         }
     return out
+
+
+def exporter_hold_s() -> float:
+    """How long the lab's exporters (given `exporter_overrides`) hold a straggler before
+    naming it job-wide: their own settings' figure."""
+    args = exporter_main.build_parser().parse_args(exporter_overrides())
+    return exporter_main.settings_from_args(args).thresholds.straggler_hold_s
 
 
 def ruled_rank(series: dict[str, float]) -> str | None:
