@@ -23,6 +23,13 @@ def rate(cfg: Thresholds, metric: str, *matchers: str, window: str | None = None
     return f"rate({sel(cfg, metric, *matchers)}[{window or cfg.windows.rate}])"
 
 
+def younger_than(series: str, identity: str, window: str) -> str:
+    """The series of ``series`` that did not exist ``window`` ago (matched on ``identity``):
+    their rates over that window cover only the few scrapes since they appeared, and a ratio
+    of two such rates reads whatever the first scrapes' extrapolations make of it."""
+    return f"({series} unless on ({identity}) {series} offset {window})"
+
+
 def indent(expr: str, by: int) -> str:
     """``expr`` with every non-empty line indented by ``by`` spaces, for nesting PromQL."""
     return "\n".join(" " * by + line if line else line for line in expr.strip("\n").splitlines())

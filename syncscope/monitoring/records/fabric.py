@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from syncscope import catalog as M
-from syncscope.monitoring.promql import STEP_SECONDS_COUNT, rate, sel
+from syncscope.monitoring.promql import STEP_SECONDS_COUNT, rate, sel, younger_than
 from syncscope.monitoring.records.base import record
 from syncscope.recorded import (
     BUS_BANDWIDTH,
@@ -76,7 +76,10 @@ def _bus_bandwidth(cfg: Thresholds) -> dict[str, Any]:
 
 def _contention_records(cfg: Thresholds) -> list[dict[str, Any]]:
     no_ddp = f'op!="{NOT_A_TRANSFER}"'
+    calls = sel(cfg, M.COLLECTIVE_CALLS_TOTAL.name, no_ddp)
     return [
+        # Once every rank's series of the op and group cover a full window, as the DDP path's
+        # transfer per step (records/sync.py): the first readings would be the baseline.
         record(
             TRANSFER_PER_CALL,
             f"""
@@ -87,6 +90,8 @@ def _contention_records(cfg: Thresholds) -> list[dict[str, Any]]:
   )
 /
   (sum by (job, op, group) ({rate(cfg, M.COLLECTIVE_CALLS_TOTAL.name, no_ddp)}) > 0)
+unless on (job, op, group)
+  {younger_than(calls, "job, node, rank, op, group", cfg.windows.rate)}
 """,
         ),
         # Transfer per call against its own 10th percentile over the baseline window, only
