@@ -26,6 +26,10 @@ WARM_UP_S = 15.0  # gloo connects, the first steps, the rules' first full window
 _ALERTS = load_config().alerts
 SLOW_LINK_LINE = required(_ALERTS["SyncscopeSlowLink"].levels[0].threshold, "threshold")
 CONTENTION_LINE = required(_ALERTS["SyncscopeFabricContention"].levels[0].threshold, "threshold")
+# Both links shaped alike, so that the DDP transfer is the link's (~46 ms a step) and not the
+# two shared CPUs' scheduling: unshaped it is ~7 ms, and its 10 s means swung from 5.5 to 12 ms
+# within one steady job (measured against the ranks' own records), across the contention line.
+EVEN_LINKS_MBIT = {0: 200.0, 1: 200.0}
 
 
 # What evaluates the rules: one Prometheus, or vmagent shards, VictoriaMetrics and vmalert.
@@ -183,7 +187,7 @@ def contention_window(
 ) -> dict[str, Any]:
     """Every link shaped alike (200 Mbit/s); after `before_s` a bulk TCP flow from node 0 to
     node 1 for `flow_s`. The DDP transfer's contention index, evaluation by evaluation."""
-    with job_wide_nodes(workdir, link_mbit={0: 200, 1: 200}) as (cluster, prom):
+    with job_wide_nodes(workdir, link_mbit=EVEN_LINKS_MBIT) as (cluster, prom):
         args = ["--duration", str(before_s + flow_s + after_s)]
         # Every exporter's straggler verdict once a second, before, during and after the flow
         sampled: dict[int, list[Any]] = {}
