@@ -222,11 +222,6 @@ def test_runner_attaches_an_unmodified_script(exporter: Any, tmp_path: Path) -> 
     assert "runner-off" not in exporter.state()["jobs"]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not (_installed("lightning") or _installed("pytorch_lightning")),
-    reason="PyTorch Lightning not installed (optional extra: syncscope[lightning])",
-)
 def _assert_work(job: dict[str, Any], samples: int, tokens: int | None) -> None:
     """Every rank's sample (and token) counter equals the job's own count exactly."""
     for r in job["ranks"]:
@@ -238,6 +233,11 @@ def _assert_work(job: dict[str, Any], samples: int, tokens: int | None) -> None:
         )
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (_installed("lightning") or _installed("pytorch_lightning")),
+    reason="PyTorch Lightning not installed (optional extra: syncscope[lightning])",
+)
 def test_lightning_callback_on_a_real_ddp_run(exporter: Any, tmp_path: Path) -> None:
     steps = 40
     env = {
