@@ -77,6 +77,9 @@ C10D_OPS: dict[str, tuple[str, int, int | None]] = {
     "recv_": ("recv", 1, 0),
     "recv_any_source_": ("recv", 1, 0),
 }
+# The op of DDP's bucket all-reduces (its reducer's allreduce_): the one op left out on DDP's
+# group while its backward runs (CollectiveInterceptor)
+SKIPPED_OP = "all_reduce"
 NOT_COLLECTIVES = frozenset({"check_for_nan"})  # c10d ops that move no data between ranks
 _OP_LABELS = [label for label, _group_at, _size_at in C10D_OPS.values()]  # by the C++ op index
 
@@ -227,12 +230,17 @@ class CollectiveInterceptor:
     """Times every c10d op on CPU tensors, issue to completion, into `queues.collectives` as
     (op, group, bytes, duration_ns, step); adds the training thread's waits to `blocked`.
 
-    Calls on `skip_group` (a ProcessGroup) while `skip_while()` are left out: they are part of
-    something timed another way (DDP's gradient sync, timed as its exposed part by the phase
-    clock); the C++ kernel leaves out those it saw issued inside autograd, which is where DDP's
-    reducer issues them. Several agents in one process share one set of kernels (_Kernels);
-    each gets every call. `native=False` keeps the kernels in Python (the first interceptor
-    installed decides for the process).
+    All-reduces on `skip_group` (a ProcessGroup) while `skip_while()` are left out: they are
+    DDP's bucket all-reduces, timed another way (DDP's gradient sync, timed as its exposed part
+    by the phase clock); the C++ kernel leaves out those it saw issued inside autograd, which is
+    where DDP's reducer issues them. Only all-reduces: the reducer issues nothing else there,
+    so every other collective on that group is recorded, in backward too (an expert-parallel
+    model's all-to-all in a custom autograd.Function's backward). What remains folded into
+    DDP's sync, unrecorded: a user's own all-reduce on DDP's group issued inside autograd (a
+    custom backward's) or, with the Python kernel, while a backward is pending; nothing at the
+    dispatcher tells it from the reducer's. Several agents in one process share one set of
+    kernels (_Kernels); each gets every call. `native=False` keeps the kernels in Python (the
+    first interceptor installed decides for the process).
     """
 
     def __init__(
@@ -293,7 +301,7 @@ class CollectiveInterceptor:
         in_autograd: bool,
     ) -> None:
         """One collective the C++ kernel timed, on group `name` (torch's) described `desc`."""
-        if in_autograd and name == self.skip_name:
+        if in_autograd and name == self.skip_name and op == SKIPPED_OP:  # DDP's buckets
             return
         self.record(op, self.labels.named(name, desc), size, duration_ns, step)
 
@@ -316,8 +324,8 @@ class CollectiveInterceptor:
             process_group = args[group_at]
             if type(process_group) is _SCRIPT_OBJECT[0]:
                 process_group = _unbox_group(process_group)
-            if process_group is self.skip_group and self.skip_while():
-                return
+            if label == SKIPPED_OP and process_group is self.skip_group and self.skip_while():
+                return  # DDP's bucket all-reduce
             group = self.labels(process_group)
             size = nbytes(args[size_at]) if size_at is not None else 0
             step = self.step_of()

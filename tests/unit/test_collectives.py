@@ -235,6 +235,60 @@ def test_ddp_gradient_sync_is_timed_once_as_its_exposed_part(
         agent.close()
 
 
+class AllToAll(torch.autograd.Function):
+    """An expert-parallel dispatch: an all-to-all in forward, its gradient's in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+@pytest.mark.parametrize("kernel", ["c++", "python"])
+def test_collectives_in_backward_on_ddps_group_are_recorded_and_its_buckets_are_not(
+    gloo_world_of_one, monkeypatch, kernel
+):
+    """A custom autograd.Function's all-to-all in backward, on DDP's own group: recorded as
+    every other call is (2 a step, the job's own count); DDP's bucket all-reduces, issued in
+    the same backward on the same group, are still its sync and no all_reduce record."""
+    monkeypatch.delenv("SYNCSCOPE_EXPORTER", raising=False)
+    monkeypatch.setenv("SYNCSCOPE_NATIVE_COLLECTIVES", "1" if kernel == "c++" else "0")
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+            self.group: Any = None  # DDP's, once wrapped
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return AllToAll.apply(self.lin(x), self.group)
+
+    experts = Experts()
+    ddp = torch.nn.parallel.DistributedDataParallel(experts)
+    experts.group = ddp.process_group
+    agent = train(ddp, 3, 8, 64)
+    try:
+        assert agent.patch.kernel == kernel
+        ops = [(op, step) for op, _g, _s, _d, step in ops_of(agent.queues.collectives, agent.patch)]
+    finally:
+        agent.close()
+    per_step = collections.Counter(step for op, step in ops if op == "all_to_all")
+    assert per_step == {0: 2, 1: 2, 2: 2}, ops
+    assert [o for o in ops if o[0] not in ("all_to_all", "broadcast")] == [
+        ("ddp_grad_sync", 0),
+        ("ddp_grad_sync", 1),
+        ("ddp_grad_sync", 2),
+    ], ops
+
+
 def test_time_blocked_in_a_collective_inside_forward_is_exposed_communication(
     gloo_world_of_one, monkeypatch
 ):
