@@ -2,7 +2,9 @@
 
 Where each boundary comes from (measured on gloo + DDP, see shared/FIELD-NOTES.md):
   data          previous step end (or previous backward) -> forward pre-hook
-  forward       entry -> return of the model's forward (wrapped on the instance)
+  forward       entry -> return of the model's forward (wrapped on the instance); a model
+                with forward hooks of its own (FSDP2's root, a user's), which nn.Module runs
+                outside forward: our first pre-hook -> our last hook (ForwardHooks)
   backward      entry of torch.autograd.backward (wrapped) -> callback A, queued on the autograd
                 engine by the first gradient of the model's parameters, which runs after all
                 autograd work of that backward
@@ -240,7 +242,12 @@ class PhaseClock:
         handles = self._handles
         parts = parts_of(model)
         for i, part in enumerate(parts):
-            handles.append(wrap_forward(part, self.timed_forward, count=i == 0))
+            hooks = ForwardHooks.of(self, part)
+            timed = functools.partial(self.timed_forward, hooks=hooks)
+            handles.append(wrap_forward(part, timed, count=i == 0))
+            if hooks is not None:
+                handles.append(hooks)
+                hooks.follow()  # the module's hooks so far (FSDP2's): ours around them
         if parts and self.queue_callback is not None:
             # Every trainable parameter is hooked until the first backward shows which
             # gradients come first.
@@ -317,17 +324,30 @@ class PhaseClock:
         return waited
 
     # -- forward ------------------------------------------------------------------------------
-    def timed_forward(self, original: Callable[..., Any], count: bool = True) -> Callable[..., Any]:
+    def timed_forward(
+        self, original: Callable[..., Any], count: bool = True, hooks: ForwardHooks | None = None
+    ) -> Callable[..., Any]:
         """`original` (a model's forward) timed as the forward phase, in the one frame that
         calls it: every extra Python call on the hot path runs on caches the step's kernels
         have flushed, ~2-6 µs each on a 10 ms CPU step (bench_agent_overhead.py --sizes).
-        `count`: read the batch from its inputs (count_inputs), else not."""
+        `count`: read the batch from its inputs (count_inputs), else not. `hooks`: the module's
+        ForwardHooks, which time the phase instead while the module has forward hooks (a dict
+        test per call here while it has none)."""
         clock = self
+        module = hooks.module if hooks is not None else None
+        global_post = hooks.global_post if hooks is not None else None
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             quiet = clock.quiet  # a step whose phases are not timed: only its batch is read
+            own = not quiet  # this call times the phase (not quiet, no hook of ours does)
             try:
-                if not quiet:
+                if (
+                    own
+                    and module is not None
+                    and (module._forward_pre_hooks or module._forward_hooks or global_post)
+                ):
+                    own = hooks.entered()  # type: ignore[union-attr]
+                if own:
                     t = _now()
                     blocked = clock.blocked
                     waited = 0
@@ -356,7 +376,7 @@ class PhaseClock:
             except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
                 clock.on_error(exc)
             out = _call_traced(original, *args, **kwargs)
-            if quiet:
+            if not own:
                 return out
             try:
                 t = _now()
@@ -379,6 +399,35 @@ class PhaseClock:
             return out
 
         return forward
+
+    def forward_began(self) -> None:
+        """The forward phase starts (ForwardHooks' pre-hook): what the forward wrapper does
+        inline on entry when the module has no hooks."""
+        t = _now()
+        waited = self.take_blocked(FWD_PRE)
+        idle = self.idle_since
+        if idle:
+            self.acc[DATA] += max(0, t - idle - waited)
+            self.idle_since = 0
+        self.fwd_start = t
+        if self.mark is not None:
+            self.mark(FWD_PRE)
+
+    def forward_ended(self, out: Any) -> None:
+        """The forward phase ends with output `out` (ForwardHooks' post-hook): what the forward
+        wrapper does inline on return when the module has no hooks."""
+        t = _now()
+        if self.fwd_start:
+            waited = self.take_blocked(FWD_POST)
+            self.acc[FORWARD] += max(0, t - self.fwd_start - waited)
+            self.fwd_start = 0
+        self.fwd_since_bwd = True
+        if self.output_hooks and not self.bwd_pending:
+            tensor = first_grad_tensor(out)
+            if tensor is not None:
+                tensor.register_hook(self._output_reached)
+        if self.mark is not None:
+            self.mark(FWD_POST)
 
     # -- backward -----------------------------------------------------------------------------
     def _learn(self) -> None:
@@ -731,6 +780,129 @@ def restored_step(optimizer: Any) -> int:
     return 0
 
 
+class ForwardHooks:
+    """The forward phase of a module that has forward hooks, timed from a pre-hook of ours that
+    runs first to a post-hook of ours that runs last (always_call): nn.Module.__call__ runs its
+    hooks outside `forward` (FSDP2's root pre-forward, with its all-gathers; a user's hook), so
+    the forward wrapper alone would leave their time in data (pre-hooks) or in `other`
+    (post-hooks). A module without hooks keeps the wrapper alone: registering ours would send
+    every call through nn.Module's slow path (wrap_forward).
+
+    `follow()` at instrument time registers the pair when the module has hooks; hooks added
+    later are seen by the forward wrapper (a dict test per call), which registers the pair for
+    the next call (that call's pre-hooks, already run, stay data). While registered, the
+    pre-hook keeps ours first and last when a hook was added around them since (up to
+    MAX_MOVES times: another library that wants the same place wins), and removes the pair
+    once only ours are left. Global forward pre-hooks (register_module_forward_pre_hook) run
+    before any module's, ours too: their time on this module stays data. A direct
+    `model.forward(x)` call runs no hooks: the wrapper times it.
+    """
+
+    MAX_MOVES = 8
+
+    def __init__(self, clock: PhaseClock, module: Any, global_post: dict) -> None:
+        self.clock = clock
+        self.module: Any = module  # None once removed
+        self.global_post = global_post  # torch's global forward hooks (run before the module's)
+        self.handles: tuple[Any, ...] = ()
+        self.started = False  # our pre-hook started the phase; our post-hook has not ended it
+        self.moves = 0
+        # What nn.Module calls: left out of torch.compile's tracing with all they call (the
+        # clock's reads; nothing of the model's)
+        self._pre_hook = _never_traced(self._pre)
+        self._post_hook = _never_traced(self._post)
+
+    @staticmethod
+    def of(clock: PhaseClock, module: Any) -> ForwardHooks | None:
+        """A module's ForwardHooks; None for an object with no nn.Module hooks to follow."""
+        try:
+            from torch.nn.modules import module as nn_module
+
+            global_post = nn_module._global_forward_hooks
+        except (ImportError, AttributeError):
+            return None
+        if not (
+            isinstance(getattr(module, "_forward_pre_hooks", None), dict)
+            and isinstance(getattr(module, "_forward_hooks", None), dict)
+            and hasattr(module, "register_forward_pre_hook")
+        ):
+            return None
+        return ForwardHooks(clock, module, global_post)
+
+    def wanted(self) -> bool:
+        module = self.module
+        return module is not None and bool(
+            module._forward_pre_hooks or module._forward_hooks or self.global_post
+        )
+
+    def follow(self) -> None:
+        """Register the pair if the module has hooks (and it is not registered)."""
+        if not self.handles and self.wanted():
+            self._register()
+
+    def entered(self) -> bool:
+        """The forward wrapper was called while the module has hooks: whether it times this
+        call itself (no pre-hook of ours started the phase); the pair is registered for the
+        next call if it is not."""
+        if self.started:
+            return False
+        module = self.module
+        if module is not None and (
+            not self.handles or self.handles[0].id not in module._forward_pre_hooks
+        ):
+            self._unregister()  # ours were cleared from under us, or never registered
+            self._register()
+        return True
+
+    def remove(self) -> None:
+        self._unregister()
+        self.module = None
+
+    def _register(self) -> None:
+        module = self.module
+        pre = module.register_forward_pre_hook(self._pre_hook, prepend=True)
+        post = module.register_forward_hook(self._post_hook, always_call=True)
+        self.handles = (pre, post)
+
+    def _unregister(self) -> None:
+        for handle in self.handles:
+            with contextlib.suppress(Exception):
+                handle.remove()
+        self.handles = ()
+        self.started = False
+
+    def _pre(self, module: Any, _args: Any) -> None:
+        clock = self.clock
+        if not self.handles:  # removed while nn.Module was calling the hooks it had
+            return
+        try:
+            pre_hooks, post_hooks = module._forward_pre_hooks, module._forward_hooks
+            if len(pre_hooks) == 1 and len(post_hooks) == 1 and not self.global_post:
+                self._unregister()  # only ours are left: the wrapper times this call and on
+                return
+            pre, post = self.handles
+            if (
+                next(iter(pre_hooks)) != pre.id or next(reversed(post_hooks)) != post.id
+            ) and self.moves < self.MAX_MOVES:
+                self.moves += 1  # a hook added around ours: ours first and last again
+                self._unregister()
+                self._register()
+            if not clock.quiet:
+                clock.forward_began()
+                self.started = True
+        except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
+            clock.on_error(exc)
+
+    def _post(self, _module: Any, _args: Any, out: Any) -> None:
+        if not self.started:
+            return
+        self.started = False
+        try:
+            self.clock.forward_ended(out)
+        except BaseException as exc:  # noqa: BLE001
+            self.clock.on_error(exc)
+
+
 class _ForwardWrapper:
     """The handle of wrap_forward: `remove()` undoes it, unless someone wrapped on top of it."""
 
@@ -759,6 +931,8 @@ def wrap_forward(model: Any, timed: Callable[..., Callable[..., Any]], count: bo
 
     Not register_forward_(pre_)hook: any module hook sends every call through nn.Module's slow
     path, several times the wrapper's cost per step (bench/bench_hook_costs.py measures both).
+    Only a module that has forward hooks anyway (which nn.Module runs outside `forward`) is
+    timed by hooks of ours around them (ForwardHooks).
     An exception in forward passes through untouched (the next forward restarts the phase).
     """
     had_own = "forward" in model.__dict__
@@ -781,6 +955,15 @@ def _not_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
         return disable(fn, recursive=False)
     except TypeError:  # a torch whose disable() has no `recursive`
         return fn
+
+
+def _never_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` and everything it calls left out of torch.compile's tracing (ForwardHooks' hooks,
+    which call only the clock)."""
+    import torch
+
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return fn if disable is None else disable(fn)
 
 
 def _call_traced(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -76,3 +76,116 @@ def test_disable_switch_returns_an_inert_agent(monkeypatch):
         pass
     agent.close()
     assert agent.stats["steps"] == 0
+
+
+HOOK_S = 0.03  # a forward hook's sleep
+
+
+def sleepy_hook(*_args) -> None:
+    time.sleep(HOOK_S)
+
+
+def run_with_hook(register, when: str, steps: int, after: int = 0, **settings) -> tuple:
+    """A model with `register(model)` as its hook (before or after attach): `steps` steps, then
+    the hook removed and `after` steps more. (rows, the agent's errors, the model's forward
+    pre-hooks and hooks left after the last step)."""
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = register(model) if when == "before" else None
+    agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600, **settings)
+    try:
+        if handle is None:
+            handle = register(model)
+        x = torch.randn(4, 8)
+        for i in range(steps + after):
+            if i == steps:
+                handle.remove()
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        left = (len(model._forward_pre_hooks), len(model._forward_hooks))
+        return list(agent.queues.steps), agent.stats["errors"], left
+    finally:
+        agent.close()
+    handle.remove()
+    assert not model._forward_pre_hooks and not model._forward_hooks  # ours went at close
+
+
+def phases_of(row: tuple) -> dict[str, int]:
+    _step, _end, total, data, fwd, bwd, optim, comm, pacing, _samples, _tokens = row
+    return {"data": data, "forward": fwd, "other": total - data - fwd - bwd - optim - comm - pacing}
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize(
+    "register",
+    [
+        lambda m: m.register_forward_pre_hook(sleepy_hook),
+        lambda m: m.register_forward_hook(sleepy_hook),
+        lambda m: m.register_forward_pre_hook(sleepy_hook, prepend=True, with_kwargs=True),
+    ],
+    ids=["pre-hook", "post-hook", "prepended-pre-hook"],
+)
+def test_the_models_forward_hooks_are_forward_time(register, when, monkeypatch):
+    """nn.Module runs a model's forward hooks outside its forward (FSDP2's root pre-forward
+    is one): their time is forward, not data loading (pre-hooks) nor `other` (post-hooks).
+    A hook registered after attach counts from the step after its first call (that call's
+    pre-hooks had run before anything saw them); one prepended later (FSDP2's way) too. Once
+    the hook is removed, ours go: the model is back on nn.Module's fast path."""
+    monkeypatch.delenv("SYNCSCOPE_EXPORTER", raising=False)
+    rows, errors, left = run_with_hook(register, when, steps=6, after=2)
+    assert errors == 0
+    hooked, unhooked = [phases_of(r) for r in rows[2:6]], [phases_of(r) for r in rows[6:]]
+    for p in hooked:  # a sleep never ends early
+        assert p["forward"] >= HOOK_S * 1e9, rows
+    assert statistics.median(p["data"] for p in hooked) < HOOK_S / 2 * 1e9, rows
+    assert statistics.median(p["other"] for p in hooked) < HOOK_S / 2 * 1e9, rows
+    assert left == (0, 0)
+    assert all(p["forward"] < HOOK_S * 1e9 for p in unhooked), rows
+
+
+def test_hooked_forwards_keep_phase_sampling(monkeypatch):
+    """With phase_every: the timed steps have the pre-hook's time in forward, the quiet ones
+    carry their shares."""
+    monkeypatch.delenv("SYNCSCOPE_EXPORTER", raising=False)
+    rows, errors, _left = run_with_hook(
+        lambda m: m.register_forward_pre_hook(sleepy_hook), "before", steps=8, phase_every=2
+    )
+    assert errors == 0 and [r[0] for r in rows] == list(range(8))
+    for step in (2, 4, 6):
+        timed, quiet = rows[step], rows[step + 1]
+        assert phases_of(timed)["forward"] >= HOOK_S * 1e9, rows
+        assert phases_of(timed)["data"] < phases_of(timed)["forward"], rows
+        shares = [ns / timed[2] for ns in timed[3:9]]
+        assert [ns / quiet[2] for ns in quiet[3:9]] == pytest.approx(shares, abs=1e-6), rows
+
+
+def test_hooks_added_around_ours_after_attach_are_forward_time(monkeypatch):
+    """The model had a hook at attach (ours went around it); later a pre-hook is prepended
+    (FSDP2's fully_shard after attach) and a hook appended: ours move to stay first and last."""
+    monkeypatch.delenv("SYNCSCOPE_EXPORTER", raising=False)
+
+    def register(model: torch.nn.Module) -> object:
+        if model._forward_pre_hooks:  # after attach: around ours
+            model.register_forward_pre_hook(sleepy_hook, prepend=True)
+            return model.register_forward_hook(sleepy_hook)
+        return model.register_forward_pre_hook(lambda *_: None)
+
+    model = torch.nn.Linear(8, 1)
+    register(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600)
+    try:
+        register(model)
+        for _ in range(5):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        rows = [phases_of(r) for r in list(agent.queues.steps)[1:]]
+        assert agent.stats["errors"] == 0
+    finally:
+        agent.close()
+    for p in rows:
+        assert p["forward"] >= 2 * HOOK_S * 1e9, rows
+    assert statistics.median(p["data"] for p in rows) < HOOK_S / 2 * 1e9, rows
+    assert statistics.median(p["other"] for p in rows) < HOOK_S / 2 * 1e9, rows
