@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import bench_gpu_overhead as bench
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +30,7 @@ def test_the_verdict_needs_the_median_and_the_intervals_upper_end_under_their_ta
     assert bench.verdict([1.05, 1.06, 1.04], None, "", lenient) == 0
 
 
+@pytest.mark.slow
 def test_the_script_runs_pooled_over_processes_with_parts_taken_out(tmp_path):
     steps = tmp_path / "steps.json"
     cmd = [

@@ -410,6 +410,7 @@ interceptor.uninstall()
 """
 
 
+@pytest.mark.slow
 def test_without_a_built_library_the_python_kernel_serves_and_says_why(tmp_path):
     """A machine where `python -m syncscope.agent.native` never ran (or another torch): the
     agent says where it looked and times collectives in Python all the same."""
@@ -430,6 +431,7 @@ def test_without_a_built_library_the_python_kernel_serves_and_says_why(tmp_path)
     assert "KERNEL python [('all_reduce', 'default_pg', 16)]" in out, out
 
 
+@pytest.mark.slow
 def test_records_the_cpp_buffer_has_no_room_for_are_counted_as_dropped(gloo_world_of_one):
     """Nobody polls while 100 more collectives than the C++ buffer holds (65,536) run: every one
     is either queued or counted as dropped (the queue's own tail drop included)."""

@@ -253,6 +253,7 @@ RAW_BODIES = st.one_of(
 )
 
 
+@pytest.mark.slow
 @FUZZ
 @given(body=st.one_of(mutated_batches(), mutated_batches(), RAW_BODIES))
 def test_hypothesis_hostile_batches_never_5xx(body: bytes) -> None:
@@ -270,6 +271,7 @@ def test_hypothesis_hostile_batches_never_5xx(body: bytes) -> None:
         check_invariants()
 
 
+@pytest.mark.slow
 @FUZZ
 @given(job=NASTY_TEXT, group=NASTY_TEXT, host=NASTY_TEXT, version=st.sampled_from([1, 2]))
 def test_hypothesis_label_values_are_sanitised(
@@ -383,6 +385,7 @@ SCHEMA = schemathesis.openapi.from_asgi("/openapi.json", APP)
 SCHEMA.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 
 
+@pytest.mark.slow
 @SCHEMA.parametrize()
 @FUZZ
 def test_schemathesis_no_server_errors(case: Any) -> None:

@@ -157,6 +157,7 @@ def promtool_passes(test_file: Path) -> None:
 # ------------------------------------------------------------------ the scenarios' rule side
 
 
+@pytest.mark.slow
 @needs_promtool
 def test_the_replayed_firing_sets_are_what_the_rules_produce():
     promtool_passes(SCENARIOS)
@@ -217,6 +218,7 @@ def test_the_straggler_outlasts_what_it_inhibits_shipped_and_shortened():
     assert rule["keep_firing_for"] == load_config().alerts["SyncscopeStraggler"].keep_firing_for
 
 
+@pytest.mark.slow
 @needs_alertmanager
 def test_a_straggler_incident_is_one_notification(am):
     manager, hook = am
@@ -228,6 +230,7 @@ def test_a_straggler_incident_is_one_notification(am):
     assert hook.to("pager") == []
 
 
+@pytest.mark.slow
 @needs_alertmanager
 def test_a_clean_job_end_notifies_nobody(am):
     manager, hook = am
@@ -237,6 +240,7 @@ def test_a_clean_job_end_notifies_nobody(am):
     assert hook.notifications == []
 
 
+@pytest.mark.slow
 @needs_alertmanager
 def test_a_hung_job_is_one_page(am):
     manager, hook = am
@@ -246,6 +250,7 @@ def test_a_hung_job_is_one_page(am):
     assert hook.to("default") == []
 
 
+@pytest.mark.slow
 @needs_alertmanager
 def test_checkpoints_every_100_steps_page_nobody(am):
     manager, hook = am
@@ -307,6 +312,7 @@ def _rolling_restart(nodes: int, down_min: int = 2, start_min: int = 5) -> tuple
     return "\n".join(lines) + "\n", end
 
 
+@pytest.mark.slow
 @needs_promtool
 @needs_alertmanager
 def test_128_exporters_restarting_one_by_one_page_nobody(am, tmp_path):
@@ -324,6 +330,7 @@ def test_128_exporters_restarting_one_by_one_page_nobody(am, tmp_path):
     assert alertnames(notification) == [("SyncscopeExporterDown", "syncscope-exporter")]
 
 
+@pytest.mark.slow
 @needs_alertmanager
 def test_straggler_inhibits_what_it_causes_per_job(am):
     """Two jobs' incidents at once (the critical CV level included), and a third whose straggler

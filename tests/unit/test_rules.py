@@ -74,6 +74,7 @@ def test_promtool_check_rules_including_lint():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 @needs_promtool
 def test_promtool_unit_tests_pass():
     """Also the mutation tests' control: the rules they break are generated afresh (_layout),
@@ -350,6 +351,7 @@ def _layout(tmp_path: Path, overrides: dict) -> Path:
     return tmp_path / "tests"
 
 
+@pytest.mark.slow
 @needs_promtool
 @pytest.mark.parametrize(
     ("key", "value", "test_file", "culprit"), MUTATIONS, ids=[m[0] for m in MUTATIONS]
