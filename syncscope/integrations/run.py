@@ -7,13 +7,23 @@
 Settings come from the SYNCSCOPE_* variables `attach()` reads (SYNCSCOPE_EXPORTER, SYNCSCOPE_JOB,
 SYNCSCOPE_PACING, …); SYNCSCOPE_DISABLE=1 runs the script untouched.
 
-How it finds the model and the optimizer, with two global hooks from torch's public API, each
-removed as soon as it has served: a module forward pre-hook remembers the first
-DistributedDataParallel module that runs forward; an optimizer step post-hook, at the first
-optimizer step, calls `attach(model=that module, optimizer=that optimizer)`. From the second step
-on only `attach()`'s own hooks run. The first step is not measured; with several optimizers, the
-first one to step marks the steps; a model that is not wrapped in DDP gets step and optimizer
-timing only.
+How it finds the model and the optimizer: with two global hooks from torch's public API, both
+removed at the first optimizer step, before `attach()`. A module forward pre-hook notes every
+module that runs forward with grad enabled until then (the first training step; not inside a
+torch.compile trace). At the first step an optimizer step post-hook takes the outermost of them
+(those no other one contains) that own trainable parameters and, if they own the optimizer's
+parameters, calls `attach(model=those, optimizer=that optimizer)`: one module, or a list in the
+order they first ran (a pipeline rank's stages). So whatever wraps the model is found: DDP, an
+FSDP2/HSDP root (its fully_shard'ed blocks are inside it), a tensor-parallel module, each
+`PipelineStage`'s submodule, a compiled module, or none. From the second step on only
+`attach()`'s own hooks run.
+
+Limits: the first step is not measured; with several optimizers, the first one to step marks
+the steps; every outermost module with trainable parameters run with grad before that step is
+timed as forward (a second model trained by another optimizer, as a GAN's, too). Where none owns
+the stepping optimizer's parameters (a model run only under no_grad, or called in a way no
+module hook sees), it logs one warning naming what it saw and attaches with the optimizer only:
+step and optimizer timing, no forward or backward.
 
 Why a runner and not an import hook (a sitecustomize module or a .pth file switched on by an
 environment variable): this is visible on the command line, so whoever reads the job spec sees
@@ -38,32 +48,40 @@ USAGE = "usage: python -m syncscope.integrations.run (script.py | -m module) [ar
 
 
 class AutoAttach:
-    """The two self-removing global hooks; `agent` is set once attached."""
+    """The two self-removing global hooks; `agent` is set once attached, `model` is what it was
+    attached with (None: the optimizer only)."""
 
     def __init__(self, **config: Any) -> None:
+        import torch
         from torch.nn.modules.module import register_module_forward_pre_hook
-        from torch.nn.parallel import DistributedDataParallel
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self.config = config
         self.agent: RankAgent | None = None
         self.model: Any = None
-        self._ddp = DistributedDataParallel
+        self._grad = torch.is_grad_enabled
+        self._compiling = torch.compiler.is_compiling
+        self._ran: dict[int, Any] = {}  # id -> module, in the order they first ran forward
         self._forward = register_module_forward_pre_hook(self._on_forward)
         self._step = register_optimizer_step_post_hook(self._on_step)
 
     def _on_forward(self, module: Any, _args: Any) -> None:
+        if self._compiling():  # traced by torch.compile: the compiled module ran it eagerly
+            return
         try:
-            if isinstance(module, self._ddp):
-                self.model = module
-                self._forward.remove()
+            if self._grad():
+                self._ran.setdefault(id(module), module)
         except Exception:  # noqa: BLE001 - never into the training loop
             pass
 
     def _on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         try:
-            self._step.remove()
-            self._forward.remove()
+            self.remove()
+            ran, self._ran = list(self._ran.values()), {}
+            try:
+                self.model = find_model(ran, optimizer)
+            except Exception as exc:  # noqa: BLE001 - the optimizer's timing still stands
+                log.warning("syncscope: no model found (%r), attached to the optimizer only", exc)
             self.agent = attach(model=self.model, optimizer=optimizer, **self.config)
         except Exception as exc:  # noqa: BLE001
             log.warning("syncscope: auto-attach failed, training goes on without it: %r", exc)
@@ -71,6 +89,43 @@ class AutoAttach:
     def remove(self) -> None:
         self._forward.remove()
         self._step.remove()
+
+
+def find_model(ran: list[Any], optimizer: Any) -> Any:
+    """What `attach(model=...)` takes, from the modules `ran` forward (in that order) before the
+    optimizer's first step: the outermost ones that own trainable parameters, one module or a
+    list; None (and one warning) where none owns the optimizer's parameters."""
+    inside: set[int] = set()
+    for module in ran:
+        if id(module) not in inside:  # an outer one ran first: its subtree holds this one's
+            inside.update(id(m) for m in module.modules() if m is not module)
+    outermost = [m for m in ran if id(m) not in inside]
+    parts = [m for m in outermost if any(p.requires_grad for p in m.parameters())]
+    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    owned = {id(p) for m in parts for p in m.parameters()}
+    if not wanted & owned:
+        seen = ", ".join(type(m).__name__ for m in outermost[:8]) or "no module"
+        more = f" and {len(outermost) - 8} more" if len(outermost) > 8 else ""
+        log.warning(
+            "syncscope: no model found, attached to the optimizer only (step and optimizer "
+            "times; no forward or backward, a straggler's cause unknown): none of the "
+            "modules run forward with grad before the first %s step owns its %d parameters "
+            "(outermost seen: %s%s)",
+            type(optimizer).__name__,
+            len(wanted),
+            seen,
+            more,
+        )
+        return None
+    if not wanted <= owned:
+        log.info(
+            "syncscope: %d of the %s's %d parameters are in no module run forward",
+            len(wanted - owned),
+            type(optimizer).__name__,
+            len(wanted),
+        )
+    log.info("syncscope: the model: %s", ", ".join(type(m).__name__ for m in parts))
+    return parts[0] if len(parts) == 1 else parts
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,171 @@
+"""The no-code runner (`python -m syncscope.integrations.run`) finds what `attach()` takes,
+whatever wraps it: a DDP module, an FSDP2 root, a pipeline rank's stages (one optimizer over
+them, or torchtitan's one per stage), a plain module, a compiled one; and where no module owns the optimizer's
+parameters it says so once and attaches to the optimizer only. Each test runs a few steps of a
+tiny loop in this process under `AutoAttach` and checks the module(s) it attached with, and
+that their forward was timed (the forward phase of every measured step is over 0)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.nn.modules.module import _global_forward_pre_hooks  # noqa: E402
+
+from syncscope.integrations.run import AutoAttach  # noqa: E402
+
+STEPS = 4
+FORWARD = 4  # a step row: (step, end, total, data, forward, ...)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.002)  # a forward long enough to read on a busy machine
+        return torch.relu(self.lin(x)) + x
+
+
+class Net(torch.nn.Module):
+    def __init__(self, width: int = 8, depth: int = 2) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.fixture
+def auto(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.delenv("SYNCSCOPE_EXPORTER", raising=False)
+    monkeypatch.delenv("SYNCSCOPE_DISABLE", raising=False)
+    hooks_before = len(_global_forward_pre_hooks)
+    runner = AutoAttach(exporter=None)
+    try:
+        yield runner
+    finally:
+        runner.remove()
+        if runner.agent is not None:
+            runner.agent.close()
+    assert len(_global_forward_pre_hooks) == hooks_before
+
+
+def train(run: Any, optimizers: list[Any], runner: AutoAttach, no_grad: Any = None) -> list[tuple]:
+    """STEPS steps of `run(batch)`, each after a forward of `no_grad` (default: `run`) under
+    no_grad, as a validation pass or a distillation teacher: not the model to find. Every
+    optimizer steps in turn, as torchtitan's container does. Returns the agent's step rows."""
+    hooks = len(_global_forward_pre_hooks)
+    for step in range(STEPS):
+        with torch.no_grad():
+            (no_grad or run)(torch.randn(4, 8))
+        loss = torch.nn.functional.mse_loss(run(torch.randn(4, 8)), torch.zeros(4, 1))
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        if step == 0:  # attached at the first step; the runner's global hook is gone
+            assert runner.agent is not None
+            assert len(_global_forward_pre_hooks) == hooks - 1
+    assert runner.agent is not None
+    return list(runner.agent.queues.steps)
+
+
+def assert_forward_timed(rows: list[tuple]) -> None:
+    assert len(rows) == STEPS - 1, rows  # the first step is not measured
+    assert all(row[FORWARD] > 0 for row in rows), [row[FORWARD] for row in rows]
+
+
+@pytest.mark.parametrize("teacher", [False, True], ids=["alone", "after-a-ddp-teacher"])
+def test_ddp_module(gloo_world_of_one: None, auto: AutoAttach, teacher: bool) -> None:
+    """The DDP student, not a DDP teacher that runs forward first in each step (under
+    no_grad)."""
+    ddp = torch.nn.parallel.DistributedDataParallel(Net())
+    other = torch.nn.parallel.DistributedDataParallel(Net()) if teacher else None
+    rows = train(ddp, [torch.optim.SGD(ddp.parameters(), lr=0.01)], auto, no_grad=other)
+    assert auto.model is ddp
+    assert_forward_timed(rows)
+
+
+def test_fsdp2_root(gloo_world_of_one: None, auto: AutoAttach) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+    net = Net()
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    rows = train(net, [torch.optim.SGD(net.parameters(), lr=0.01)], auto)
+    # the root, not the first sharded block (also an FSDPModule, run inside it)
+    assert auto.model is net and isinstance(net, FSDPModule)
+    assert_forward_timed(rows)
+
+
+class Stages:
+    """A pipeline rank's two stages, called one after the other (as a schedule calls each
+    PipelineStage's submod): no module holds both."""
+
+    def __init__(self) -> None:
+        self.parts = [Net(depth=1), Block()]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.parts[1](self.parts[0](x).expand(-1, 8))[:, :1]
+
+
+@pytest.mark.parametrize("per_stage", [False, True], ids=["one-optimizer", "one-per-stage"])
+def test_pipeline_stages(auto: AutoAttach, per_stage: bool) -> None:
+    stages = Stages()
+    if per_stage:  # torchtitan's OptimizersContainer: the first stage's optimizer steps first
+        optimizers = [torch.optim.SGD(p.parameters(), lr=0.01) for p in stages.parts]
+    else:
+        params = [p for part in stages.parts for p in part.parameters()]
+        optimizers = [torch.optim.SGD(params, lr=0.01)]
+    rows = train(stages, optimizers, auto)
+    assert isinstance(auto.model, list) and len(auto.model) == 2
+    assert all(a is b for a, b in zip(auto.model, stages.parts, strict=True))
+    assert_forward_timed(rows)
+
+
+def test_plain_module(auto: AutoAttach) -> None:
+    net = Net()
+    rows = train(net, [torch.optim.SGD(net.parameters(), lr=0.01)], auto)
+    assert auto.model is net
+    assert_forward_timed(rows)
+
+
+def test_compiled_module(auto: AutoAttach) -> None:
+    """torch.compile traces the runner's global hook too: it must stay out of the trace (a hook
+    that keeps modules made dynamo fail), and the compiled module is found."""
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    run = torch.compile(net, backend="eager")
+    rows = train(run, [torch.optim.SGD(net.parameters(), lr=0.01)], auto)
+    assert auto.model is run
+    assert_forward_timed(rows)
+
+
+def test_no_module_owns_the_parameters(auto: AutoAttach, caplog: pytest.LogCaptureFixture) -> None:
+    """A bare tensor trained through modules without parameters: the runner attaches to the
+    optimizer only (steps still measured) and says so once, naming what it saw."""
+    weight = torch.nn.Parameter(torch.randn(8, 1))
+    act = torch.nn.Tanh()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return act(x) @ weight
+
+    with caplog.at_level(logging.WARNING, logger="syncscope.integrations.run"):
+        rows = train(run, [torch.optim.SGD([weight], lr=0.01)], auto)
+    assert auto.model is None
+    assert len(rows) == STEPS - 1 and all(row[FORWARD] == 0 for row in rows)
+    warned = [r.getMessage() for r in caplog.records if r.name == "syncscope.integrations.run"]
+    assert len(warned) == 1, warned
+    assert "optimizer only" in warned[0] and "Tanh" in warned[0] and "SGD" in warned[0]
