@@ -7,8 +7,7 @@ import os
 import socket
 import sys
 
-from syncscope.exporter.diagnosis import Thresholds
-from syncscope.exporter.settings import Settings
+from syncscope.exporter.settings import Settings, Thresholds
 
 from syncscope.thresholds import checked_overrides
 

@@ -18,6 +18,7 @@ from prometheus_client.process_collector import ProcessCollector
 from pydantic import Field, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 from syncscope.exporter.collectors import StoreCollector
+from syncscope.exporter.diagnosis import snapshot
 from syncscope.exporter.energy import PowercapReader
 from syncscope.exporter.jobwide import PrometheusReader
 from syncscope.exporter.page import install_page
@@ -265,7 +266,7 @@ def create_app(
 
     @app.get("/v1/state", summary="Everything the exporter knows, as JSON")
     def state(recent: int = 0) -> JSONResponse:
-        view = store.view(recent=max(0, min(recent, settings.recent_steps)))
+        view = snapshot(store, recent=max(0, min(recent, settings.recent_steps)))
         extra = {"state_file": state_file.status()} if state_file is not None else {}
         # Each collector's time and success at the last scrape (none before the first).
         extra["collectors"] = collector.last

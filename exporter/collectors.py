@@ -17,6 +17,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from syncscope.exporter.diagnosis import snapshot
 from syncscope.exporter.energy import collect_cpu_energy
 from syncscope.exporter.gpu import collect_gpu, topology_number
 from syncscope.exporter.store import RATIO_BUCKETS, STEP_BUCKETS, RankView, Store, StoreView
@@ -338,7 +339,7 @@ class StoreCollector(Collector):
         start = t0 = time.perf_counter()
         view: StoreView | None
         try:
-            view = self.store.view(recent=STEP_WINDOW)
+            view = snapshot(self.store, recent=STEP_WINDOW)
         except Exception:  # noqa: BLE001 - a scrape always answers
             view = None
         last["snapshot"] = {"seconds": time.perf_counter() - t0, "ok": view is not None}

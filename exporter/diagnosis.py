@@ -47,22 +47,28 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from syncscope.exporter import verdict as decision
+from syncscope.exporter.findings import (
+    THROTTLE_BITS,
+    Diagnosis,
+    ModeVerdict,
+    Straggler,
+    Victim,
+    median,
+    numa_mismatch,
+    number,
+    rank_list,
+)
 from syncscope.exporter.gpu import has_gpu, locality_faults, pcie_link_fault
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.pooling import NodeInflation
-from syncscope.exporter.settings import Settings
-from syncscope.exporter.store import OMIT_IF_NONE, RankView, RecentStep
+from syncscope.exporter.settings import DEFAULT_THRESHOLDS, Settings, Thresholds
+from syncscope.exporter.store import RankView, RecentStep, Store, StoreView
 
-from syncscope.catalog import CLOCK_EVENT_REASONS, STEP_WINDOW
-from syncscope.thresholds import Thresholds as ThresholdsFile
-from syncscope.thresholds import duration_seconds, load_config, required
+from syncscope.catalog import STEP_WINDOW
 from syncscope.wire import Phase, group_ranks
-
-if TYPE_CHECKING:
-    from syncscope.exporter.verdict import JobVerdict
 
 CAUSE_PHASES = (Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 COMPUTE_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
@@ -76,144 +82,12 @@ MODES = (
 )
 CAUSES = (*(p.label for p in CAUSE_PHASES), "gpu_throttle", "locality", "unknown")
 
-# The NVML clock-event ("throttle") reasons that mean the GPU is being slowed down.
-THROTTLE_BITS = {r.bit: r.words for r in CLOCK_EVENT_REASONS if r.slows}
-
-
-@dataclass(frozen=True)
-class ModeVerdict:
-    """One failure mode as assessed: how strongly the data shows it, and why."""
-
-    score: float  # 0..1, rounded to 4 places
-    verdict: bool  # the (unrounded) score reaches Thresholds.verdict_score
-    reason: str
-
-
-@dataclass(frozen=True)
-class Straggler:
-    """The rank named as holding the job back, and what makes it late."""
-
-    rank: int
-    cause: str  # one of CAUSES
-    cause_reason: str
-    lateness_s: float  # the arrival skew it causes
-    last_arrival_share: float | None  # None with too few steps reported by every rank
-
-
-@dataclass(frozen=True)
-class Victim:
-    """A rank that waits for the straggler, perhaps through another rank: the group it loses
-    most time in, and whom it waits for there (None: a rank this exporter does not see)."""
-
-    rank: int
-    group: str
-    waits_for: int | None
-    wait_s: float  # per step, in that group
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    """One job's diagnosis on this node (its JSON is the `diagnosis` of /v1/state)."""
-
-    modes: Mapping[str, ModeVerdict]  # only the modes the data lets a rule assess
-    straggler: Straggler | None
-    skew_s: float | None
-    steps_compared: int  # steps reported by every live rank that the per-step rules used
-    error: str | None = field(default=None, metadata=OMIT_IF_NONE)  # a rule's failure
-    victims: tuple[Victim, ...] = ()  # while a straggler is named: the ranks here that wait
-    # The decision verdict; None while the job loses no time (or nothing reports).
-    verdict: JobVerdict | None = field(default=None, metadata=OMIT_IF_NONE)
-    # The line the skew was compared with to name a straggler (straggler_line)
-    skew_line_s: float | None = field(default=None, metadata=OMIT_IF_NONE)
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """The rules' constants, from the thresholds file's "diagnosis" section (shared with the
-    dashboards; the skew floor's default is Settings.skew_threshold_s, taken from there too).
-    The exporter runs with Settings.thresholds (its --set overrides applied); DEFAULT_THRESHOLDS,
-    the shipped file's, is the default for library callers and tests."""
-
-    verdict_score: float  # a mode's verdict is its score reaching this
-    skew_step_fraction: float  # skew must also exceed this fraction of the median step
-    last_arrival_share: float  # ... and the rank must be last in this share of steps
-    cause_share: float  # one signal must explain this share of the straggler's lateness
-    idle_share_full: float  # sync_amplification scores 1 at this idle share of a step
-    # The fabric verdicts share their lines with the Prometheus alerts (one definition): the
-    # transfer per step over its own baseline at which contention is the verdict, and a
-    # node's link capacity over the job's median below which it is the slow link.
-    contention_inflation: float
-    slow_link_ratio: float
-    # The job-wide straggler's line, SyncscopeStraggler's (its lag over the mean step): the
-    # job-wide view has no per-step count of last arrivals to tell a persistent straggler from
-    # a lag that noise or a contended link lends one rank for a while, so it names only what
-    # the alert's condition names, and the two agree.
-    straggler_ratio: float
-    # ... and only once it has held for the alert's for: and a whole straggler window (equal
-    # as shipped, 5 min): a lead that the rules' windows lend the ranks of one node while a
-    # change in the job's steps is inside them (each node's rates end at its own last scrape)
-    # lasts less than a window; a straggler's holds
-    straggler_hold_s: float
-    spike_share_full: float  # runtime_jitter scores 1 at this share lost to spikes
-    clock_ratio: float  # a throttling GPU's SM clock is below this × its peers' median
-    # The decision verdict's trigger: throughput per GPU below this × the job's own baseline.
-    throughput_ratio: float
-    min_aligned_steps: int  # fewer steps reported by every rank: per-step rules abstain
-    # The rules' windows where the exporter keeps its own baselines (the thresholds file's
-    # "windows"): the node-local contention baseline and its recent transfer (the rate
-    # window), and how long a rank's best sustained throughput stays its baseline.
-    contention_baseline_s: float
-    contention_recent_s: float
-    throughput_horizon_s: float
-    window: int = STEP_WINDOW  # most recent steps compared
-
-    @classmethod
-    def from_config(cls, cfg: ThresholdsFile) -> Thresholds:
-        section = cfg.diagnosis.model_dump()  # by field name: the same names as here
-        alerts = cfg.alerts
-        section["contention_inflation"] = required(
-            alerts["SyncscopeFabricContention"].levels[0].threshold, "threshold"
-        )
-        section["slow_link_ratio"] = required(
-            alerts["SyncscopeSlowLink"].levels[0].threshold, "threshold"
-        )
-        section["straggler_ratio"] = min(
-            required(level.threshold, "threshold") for level in alerts["SyncscopeStraggler"].levels
-        )
-        windows = cfg.windows
-        section["straggler_hold_s"] = max(
-            duration_seconds(alerts["SyncscopeStraggler"].for_), duration_seconds(windows.straggler)
-        )
-        section["contention_baseline_s"] = duration_seconds(windows.contention_baseline)
-        section["contention_recent_s"] = duration_seconds(windows.rate)
-        section["throughput_horizon_s"] = duration_seconds(windows.trend)
-        names = [f.name for f in fields(cls) if f.name != "window"]
-        return cls(**{name: section[name] for name in names})
-
-
-DEFAULT_THRESHOLDS = Thresholds.from_config(load_config())
-
 
 def straggler_line(t: Thresholds, floor_s: float, step: float, job_wide: bool = False) -> float:
     """The arrival skew over which a straggler is named: the skew floor, or a share of the
     median step, the node-local view's (with its last-arrival count) or, for the job-wide
     view (none), SyncscopeStraggler's (Thresholds.straggler_ratio)."""
     return max(floor_s, (t.straggler_ratio if job_wide else t.skew_step_fraction) * step)
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def number(value: Any) -> float | None:
-    """A finite number from a topology field (agents send numbers, or numbers as text)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        return None
-    try:
-        parsed = float(value)
-    except (ValueError, OverflowError):
-        return None
-    return parsed if math.isfinite(parsed) else None
 
 
 def _phase_means(
@@ -517,13 +391,26 @@ def diagnose_job(
     except Exception as exc:  # noqa: BLE001 - a diagnosis bug must not take /metrics down
         return Diagnosis({}, None, None, 0, error=f"{type(exc).__name__}: {exc}"[:200])
     try:
-        # Imported here: the verdict reads this module's facts (a cycle at import time).
-        from syncscope.exporter import verdict as decision
-
         verdict = decision.job_verdict(diagnosis, ranks, thresholds, job_wide, shares)
     except Exception as exc:  # noqa: BLE001 - nor may a verdict bug cost the modes
         return dataclasses.replace(diagnosis, error=f"verdict: {type(exc).__name__}: {exc}"[:200])
     return dataclasses.replace(diagnosis, verdict=verdict)
+
+
+def snapshot(store: Store, recent: int | None = None) -> StoreView:
+    """The store's view (Store.view) with every job diagnosed: what the collectors, /v1/state
+    and the status page read. The lines are the store's settings' thresholds, the shipped ones
+    with the exporter's --set, those the rules were rendered with."""
+    settings = store.settings
+
+    def diagnose(
+        ranks: Sequence[RankView], job_wide: JobWide | None, node_transfer: NodeInflation | None
+    ) -> Diagnosis:
+        return diagnose_job(
+            ranks, settings, settings.thresholds, job_wide=job_wide, node_transfer=node_transfer
+        )
+
+    return store.view(diagnose, recent)
 
 
 def _diagnose(
@@ -677,18 +564,6 @@ def _diagnose(
     ), shares
 
 
-def rank_list(ranks: Sequence[int]) -> str:
-    """'rank 3', 'ranks 0–2, 5'."""
-    spans: list[list[int]] = []
-    for n in sorted(set(ranks)):
-        if spans and spans[-1][1] == n - 1:
-            spans[-1][1] = n
-        else:
-            spans.append([n, n])
-    text = ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in spans)
-    return ("ranks " if len(set(ranks)) > 1 else "rank ") + text
-
-
 def _no_locality_fault(gpus: Sequence[RankView]) -> str:
     """The locality reason where no rank has a fault: what was seen, and what was not read."""
     blind_link = [
@@ -708,15 +583,6 @@ def _no_locality_fault(gpus: Sequence[RankView]) -> str:
             else "processes on their GPU's NUMA node",
         )
     )
-
-
-def numa_mismatch(topology: Mapping[str, Any] | None) -> bool | None:
-    """True: the process runs off its GPU's NUMA node; False: on it; None: not known."""
-    value = (topology or {}).get("numa_mismatch")
-    if isinstance(value, bool):
-        return value
-    read = number(value)
-    return None if read is None else read == 1
 
 
 def _victims(

@@ -21,10 +21,9 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, Metric
-from syncscope.exporter.store import StoreView
+from syncscope.exporter.store import CpuEnergy, PackageEnergy, StoreView
 
 from syncscope.catalog import NODE_CPU_ENERGY_JOULES_TOTAL
 
@@ -32,20 +31,6 @@ DEFAULT_ROOT = "/sys/class/powercap"
 # Top-level RAPL zones only: intel-rapl:0:0 (cores, uncore, dram) are parts of their package,
 # intel-rapl-mmio:* the same package again through another interface.
 _ZONE = re.compile(r"^intel-rapl:\d+$")
-
-
-@dataclass(frozen=True)
-class PackageEnergy:
-    package: str  # the zone's name: "package-0"
-    joules: float  # since the exporter first read the zone
-
-
-@dataclass(frozen=True)
-class CpuEnergy:
-    """What one read found: the packages, or why there are none."""
-
-    packages: tuple[PackageEnergy, ...]
-    missing: str | None = None  # set exactly when `packages` is empty
 
 
 def _read_text(path: str) -> str:

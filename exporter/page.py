@@ -23,6 +23,7 @@ from syncscope.exporter.diagnosis import (
     Diagnosis,
     Victim,
     locality_fault,
+    snapshot,
     throttle_reasons,
 )
 from syncscope.exporter.energy import CpuEnergy
@@ -814,11 +815,11 @@ def install_page(app: FastAPI, store: Store, settings: Settings) -> None:
 
     @app.get("/", include_in_schema=False)
     def page() -> HTMLResponse:
-        return HTMLResponse(render_page(store.view(), settings), headers=HEADERS)
+        return HTMLResponse(render_page(snapshot(store), settings), headers=HEADERS)
 
     @app.get("/ui/status", include_in_schema=False)
     def status_body() -> HTMLResponse:
-        return HTMLResponse(render_status(store.view(), settings), headers=HEADERS)
+        return HTMLResponse(render_status(snapshot(store), settings), headers=HEADERS)
 
     @app.get("/ui/{name}", include_in_schema=False)
     def asset(name: str) -> Response:

@@ -1,8 +1,9 @@
 """Per-rank rolling state of every local rank, fed by ingest, read as typed views by every reader.
 
-`Store.view()` is the exporter's one contract with its readers (the collectors, the diagnosis,
-/v1/state and the status page): an immutable `StoreView` snapshot. `as_json` turns it into the
-JSON of /v1/state.
+`Store.view()` is the exporter's one contract with its readers (the collectors, /v1/state and
+the status page, through exporter.diagnosis.snapshot, which diagnoses each job; the diagnosis
+reads the rank views): an immutable `StoreView` snapshot. `as_json` turns it into the JSON of
+/v1/state.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import statistics
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
+from syncscope.exporter.findings import OMIT_IF_NONE, Diagnosis
 from syncscope.exporter.jobwide import NOT_IN_JSON, JobWide
-from syncscope.exporter.pooling import JobPool, Sample
+from syncscope.exporter.pooling import JobPool, NodeInflation, Sample
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.throughput import Throughput, ThroughputView
 
@@ -41,10 +43,6 @@ from syncscope.wire import (
     StepSeconds,
     pipeline_stage,
 )
-
-if TYPE_CHECKING:  # diagnosis reads the views defined here; the store imports it when it runs
-    from syncscope.exporter.diagnosis import Diagnosis
-    from syncscope.exporter.energy import CpuEnergy
 
 STEP_BUCKETS = (
     0.001,
@@ -70,10 +68,9 @@ RATIO_BUCKETS = (0.5, 0.8, 0.9, 0.95, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0, 5.0)
 RATIO_MEDIAN_EVERY = 16
 # Field metadata for `as_json`. BY_PHASE: the field holds one number per wire.Phase, in Phase
 # order (index it with a Phase), and its JSON is an object keyed by phase label ({} when the
-# tuple is empty). OMIT_IF_NONE: the key is left out of the JSON while the field is None.
-# NOT_IN_JSON (jobwide, which store imports): the key is always left out.
+# tuple is empty). OMIT_IF_NONE (findings, which store imports): the key is left out of the JSON
+# while the field is None. NOT_IN_JSON (jobwide, likewise): the key is always left out.
 BY_PHASE = {"json": "by_phase"}
-OMIT_IF_NONE = {"json": "omit_if_none"}
 
 
 @dataclass
@@ -254,6 +251,21 @@ def goodput(ranks: Iterable[RankView], now: float) -> Goodput | None:
         ratio=(productive - seconds[LOST_PROGRESS]) / rank_seconds,
         badput={c: v / rank_seconds for c, v in seconds.items()},
     )
+
+
+@dataclass(frozen=True)
+class PackageEnergy:
+    package: str  # the zone's name: "package-0"
+    joules: float  # since the exporter first read the zone
+
+
+@dataclass(frozen=True)
+class CpuEnergy:
+    """What one read of the host's CPU package energy found (exporter.energy reads it with each
+    snapshot): the packages, or why there are none."""
+
+    packages: tuple[PackageEnergy, ...]
+    missing: str | None = None  # set exactly when `packages` is empty
 
 
 @dataclass(frozen=True)
@@ -452,6 +464,13 @@ class ByLastReport(Generic[K]):
 
     def __len__(self) -> int:
         return len(self._at)
+
+
+# How a snapshot diagnoses one job: its ranks here, Prometheus's job-wide view (None: node-local)
+# and the node's transfer and work per step against their baselines (exporter.pooling).
+# exporter.diagnosis.snapshot passes its rules under the store's settings; the store, below
+# the diagnosis, does not import them.
+Diagnose = Callable[[Sequence[RankView], JobWide | None, NodeInflation | None], Diagnosis]
 
 
 class Store:
@@ -726,15 +745,14 @@ class Store:
         return taken
 
     # -- read side (callers hold no lock; this takes it) ------------------------------------------
-    def view(self, recent: int | None = None) -> StoreView:
-        """A consistent snapshot of everything the collectors, state endpoint and page show.
+    def view(self, diagnose: Diagnose, recent: int | None = None) -> StoreView:
+        """A consistent snapshot of everything the collectors, state endpoint and page show,
+        each job diagnosed by `diagnose` (readers take it through exporter.diagnosis.snapshot).
 
         `recent` bounds each rank's `recent_steps` (None: all kept); the diagnosis sees at least
         the last STEP_WINDOW whatever the caller keeps. Scrapes ask for STEP_WINDOW only, so the
         diagnosis aligns that many steps per rank rather than every step kept.
         """
-        from syncscope.exporter.diagnosis import diagnose_job
-
         now = time.time()
         # The steps each rank view carries into the diagnosis: its window, or more if asked.
         shown = None if recent is None else max(recent, STEP_WINDOW)
@@ -772,13 +790,7 @@ class Store:
                     else r
                     for r in ranks
                 ]
-            diagnosis = diagnose_job(
-                ranks,
-                self.settings,
-                self.settings.thresholds,  # the shipped lines with the exporter's --set
-                job_wide=job_wide,
-                node_transfer=inflation.get(name),
-            )
+            diagnosis = diagnose(ranks, job_wide, inflation.get(name))
             if recent is not None and recent != shown:
                 ranks = [
                     dataclasses.replace(r, recent_steps=r.recent_steps[-recent:] if recent else ())

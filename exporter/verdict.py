@@ -12,14 +12,12 @@ exporter.diagnosis.diagnose_job adds it to its Diagnosis.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from syncscope.exporter.diagnosis import (
-    DEFAULT_THRESHOLDS,
+from syncscope.exporter.findings import (
     THROTTLE_BITS,
     Diagnosis,
-    Thresholds,
+    JobVerdict,
     median,
     numa_mismatch,
     number,
@@ -27,6 +25,7 @@ from syncscope.exporter.diagnosis import (
 )
 from syncscope.exporter.gpu import has_gpu, pcie_link_fault
 from syncscope.exporter.jobwide import JobWide
+from syncscope.exporter.settings import DEFAULT_THRESHOLDS, Thresholds
 from syncscope.exporter.store import RankView
 
 # The software power cap is set whenever a busy GPU reaches its power limit, routine under full
@@ -62,25 +61,6 @@ XID_WORDS = {
     119: "GSP RPC timeout",
     120: "GSP error",
 }
-
-
-@dataclass(frozen=True)
-class JobVerdict:
-    """Whether the time the job loses goes to its coupling or to its infrastructure, with the
-    evidence (the seed scenario's decision rule: cost up "despite healthy hardware metrics" is a
-    structural coupling problem). Health is claimed only from facts: `passed` lists the checks
-    made, `unknown` those that could not be (no GPU telemetry, an idle GPU's link, one node's
-    view of the links, a GPU whose NVML gives no ECC counts or XID events)."""
-
-    verdict: str  # one of VERDICTS
-    hardware: str  # one of HARDWARE: every check passed / none failed, some unknown / one failed
-    reason: str  # one line, as the page and the demo say it
-    # coupling mode detected -> the share of step time it costs; THROUGHPUT_DROP -> the share
-    # of the job's own baseline throughput per GPU it lost
-    coupling: Mapping[str, float | None]
-    faults: tuple[str, ...]  # what is not healthy, named: the rank, its GPU and node, the link
-    passed: tuple[str, ...]  # the health checks that passed
-    unknown: tuple[str, ...]  # the health checks that could not be made, and why
 
 
 def _gpu_where(r: RankView) -> str:

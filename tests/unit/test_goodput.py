@@ -22,6 +22,7 @@ from syncscope.agent import attach, checkpointing  # noqa: E402
 from syncscope.agent.config import process_started_unix_s  # noqa: E402
 from syncscope.exporter.app import create_app, parse_batch  # noqa: E402
 from syncscope.exporter.collectors import collect_goodput  # noqa: E402
+from syncscope.exporter.diagnosis import snapshot  # noqa: E402
 from syncscope.exporter.settings import Settings  # noqa: E402
 from syncscope.exporter.shm_reader import ShmPoller  # noqa: E402
 from syncscope.exporter.state_file import StateFile  # noqa: E402
@@ -347,7 +348,7 @@ def ingest(store: Store, body: dict) -> None:
 
 def counters(store: Store) -> dict[str, float]:
     out = {}
-    for family in collect_goodput(store.view()):
+    for family in collect_goodput(snapshot(store)):
         for s in family.samples:
             out[s.labels.get("category", s.name)] = s.value
     return out
@@ -368,7 +369,7 @@ def test_a_restart_that_goes_back_to_its_checkpoint_is_lost_progress():
     assert (c["checkpoint_save"], c["checkpoint_load"]) == pytest.approx((0.04, 0.06))
     # 45 steps of 70 ms productive, less the checkpoint time inside steps 21 and 20.
     assert c["syncscope_node_productive_seconds_total"] == pytest.approx(45 * 0.07 - 0.1)
-    (rank,) = store.view().jobs["g"].ranks
+    (rank,) = snapshot(store).jobs["g"].ranks
     assert rank.lost_steps == 10 and rank.restarts == 1
     # A restart that goes forward (a later checkpoint than any step reported) loses nothing.
     ingest(store, batch("c", 40, 5))
@@ -394,9 +395,9 @@ def test_goodput_of_the_ranks_here_adds_up_with_its_badput(tmp_path):
     started = time.time() - 1000.0
     for rank in (0, 1):
         ingest(store, batch("a", 0, 100, rank=rank, started=started))
-    g = store.view().jobs["g"].goodput
+    g = snapshot(store).jobs["g"].goodput
     assert g is not None and g.started_unix_s == started and g.ranks == 2
-    rank_seconds = 2 * (store.view().now_unix_s - started)
+    rank_seconds = 2 * (snapshot(store).now_unix_s - started)
     assert g.ratio == pytest.approx(2 * 100 * 0.07 / rank_seconds, rel=1e-3)
     assert g.badput["data_wait"] == pytest.approx(2 * 100 * 0.01 / rank_seconds, rel=1e-3)
     assert g.ratio + sum(g.badput.values()) == pytest.approx(1.0)
@@ -454,7 +455,7 @@ def test_events_travel_over_the_shared_memory_ring(monkeypatch, tmp_path):
     saved = agent.checkpoints.save_ns / 1e9
     assert c["checkpoint_save"] == pytest.approx(saved) and saved >= SLOW_S
     assert c["startup"] > 0
-    (rank,) = store.view().jobs["ring"].ranks
+    (rank,) = snapshot(store).jobs["ring"].ranks
     # The save was in step 1: out of its productive time.
     assert rank.productive_s < rank.step_seconds_sum - saved
 
@@ -507,7 +508,7 @@ def test_the_state_file_round_trip_keeps_every_counter(tmp_path):
     for name in COUNTERS:
         assert parse_samples(new, name) == parse_samples(old, name), name
         assert parse_samples(new, name), name
-    (rank,) = after.view().jobs["g"].ranks
+    (rank,) = snapshot(after).jobs["g"].ranks
     assert rank.restarts == 1 and rank.lost_steps == 5 and rank.phase_every == 4
 
 
@@ -536,14 +537,14 @@ def test_counters_continue_after_a_reload(tmp_path):
     after = Store(Settings())
     StateFile(path, after).load()
     ingest(after, batch("b", 35, 5))  # the same incarnation goes on: no restart
-    (rank,) = after.view().jobs["g"].ranks
+    (rank,) = snapshot(after).jobs["g"].ranks
     assert rank.restarts == 1 and not rank.stale
     assert parse_samples(scrape(after), "syncscope_steps_total") == {
         k: v + 5 for k, v in steps_before.items()
     }
     ingest(after, batch("c", 30, 5))  # restarted from step 30: steps 30..39 again
     assert counters(after)["lost_progress"] > lost_before
-    (rank,) = after.view().jobs["g"].ranks
+    (rank,) = snapshot(after).jobs["g"].ranks
     assert rank.restarts == 2 and rank.lost_steps == 5 + 10
 
 

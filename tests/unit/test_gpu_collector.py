@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from syncscope.agent.topology import DeviceLocator, TopologySampler
 from syncscope.exporter.app import parse_batch
+from syncscope.exporter.diagnosis import snapshot
 from syncscope.exporter.gpu import collect_gpu, locality_faults
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import Store
@@ -59,7 +60,7 @@ class ViewCollector:
         self.store = store
 
     def collect(self):
-        return collect_gpu(self.store.view())
+        return collect_gpu(snapshot(self.store))
 
 
 @pytest.fixture
@@ -211,7 +212,7 @@ def test_families_and_labels_are_the_contracts_gpu_lines(store):
 
 def test_odd_topologies_never_fail_the_collector(store):
     # Topologies ingest would refuse (infinities, overlong text) laid over a real CPU rank's view.
-    view = store.view()
+    view = snapshot(store)
     cpu = view.jobs["train"].ranks[2]
     odd = {
         "gpu_uuid": "GPU-1",

@@ -21,6 +21,7 @@ import pytest
 import syncscope.exporter.pooling as pooling_module
 import syncscope.exporter.store as store_module
 from syncscope.exporter.app import parse_batch
+from syncscope.exporter.diagnosis import snapshot
 from syncscope.exporter.pooling import SAMPLE_FROM_STEP, SAMPLE_SLOTS, SAMPLE_STRIDES, JobPool
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import ByLastReport, Store
@@ -387,7 +388,7 @@ def test_live_ranks_are_those_reporting_within_stale_after_as_ranks_fall_silent_
         assert set(store.pools["j"].reporting) == live
     assert came_back > 10  # the scenario does exercise ranks returning from silence
     clock.now += 31.0
-    for _, r in store.view().ranks():
+    for _, r in snapshot(store).ranks():
         assert r.stale == (clock.now - r.last_report_unix_s > stale)
 
 
@@ -401,14 +402,14 @@ def test_ranks_silent_longer_than_expire_after_are_forgotten_even_if_the_clock_s
         clock.now = at
         store.ingest(parse_batch(wire_batch("j", r, 4, 0, 2)))
     clock.now = 1_095.0
-    store.view()
+    snapshot(store)
     assert sorted(rank for _, rank in store.ranks) == [0, 1, 2, 3]
     clock.now = 1_120.5  # 0 (1000) and 2 (1020) are over 100 s old; 1 and 3, after 2, are not
-    store.view()
+    snapshot(store)
     assert sorted(rank for _, rank in store.ranks) == [1, 3]
     assert set(store.pools["j"].reporting) <= {1, 3}
     clock.now = 1_200.0
-    store.view()
+    snapshot(store)
     assert not store.ranks and not store.pools and not store.job_ranks
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from syncscope.exporter.app import parse_batch
+from syncscope.exporter.diagnosis import snapshot
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.state_file import StateFile
 from syncscope.exporter.store import Store
@@ -131,7 +132,7 @@ def test_a_fall_through_the_store_is_the_verdict_and_survives_an_exporter_restar
 ) -> None:
     store = Store(Settings())
     at = run(store, 0, 1 + SUSTAINED_BLOCKS, step_ms=100)  # 320 samples/s per GPU
-    job = store.view().jobs["t"]
+    job = snapshot(store).jobs["t"]
     level = pytest.approx(320.0)
     assert [r.throughput for r in job.ranks] == [ThroughputView("samples", level, level)] * 2
     assert job.diagnosis.verdict is None  # steady
@@ -142,7 +143,7 @@ def test_a_fall_through_the_store_is_the_verdict_and_survives_an_exporter_restar
     assert StateFile(path, after).load() == 2
     # the same processes go on, 25 % slower: the baseline came through the restart
     run(after, at, 3, step_ms=133)
-    job = after.view().jobs["t"]
+    job = snapshot(after).jobs["t"]
     (view,) = {r.throughput for r in job.ranks}
     assert view is not None and view.baseline_per_s == pytest.approx(320.0)
     assert view.current_per_s == pytest.approx(32 / 0.133)
@@ -159,7 +160,7 @@ def test_a_restarted_rank_is_not_a_fall_while_it_warms_up() -> None:
     store = Store(Settings())
     at = run(store, 0, 1 + SUSTAINED_BLOCKS, step_ms=100)
     run(store, at, 2, step_ms=400, inc="b")  # restarted: slow first steps, then one block
-    job = store.view().jobs["t"]
+    job = snapshot(store).jobs["t"]
     views = [r.throughput for r in job.ranks]
     assert views == [ThroughputView("samples", None, pytest.approx(320.0))] * 2
     assert job.diagnosis.verdict is None
