@@ -8,7 +8,9 @@ Where each boundary comes from (measured on gloo + DDP, see shared/FIELD-NOTES.m
   backward      entry of torch.autograd.backward (wrapped) -> callback A, queued on the autograd
                 engine by the first gradient of the model's parameters, which runs after all
                 autograd work of that backward
-  comm_exposed  A -> callback B that A queues (runs after DDP has waited for its buckets), plus
+  comm_exposed  A -> the return of the wrapped torch.autograd.backward, which comes right after
+                DDP's finalize has waited for its buckets (a backward run another way: callback
+                B, which A queues), plus
                 every wait for a collective the training thread is blocked in anywhere else
                 (FSDP2's all-gathers in forward, tensor-parallel all-reduces, pipeline recvs),
                 taken out of the phase it interrupted (collectives.Blocked)
@@ -145,6 +147,8 @@ class PhaseClock:
         self.bwd_end = 0
         self.opt_start = 0
         self.bwd_pending = False
+        # DDP's sync is measured when the wrapped backward returns (set by callback A)
+        self.sync_due = False
         self.manual_steps = False
         # Backward bookkeeping (see the module docstring).
         self.bwd_depth = 0  # nesting of wrapped backward calls (reentrant checkpoint)
@@ -280,16 +284,20 @@ class PhaseClock:
     def _work(self) -> tuple[int, int]:
         """This step's (samples, tokens), UNKNOWN_WORK where not known; resets the counts."""
         samples, tokens = self.counted_samples, self.counted_tokens
+        seen = self.seen_batches
         if samples < 0:
             samples = self.samples_per_step
-            if samples < 0 and self.seen_batches and not self.unclear_samples:
+            if samples < 0 and seen and not self.unclear_samples:
                 samples = self.seen_samples
+        else:
+            self.counted_samples = UNKNOWN_WORK
         if tokens < 0:
             tokens = self.tokens_per_step
-            if tokens < 0 and self.seen_batches and not self.unclear_tokens:
+            if tokens < 0 and seen and not self.unclear_tokens:
                 tokens = self.seen_tokens
-        self.counted_samples = self.counted_tokens = UNKNOWN_WORK
-        if self.seen_batches or self.unclear_samples:
+        else:
+            self.counted_tokens = UNKNOWN_WORK
+        if seen or self.unclear_samples:
             self._forget_seen()
         return samples, tokens
 
@@ -355,7 +363,9 @@ class PhaseClock:
                         waited = clock.take_blocked(FWD_PRE)
                     idle = clock.idle_since
                     if idle:
-                        clock.acc[DATA] += max(0, t - idle - waited)
+                        ns = t - idle - waited
+                        if ns > 0:
+                            clock.acc[DATA] += ns
                         clock.idle_since = 0
                     clock.fwd_start = t
                     if clock.mark is not None:
@@ -380,15 +390,18 @@ class PhaseClock:
                 return out
             try:
                 t = _now()
-                if clock.fwd_start:
+                start = clock.fwd_start
+                if start:
                     blocked = clock.blocked
                     waited = 0
                     if blocked is not None and blocked.ns != clock.blocked_seen:
                         waited = clock.take_blocked(FWD_POST)
-                    clock.acc[FORWARD] += max(0, t - clock.fwd_start - waited)
+                    ns = t - start - waited
+                    if ns > 0:
+                        clock.acc[FORWARD] += ns
                     clock.fwd_start = 0
                 clock.fwd_since_bwd = True
-                if clock.output_hooks and not clock.bwd_pending:
+                if clock.output_hooks and not clock.bwd_pending:  # (rare: see _missed)
                     tensor = first_grad_tensor(out)
                     if tensor is not None:
                         tensor.register_hook(clock._output_reached)
@@ -457,6 +470,9 @@ class PhaseClock:
             elif depth <= 0:
                 self.bwd_depth = 0
                 self.bwd_entry = 0
+                if self.sync_due:
+                    self.sync_due = False
+                    self._gradients_reduced()
                 if self.fwd_since_bwd and not self.output_hooks:
                     self._missed()  # grad_ready would have cleared fwd_since_bwd
         except BaseException as exc:  # noqa: BLE001
@@ -485,8 +501,8 @@ class PhaseClock:
         FSDP2 then calls the sharded parameters' hooks itself, outside autograd, where no
         callback can be queued. In a quiet step (phase sampling) it starts nothing either, nor
         inside a torch.autograd.grad that times itself (a split backward: timed_grad)."""
-        if self.quiet or self.grad_entry:
-            return
+        if (self.bwd_pending and self._learned is None) or self.quiet or self.grad_entry:
+            return  # a later trigger of this backward (the common call), or not timed
         try:
             if not self.bwd_pending:
                 if self.bwd_depth > 1:
@@ -514,7 +530,13 @@ class PhaseClock:
         # Callback A: all autograd work of this backward is done; DDP has not waited yet.
         try:
             t = _now()
-            self.acc[BACKWARD] += max(0, t - self.bwd_start - self.take_blocked(BWD_END))
+            blocked = self.blocked
+            waited = 0
+            if blocked is not None and blocked.ns != self.blocked_seen:
+                waited = self.take_blocked(BWD_END)
+            ns = t - self.bwd_start - waited
+            if ns > 0:
+                self.acc[BACKWARD] += ns
             self.bwd_end = t
             if self._learned is not None:
                 # After autograd's work: no hook is removed while the engine may call it.
@@ -523,7 +545,13 @@ class PhaseClock:
             if self.ddp_group is not None and getattr(
                 self.ddp_model, "require_backward_grad_sync", True
             ):
-                self.queue_callback(self._gradients_reduced)  # type: ignore[misc]
+                if self.bwd_depth == 1:
+                    # Inside the wrapped torch.autograd.backward: it returns right after the
+                    # engine's last callback (DDP's finalize, which waits for the buckets), so
+                    # its return is B's moment without a second callback from C++.
+                    self.sync_due = True
+                else:
+                    self.queue_callback(self._gradients_reduced)  # type: ignore[misc]
             else:
                 self.bwd_pending = False
                 self.idle_since = t
@@ -533,21 +561,29 @@ class PhaseClock:
             self.on_error(exc)
 
     def _gradients_reduced(self) -> None:
-        # Callback B: DDP's finalize (queued between A and B) has waited for every bucket.
+        # B (the wrapped backward's return, else callback B): DDP's finalize, queued between A
+        # and B, has waited for every bucket.
         try:
             t = _now()
             exposed = t - self.bwd_end
             blocked = self.blocked
-            if self.first_ddp_ns < 0 and (blocked is None or blocked.first_ns < 0):
-                self.first_ddp_ns = exposed  # no wait of this step came before DDP's sync
+            waited = 0
+            if blocked is not None:
+                if self.first_ddp_ns < 0 and blocked.first_ns < 0:
+                    self.first_ddp_ns = exposed  # no wait of this step came before DDP's sync
+                    self.first_at = COMM_END
+                if blocked.ns != self.blocked_seen:
+                    # DDP waits for its buckets in C++; a wait seen here too is in `exposed`
+                    waited = self.take_blocked(COMM_END)
+            elif self.first_ddp_ns < 0:
+                self.first_ddp_ns = exposed
                 self.first_at = COMM_END
-            # DDP waits for its buckets in C++; a wait seen here too is part of `exposed`
-            self.acc[COMM] += exposed - self.take_blocked(COMM_END)
+            self.acc[COMM] += exposed - waited
             self.bwd_pending = False
             self.idle_since = t
             coll = self.collectives
             if len(coll) < self.coll_max:
-                coll.append(self._sync_record(self.step, exposed))
+                coll.append((DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, exposed, self.step))
             else:
                 self.dropped += 1
             self.sync_ns += exposed
@@ -621,7 +657,13 @@ class PhaseClock:
         try:
             t = _now()
             if self.opt_start:
-                self.acc[OPTIMIZER] += max(0, t - self.opt_start - self.take_blocked(OPT_POST))
+                blocked = self.blocked
+                waited = 0
+                if blocked is not None and blocked.ns != self.blocked_seen:
+                    waited = self.take_blocked(OPT_POST)
+                ns = t - self.opt_start - waited
+                if ns > 0:
+                    self.acc[OPTIMIZER] += ns
                 self.opt_start = 0
             if self.manual_steps:  # the step ends later, at the `with agent.step()` exit
                 if self.mark is not None:
@@ -664,19 +706,25 @@ class PhaseClock:
             if not self.quiet:  # the next step is timed: no wait of it seen yet
                 self._forget_first_wait()
             return
-        self.take_blocked(STEP_END)  # waits outside the timed phases (loss, clipping): `other`
+        blocked = self.blocked
+        if blocked is not None and blocked.ns != self.blocked_seen:
+            self.take_blocked(STEP_END)  # waits outside the timed phases (loss, clipping): `other`
         acc = self.acc
         if self.phase_every > 1:
             self.shares = phase_shares(acc, total)
             self.sync_share = self.sync_ns / total if self.syncs and total > 0 else None
-        self.sync_ns = self.syncs = 0
+        if self.syncs:
+            self.sync_ns = self.syncs = 0
         self._queue_row(t, total, acc)
         self._next_step(t)
         self.acc = [0, 0, 0, 0, 0, 0]
         if self.first_step:
             self._first_step_done(t - total)
         delay = self._pace(acc[COMM], total) if self.pacer is not None else 0
-        self._forget_first_wait()
+        # A new step: no wait of it seen yet (_forget_first_wait, inline)
+        self.first_ddp_ns = self.first_at = -1
+        if blocked is not None:
+            blocked.first_ns = -1
         if delay > 0:
             time.sleep(delay / 1e9)
             after = _now()
@@ -687,7 +735,9 @@ class PhaseClock:
         """The ending step's row: its end, total, `phases` and work (the work read either way)."""
         steps = self.steps
         if len(steps) < self.steps_max:
-            steps.append((self.step, t, total, *phases, *self._work()))
+            samples, tokens = self._work()
+            a, b, c, d, e, f = phases
+            steps.append((self.step, t, total, a, b, c, d, e, f, samples, tokens))
         else:
             self._work()  # the dropped step's work must not count in the next one
             self.dropped += 1
@@ -698,9 +748,10 @@ class PhaseClock:
         if self.step_counter is not None:
             self.step_counter.value = step
         every = self.phase_every
-        self.quiet = (
-            every > 1 and step % every != 0 and self.pacer is None and self.shares is not None
-        )
+        if every > 1:
+            self.quiet = step % every != 0 and self.pacer is None and self.shares is not None
+        else:
+            self.quiet = False
         self.step_start = t
         self.idle_since = t
 
@@ -708,7 +759,7 @@ class PhaseClock:
         """A quiet step's DDP sync record: an estimate, where its timed step had a sync."""
         coll = self.collectives
         if len(coll) < self.coll_max:
-            coll.append(self._sync_record(self.step, ns))
+            coll.append((DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, ns, self.step))
         else:
             self.dropped += 1
 
@@ -751,7 +802,15 @@ def estimate_phases(shares: list[float] | None, total: int) -> list[int]:
     most the total; the rest is `other`, as on a timed step)."""
     if shares is None or total <= 0:
         return [0, 0, 0, 0, 0, 0]
-    return [int(s * total) for s in shares]
+    a, b, c, d, e, f = shares  # unrolled: a comprehension is a frame of its own, every step
+    return [
+        int(a * total),
+        int(b * total),
+        int(c * total),
+        int(d * total),
+        int(e * total),
+        int(f * total),
+    ]
 
 
 def restored_step(optimizer: Any) -> int:
@@ -1018,8 +1077,9 @@ def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable
                 depth = c.bwd_depth = c.bwd_depth + 1
                 if depth == 1 and not c.quiet:
                     c.bwd_entry = t
-                    # waits before backward (a loss's collective) are not it
-                    c.take_blocked(BWD_START)
+                    blocked = c.blocked
+                    if blocked is not None and blocked.ns != c.blocked_seen:
+                        c.take_blocked(BWD_START)  # waits before backward are not it
                     if c.mark is not None:
                         c.mark(BWD_START)  # on the caller's stream, before any backward kernel
             except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
@@ -1029,9 +1089,13 @@ def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable
         finally:
             for c in clocks:
                 if c.quiet:  # nothing learnt or missed in a step whose phases are not timed
-                    c.bwd_depth = max(0, c.bwd_depth - 1)
+                    if c.bwd_depth > 0:
+                        c.bwd_depth -= 1
                 elif c.bwd_depth == 1 and not c.fwd_since_bwd and not c.bwd_deferred:
                     c.bwd_depth = c.bwd_entry = 0  # the outermost backward; a trigger fired
+                    if c.sync_due:  # callback B's work, at the engine's return
+                        c.sync_due = False
+                        c._gradients_reduced()
                 else:
                     c.backward_exit()
 

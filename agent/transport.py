@@ -178,6 +178,7 @@ class Reporter:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._tick = -1  # the wall-clock tick of the last step-triggered flush (-1: no step yet)
+        self._quiet_until = 0.0  # before this wall-clock time no step can wake the thread
         self.wall_clock = time.time  # unix seconds; NTP keeps it alike across hosts
         self._lock = threading.Lock()  # flush() from close() and from the thread
         self._thread = threading.Thread(target=self._run, name="syncscope-reporter", daemon=True)
@@ -200,12 +201,18 @@ class Reporter:
     def at_step(self, step: int) -> None:
         """Training thread, at every step end: wake the thread if this is the boundary where
         every rank flushes (see the class). Costs a clock read and a division."""
-        tick = int(self.wall_clock() / self.flush_interval_s)
+        now = self.wall_clock()
+        if now < self._quiet_until:  # within the last flush's tick: the common call
+            return
+        interval = self.flush_interval_s
+        tick = int(now / interval)
         last = self._tick
         if last < 0:  # the first step end starts the count (the timer covers the time before)
             self._tick = tick
+            self._quiet_until = (tick + 1) * interval
         elif tick != last and (step % self.align_every_steps == 0 or tick - last >= 2):
             self._tick = tick
+            self._quiet_until = (tick + 1) * interval
             self._wake.set()
 
     def _run(self) -> None:
