@@ -142,9 +142,11 @@ def load(torch: Any) -> Native | None:
     path = library_file(torch.__version__)
     try:
         if not path.is_file():
-            log.info(
+            # What a plain `pip install` gets until the kernel is built: said at attach, once.
+            log.warning(
                 "syncscope: no C++ collective kernel for torch %s at %s; timing collectives "
-                "in Python (~35 us each). Build it: python -m syncscope.agent.native",
+                "in Python (several times dearer per collective). Build it once per torch: "
+                "python -m syncscope.agent.native",
                 torch.__version__,
                 path,
             )
