@@ -22,6 +22,15 @@ reporter shares the trainer's core, so its CPU lands on the step time in full: t
 Run: .venv/bin/python bench/bench_agent_overhead.py [--rounds 20] [--step-rounds 240] [--processes 4]
          [--against HEAD | --against none] [--transport http|shm] [--pauses] [--no-pin]
 
+--json FILE writes the tiny-model and 10 ms figures (and --guard's) as JSON.
+
+Regression guard (`--guard`, what `make test` runs through tests/unit/test_overhead_guard.py):
+the tiny model only, this tree's agent against none, many short interleaved arms; the training
+thread's CPU and the wall time per step, with minus without, as medians of per-round differences
+with 90 % bootstrap intervals. The guard fails when an interval's lower end is over its budget:
+over it by more than this machine's noise. `--plant-us N` adds a per-step hook that sleeps N µs
+to the agent's arms (a planted regression the guard must catch).
+
 Further modes (any of them skips the scenarios above unless asked for):
   --sizes R   cost vs model size: training-thread CPU per step with minus without the agent
               (hooks only / HTTP reporter / shm ring) for ~0.2, 2, 10 and 50 ms steps, R
@@ -77,15 +86,18 @@ def load_agent_at(rev: str) -> ModuleType:
     of syncscope (wire, arrival) is this tree's, which the wire schema's stability allows.
     """
     sha = git("rev-parse", "--short", rev).strip()
-    files = [p for p in git("ls-tree", "--name-only", rev, "agent/").split() if p.endswith(".py")]
-    if not files:
+    files = git("ls-tree", "-r", "--name-only", rev, "agent/").split()
+    if not any(p.endswith(".py") for p in files):
         raise SystemExit(f"no agent/ package at {rev}")
     name = f"syncscope_agent_{sha}"
     where = Path(tempfile.mkdtemp(prefix="syncscope-bench-agent-"))
-    (where / name).mkdir()
-    for path in files:
-        source = re.sub(r"\bsyncscope\.agent\b", name, git("show", f"{rev}:{path}"))
-        (where / name / Path(path).name).write_text(source)
+    for path in files:  # the C++ kernel's source too (agent/csrc): its build is keyed by it
+        source = git("show", f"{rev}:{path}")
+        if path.endswith(".py"):
+            source = re.sub(r"\bsyncscope\.agent\b", name, source)
+        target = where / name / Path(path).relative_to("agent")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(source)
     sys.path.insert(0, str(where))
     return importlib.import_module(name)
 
@@ -148,6 +160,84 @@ def run(
     if agent is not None:
         agent.close()  # after the clocks stopped: its final flush is not the steps' cost
     return cpu / 1e3 / steps, proc / 1e3 / steps, wall / 1e3 / steps
+
+
+# The guard's lines, µs per step on the tiny model, and the target they are to come down to.
+# The agent does not meet the target on this project's 2-core machines yet (docs/evaluation.md:
+# +60 to +100 µs in 40-step arms), so the lines hold today's cost plus the noise of 40 rounds;
+# tests/unit/test_hot_path_budget.py holds the Python a step runs to within a tenth of today's.
+GUARD_BUDGET_US = {"thread_cpu": 150.0, "wall": 150.0}
+TARGET_US = 20.0
+
+
+def guard(rounds: int, steps: int, exporter: str, plant_us: float) -> dict[str, Any]:
+    """The short tiny-model run `make test` judges: this tree's agent against none, `rounds`
+    interleaved pairs of `steps`-step arms. Returns, per figure (thread_cpu, wall): the median
+    of per-round differences (µs per step), its 90 % interval, the budget, and `over` (the
+    interval's lower end is over the budget)."""
+    model, opt = make(16, 1)
+    x, y = torch.randn(4, 16), torch.randn(4, 1)
+
+    def planted(**kwargs: Any) -> Any:
+        agent = syncscope.agent.attach(**kwargs)
+        if plant_us > 0:
+            handle = opt.register_step_post_hook(lambda *_: time.sleep(plant_us / 1e6))
+            close = agent.close
+
+            def close_both() -> None:
+                handle.remove()
+                close()
+
+            agent.close = close_both  # type: ignore[method-assign]
+        return agent
+
+    run(model, opt, x, y, 100, None, exporter)  # warm-up
+    run(model, opt, x, y, 50, planted, exporter)
+    diffs: dict[str, list[float]] = {"thread_cpu": [], "wall": []}
+    for i in range(rounds):
+        arms: list[Any] = [None, planted] if i % 2 == 0 else [planted, None]
+        out = {id(arm): run(model, opt, x, y, steps, arm, exporter, warm_steps=30) for arm in arms}
+        with_it, without = out[id(planted)], out[id(None)]
+        diffs["thread_cpu"].append(with_it[0] - without[0])
+        diffs["wall"].append(with_it[2] - without[2])
+    rng = random.Random(0)
+    result: dict[str, Any] = {"rounds": rounds, "steps": steps, "plant_us": plant_us}
+    for name, d in diffs.items():
+        lo, hi = median_ci(d, rng)
+        budget = GUARD_BUDGET_US[name]
+        result[name] = {
+            "median_us": statistics.median(d),
+            "ci90_us": [lo, hi],
+            "budget_us": budget,
+            "target_us": TARGET_US,
+            "over": lo > budget,
+        }
+    return result
+
+
+def summary(
+    results: dict[str | None, list[tuple[float, float, float]]],
+    agents: list[str],
+    groups: list[int] | None = None,
+) -> dict[str, Any]:
+    """`report`'s figures as JSON: per agent, the training-thread and whole-process CPU per
+    step (µs, median and quartiles of per-round differences) and the step-time ratio (median
+    of per-round ratios, 90 % CI)."""
+    rng = random.Random(0)
+    base = results[None]
+    out: dict[str, Any] = {"rounds": len(base)}
+    for arm in agents:
+        rows = results[arm]
+        entry: dict[str, Any] = {}
+        for k, name in ((0, "thread_cpu_us"), (1, "process_cpu_us")):
+            d = [r[k] - b[k] for r, b in zip(rows, base, strict=True)]
+            q = statistics.quantiles(d, n=4)
+            entry[name] = {"median": statistics.median(d), "quartiles": [q[0], q[2]]}
+        ratios = [r[2] / b[2] for r, b in zip(rows, base, strict=True)]
+        lo, hi = median_ci(ratios, rng, groups=groups)
+        entry["step_ratio"] = {"median": statistics.median(ratios), "ci90": [lo, hi]}
+        out[arm] = entry
+    return out
 
 
 def pct(ratio: float) -> str:
@@ -270,7 +360,7 @@ STEP_NAME = "~10 ms CPU step"
 STEP_MODEL = (512, 4, 192)  # hidden, layers, batch
 
 
-def step_scenario_in_processes(a: argparse.Namespace) -> None:
+def step_scenario_in_processes(a: argparse.Namespace) -> dict[str, Any]:
     """The 10 ms scenario's rounds split over `a.processes` fresh processes, run one after
     another, pooled. Within one process the rounds share a memory layout (and a machine state)
     that can shift the agent's cost for the whole run: on 2026-11-24 two identical 240-round
@@ -299,6 +389,7 @@ def step_scenario_in_processes(a: argparse.Namespace) -> None:
         print(f"  process {k + 1}: " + ", ".join(cells))
     results = {(arm or None): [tuple(r) for r in rows] for arm, rows in pooled.items()}
     report(STEP_NAME, results, [arm for arm in pooled if arm], a.step_steps, groups)
+    return summary(results, [arm for arm in pooled if arm], groups)
 
 
 def longest_pause(seconds: float, background: threading.Thread | None) -> tuple[float, float]:
@@ -1073,6 +1164,18 @@ def main() -> None:
         help="split the 10 ms scenario's rounds over this many fresh processes, one after "
         "another, and pool them (each has its own memory layout and exporter)",
     )
+    p.add_argument("--json", default=None, metavar="FILE", help="write the figures here too")
+    p.add_argument(
+        "--guard",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="the regression guard only: ROUNDS pairs of --guard-steps-step arms (tiny model)",
+    )
+    p.add_argument("--guard-steps", type=int, default=40, help="steps per arm in --guard")
+    p.add_argument(
+        "--plant-us", type=float, default=0.0, help="--guard: a per-step hook sleeping this long"
+    )
     p.add_argument("--step-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     for hidden in ("--job-worker", "--job-world"):
@@ -1084,13 +1187,18 @@ def main() -> None:
         a.job_rounds = int(a.job_rounds)
         job_worker(a)
         return
-    modes = a.sizes or a.job or a.project or a.project_inputs
+    modes = a.sizes or a.job or a.project or a.project_inputs or a.guard
+    if a.guard:
+        a.against = "none"
     a.rounds = a.rounds if a.rounds is not None else (0 if modes else 20)
     a.step_rounds = a.step_rounds if a.step_rounds is not None else (0 if modes else 240)
+    pooled: dict[str, Any] | None = None
     if a.processes > 1 and a.step_rounds > 0 and not a.step_out:
-        step_scenario_in_processes(a)
+        pooled = step_scenario_in_processes(a)
         a.step_rounds = 0
         if not (modes or a.rounds > 0 or a.pauses):
+            if a.json:
+                Path(a.json).write_text(json.dumps({"step_10ms": pooled}, indent=1))
             return  # nothing else asked for: no exporter or process group to start
     legacy = a.rounds > 0 or a.step_rounds > 0 or a.pauses or not modes
     size_arms = a.size_arms.split(",")
@@ -1132,12 +1240,29 @@ def main() -> None:
             res = scenario(STEP_NAME, *STEP_MODEL, a.step_rounds, a.step_steps, url, agents, a.seed)
             Path(a.step_out).write_text(json.dumps({k or "": v for k, v in res.items()}))
             return
+        figures: dict[str, Any] = {"agents": list(agents)}
+        if pooled is not None:
+            figures["step_10ms"] = pooled
+        if a.guard:
+            figures["guard"] = guard(a.guard, a.guard_steps, url, a.plant_us)
+            for name in ("thread_cpu", "wall"):
+                g = figures["guard"][name]
+                verdict = "OVER BUDGET" if g["over"] else "within budget"
+                print(
+                    f"guard, {name} per step: {g['median_us']:+.1f} µs (90 % CI "
+                    f"{g['ci90_us'][0]:+.1f} .. {g['ci90_us'][1]:+.1f}), budget "
+                    f"{g['budget_us']:.0f} µs: {verdict}"
+                )
         if a.rounds > 0:
             res = scenario("tiny model (hooks dominate)", 16, 1, 4, a.rounds, a.steps, url, agents)
             report("tiny model (hooks dominate)", res, list(agents), a.steps)
+            figures["tiny"] = summary(res, list(agents))
         if a.step_rounds > 0:
             res = scenario(STEP_NAME, *STEP_MODEL, a.step_rounds, a.step_steps, url, agents)
             report(STEP_NAME, res, list(agents), a.step_steps)
+            figures["step_10ms"] = summary(res, list(agents))
+        if a.json:
+            Path(a.json).write_text(json.dumps(figures, indent=1))
         if a.sizes:
             entries_per_step(packages)
             cold_entries()

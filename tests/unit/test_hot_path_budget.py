@@ -1,0 +1,87 @@
+"""The agent's Python on the training thread, counted: bytecode instructions per step of a DDP
+job (gloo, one rank), by frame, with the agent attached as a user attaches it.
+
+Counts, unlike times, do not move with the machine's load, so this holds the line the timing
+guard (tests/integration/test_overhead_guard.py) cannot hold on two shared cores: code that
+grows the hot path by a tenth fails here. Most of the agent's cost per step is this
+interpretation (the interpreter's loop is about half of the instructions the agent adds, by
+callgrind), the rest follows the number of calls, which are counted too.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from syncscope.agent import attach  # noqa: E402
+
+AGENT = str(Path(__file__).resolve().parents[2] / "agent")
+# Per step of the tiny DDP model, every step timed (the default) and one timed in 16, on
+# CPython 3.11 and torch 2.13 (docs/evaluation.md has the figures): the budget is what the
+# agent needs today plus a tenth, so a tenth more fails.
+BUDGET = {1: (985, 17), 16: (625, 17)}  # phase_every -> (bytecodes, calls) a step, at most
+STEPS = 64
+
+
+def count_per_step(step: Any, steps: int) -> tuple[float, float, dict[str, int]]:
+    """Bytecodes and Python calls per step in the agent's own frames (agent/), and by function."""
+    ops: collections.Counter[str] = collections.Counter()
+    calls = 0
+
+    def trace(frame: Any, event: str, _arg: Any) -> Any:
+        nonlocal calls
+        code = frame.f_code
+        if not code.co_filename.startswith(AGENT):
+            return None
+        if event == "call":
+            calls += 1
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            ops[f"{os.path.basename(code.co_filename)}:{code.co_name}"] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        sys.settrace(None)
+    return sum(ops.values()) / steps, calls / steps, dict(ops)
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="bytecode counts are CPython 3.11's")
+@pytest.mark.parametrize("phase_every", [1, 16])
+def test_the_agents_python_per_step_stays_within_its_budget(gloo_world_of_one, phase_every):
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x, y = torch.randn(4, 16), torch.randn(4, 1)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    agent = attach(model=model, optimizer=opt, exporter=None, phase_every=phase_every)
+    try:
+        for _ in range(40):  # past the first steps (trigger learning, the startup event)
+            step()
+        ops, calls, by_function = count_per_step(step, STEPS)
+    finally:
+        agent.close()
+    assert agent.stats["errors"] == 0
+    assert agent.stats["steps"] >= 40 + STEPS  # the hooks did run
+    top = sorted(by_function.items(), key=lambda kv: -kv[1])[:8]
+    print(f"phase_every={phase_every}: {ops:.0f} bytecodes, {calls:.1f} calls a step; {top}")
+    max_ops, max_calls = BUDGET[phase_every]
+    assert ops <= max_ops, (ops, top)
+    assert calls <= max_calls, (calls, top)
