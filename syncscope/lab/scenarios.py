@@ -136,12 +136,15 @@ def slow_link(
         sampled: dict[int, list[Any]] = {}
         with cluster.running(["--duration", str(duration)], job) as ranks:
             sample_stragglers(cluster, job, ranks, started + WARM_UP_S + 5, started + 300, sampled)
-        time.sleep(3)
+        ended = time.time()
+        time.sleep(3)  # the engine has written every evaluation made while the job ran
         states = cluster.states()
         end = time.time()
         sel = f'{{job="{job}"}}'
+        # Judged while the job ran: once it has ended there is no traffic to judge a link by,
+        # and the engine's last evaluations may not be written yet (vmalert's remote write).
         slow = prom.query_range(
-            f"{R.LINK_CAPACITY_RATIO}{sel} < {SLOW_LINK_LINE}", started + WARM_UP_S, end
+            f"{R.LINK_CAPACITY_RATIO}{sel} < {SLOW_LINK_LINE}", started + WARM_UP_S, ended
         )
         # A page is a firing alert; the first seconds are gloo connecting over the slowed
         # link, as for the slow-link check above.
@@ -161,10 +164,15 @@ def slow_link(
             and q["expected_data"]
             and not prom.query(q["promql"], at=end - 4)
         ]
-    named = sum(1 for found in slow.values() if set(found) == {f"job={job},node=node1"})
+    expected = {f"job={job},node=node1"}
+    named = sum(1 for found in slow.values() if set(found) == expected)
     return {
         "evaluations": len(slow),
         "named_share": named / len(slow) if slow else 0.0,
+        # when (s after the job's start) an evaluation named other than node 1, and whom
+        "missed": [
+            (round(t - started, 1), sorted(f)) for t, f in slow.items() if set(f) != expected
+        ],
         "utilisation": utilisation,
         "straggler_alerts": sorted({k for v in straggler_alerts.values() for k in v}),
         "straggler_samples": straggler_shares(sampled),
