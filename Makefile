@@ -1,4 +1,5 @@
-# The two commands in the README. Each sets up what it needs first (idempotent).
+# The README's two commands (demo, test), each setting up what it needs first (idempotent);
+# test-fast is for between edits.
 .PHONY: demo test test-fast lint fuzz
 
 # DEMO_ARGS: extra `syncscope demo` flags, e.g. DEMO_ARGS="--duration 20" (.ci/run uses it).
