@@ -142,7 +142,12 @@ def test_an_emulator_pool_serves_the_job_a_single_process_does(bench):
             lines = r.read().decode().splitlines()
         return {line.rpartition(" ")[0] for line in lines if line and not line.startswith("#")}
 
-    job = bench.Job(4, 2, 1.0, 0.03, time.time() - 10)
+    # Both feed by the wall clock, each node on its own schedule: 10 s steps from 25 s ago,
+    # so steps 0 and 1 (an all_gather, an all_reduce) are in every feed and no new series
+    # comes before step 10's broadcast, 85 s away. With 1 s steps from 10 s ago, step 10 ended
+    # 1 s after the first feed: a node fed after it in one emulator and not yet in the other
+    # served a broadcast series more (seen under load).
+    job = bench.Job(4, 2, 10.0, 0.03, time.time() - 25)
     single = bench.Emulator(job, 5.0, 20)
     pool = bench.EmulatorPool(job, 5.0, 20, workers=2)
     try:
