@@ -89,7 +89,9 @@ def test_only_every_nth_step_is_timed_and_the_others_carry_its_shares(
         assert shares(by_step[step]) == pytest.approx(shares(timed), abs=1e-6), step
     # Step 6's slow forward is in its total, not in its (estimated) forward share; the next
     # timed step measures its own forward again.
-    assert by_step[6][2] >= by_step[5][2] + 25e6
+    # (sleeps never end early: its 5 ms of data and 40 ms of forward are a floor under load;
+    # a margin over step 5's total failed whenever the host delayed step 5 by 5 ms)
+    assert by_step[6][2] >= 45e6, by_step[6]
     assert shares(by_step[6])[FORWARD] == pytest.approx(shares(by_step[4])[FORWARD], abs=1e-6)
     # DDP's sync: measured on the timed steps; on the quiet ones an estimate, the timed sync's
     # share of its step times the quiet step's total, so that waits and calls per step keep
