@@ -567,22 +567,19 @@ class PhaseClock:
             t = _now()
             exposed = t - self.bwd_end
             blocked = self.blocked
-            waited = 0
-            if blocked is not None:
-                if self.first_ddp_ns < 0 and blocked.first_ns < 0:
-                    self.first_ddp_ns = exposed  # no wait of this step came before DDP's sync
-                    self.first_at = COMM_END
-                if blocked.ns != self.blocked_seen:
-                    # DDP waits for its buckets in C++; a wait seen here too is in `exposed`
-                    waited = self.take_blocked(COMM_END)
-            elif self.first_ddp_ns < 0:
-                self.first_ddp_ns = exposed
+            if self.first_ddp_ns < 0 and (blocked is None or blocked.first_ns < 0):
+                self.first_ddp_ns = exposed  # no wait of this step came before DDP's sync
                 self.first_at = COMM_END
+            waited = 0
+            if blocked is not None and blocked.ns != self.blocked_seen:
+                # DDP waits for its buckets in C++; a wait seen here too is in `exposed`
+                waited = self.take_blocked(COMM_END)
             self.acc[COMM] += exposed - waited
             self.bwd_pending = False
             self.idle_since = t
             coll = self.collectives
             if len(coll) < self.coll_max:
+                # _sync_record's tuple, built here: one call fewer on every timed step
                 coll.append((DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, exposed, self.step))
             else:
                 self.dropped += 1
@@ -759,7 +756,7 @@ class PhaseClock:
         """A quiet step's DDP sync record: an estimate, where its timed step had a sync."""
         coll = self.collectives
         if len(coll) < self.coll_max:
-            coll.append((DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, ns, self.step))
+            coll.append(self._sync_record(self.step, ns))
         else:
             self.dropped += 1
 
