@@ -171,6 +171,7 @@ def create_app(
             settings.prometheus_interval_s,
             # the readings that tell how long a straggler has held (diagnosis.Thresholds)
             history_s=settings.thresholds.straggler_hold_s + settings.prometheus_interval_s,
+            wanted=store.interest,
         )
         store.job_wide = reader.get
     if settings.powercap_root and store.cpu_energy is None:

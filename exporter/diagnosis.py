@@ -197,7 +197,7 @@ def _over_line(
     is a share of that window's mean step, as SyncscopeStraggler reads them, not of the step
     the ranks report now (after a slow spell the window still holds its steps, and the line
     would shrink under them). `step`: the step reported now, where no mean was read."""
-    root = stage_root(job_wide.leads, job_wide.stages)
+    root = job_wide.straggler
     window_step = job_wide.step_mean_s or step
     if root is None or window_step <= 0:
         return None
@@ -721,8 +721,8 @@ def _job_wide(
         modes["fabric_contention"] = verdict(
             0.0, "no job-wide transfer baseline from Prometheus yet"
         )
-    if job_wide.link_ratios:
-        node, ratio = min(job_wide.link_ratios.items(), key=lambda kv: kv[1])
+    if job_wide.slowest_link is not None:
+        node, ratio = job_wide.slowest_link
         modes["slow_link"] = verdict(
             _below_score(ratio, t.slow_link_ratio, t),
             f"node {node}'s link is known to carry {ratio:.0%} of what the job's median node's "

@@ -1,11 +1,16 @@
 """The job-wide view read back from Prometheus, for an exporter that sees only its node's ranks.
 
 Each exporter sees the ranks of its own node; Prometheus, scraping every node, computes the
-job-wide lead of every rank, the job's transfer per step and the amplification (the recording
-rules of syncscope.monitoring.rules). Given `--prometheus-url`, the exporter reads those three
-back over Prometheus's HTTP API every `--prometheus-interval` seconds on a thread of its own and
-uses them for its diagnosis, page, /v1/state and the baselines it hands to agents. No gossip
-between exporters and no aggregator of our own: Prometheus already is the job-wide engine.
+job-wide figures (the recording rules of syncscope.monitoring.rules): every rank's lead, the
+straggler and its lag, the job's transfer per step, its inflation, the amplification, the
+mean step and the slowest link. Given `--prometheus-url`, the exporter reads back, every
+`--prometheus-interval` seconds on a thread of its own, what its diagnosis, page, /v1/state
+and the baselines it hands to agents need, and no more: the jobs it holds, the leads of its own
+node's ranks, the job-level series (the straggler among them), the slowest link, and the least
+blocked member of each group its ranks wait in (the wait chain's next hop). A cycle returns
+series in proportion to the node's ranks and jobs, not the job's size; the exporters' reads are
+spread over the interval. No gossip between exporters and no aggregator of our own: Prometheus
+already is the job-wide engine.
 
 A reading older than three intervals is dropped: the exporter then says its view is node-local
 rather than show stale job-wide figures as current. Once a job's ranks here stop reporting (the
@@ -17,10 +22,13 @@ the job's last report instead.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import random
+import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,16 +44,19 @@ HOLD_S = 24 * 3600.0
 
 @dataclass(frozen=True)
 class JobWide:
-    """What Prometheus computes over every node of one job."""
+    """What Prometheus computes over every node of one job, as far as this node needs it."""
 
-    leads: Mapping[int, float] = field(default_factory=dict)  # rank -> s per step (lead rule)
+    # rank -> s per step (the lead rule), for this node's ranks, the straggler and each of
+    # their groups' least blocked members: not every rank of the job
+    leads: Mapping[int, float] = field(default_factory=dict)
     transfer_s: float | None = None  # the job's transfer per step
     amplification: float | None = None  # idle share of rank-time at collectives
     read_unix_s: float = 0.0
     transfer_inflation: float | None = None  # transfer per step ÷ its own baseline
-    link_ratios: Mapping[str, float] = field(default_factory=dict)  # node -> capacity ÷ median
-    # rank -> pipeline stage, for a pipeline's ranks: the lead rule's `stage` label (a lead is
-    # over the least blocked rank of the rank's stage there)
+    # The job's node whose link carries least against the job's median node's, and that ratio.
+    slowest_link: tuple[str, float] | None = None
+    # rank -> pipeline stage, for a pipeline's ranks among `leads`: the lead rule's `stage`
+    # label (a lead is over the least blocked rank of the rank's stage there)
     stages: Mapping[int, int] = field(default_factory=dict)
     # rank -> its blocked time per step beyond the job's least blocked rank, whatever its stage
     # (a pipeline's lead plus its stage's least blocked time over the job's): how long it
@@ -55,6 +66,9 @@ class JobWide:
     # mean per step over a window, are a share of. The step a rank reports now is not: as a
     # job's steps lengthen or shorten, the leads still hold the window's steps.
     step_mean_s: float | None = None
+    # The rank the others wait for and how much later than the earliest rank of its stage it
+    # arrives, the job's arrival skew (recorded.STRAGGLER_LAG); None: no rank has a lead yet.
+    straggler: tuple[int, float] | None = None
     # The job's readings before this one, oldest first, over the reader's history (each with
     # no history of its own): how long a rank has been the straggler, for the hold. The
     # diagnosis's input, not part of the view: /v1/state leaves it out.
@@ -66,7 +80,7 @@ class JobWide:
 
 
 def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, JobWide]:
-    """Instant-query results of the rules -> one JobWide per job."""
+    """Instant-query results of the rules, by recorded name -> one JobWide per job."""
     leads: dict[str, dict[int, float]] = {}
     stages: dict[str, dict[int, int]] = {}
     # job -> stage (None: ranks with none) -> its least blocked rank's time per step
@@ -75,15 +89,24 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
     amplification: dict[str, float] = {}
     inflation: dict[str, float] = {}
     step_mean: dict[str, float] = {}
-    links: dict[str, dict[str, float]] = {}
-    for sample in replies.get(recorded.LEAD, []):
-        job, rank = sample["metric"].get("job"), sample["metric"].get("rank")
-        value = _number(sample)
-        if job and rank is not None and rank.isdigit() and value is not None:
-            leads.setdefault(job, {})[int(rank)] = value
+    links: dict[str, tuple[str, float]] = {}
+    stragglers: dict[str, tuple[int, float]] = {}
+    for name in (recorded.LEAD, recorded.STRAGGLER_LAG):
+        for sample in replies.get(name, []):
+            job, rank = sample["metric"].get("job"), sample["metric"].get("rank")
+            value = _number(sample)
+            if not job or rank is None or not rank.isdigit() or value is None:
+                continue
             stage = sample["metric"].get("stage", "")
             if stage.isdigit():
                 stages.setdefault(job, {})[int(rank)] = int(stage)
+            if name == recorded.LEAD:
+                leads.setdefault(job, {})[int(rank)] = value
+                continue
+            # The straggler's lead is 0 by construction; of ties, the lowest rank.
+            leads.setdefault(job, {})[int(rank)] = 0.0
+            if job not in stragglers or int(rank) < stragglers[job][0]:
+                stragglers[job] = (int(rank), value)
     for sample in replies.get(recorded.SYNC_PER_STEP_STAGE_MIN, []):
         job, stage, value = (
             sample["metric"].get("job"),
@@ -98,8 +121,8 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
             sample["metric"].get("node"),
             _number(sample),
         )
-        if job and node and value is not None:
-            links.setdefault(job, {})[node] = value
+        if job and node and value is not None and (job not in links or value < links[job][1]):
+            links[job] = (node, value)
     for name, into in (
         (recorded.TRANSFER_PER_STEP, transfer),
         (recorded.SYNC_AMPLIFICATION, amplification),
@@ -117,10 +140,11 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
             amplification.get(job),
             now,
             inflation.get(job),
-            links.get(job, {}),
+            links.get(job),
             stages.get(job, {}),
             _waits(leads.get(job, {}), stages.get(job, {}), stage_least.get(job)),
             step_mean.get(job),
+            stragglers.get(job),
         )
         for job in set(leads) | set(transfer) | set(amplification)
     }
@@ -152,18 +176,79 @@ def _number(sample: dict[str, Any]) -> float | None:
     return value if value == value and abs(value) != float("inf") else None
 
 
-class PrometheusReader:
-    """Polls Prometheus for the job-wide rules; `get(job)` is the latest fresh reading or None."""
+@dataclass(frozen=True)
+class Interest:
+    """What the exporter needs read back for one job it holds: the nodes its ranks here run on
+    (the `node` label of their series) and the members of each group they collect in."""
 
-    QUERIES = (
-        recorded.LEAD,
-        recorded.TRANSFER_PER_STEP,
-        recorded.SYNC_AMPLIFICATION,
-        recorded.TRANSFER_INFLATION,
-        recorded.LINK_CAPACITY_RATIO,
-        recorded.SYNC_PER_STEP_STAGE_MIN,
-        recorded.STEP_MEAN,
-    )
+    nodes: frozenset[str]
+    groups: frozenset[tuple[int, ...]] = frozenset()
+
+
+# Series of one job each (or one per pipeline stage): read for the jobs held, in one query.
+JOB_LEVEL = (
+    recorded.STRAGGLER_LAG,
+    recorded.TRANSFER_PER_STEP,
+    recorded.SYNC_AMPLIFICATION,
+    recorded.TRANSFER_INFLATION,
+    recorded.SYNC_PER_STEP_STAGE_MIN,
+    recorded.STEP_MEAN,
+)
+
+
+def _any_of(values: Iterable[str]) -> str:
+    """A PromQL string literal: a regex matching exactly these values."""
+    return json.dumps("|".join(re.escape(v) for v in sorted(values)))
+
+
+def cycle_queries(wanted: Mapping[str, Interest]) -> dict[str, str]:
+    """The read-back's first queries, by what they return (the recorded name where one), for
+    the jobs `wanted`: its node's ranks' leads, the jobs' own series, the slowest link."""
+    jobs = _any_of(wanted)
+    nodes = _any_of({node for interest in wanted.values() for node in interest.nodes})
+    return {
+        recorded.LEAD: f"{recorded.LEAD}{{job=~{jobs}, node=~{nodes}}}",
+        "job": f"{{__name__=~{_any_of(JOB_LEVEL)}, job=~{jobs}}}",
+        recorded.LINK_CAPACITY_RATIO: (
+            f"bottomk by (job) (1, {recorded.LINK_CAPACITY_RATIO}{{job=~{jobs}}})"
+        ),
+    }
+
+
+# Groups of up to this many ranks are read whole for the next hop, larger ones reduced.
+SMALL_GROUP = 16
+
+
+def hop_query(wanted: Mapping[str, Interest], known: Mapping[str, JobWide]) -> str | None:
+    """The wait chain's next hops: the least blocked member of each group of the ranks here
+    whose members' leads are not known already (members elsewhere) and that does not hold the
+    straggler (whom its members wait for); None where there is no such group. The query grows
+    with those groups' members, its reply with the number of groups."""
+    terms = []
+    for job, interest in sorted(wanted.items()):
+        reading = known.get(job)
+        if reading is None:
+            continue
+        root = reading.straggler[0] if reading.straggler is not None else None
+        for members in sorted(interest.groups):
+            if root in members or all(m in reading.leads for m in members):
+                continue
+            ranks = json.dumps("|".join(str(m) for m in members))
+            leads = f"{recorded.LEAD}{{job={json.dumps(job)}, rank=~{ranks}}}"
+            # A small group's every member (a pipeline's pp group spans stages, whose leads
+            # are over different minima: the least blocked is found after their adjustment,
+            # JobWide.waits); a large one's least lead (its members share a stage).
+            terms.append(leads if len(members) <= SMALL_GROUP else f"bottomk(1, {leads})")
+    return " or ".join(terms) or None
+
+
+class PrometheusReader:
+    """Polls Prometheus for the job-wide rules; `get(job)` is the latest fresh reading or None.
+
+    `wanted` tells what the exporter holds now (job -> Interest); a cycle reads those jobs
+    only: three queries, and a fourth for the next hops where groups reach other nodes."""
+
+    QUERIES = 4  # the most a cycle sends
 
     def __init__(
         self,
@@ -171,15 +256,19 @@ class PrometheusReader:
         interval_s: float = 15.0,
         timeout_s: float = 2.0,
         history_s: float = 0.0,
+        wanted: Callable[[], Mapping[str, Interest]] = dict,
     ) -> None:
         self.url = url.rstrip("/")
         self.api = PrometheusAPI(self.url, timeout_s)
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.max_age_s = 3 * interval_s
+        self.wanted = wanted
         self.last_error: str | None = None
         self.reads = 0
         self.failures = 0
+        # The last cycle's queries, series and bytes returned (what its load on the engine is).
+        self.last_cycle = (0, 0, 0)
         self._jobs: dict[str, JobWide] = {}
         self._held: dict[str, JobWide] = {}  # job -> the newest reading at its latest `as_of`
         # job -> its readings over the last `history_s` (and the one before), oldest first
@@ -196,7 +285,7 @@ class PrometheusReader:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(self.timeout_s * len(self.QUERIES) + 1)
+            self._thread.join(self.timeout_s * self.QUERIES + 1)
 
     def get(self, job: str, now: float | None = None, as_of: float | None = None) -> JobWide | None:
         """The job's reading as of `as_of` (default now; the exporter passes the job's last
@@ -215,13 +304,31 @@ class PrometheusReader:
         return reading if as_of - reading.read_unix_s <= self.max_age_s else None
 
     def _run(self) -> None:
+        # Each exporter reads at its own offset in the interval: thousands of them started
+        # together by one scheduler do not query the engine in the same second.
+        self._stop.wait(random.uniform(0.0, self.interval_s))  # noqa: S311 - not for secrets
         while not self._stop.is_set():
             self.read_once()
             self._stop.wait(self.interval_s)
 
     def read_once(self) -> bool:
+        wanted = self.wanted()
+        if not wanted:  # no job here: nothing to ask
+            return True
+        received = self.api.received_bytes
         try:
-            replies = {name: self.api.instant(name) for name in self.QUERIES}
+            replies: dict[str, list[dict[str, Any]]] = {}
+            queries = cycle_queries(wanted)
+            for key, promql in queries.items():
+                for sample in self.api.instant(promql):
+                    name = key if key != "job" else sample["metric"].get("__name__", "")
+                    replies.setdefault(name, []).append(sample)
+            now = time.time()
+            jobs = parse(replies, now)
+            hops = hop_query(wanted, jobs)
+            if hops is not None:
+                replies[recorded.LEAD] = [*replies.get(recorded.LEAD, []), *self.api.instant(hops)]
+                jobs = parse(replies, now)
         except (
             OSError,
             ValueError,
@@ -232,8 +339,11 @@ class PrometheusReader:
             self.last_error = f"{type(exc).__name__}: {exc}"[:200]
             log.debug("syncscope: reading %s failed: %s", self.url, self.last_error)
             return False
-        now = time.time()
-        jobs = parse(replies, now)
+        self.last_cycle = (
+            len(queries) + (hops is not None),
+            sum(len(samples) for samples in replies.values()),
+            self.api.received_bytes - received,
+        )
         with self._lock:
             for job, reading in jobs.items():
                 kept = self._history.get(job, [])

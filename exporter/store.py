@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from syncscope.exporter.findings import OMIT_IF_NONE, Diagnosis
-from syncscope.exporter.jobwide import NOT_IN_JSON, JobWide
+from syncscope.exporter.jobwide import NOT_IN_JSON, Interest, JobWide
 from syncscope.exporter.pooling import JobPool, NodeInflation, Sample
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.throughput import Throughput, ThroughputView
@@ -30,6 +30,7 @@ from syncscope.arrival import collective_key, key_text
 from syncscope.catalog import BADPUT_CATEGORIES, LOST_PROGRESS, STEP_WINDOW
 from syncscope.wire import (
     EVENT_STARTUP,
+    GROUP_FACT,
     MAX_LABEL_LEN,
     MAX_TOPOLOGY_ENTRIES,
     MAX_TOPOLOGY_TEXT,
@@ -41,6 +42,7 @@ from syncscope.wire import (
     EventSeconds,
     PacingState,
     StepSeconds,
+    group_ranks,
     pipeline_stage,
 )
 
@@ -743,6 +745,23 @@ class Store:
                 self._by_report.touch(key, now)
                 taken += 1
         return taken
+
+    def interest(self) -> dict[str, Interest]:
+        """What the job-wide read-back needs for each job held here: its ranks' nodes and the
+        members of every group they collect in (their topology's GROUP_FACT entries)."""
+        with self.lock:
+            held = [(s.job, s.hostname, s.topology) for s in self.ranks.values()]
+        nodes: dict[str, set[str]] = {}
+        groups: dict[str, set[tuple[int, ...]]] = {}
+        for job, hostname, topology in held:
+            nodes.setdefault(job, set()).add(hostname)
+            into = groups.setdefault(job, set())
+            for key in topology or {}:
+                if key.startswith(GROUP_FACT):
+                    members = group_ranks(topology, key[len(GROUP_FACT) :])
+                    if members:
+                        into.add(members)
+        return {job: Interest(frozenset(nodes[job]), frozenset(groups[job])) for job in nodes}
 
     # -- read side (callers hold no lock; this takes it) ------------------------------------------
     def view(self, diagnose: Diagnose, recent: int | None = None) -> StoreView:

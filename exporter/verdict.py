@@ -196,8 +196,8 @@ def hardware_checks(
     slow_link = diagnosis.modes.get("slow_link")
     hosts = {r.hostname for r in live}
     elsewhere = max((r.world_size for r in live), default=0) - len(live)
-    if slow_link is not None and job_wide is not None and job_wide.link_ratios:
-        node, ratio = min(job_wide.link_ratios.items(), key=lambda kv: kv[1])
+    if slow_link is not None and job_wide is not None and job_wide.slowest_link is not None:
+        node, ratio = job_wide.slowest_link
         if slow_link.verdict:
             faults.append(
                 f"node {node}'s link: carries {ratio:.0%} of what the job's median node's does"

@@ -18,15 +18,27 @@ class PrometheusError(RuntimeError):
 
 
 class PrometheusAPI:
+    # Parameters longer than this go in a POST's body (both engines take /api/v1/query's form
+    # either way), not the URL: servers and proxies cap a request line at 8-16 KB.
+    MAX_URL_PARAMS = 4096
+
     def __init__(self, url: str, timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.received_bytes = 0  # reply bodies read, in all
 
     def get(self, path: str, params: dict[str, Any] | None = None) -> Any:
-        """`data` of the reply to GET `path` (e.g. /api/v1/rules) with `params`."""
-        url = self.url + path + ("?" + urllib.parse.urlencode(params) if params else "")
-        with urllib.request.urlopen(url, timeout=self.timeout) as reply:  # noqa: S310 - the operator's or our own URL
-            body = json.loads(reply.read())
+        """`data` of the reply to `path` (e.g. /api/v1/rules) with `params`: a GET, or a POST
+        where they are too long for a URL."""
+        form = urllib.parse.urlencode(params) if params else ""
+        if len(form) > self.MAX_URL_PARAMS:
+            request = urllib.request.Request(self.url + path, data=form.encode(), method="POST")
+        else:
+            request = urllib.request.Request(self.url + path + ("?" + form if form else ""))
+        with urllib.request.urlopen(request, timeout=self.timeout) as reply:  # noqa: S310 - the operator's or our own URL
+            raw = reply.read()
+        self.received_bytes += len(raw)
+        body = json.loads(raw)
         if not isinstance(body, dict) or body.get("status") != "success":
             error = body.get("error", body.get("status")) if isinstance(body, dict) else body
             raise PrometheusError(f"GET {path} {params or ''}: {error}")

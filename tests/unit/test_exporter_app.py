@@ -282,7 +282,7 @@ def test_the_lead_gauge_is_node_local_and_the_state_job_wide():
 
     settings = Settings(max_body_bytes=200_000)
     store = Store(settings)
-    job_wide = JobWide({0: 0.050, 1: 0.080}, None, None, 0.0)
+    job_wide = JobWide({0: 0.050, 1: 0.080}, None, None, 0.0, straggler=(0, 0.030))
     store.job_wide = lambda job, as_of=None: job_wide  # as a PrometheusReader would
     # Two ranks of four here: the job-wide view is the job's
     agents = [

@@ -13,9 +13,10 @@ import time
 from typing import Any
 
 import pytest
+from syncscope.exporter import jobwide
 from syncscope.exporter.collectors import collect_diagnosis
 from syncscope.exporter.diagnosis import ModeVerdict, diagnose_job
-from syncscope.exporter.jobwide import JobWide, PrometheusReader, parse
+from syncscope.exporter.jobwide import Interest, JobWide, PrometheusReader, parse
 from syncscope.exporter.pooling import NodeInflation
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import JobView, StoreView, with_job_transfer
@@ -26,6 +27,19 @@ from syncscope.thresholds import load_config
 from tests.unit.test_diagnosis import ranks_of
 
 SETTINGS = Settings()
+
+
+def ruled(leads: dict[int, float], *args: Any, **kwargs: Any) -> JobWide:
+    """A reading as the rules give it for a job with these leads: its straggler
+    (recorded.STRAGGLER_LAG) is the least blocked rank of the stage whose leads spread most,
+    its lag that spread; a stage needs two ranks."""
+    stages: dict[int, list[tuple[float, int]]] = {}
+    for rank, lead in leads.items():
+        stages.setdefault(kwargs.get("stages", {}).get(rank, 0), []).append((lead, rank))
+    spread = [(max(m)[0] - min(m)[0], min(m)[1]) for m in stages.values() if len(m) >= 2]
+    root = max(spread, key=lambda s: s[0], default=None)
+    straggler = None if root is None else (root[1], root[0])
+    return JobWide(leads, *args, straggler=straggler, **kwargs)
 
 
 def held(wide: JobWide) -> JobWide:
@@ -40,29 +54,120 @@ def two_of_four(name: str) -> list:
     return [r for r in ranks_of(name) if r.rank in (0, 1)]
 
 
-def test_parse_groups_the_rules_by_job():
-    def sample(value: str, **labels: str) -> dict:
-        return {"metric": labels, "value": [1.0, value]}
+def sample(value: str, **labels: str) -> dict:
+    return {"metric": labels, "value": [1.0, value]}
 
+
+def test_parse_groups_the_rules_by_job():
     replies = {
         rules.LEAD: [
             sample("0.03", job="a", rank="0"),
-            sample("0", job="a", rank="3"),
             sample("NaN", job="a", rank="2"),  # no steps in the window: left out, not 0
             sample("0.01", job="b", rank="1"),
         ],
+        rules.STRAGGLER_LAG: [sample("0.03", job="a", rank="3")],
         rules.TRANSFER_PER_STEP: [sample("0.005", job="a")],
         rules.SYNC_AMPLIFICATION: [sample("0.4", job="a"), sample("+Inf", job="b")],
         rules.TRANSFER_INFLATION: [sample("1.25", job="a")],
         rules.STEP_MEAN: [sample("0.2", job="a")],
+        rules.LINK_CAPACITY_RATIO: [sample("0.5", job="a", node="n2")],
     }
     jobs = parse(replies, now=100.0)
-    assert jobs["a"] == JobWide({0: 0.03, 3: 0.0}, 0.005, 0.4, 100.0, 1.25, step_mean_s=0.2)
+    assert jobs["a"] == JobWide(
+        {0: 0.03, 3: 0.0},  # the straggler's lead is 0 by construction
+        0.005,
+        0.4,
+        100.0,
+        1.25,
+        ("n2", 0.5),
+        step_mean_s=0.2,
+        straggler=(3, 0.03),
+    )
     assert jobs["b"] == JobWide({1: 0.01}, None, None, 100.0)
 
 
+class Engine:
+    """Stands in for Prometheus's instant queries over a 16-rank job on 4 nodes of 4 ranks
+    (node n<k> holds ranks 4k..4k+3), rank 13 the straggler: answers the queries a reader
+    sends by the matchers in them, and keeps them."""
+
+    def __init__(self) -> None:
+        self.queries: list[str] = []
+        self.leads = {
+            rank: (0.0 if rank == 13 else 0.02 + (16 - rank) / 1000) for rank in range(16)
+        }
+
+    def instant(self, promql: str) -> list[dict]:
+        self.queries.append(promql)
+        if promql.startswith("{__name__=~"):
+            assert 'job=~"j"' in promql
+            return [
+                {
+                    **sample("0.035", job="j", rank="13"),
+                    "metric": {"__name__": rules.STRAGGLER_LAG, "job": "j", "rank": "13"},
+                },
+                {**sample("0.05", job="j"), "metric": {"__name__": rules.STEP_MEAN, "job": "j"}},
+            ]
+        if promql.startswith(rules.LEAD) and "rank=~" not in promql:  # the node's ranks
+            assert 'node=~"n0"' in promql and 'job=~"j"' in promql, promql
+            return [sample(str(self.leads[r]), job="j", rank=str(r)) for r in range(4)]
+        if promql.startswith("bottomk by (job)"):
+            return [sample("0.9", job="j", node="n2")]
+        # The next hops: one term per group, each a selector of its members or their least.
+        out = []
+        for term in promql.split(" or "):
+            ranks = [int(r) for r in term.split('rank=~"')[1].split('"')[0].split("|")]
+            if term.startswith("bottomk"):
+                ranks = [min(ranks, key=self.leads.__getitem__)]
+            out += [sample(str(self.leads[r]), job="j", rank=str(r)) for r in ranks]
+        return out
+
+
+def test_a_read_asks_for_the_nodes_ranks_and_the_jobs_own_series_only(monkeypatch):
+    """Node n0 holds ranks 0-3 of the 16-rank job: the reader asks for those four leads (job
+    and node matchers), the job's series (the straggler among them), the slowest link, and the
+    least blocked member of each group of its ranks that reaches other nodes and does not hold
+    the straggler: the world (16 ranks, holds 13) and its tensor-parallel group (0-3, all
+    here) need nothing; its data-parallel groups (i, i+4, i+8, i+12) do. Each is read whole
+    (a small group) or reduced to its least (a large one): the reply stays the node's size."""
+    engine = Engine()
+    dp = frozenset(tuple(range(i, 16, 4)) for i in range(4))
+    interest = Interest(frozenset({"n0"}), frozenset({tuple(range(16)), (0, 1, 2, 3)}) | dp)
+    reader = PrometheusReader("http://127.0.0.1:9", wanted=lambda: {"j": interest})
+    reader.api.instant = engine.instant  # type: ignore[method-assign]
+    assert reader.read_once()
+    reading = reader.get("j")
+    assert reading is not None and reading.straggler == (13, 0.035)
+    assert reading.slowest_link == ("n2", 0.9) and reading.step_mean_s == 0.05
+    # dp group (1, 5, 9, 13) holds the straggler: 3 of 4 dp groups asked, each whole
+    (hops,) = [q for q in engine.queries if "rank=~" in q]
+    assert hops.count(rules.LEAD) == 3 and "bottomk" not in hops, hops
+    assert set(reading.leads) == {0, 1, 2, 3, 13} | {4, 8, 12, 6, 10, 14, 7, 11, 15}
+    assert reader.last_cycle[:2] == (4, 4 + 2 + 1 + 12)
+    # Groups larger than SMALL_GROUP: their least member only
+    monkeypatch.setattr(jobwide, "SMALL_GROUP", 2)
+    engine.queries.clear()
+    assert reader.read_once()
+    (hops,) = [q for q in engine.queries if "rank=~" in q]
+    assert hops.count("bottomk(1, ") == 3, hops
+    later = reader.get("j")
+    assert later is not None and set(later.leads) == {0, 1, 2, 3, 13, 12, 14, 15}
+
+
+def test_a_reader_with_no_job_here_asks_nothing():
+    engine = Engine()
+    reader = PrometheusReader("http://127.0.0.1:9")
+    reader.api.instant = engine.instant  # type: ignore[method-assign]
+    assert reader.read_once() and engine.queries == []
+
+
 def test_an_unreachable_prometheus_leaves_the_view_node_local():
-    reader = PrometheusReader(f"http://127.0.0.1:{free_port()}", interval_s=1.0, timeout_s=0.5)
+    reader = PrometheusReader(
+        f"http://127.0.0.1:{free_port()}",
+        interval_s=1.0,
+        timeout_s=0.5,
+        wanted=lambda: {"a": Interest(frozenset({"n0"}))},
+    )
     assert reader.read_once() is False
     assert reader.failures == 1 and reader.last_error
     assert reader.get("a") is None
@@ -108,7 +213,7 @@ def test_node_local_view_of_a_multi_node_job_never_calls_the_fabric_contended():
 def test_job_wide_view_names_a_straggler_on_another_node():
     ranks = two_of_four("balanced")
     step = statistics.median(r.step_time_median_s for r in ranks)  # the node's median step
-    job_wide = held(JobWide({0: 0.030, 1: 0.031, 2: 0.029, 3: 0.0}, 0.004, 0.45, time.time()))
+    job_wide = held(ruled({0: 0.030, 1: 0.031, 2: 0.029, 3: 0.0}, 0.004, 0.45, time.time()))
     out = diagnose_job(ranks, SETTINGS, job_wide=job_wide)
     assert out.straggler is not None and out.straggler.rank == 3
     assert out.straggler.cause == "unknown" and "another node" in out.straggler.cause_reason
@@ -129,7 +234,7 @@ def test_only_the_exporter_of_the_stragglers_node_exports_its_cause():
     ranks = two_of_four("balanced")  # ranks 0 and 1 of a 4-rank job
 
     def causes(leads: dict[int, float]) -> list[dict[str, str]]:
-        out = diagnose_job(ranks, SETTINGS, job_wide=held(JobWide(leads, 0.004, 0.45, time.time())))
+        out = diagnose_job(ranks, SETTINGS, job_wide=held(ruled(leads, 0.004, 0.45, time.time())))
         assert out.straggler is not None
         view = StoreView(0.0, 0.0, 0, {}, {"j": JobView(tuple(ranks), out, "j")})
         families = {f.name: f for f in collect_diagnosis(view)}
@@ -144,8 +249,8 @@ def test_only_the_exporter_of_the_stragglers_node_exports_its_cause():
 def test_job_wide_fabric_contention_is_transfer_inflated_against_its_own_baseline():
     ranks = two_of_four("balanced")
     leads = {0: 0.001, 1: 0.0, 2: 0.0015, 3: 0.0005}
-    steady = JobWide(leads, 0.004, 0.05, time.time(), transfer_inflation=1.1)
-    contended = JobWide(leads, 0.008, 0.05, time.time(), transfer_inflation=1.8)
+    steady = ruled(leads, 0.004, 0.05, time.time(), transfer_inflation=1.1)
+    contended = ruled(leads, 0.008, 0.05, time.time(), transfer_inflation=1.8)
     calm = diagnose_job(ranks, SETTINGS, job_wide=steady).modes["fabric_contention"]
     assert not calm.verdict and abs(calm.score - 0.1) < 1e-9
     hot = diagnose_job(ranks, SETTINGS, job_wide=contended).modes["fabric_contention"]
@@ -159,7 +264,7 @@ def test_job_wide_contention_discounts_what_slows_this_nodes_own_work():
     inflation is the fabric's, as in the node-local verdict."""
     ranks = two_of_four("balanced")
     leads = {0: 0.001, 1: 0.0, 2: 0.0015, 3: 0.0005}
-    inflated = JobWide(leads, 0.008, 0.05, time.time(), transfer_inflation=1.8)
+    inflated = ruled(leads, 0.008, 0.05, time.time(), transfer_inflation=1.8)
 
     def fabric(work: float) -> ModeVerdict:
         node = NodeInflation(0.008, 1.8, work)
@@ -175,7 +280,7 @@ def test_job_wide_contention_discounts_what_slows_this_nodes_own_work():
 
 def test_job_wide_view_of_a_balanced_job_names_nobody():
     ranks = two_of_four("balanced")
-    job_wide = JobWide({0: 0.001, 1: 0.0, 2: 0.0015, 3: 0.0005}, 0.004, 0.05, time.time())
+    job_wide = ruled({0: 0.001, 1: 0.0, 2: 0.0015, 3: 0.0005}, 0.004, 0.05, time.time())
     out = diagnose_job(ranks, SETTINGS, job_wide=job_wide)
     assert out.straggler is None
     assert not out.modes["straggler"].verdict
@@ -187,7 +292,7 @@ def test_a_local_straggler_keeps_its_cause_in_the_job_wide_view():
     slow = min(ranks, key=lambda r: r.arrival_lead_s).rank
     mates = [r for r in ranks if r.rank in (slow, (slow + 1) % 4)]
     leads = {r: (0.0 if r == slow else 0.03) for r in range(4)}
-    out = diagnose_job(mates, SETTINGS, job_wide=held(JobWide(leads, 0.004, 0.5, time.time())))
+    out = diagnose_job(mates, SETTINGS, job_wide=held(ruled(leads, 0.004, 0.5, time.time())))
     assert out.straggler is not None and out.straggler.rank == slow
     assert out.straggler.cause == "forward"
 
@@ -256,7 +361,7 @@ def test_job_wide_view_of_a_pipeline_names_the_root_of_the_stage_whose_leads_spr
     stages = {0: 0, 1: 1, 2: 0, 3: 1}
     leads = {0: 0.030, 1: 0.0, 2: 0.0, 3: 0.002}
     out = diagnose_job(
-        ranks, SETTINGS, job_wide=held(JobWide(leads, 0.004, 0.1, time.time(), stages=stages))
+        ranks, SETTINGS, job_wide=held(ruled(leads, 0.004, 0.1, time.time(), stages=stages))
     )
     assert out.straggler is not None and out.straggler.rank == 2
     assert abs(out.skew_s - 0.030) < 1e-9
@@ -277,9 +382,7 @@ def test_job_wide_view_names_a_straggler_only_over_the_alerts_line():
 
     def job_wide(lag: float) -> Any:
         leads = {0: lag, 1: lag, 2: lag, 3: 0.0}
-        return diagnose_job(
-            ranks, SETTINGS, job_wide=held(JobWide(leads, 0.004, 0.05, time.time()))
-        )
+        return diagnose_job(ranks, SETTINGS, job_wide=held(ruled(leads, 0.004, 0.05, time.time())))
 
     between = job_wide(0.08 * step)
     assert between.straggler is None and not between.modes["straggler"].verdict, between
@@ -299,7 +402,7 @@ def test_the_job_wide_line_is_a_share_of_the_windows_mean_step_not_of_the_step_n
     leads = {0: 0.008, 1: 0.008, 2: 0.008, 3: 0.0}
 
     def reading(step_mean: float | None) -> Any:
-        wide = held(JobWide(leads, 0.004, 0.05, time.time(), step_mean_s=step_mean))
+        wide = held(ruled(leads, 0.004, 0.05, time.time(), step_mean_s=step_mean))
         return diagnose_job(ranks, SETTINGS, job_wide=wide)
 
     after_spell = reading(0.1)
@@ -331,7 +434,7 @@ def test_the_job_wide_view_names_a_rank_only_once_it_has_held_for_a_window():
             now - hold * (len(readings) - 1 - i) / max(1, len(readings) - 1)
             for i in range(len(readings))
         ]
-        wide = [JobWide(leads, 0.004, 0.05, t) for leads, t in zip(readings, at, strict=True)]
+        wide = [ruled(leads, 0.004, 0.05, t) for leads, t in zip(readings, at, strict=True)]
         out = diagnose_job(
             ranks, SETTINGS, job_wide=dataclasses.replace(wide[-1], earlier=tuple(wide[:-1]))
         )
@@ -349,14 +452,19 @@ def test_the_job_wide_view_names_a_rank_only_once_it_has_held_for_a_window():
 def test_the_reader_hands_each_reading_the_history_the_hold_needs(monkeypatch):
     """Each reading carries the readings of the last `history_s` and the one before them
     (what tells that a lead held that long), and no more: memory stays bounded."""
-    reader = PrometheusReader("http://127.0.0.1:1", interval_s=1.0, history_s=10.0)
+    reader = PrometheusReader(
+        "http://127.0.0.1:1",
+        interval_s=1.0,
+        history_s=10.0,
+        wanted=lambda: {"a": Interest(frozenset({"n0"}))},
+    )
     clock = iter([100.0, 104.0, 108.0, 112.0, 116.0])
     monkeypatch.setattr(time, "time", lambda: next(clock))
 
-    def instant(name: str) -> list:
+    def instant(query: str) -> list:
         return (
             [{"metric": {"job": "a", "rank": "0"}, "value": [0, "0.01"]}]
-            if name == rules.LEAD
+            if query.startswith(rules.LEAD)
             else []
         )
 
@@ -377,11 +485,11 @@ def test_an_exporter_that_holds_the_whole_job_names_its_straggler_without_the_ho
     ranks = ranks_of("forward_straggler")
     slow = min(ranks, key=lambda r: r.arrival_lead_s).rank
     leads = {r.rank: r.arrival_lead_s for r in ranks}
-    out = diagnose_job(ranks, SETTINGS, job_wide=JobWide(leads, 0.004, 0.5, time.time()))
+    out = diagnose_job(ranks, SETTINGS, job_wide=ruled(leads, 0.004, 0.5, time.time()))
     assert out.straggler is not None and out.straggler.rank == slow, out.modes["straggler"]
     assert out.straggler.cause == "forward"
     assert "job-wide" in out.modes["sync_amplification"].reason
     # Half of the job here: the job-wide view, which must hold first
     mates = [r for r in ranks if r.rank in (slow, (slow + 1) % 4)]
-    half = diagnose_job(mates, SETTINGS, job_wide=JobWide(leads, 0.004, 0.5, time.time()))
+    half = diagnose_job(mates, SETTINGS, job_wide=ruled(leads, 0.004, 0.5, time.time()))
     assert half.straggler is None and "must hold" in half.modes["straggler"].reason

@@ -139,8 +139,8 @@ def test_each_node_exports_its_link_once_from_its_ranks_reports(client):
 def test_the_job_wide_view_names_the_slow_link_and_no_straggler():
     ranks = two_of_four("balanced")
     leads = {0: 0.001, 1: 0.0, 2: 0.0015, 3: 0.0005}
-    even = JobWide(leads, 0.004, 0.05, time.time(), 1.0, {"node0": 1.0, "node1": 1.0})
-    slow = JobWide(leads, 0.004, 0.05, time.time(), 1.0, {"node0": 1.6, "node1": 0.4})
+    even = JobWide(leads, 0.004, 0.05, time.time(), 1.0, ("node0", 1.0))
+    slow = JobWide(leads, 0.004, 0.05, time.time(), 1.0, ("node1", 0.4))
     settings = Settings()
     calm = diagnose_job(ranks, settings, job_wide=even)
     assert not calm.modes["slow_link"].verdict and calm.modes["slow_link"].score == 0

@@ -158,14 +158,15 @@ def test_the_degraded_gpu_fixture_is_infrastructure_naming_each_fault(tmp_path: 
 
 
 def test_a_slow_link_is_infrastructure_naming_the_nodes_link() -> None:
-    # The job-wide view (Prometheus): node n2's link carries a quarter of the median node's.
-    wide = JobWide(link_ratios={"vm": 1.0, "n2": 0.25, "n3": 1.0})
+    # The job-wide view (Prometheus): node n2's link, the job's slowest, carries a quarter of
+    # the median node's.
+    wide = JobWide(slowest_link=("n2", 0.25))
     v = verdict_of(ranks_of("balanced"), job_wide=wide)
     assert v is not None and (v.verdict, v.hardware) == ("infrastructure", "unhealthy")
     assert v.faults == ("node n2's link: carries 25% of what the job's median node's does",)
     assert v.coupling == {}  # the clean job loses time only to the link
     # Links at 60 % and up pass (the line is 50 %) and the straggler is coupling again.
-    fine = JobWide(link_ratios={"vm": 1.0, "n2": 0.6, "n3": 1.0})
+    fine = JobWide(slowest_link=("n2", 0.6))
     v = verdict_of(gpu(ranks_of("forward_straggler")), job_wide=fine)
     assert v is not None and (v.verdict, v.hardware) == ("coupling", "healthy")
     assert "every node's link carries at least 50% of the median" in v.passed
