@@ -2,7 +2,8 @@
 
 `syncscope generate` rewrites them; `syncscope generate --check` exits 1 when one is stale (a
 test runs it). Every file here is rendered from the package alone: the thresholds file, the
-metric catalog, the rule and dashboard generators.
+metric catalog, the rule and dashboard generators, and (docs/reference/, syncscope/monitoring/
+reference.py) the settings' typed models and the command-line parsers.
 """
 
 from __future__ import annotations
@@ -11,7 +12,14 @@ import sys
 from pathlib import Path
 
 from syncscope import catalog
-from syncscope.monitoring import dashboards, engines, prometheus_config, rules, victoriametrics
+from syncscope.monitoring import (
+    dashboards,
+    engines,
+    prometheus_config,
+    reference,
+    rules,
+    victoriametrics,
+)
 from syncscope.thresholds import load_config
 
 RULES_PATH = "deploy/prometheus/rules/syncscope.rules.yml"
@@ -50,6 +58,8 @@ def checked_in_files(root: Path) -> dict[Path, str]:
     files.update(victoriametrics.files(cfg))
     for name, text in dashboards.render_files(cfg).items():
         files[f"{DASHBOARDS_DIR}/{name}"] = text
+    # The reference pages: metrics, alerts and recorded series, settings, the command line.
+    files.update(reference.files(cfg))
     readme = root / README_PATH
     files[README_PATH] = readme_with_table(readme.read_text() if readme.exists() else "")
     return {root / rel: text for rel, text in files.items()}
