@@ -1,7 +1,7 @@
 """This rank's own arrival estimate: each step's wait at its collectives, DDP's transfer baseline.
 
-The exporter estimates arrival node-wide (syncscope.arrival); a rank runs its own single-rank
-estimator only for readers on the rank itself: pacing subtracts `ddp_baseline_s` or
+The exporter owns the lead (node-wide in its pooling, job-wide from the rules: syncscope.arrival);
+a rank keeps transfer baselines of its own only for readers on the rank itself: pacing subtracts `ddp_baseline_s` or
 `first_baseline_s` from each step's first wait (step_pacing.py), and the record file writes each
 step's wait. Without either it would be a quarter
 of a flush's CPU spent on nothing (bench/bench_agent_overhead.py), so the agent builds none.
@@ -14,10 +14,11 @@ typical transfer on a noisy fabric, so only the node-wide view knows the transfe
 from __future__ import annotations
 
 import json
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from syncscope.arrival import ArrivalEstimator, Key, collective_key, key_text, parse_key_text
+from syncscope.arrival import Key, collective_key, key_text, parse_key_text
 from syncscope.wire import DDP_GRAD_SYNC
 
 if TYPE_CHECKING:
@@ -26,12 +27,50 @@ if TYPE_CHECKING:
 MAX_MEMO_KEYS = 4096
 
 
+class Baselines:
+    """Transfer per key: the one the exporter replied with, else this rank's smallest duration
+    over its last `window` calls of the key (the last arriver of a call waits for nobody)."""
+
+    def __init__(self, window: int = 256) -> None:
+        self.window = window
+        self._durations: dict[Key, deque[float]] = {}
+        self._external: dict[Key, float] = {}
+
+    def observe(self, calls: Iterable[tuple[Key, float]]) -> list[float]:
+        """Add (key, duration_s) calls; return each call's wait (s, >= 0) over its baseline."""
+        calls = list(calls)
+        for key, duration in calls:
+            kept = self._durations.get(key)
+            if kept is None:
+                kept = self._durations[key] = deque(maxlen=self.window)
+            kept.append(duration)
+        return [max(0.0, duration - self.baseline(key)) for key, duration in calls]
+
+    def baseline(self, key: Key) -> float:
+        """The exporter's baseline wins over the local minimum rather than being compared with
+        it: the smallest of hundreds of durations sits several noise units below the typical
+        transfer, so on a noisy fabric every rank of a balanced job would read that gap as a
+        lead of its own."""
+        external = self._external.get(key)
+        if external is not None:
+            return external
+        kept = self._durations.get(key)
+        return min(kept) if kept else 0.0
+
+    def merge(self, baselines: dict[Key, float]) -> None:
+        """The node's baselines (the exporter sees every local rank), each replacing its key's."""
+        self._external.update(baselines)
+
+    def all(self) -> dict[Key, float]:
+        return {key: self.baseline(key) for key in self._durations}
+
+
 class LocalArrival:
     """Feeds the estimator from the drained collective rows; hands each flush's waits on to the
     record file when there is one (its `wait_s` column is this estimate)."""
 
     def __init__(self, record: RecordWriter | None = None) -> None:
-        self.estimator = ArrivalEstimator()
+        self.estimator = Baselines()
         self.record = record
         # Read by the pacing hook on the training thread: floats, each replaced whole. DDP's
         # transfer, and that of the collective most steps complete first (step_pacing.py).
@@ -64,7 +103,7 @@ class LocalArrival:
                 sync_key = key
             elif step not in first_of_step:
                 first_of_step[step] = key
-        waits = self.estimator.observe("self", calls)
+        waits = self.estimator.observe((key, dur) for key, dur, _step in calls)
         wait_by_step: dict[int, float] = {}
         for (_key, _dur, step), wait in zip(calls, waits, strict=True):
             wait_by_step[step] = wait_by_step.get(step, 0.0) + wait
@@ -85,7 +124,7 @@ class LocalArrival:
             if key is not None and isinstance(value, (int, float)):
                 external[key] = float(value)
         if external:
-            self.estimator.merge_baselines(external)
+            self.estimator.merge(external)
             for key, value in external.items():
                 if key[0] == DDP_GRAD_SYNC:
                     self.ddp_baseline_s = value
@@ -93,4 +132,4 @@ class LocalArrival:
                     self.first_baseline_s = value
 
     def baselines_text(self) -> dict[str, float]:
-        return {key_text(k): v for k, v in self.estimator.baselines().items()}
+        return {key_text(k): v for k, v in self.estimator.all().items()}
