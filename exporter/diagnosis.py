@@ -56,6 +56,7 @@ from syncscope.exporter.findings import (
     ModeVerdict,
     Straggler,
     Victim,
+    WarmUp,
     median,
     numa_mismatch,
     number,
@@ -90,10 +91,16 @@ def straggler_line(t: Thresholds, floor_s: float, step: float, job_wide: bool = 
     return max(floor_s, (t.straggler_ratio if job_wide else t.skew_step_fraction) * step)
 
 
+def settled_steps(rank: RankView, window: int) -> list[RecentStep]:
+    """The rank's latest `window` recent steps less its warm-up steps (its incarnation's first,
+    compiling, step; one a checkpoint load fell in): no rule's baseline."""
+    return [s for s in rank.recent_steps[-window:] if not s.warm_up]
+
+
 def _phase_means(
     rank: RankView, window: int, phases: Sequence[Phase] = CAUSE_PHASES
 ) -> dict[Phase, float]:
-    steps = rank.recent_steps[-window:]
+    steps = settled_steps(rank, window)
     if not steps:
         return {}
     return {p: sum(s.phases[p] for s in steps) / len(steps) for p in phases}
@@ -340,7 +347,7 @@ def _break_circles(out: dict[int, Victim], others: Mapping[int, list[Victim]]) -
 
 def _aligned(ranks: Sequence[RankView], window: int) -> list[dict[int, RecentStep]]:
     """Per step number that every rank reports (the latest `window`), each rank's record."""
-    by_rank = [{s.step: s for s in r.recent_steps} for r in ranks]
+    by_rank = [{s.step: s for s in r.recent_steps if not s.warm_up} for r in ranks]
     common = set(by_rank[0]).intersection(*by_rank[1:]) if by_rank else set()
     return [{r.rank: b[k] for r, b in zip(ranks, by_rank, strict=True)} for k in sorted(common)][
         -window:
@@ -359,7 +366,7 @@ def _sync_time(record: RecentStep, signal: str) -> float:
 
 
 def _spike_share(rank: RankView, window: int) -> float | None:
-    steps = rank.recent_steps[-window:]
+    steps = settled_steps(rank, window)
     total = sum(s.step_s for s in steps)
     if len(steps) < 5 or total <= 0:
         return None
@@ -390,11 +397,41 @@ def diagnose_job(
         diagnosis = _job_wide(local, ranks, settings, thresholds, job_wide, node_transfer)
     except Exception as exc:  # noqa: BLE001 - a diagnosis bug must not take /metrics down
         return Diagnosis({}, None, None, 0, error=f"{type(exc).__name__}: {exc}"[:200])
+    warm_up = warming_up(ranks, thresholds)
+    if warm_up is not None:
+        return _before_the_evidence(diagnosis, warm_up, thresholds)
     try:
         verdict = decision.job_verdict(diagnosis, ranks, thresholds, job_wide, shares)
     except Exception as exc:  # noqa: BLE001 - nor may a verdict bug cost the modes
         return dataclasses.replace(diagnosis, error=f"verdict: {type(exc).__name__}: {exc}"[:200])
     return dataclasses.replace(diagnosis, verdict=verdict)
+
+
+def warming_up(ranks: Sequence[RankView], t: Thresholds = DEFAULT_THRESHOLDS) -> WarmUp | None:
+    """The job's warm-up, while a rank reporting here has fewer settled steps (steps after its
+    incarnation's first, compiling, step and after a checkpoint load) than the diagnosis's
+    window: a torch.compile, lazy init, the data loader's warm-up or a restart's load make the
+    first steps unequal, and the rules would name a straggler that is none. The Prometheus
+    rules wait for full windows too (recorded.WINDOW_FULL). None once every rank has a settled
+    window; a view that does not count them (replayed from before) is taken as settled."""
+    counts = [r.settled_steps for r in ranks if not r.stale and r.settled_steps is not None]
+    if not counts or min(counts) >= t.window:
+        return None
+    return WarmUp(min(counts), t.window)
+
+
+def _before_the_evidence(diagnosis: Diagnosis, warm_up: WarmUp, t: Thresholds) -> Diagnosis:
+    """`diagnosis` during the job's warm-up: the modes' scores and reasons as measured but none
+    at its verdict line, no straggler, no wait chain and no decision verdict."""
+    modes = {
+        mode: ModeVerdict(
+            round(min(m.score, t.verdict_score - 0.01), 4), False, f"{warm_up.text}: {m.reason}"
+        )
+        for mode, m in diagnosis.modes.items()
+    }
+    return dataclasses.replace(
+        diagnosis, modes=modes, straggler=None, victims=(), verdict=None, warming_up=warm_up
+    )
 
 
 def snapshot(store: Store, recent: int | None = None) -> StoreView:

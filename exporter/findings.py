@@ -77,6 +77,21 @@ class JobVerdict:
 
 
 @dataclass(frozen=True)
+class WarmUp:
+    """A job whose ranks have not all delivered a settled window of steps yet (steps after
+    their incarnation's first, compiling, step and after a checkpoint load): the diagnosis
+    names no straggler and no mode fires until they have."""
+
+    steps: int  # settled steps of the rank here with the fewest
+    of: int  # the window each rank needs (Thresholds.window)
+
+    @property
+    def text(self) -> str:
+        """'warming up (12 of 100 steps)', as the page and the reasons say it."""
+        return f"warming up ({self.steps} of {self.of} steps)"
+
+
+@dataclass(frozen=True)
 class Diagnosis:
     """One job's diagnosis on this node (its JSON is the `diagnosis` of /v1/state)."""
 
@@ -90,6 +105,8 @@ class Diagnosis:
     verdict: JobVerdict | None = field(default=None, metadata=OMIT_IF_NONE)
     # The line the skew was compared with to name a straggler (straggler_line)
     skew_line_s: float | None = field(default=None, metadata=OMIT_IF_NONE)
+    # While a rank here has fewer settled steps than the window: no straggler, no verdict.
+    warming_up: WarmUp | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 def median(values: list[float]) -> float | None:

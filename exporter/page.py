@@ -285,6 +285,17 @@ def _banner(job: JobView, live: Sequence[RankView]) -> tuple[str, str]:
             f"directly or through a rank that does.</p><p>{cause_html}</p>{waits}</div></div>",
             head,
         )
+    if diag.warming_up is not None:
+        text = (
+            f"Job {name}: {diag.warming_up.text}. No verdict until every rank has delivered a "
+            "settled window of steps: its first (compiling) step and a checkpoint load's are "
+            "left out."
+        )
+        return (
+            '<div class="banner banner-info" data-kind="warming-up"><span class="icon" '
+            f'aria-hidden="true">⏳</span><p>{_e(_capital(text))}</p></div>',
+            text,
+        )
     if diag.skew_s is None:
         text = "Collecting: the straggler check needs a few steps from at least two ranks."
         return (
@@ -457,7 +468,9 @@ def _verdict_line(diag: Diagnosis) -> str:
     v = diag.verdict
     if v is None:
         text = (
-            "none: the job loses no time to coupling or to its infrastructure"
+            f"none yet: {diag.warming_up.text}"
+            if diag.warming_up is not None
+            else "none: the job loses no time to coupling or to its infrastructure"
             if diag.modes
             else "none yet: the diagnosis needs a few steps"
         )

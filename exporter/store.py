@@ -29,6 +29,7 @@ from syncscope.exporter.throughput import Throughput, ThroughputView
 from syncscope.arrival import collective_key, key_text
 from syncscope.catalog import BADPUT_CATEGORIES, LOST_PROGRESS, STEP_WINDOW
 from syncscope.wire import (
+    EVENT_CHECKPOINT_LOAD,
     EVENT_STARTUP,
     GROUP_FACT,
     MAX_LABEL_LEN,
@@ -105,6 +106,10 @@ class RecentStep:
     step_s: float
     phases: tuple[float, ...] = field(metadata=BY_PHASE)
     wait_s: float  # this step's wait for the last peer on this node at collectives (pooling)
+    # A warm-up step (Store._warm_up): its incarnation's first, or one a checkpoint load fell
+    # in: compiling, lazy init, the loader's start. Left out of the rank's rolling figures and
+    # the diagnosis; in /v1/state only where True.
+    warm_up: bool | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 @dataclass(frozen=True)
@@ -176,6 +181,11 @@ class RankView:
     # Its phases are timed in one step of this many; the other steps' phases are estimates,
     # that step's shares of their totals (agent/phases.py, "Phase sampling"). 1: all timed.
     phase_every: int = 1
+    # Steps its current incarnation delivered since its latest warm-up step (Store._warm_up):
+    # the diagnosis names nothing until every rank has a settled window of them
+    # (Thresholds.window). None: not known (a view replayed from before it was counted),
+    # taken as settled.
+    settled_steps: int | None = field(default=None, metadata=OMIT_IF_NONE)
 
     def label_values(self, job: str) -> list[str]:
         """Its values for the catalog's RANK labels (job, node, rank, local_rank)."""
@@ -198,7 +208,9 @@ class RankView:
                 "collectives": tuple(CollectiveView(**c) for c in data["collectives"]),
                 "pacing": PacingState(**data["pacing"]) if data["pacing"] else None,
                 "recent_steps": tuple(
-                    RecentStep(s["step"], s["step_s"], by_phase(s["phases"]), s["wait_s"])
+                    RecentStep(
+                        s["step"], s["step_s"], by_phase(s["phases"]), s["wait_s"], s.get("warm_up")
+                    )
                     for s in data["recent_steps"]
                 ),
                 "throughput": ThroughputView(**data["throughput"])
@@ -405,6 +417,11 @@ class RankState:
     later_steps: int = 0
     later_steps_s: float = 0.0
     throughput: Throughput = field(default_factory=Throughput)
+    # Warm-up (Store._warm_up): the latest warm-up step of this incarnation (-1: none yet) and
+    # the steps it delivered after it. Not kept across the exporter's restarts: its recent
+    # steps are not either, so its diagnosis starts over.
+    warm_step: int = -1
+    settled_steps: int = 0
 
     @property
     def dropped_total(self) -> int:
@@ -588,7 +605,8 @@ class Store:
             state.previous_step_s = (
                 state.later_steps_s / state.later_steps if state.later_steps else state.first_step_s
             )
-        state.first_step = state.max_step = -1
+        state.first_step = state.max_step = state.warm_step = -1
+        state.settled_steps = 0
         state.first_step_s = state.later_steps_s = 0.0
         state.later_steps = 0
         state.checkpoint_pending = {}  # steps the old incarnation never finished
@@ -630,6 +648,8 @@ class Store:
             if kind not in badput or kind == LOST_PROGRESS:
                 continue  # a kind this exporter does not know
             badput[kind] += duration
+            if step >= 0 and kind == EVENT_CHECKPOINT_LOAD:
+                self._warm_up(state, step)  # the steps after a load settle anew
             if step >= 0 and kind != EVENT_STARTUP:
                 pending[step] = pending.get(step, 0.0) + duration
                 if len(pending) > MAX_PENDING_CHECKPOINTS:  # rows that never came
@@ -641,6 +661,11 @@ class Store:
             state.work = deque(state.work, maxlen=self.settings.step_window)
             state.recent = deque(state.recent, maxlen=self.settings.recent_steps)
         for step, d, end_unix_s, values, samples, tokens in rows:
+            if state.first_step < 0:  # the incarnation's first step: compiling, lazy init
+                self._warm_up(state, step)
+            warm = step <= state.warm_step
+            if not warm:
+                state.settled_steps += 1
             state.steps_total += 1
             state.step_seconds_sum += d
             state.step_bucket_counts[bisect.bisect_left(STEP_BUCKETS, d)] += 1
@@ -653,7 +678,8 @@ class Store:
             for i, v in enumerate(values):
                 state.phase_seconds[i] += v
             self._life(state, step, d, values)
-            state.window.append(d)
+            if not warm:  # a compile's step would lift the CV for a whole window
+                state.window.append(d)
             if samples >= 0 or tokens >= 0:  # work a step did not report is not zero work
                 if samples >= 0:
                     state.samples_total = (state.samples_total or 0) + samples
@@ -664,6 +690,15 @@ class Store:
                 d, samples, end_unix_s, self.settings.thresholds.throughput_horizon_s
             )
             pool.add_step(state.rank, step, d, values)
+
+    @staticmethod
+    def _warm_up(state: RankState, step: int) -> None:
+        """Mark `step` and those before it in this incarnation as warm-up (its first step, in
+        which a torch.compile, lazy init and the data loader's start fall; a step a checkpoint
+        load fell in): the rank's settled steps count again from the next one."""
+        if step >= state.warm_step:
+            state.warm_step = step
+            state.settled_steps = 0
 
     @staticmethod
     def _life(state: RankState, step: int, d: float, phases: tuple[float, ...]) -> None:
@@ -702,7 +737,10 @@ class Store:
         for done in pool.completed():
             state = ranks.get(done.rank)
             if state is not None:
-                state.recent.append(RecentStep(done.step, done.step_s, done.phases, done.wait_s))
+                warm = True if done.step <= state.warm_step else None
+                state.recent.append(
+                    RecentStep(done.step, done.step_s, done.phases, done.wait_s, warm)
+                )
 
     def _expire(self, now: float) -> None:
         for key in self._by_report.pop_silent(now, self.settings.expire_after_s):
@@ -872,8 +910,9 @@ _DATA, _COMM, _PACING = (PHASES.index(p) for p in ("data", "comm_exposed", "paci
 
 def _rank_view(s: RankState, now: float, stale_after: float, keep: int | None) -> RankView:
     recent = tuple(s.recent)
-    last = recent[-STEP_WINDOW:]
-    lead_steps = recent[-LEAD_STEPS:]
+    # The rolling figures leave warm-up steps out (a compile's step is no baseline).
+    last = [r for r in recent[-STEP_WINDOW:] if not r.warm_up]
+    lead_steps = last[-LEAD_STEPS:]
     lead = sum(r.wait_s for r in lead_steps) / len(lead_steps) if lead_steps else None
     durations = [r.step_s for r in last]
     total = sum(durations)
@@ -933,6 +972,7 @@ def _rank_view(s: RankState, now: float, stale_after: float, keep: int | None) -
         throughput=s.throughput.view(),
         pipeline_stage=s.stage,
         phase_every=s.phase_every,
+        settled_steps=s.settled_steps,
     )
 
 

@@ -95,6 +95,8 @@ def sample_stragglers(
         for node, state in enumerate(cluster.states()):
             if job in state["jobs"]:
                 diagnosis = state["jobs"][job]["diagnosis"]
+                if "warming_up" in diagnosis:  # no verdict yet: not a sample of one
+                    continue
                 mode = diagnosis["modes"].get("straggler", {})
                 into.setdefault(node, []).append(
                     (time.time(), diagnosis["straggler"], mode.get("score"), mode.get("reason"))

@@ -367,8 +367,12 @@ def run_across_nodes(tmp_path, job: str, args: list[str], named: bool = True) ->
             if not ready or time.time() < max(warm, ready + window + 3 + hold):
                 continue
             alive = all(r.poll() is None for r in ranks)
+            # An exporter whose diagnosis is warming up (a settled window of its ranks' steps
+            # not yet delivered) gives no verdict: not a sample of one.
             states = [
-                (n, s["jobs"][job]) for n, s in enumerate(cluster.states()) if job in s["jobs"]
+                (n, s["jobs"][job])
+                for n, s in enumerate(cluster.states())
+                if job in s["jobs"] and "warming_up" not in s["jobs"][job]["diagnosis"]
             ]
             samples.extend(states)
             if alive and all(r.poll() is None for r in ranks):

@@ -64,13 +64,18 @@ LEAD_STEPS = 64
 
 def sample_states(exporter: Any, job: Any, every_s: float = 1.0) -> list[dict[str, Any]]:
     """The job's diagnosis and ranks, once a second while it runs, after every rank has
-    delivered the warm-up steps."""
+    delivered the warm-up steps and the exporter's diagnosis has warmed up (a settled window
+    of every rank's steps: before it, it names nobody)."""
     samples = []
     while job.running():
         time.sleep(every_s)
         state = exporter.state()["jobs"].get("test")
         ranks = (state or {}).get("ranks", [])
-        if len(ranks) == 4 and min(r["steps_total"] for r in ranks) >= WARM_UP_STEPS:
+        if (
+            len(ranks) == 4
+            and min(r["steps_total"] for r in ranks) >= WARM_UP_STEPS
+            and "warming_up" not in state["diagnosis"]
+        ):
             samples.append(state)
     return samples
 

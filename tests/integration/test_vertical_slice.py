@@ -57,6 +57,10 @@ def test_slowed_rank_has_smallest_lead_and_peers_wait(exporter, job_factory):
     assert after[SLOW_RANK] - before[SLOW_RANK] < min(
         after[r] - before[r] for r in range(4) if r != SLOW_RANK
     )
+    # The diagnosis names nobody until every rank has delivered a settled window of steps.
+    assert wait_until(
+        lambda: "warming_up" not in exporter.state()["jobs"]["test"]["diagnosis"], timeout=20
+    ), exporter.state()["jobs"]["test"]["diagnosis"]
     state = exporter.state()
     assert state["jobs"]["test"]["diagnosis"]["straggler"]["rank"] == SLOW_RANK
     assert state["jobs"]["test"]["diagnosis"]["straggler"]["cause"] == "forward"

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from syncscope.exporter.app import create_app
 from syncscope.exporter.settings import Settings
 
+from syncscope.catalog import STEP_WINDOW
 from syncscope.thresholds import load_config
 from tests.conftest import parse_samples
 
@@ -339,8 +340,9 @@ def test_a_gpu_hour_price_is_exported_per_job_and_node_only_where_given():
 def _straggling_job(
     settings: Settings, phase_every: int = 1, scrapes: list[str] | None = None
 ) -> tuple[dict, str]:
-    """/v1/state's job and the status page after two ranks' 30 steps of 100 ms: rank 1 waits
-    50 ms at the sync each step and rank 0 20 ms, so rank 0 arrives 30 ms after rank 1.
+    """/v1/state's job and the status page after two ranks' first (warm-up) step and a settled
+    window of steps of 100 ms (before it the exporter names nothing): rank 1 waits 50 ms at
+    the sync each step and rank 0 20 ms, so rank 0 arrives 30 ms after rank 1.
     Rank 0 says it times its phases in 1 step of `phase_every` (1: the field left out).
     `scrapes`: /metrics is appended to it."""
     agents = [{**BATCH_V2["agent"], "rank": r, "local_rank": r, "hostname": "h"} for r in (0, 1)]
@@ -363,7 +365,7 @@ def _straggling_job(
                     exposed_ms * MS,
                     0,
                 ]
-                for i in range(30)
+                for i in range(1 + STEP_WINDOW)
             ]
             batch = {**BATCH_V2, "agent": agent, "steps": steps, "collectives": []}
             assert c.post("/v1/ingest", json=batch).status_code == 200
