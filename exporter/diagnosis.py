@@ -434,20 +434,33 @@ def _before_the_evidence(diagnosis: Diagnosis, warm_up: WarmUp, t: Thresholds) -
     )
 
 
-def snapshot(store: Store, recent: int | None = None) -> StoreView:
-    """The store's view (Store.view) with every job diagnosed: what the collectors, /v1/state
-    and the status page read. The lines are the store's settings' thresholds, the shipped ones
-    with the exporter's --set, those the rules were rendered with."""
-    settings = store.settings
+@dataclasses.dataclass(frozen=True)
+class Diagnoser:
+    """How a snapshot diagnoses a job: with these settings' thresholds, the shipped ones with
+    the exporter's --set, those the rules were rendered with. Two compare equal when their
+    settings do, so the store keeps a job's diagnosis from one snapshot to the next."""
 
-    def diagnose(
-        ranks: Sequence[RankView], job_wide: JobWide | None, node_transfer: NodeInflation | None
+    settings: Settings
+
+    def __call__(
+        self,
+        ranks: Sequence[RankView],
+        job_wide: JobWide | None,
+        node_transfer: NodeInflation | None,
     ) -> Diagnosis:
         return diagnose_job(
-            ranks, settings, settings.thresholds, job_wide=job_wide, node_transfer=node_transfer
+            ranks,
+            self.settings,
+            self.settings.thresholds,
+            job_wide=job_wide,
+            node_transfer=node_transfer,
         )
 
-    return store.view(diagnose, recent)
+
+def snapshot(store: Store, recent: int | None = None) -> StoreView:
+    """The store's view (Store.view) with every job diagnosed: what the collectors, /v1/state
+    and the status page read."""
+    return store.view(Diagnoser(store.settings), recent)
 
 
 def _diagnose(

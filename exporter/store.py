@@ -517,6 +517,11 @@ class Store:
         self.started_unix_s = time.time()
         self.ingested_records = 0
         self.rejected: dict[str, int] = {}
+        # The diagnosis runs on new data, not per scrape: per job, the batch count at its last
+        # accepted batch, and its last diagnosis with what it was made from (Store.view).
+        self._batches = 0
+        self._changed: dict[str, int] = {}
+        self._diagnosed: dict[str, tuple[tuple[Any, ...], JobWide | None, Diagnosis]] = {}
 
     def reject(self, reason: str, count: int = 1) -> None:
         with self.lock:
@@ -557,6 +562,8 @@ class Store:
             if not 0 < state.process_started_unix_s <= started:
                 state.process_started_unix_s = started
             state.last_report_unix_s = now
+            self._batches += 1
+            self._changed[job] = self._batches
             self._by_report.touch(key, now)
             live = self._live.get(job)
             if live is None:
@@ -834,8 +841,11 @@ class Store:
                 self.ingested_records,
                 dict(self.rejected),
             )
+            changed = dict(self._changed)
         # Views are immutable, so the diagnosis runs outside the lock and never holds up ingest.
         jobs = {}
+        for gone in set(self._diagnosed) - set(by_job):
+            self._diagnosed.pop(gone, None)
         for name, ranks in by_job.items():
             # As of the job's last report here: once it has ended, the rules' windows drift.
             last = max(r.last_report_unix_s for r in ranks)
@@ -847,7 +857,9 @@ class Store:
                     else r
                     for r in ranks
                 ]
-            diagnosis = diagnose(ranks, job_wide, inflation.get(name))
+            diagnosis = self._diagnosis(
+                name, diagnose, ranks, job_wide, inflation.get(name), (changed.get(name), shown)
+            )
             if recent is not None and recent != shown:
                 ranks = [
                     dataclasses.replace(r, recent_steps=r.recent_steps[-recent:] if recent else ())
@@ -870,6 +882,26 @@ class Store:
         return StoreView(
             started, now, ingested, rejected, jobs, cpu_energy, self.settings.price_per_gpu_hour
         )
+
+    def _diagnosis(
+        self,
+        job: str,
+        diagnose: Diagnose,
+        ranks: list[RankView],
+        job_wide: JobWide | None,
+        node: NodeInflation | None,
+        data: tuple[Any, ...],
+    ) -> Diagnosis:
+        """The job's diagnosis: the last one while nothing it is made from has changed (no batch
+        of the job since, the same ranks live, the same job-wide reading and node inflation),
+        else a new one. `data`: the job's batch count at its last batch, and the steps shown."""
+        key = (data, tuple((r.rank, r.stale) for r in ranks), node, diagnose)
+        last = self._diagnosed.get(job)
+        if last is not None and last[1] is job_wide and last[0] == key:
+            return last[2]
+        diagnosis = diagnose(ranks, job_wide, node)
+        self._diagnosed[job] = (key, job_wide, diagnosis)
+        return diagnosis
 
 
 def with_job_transfer(

@@ -245,3 +245,39 @@ def test_warm_up_is_the_rank_with_fewest_settled_steps_against_the_window():
     assert warming_up([view(0, None), view(1, None)]) is None
     diag = diagnose_job([view(0, 2), view(1, 2)], Settings())
     assert diag.warming_up is not None and diag.verdict is None and diag.straggler is None
+
+
+def test_the_diagnosis_runs_on_new_data_not_per_scrape():
+    """Scrapes between two batches of the job reuse its diagnosis; a batch, a rank gone stale
+    or a new job-wide reading makes a new one."""
+    from syncscope.exporter.diagnosis import Diagnoser
+    from syncscope.exporter.jobwide import JobWide
+    from syncscope.exporter.store import Store
+
+    settings = Settings()
+    store = Store(settings)
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return Diagnoser(settings)(*args)
+
+    with TestClient(create_app(settings, store)) as client:
+        job = Job(client)
+        job.start()
+        job.post(0, [row(s, 100, 20) for s in range(5)])
+        for _ in range(3):
+            store.view(counted)
+        assert len(calls) == 1
+        job.post(1, [row(s, 100, 50) for s in range(5)])
+        store.view(counted)
+        store.view(counted)
+        assert len(calls) == 2
+        reading = JobWide({0: 0.0}, read_unix_s=1.0)
+        store.job_wide = lambda _job, as_of=None: reading
+        store.view(counted)
+        store.view(counted)
+        assert len(calls) == 3
+        settings.stale_after_s = 0.0  # every rank silent longer than that: stale
+        store.view(counted)
+        assert len(calls) == 4
