@@ -144,13 +144,18 @@ def _alert_texts(cfg: Thresholds, name: str, level: Level) -> dict[str, Any]:
     job, with the count as the value and the ranks in the annotations: one alert per rank
     would page a thousand times for one incident.
     """
-    a = cfg.alerts[name]
-    thr: Any = level.threshold
-    w = cfg.windows
     text = ALERT_TEXTS.get(name)
     if text is None:
         raise KeyError(f"{name}: no expression defined for this alert")
-    return text(AlertInput(cfg, a, level, thr, w))
+    return text(
+        AlertInput(
+            cfg=cfg,
+            entry=cfg.alerts[name],
+            level=level,
+            threshold=level.threshold,
+            windows=cfg.windows,
+        )
+    )
 
 
 # Which dashboard each alert's dashboard_url points to, and whether it can select the alert's

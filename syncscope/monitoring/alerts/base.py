@@ -8,11 +8,11 @@ from syncscope.thresholds import Alert, Level, Thresholds, Windows
 
 
 class AlertInput(NamedTuple):
-    """What an alert's text is made from: the thresholds, its own entry there, one severity
-    level of it, that level's threshold, and the windows."""
+    """What an alert's text is made from: the thresholds, the alert's own entry there, one
+    severity level of it, that level's threshold, and the windows."""
 
     cfg: Thresholds
-    a: Alert
+    entry: Alert
     level: Level
-    thr: Any
-    w: Windows
+    threshold: Any
+    windows: Windows

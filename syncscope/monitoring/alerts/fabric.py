@@ -22,12 +22,12 @@ def contention_floor(cfg: Thresholds) -> float:
 
 
 def fabric_contention_text(alert: AlertInput) -> dict[str, Any]:
-    thr, w = alert.thr, alert.w
+    threshold, windows = alert.threshold, alert.windows
     floor = contention_floor(alert.cfg)
     return {
         # DDP's gradient sync has no cost series (its index is per step already): kept.
         "expr": (
-            f"{CONTENTION} > {thr}\nunless on (job, op, group)\n  {CONTENTION_COST} < {floor}\n"
+            f"{CONTENTION} > {threshold}\nunless on (job, op, group)\n  {CONTENTION_COST} < {floor}\n"
         ),
         "summary": (
             "{{ $labels.op }} on group {{ $labels.group }} of job {{ $labels.job }} "
@@ -37,7 +37,7 @@ def fabric_contention_text(alert: AlertInput) -> dict[str, Any]:
             "The transfer of {{ $labels.op }} on group {{ $labels.group }} of job "
             "{{ $labels.job }} (after the last rank arrives) takes "
             '{{ printf "%.2f" $value }} times its 10th percentile of the last '
-            f"{w.contention_baseline} (threshold {thr}; an excess that costs each rank less "
+            f"{windows.contention_baseline} (threshold {threshold}; an excess that costs each rank less "
             f"than {pct(floor)} of its time does not alert): the "
             "time goes to the fabric (queueing on shared links), not to waiting for peers."
         ),
@@ -45,14 +45,14 @@ def fabric_contention_text(alert: AlertInput) -> dict[str, Any]:
 
 
 def slow_link_text(alert: AlertInput) -> dict[str, Any]:
-    thr = alert.thr
+    threshold = alert.threshold
     return {
-        "expr": f"{LINK_CAPACITY_RATIO} < {thr}",
+        "expr": f"{LINK_CAPACITY_RATIO} < {threshold}",
         "summary": "The link of node {{ $labels.node }} is slow for job {{ $labels.job }}.",
         "description": (
             "Node {{ $labels.node }} of job {{ $labels.job }} has a link known to carry "
             "{{ $value | humanizePercentage }} of what the job's median node's does "
-            f"(threshold {pct(thr)}; negotiated speed or shaping, "
+            f"(threshold {pct(threshold)}; negotiated speed or shaping, "
             f"{M.NODE_LINK_CAPACITY_BYTES_PER_SECOND.name}). Every collective of the job "
             "moves at the pace of its slowest link."
         ),

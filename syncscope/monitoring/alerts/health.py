@@ -21,7 +21,7 @@ from syncscope.thresholds import required
 
 
 def agent_dropping_records_text(alert: AlertInput) -> dict[str, Any]:
-    cfg, thr = alert.cfg, alert.thr
+    cfg, threshold = alert.cfg, alert.threshold
 
     # Over the job's steps per rank (recorded): one pass over the ranks, not two.
     def drops(*matchers: str) -> str:
@@ -38,14 +38,14 @@ def agent_dropping_records_text(alert: AlertInput) -> dict[str, Any]:
         "rank",
     )
     return {
-        "expr": f"\ncount by (job) (\n    {drops()}\n  > {thr}\n)\n",
+        "expr": f"\ncount by (job) (\n    {drops()}\n  > {threshold}\n)\n",
         "summary": (
             "The syncscope agents of {{ $value }} rank(s) in job {{ $labels.job }} "
             "are dropping records."
         ),
         "description": (
             "{{ $value }} rank(s) of job {{ $labels.job }} drop more than "
-            f"{pct(thr)} as many step records as they deliver (worst: {worst}). The agent "
+            f"{pct(threshold)} as many step records as they deliver (worst: {worst}). The agent "
             "drops rather than block training when the exporter is slow or unreachable, so "
             "syncscope's view of these ranks is incomplete."
         ),
@@ -53,7 +53,7 @@ def agent_dropping_records_text(alert: AlertInput) -> dict[str, Any]:
 
 
 def exporter_down_text(alert: AlertInput) -> dict[str, Any]:
-    cfg, a, level, thr = alert.cfg, alert.a, alert.level, alert.thr
+    cfg, entry, level, threshold = alert.cfg, alert.entry, alert.level, alert.threshold
     exporter = cfg.selectors.exporter
 
     def up(*matchers: str) -> str:
@@ -63,10 +63,10 @@ def exporter_down_text(alert: AlertInput) -> dict[str, Any]:
     # The share of exporters down per scrape job: a rolling restart of many nodes is one
     # small share at a time, not one alert per node.
     share = f"count by (job) ({up()} == 0) / count by (job) ({up()})"
-    expr = f"{share} > {thr}"
-    if a.none_scraped_severity == level.severity:
+    expr = f"{share} > {threshold}"
+    if entry.none_scraped_severity == level.severity:
         # No exporter target at all: every exporter gone, or discovery broken.
-        expr = f"\n  {share} > {thr}\nor\n  absent({up()})\n"
+        expr = f"\n  {share} > {threshold}\nor\n  absent({up()})\n"
     down = listing(f"{up(THIS_JOB)} == 0", "{{ $s.Labels.instance }}", "instance")
     n_down = f"{{{{ {template_query(f'count({up(THIS_JOB)} == 0)')} | first | value }}}}"
     n_all = f"{{{{ {template_query(f'count({up(THIS_JOB)})')} | first | value }}}}"
@@ -80,19 +80,19 @@ def exporter_down_text(alert: AlertInput) -> dict[str, Any]:
         "description": (
             f"{{{{ if $labels.job }}}}Prometheus has failed to scrape {n_down} of the {n_all} "
             "syncscope exporters of scrape job {{ $labels.job }} "
-            f"(threshold: more than {pct(thr)}) for {a.for_}: {down}. The ranks on those "
+            f"(threshold: more than {pct(threshold)}) for {entry.for_}: {down}. The ranks on those "
             "nodes are invisible.{{ else }}No scrape target matches "
-            f"{up()} for {a.for_}: every exporter is gone, or service discovery no longer "
+            f"{up()} for {entry.for_}: every exporter is gone, or service discovery no longer "
             "finds them. syncscope sees no rank at all.{{ end }}"
         ),
     }
 
 
 def rank_silent_text(alert: AlertInput) -> dict[str, Any]:
-    cfg, a, thr = alert.cfg, alert.a, alert.thr
+    cfg, entry, threshold = alert.cfg, alert.entry, alert.threshold
     ts = sel(cfg, M.RANK_LAST_REPORT_TIMESTAMP_SECONDS.name)
     ts_job = sel(cfg, M.RANK_LAST_REPORT_TIMESTAMP_SECONDS.name, THIS_JOB)
-    lookback = required(a.lookback, "lookback")
+    lookback = required(entry.lookback, "lookback")
     # Silent: a rank of the job seen in the lookback (the exporter forgets a rank after
     # --expire-after, so its series may be gone) that has not reported within the
     # threshold, while another rank of the job has, and no rank of the job has stepped
@@ -101,7 +101,7 @@ def rank_silent_text(alert: AlertInput) -> dict[str, Any]:
     # stops its peers at the next collective while their agents keep reporting.
     silent = (
         f"max by (node, rank) (last_over_time({ts_job}[{lookback}]))"
-        f" unless on (rank) (time() - {ts_job} <= {thr})"
+        f" unless on (rank) (time() - {ts_job} <= {threshold})"
     )
     ranks = listing(silent, "{{ $s.Labels.rank }} (node {{ $s.Labels.node }})", "rank")
     return {
@@ -113,10 +113,10 @@ def rank_silent_text(alert: AlertInput) -> dict[str, Any]:
   (
       max_over_time({RANKS_REPORTING}[{lookback}])
     - on (job)
-      count by (job) (time() - {ts} <= {thr})
+      count by (job) (time() - {ts} <= {threshold})
   ) > 0
 and on (job)
-  (sum by (job) (increase({sel(cfg, STEP_SECONDS_COUNT)}[{seconds(thr)}])) == 0)
+  (sum by (job) (increase({sel(cfg, STEP_SECONDS_COUNT)}[{seconds(threshold)}])) == 0)
 """,
         "summary": (
             "{{ $value }} rank(s) of job {{ $labels.job }} stopped reporting, "
@@ -124,8 +124,8 @@ and on (job)
         ),
         "description": (
             f"Rank(s) {ranks} of job {{{{ $labels.job }}}} sent no step record or heartbeat "
-            f"for more than {thr}s while the job's other ranks still report but have "
-            f"completed no step in {thr}s: the job waits for the silent ranks (a dead or "
+            f"for more than {threshold}s while the job's other ranks still report but have "
+            f"completed no step in {threshold}s: the job waits for the silent ranks (a dead or "
             "frozen process, or a lost node)."
         ),
     }

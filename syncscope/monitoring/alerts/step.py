@@ -12,12 +12,12 @@ from syncscope.thresholds import required
 
 
 def step_time_cv_high_text(alert: AlertInput) -> dict[str, Any]:
-    a, thr = alert.a, alert.thr
+    entry, threshold = alert.entry, alert.threshold
     # The exporter's CV covers its last STEP_WINDOW steps, so one checkpoint (a single
     # step many times the others) lifts it for as many steps, which at multi-second steps
     # outlasts any for:. The step-duration histogram over a window of time says whether
     # the variation is frequent: enough steps far (factor ×) above or below the median.
-    o = required(a.outliers, "outliers")
+    o = required(entry.outliers, "outliers")
     lo, mid, hi = o.quantiles
     factor = o.factor
 
@@ -26,7 +26,7 @@ def step_time_cv_high_text(alert: AlertInput) -> dict[str, Any]:
 
     return {
         "expr": f"""
-  {STEP_CV} > {thr}
+  {STEP_CV} > {threshold}
 and on (job)
   (
         {q(hi)}
@@ -44,7 +44,7 @@ and on (job)
         "description": (
             f"The coefficient of variation of step time over the last {STEP_WINDOW} steps is "
             '{{ printf "%.2f" $value }} in job {{ $labels.job }} (threshold '
-            f"{thr}), and over the last {o.window} more than {pct(1 - hi)} of the steps "
+            f"{threshold}), and over the last {o.window} more than {pct(1 - hi)} of the steps "
             f"took over {factor} times the median step or more than {pct(lo)} under 1/"
             f"{factor} of it: frequent jitter, not a rare long step such as a checkpoint. "
             "Synchronous training turns this jitter into idle time on every rank."

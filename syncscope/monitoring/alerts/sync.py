@@ -11,7 +11,7 @@ from syncscope.recorded import SKEW, STRAGGLER_RATIO, SYNC_AMPLIFICATION
 
 
 def straggler_text(alert: AlertInput) -> dict[str, Any]:
-    thr, w = alert.thr, alert.w
+    threshold, windows = alert.threshold, alert.windows
     straggler = listing(
         f"{STRAGGLER_RATIO}{{{THIS_JOB}}}",
         "{{ $s.Labels.rank }} (node {{ $s.Labels.node }})",
@@ -23,12 +23,12 @@ def straggler_text(alert: AlertInput) -> dict[str, Any]:
     # exporter names no straggler there; the alert and the exporter agree.
     floor = alert.cfg.diagnosis.skew_floor_s
     return {
-        "expr": f"max by (job) ({STRAGGLER_RATIO}) > {thr} and on (job) {SKEW} > {floor:g}",
+        "expr": f"max by (job) ({STRAGGLER_RATIO}) > {threshold} and on (job) {SKEW} > {floor:g}",
         "summary": f"Job {{{{ $labels.job }}}} has a straggler: rank {straggler}.",
         "description": (
             f"Rank {straggler} of job {{{{ $labels.job }}}} arrives at collectives last, "
             "{{ $value | humanizePercentage }} of a step after the earliest rank (threshold "
-            f"{pct(thr)} and {floor * 1e3:g} ms, averaged over {w.straggler}). Every other "
+            f"{pct(threshold)} and {floor * 1e3:g} ms, averaged over {windows.straggler}). Every other "
             "rank waits for it; "
             f"{M.STRAGGLER_CAUSE.name} names the suspected cause."
         ),
@@ -36,9 +36,9 @@ def straggler_text(alert: AlertInput) -> dict[str, Any]:
 
 
 def sync_amplification_text(alert: AlertInput) -> dict[str, Any]:
-    thr = alert.thr
+    threshold = alert.threshold
     return {
-        "expr": f"{SYNC_AMPLIFICATION} > {thr}",
+        "expr": f"{SYNC_AMPLIFICATION} > {threshold}",
         "summary": (
             "Ranks of job {{ $labels.job }} spend {{ $value | humanizePercentage }} "
             "of their step time waiting for peers."
@@ -46,7 +46,7 @@ def sync_amplification_text(alert: AlertInput) -> dict[str, Any]:
         "description": (
             "Ranks of job {{ $labels.job }} spend {{ $value | humanizePercentage }} of their "
             "step time waiting at collectives for the last peer to arrive (threshold "
-            f"{pct(thr)}). Local jitter is being amplified into job-wide idle time."
+            f"{pct(threshold)}). Local jitter is being amplified into job-wide idle time."
         ),
     }
 

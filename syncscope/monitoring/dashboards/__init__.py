@@ -27,7 +27,8 @@ from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import dashboard as dm
 
-from syncscope.monitoring import rules as R
+from syncscope import recorded
+from syncscope.monitoring import rules
 from syncscope.monitoring.dashboards.common import (  # noqa: F401 - the package's API
     _ALERT_SERIES,
     _REGEX_SPECIAL,
@@ -59,7 +60,10 @@ from syncscope.monitoring.dashboards.common import (  # noqa: F401 - the package
 from syncscope.monitoring.dashboards.fabric import fabric_locality
 from syncscope.monitoring.dashboards.overview import job_overview
 from syncscope.monitoring.dashboards.panels import (  # noqa: F401 - the package's API
+    Row,
+    Tile,
     alert_steps,
+    alert_threshold,
     band_overrides,
     layout,
     link,
@@ -103,7 +107,7 @@ def build_dashboard(
     title: str,
     description: str,
     cfg: Thresholds,
-    rows: Callable[[Thresholds], list[tuple[str, list[tuple[int, int, Any]]]]],
+    rows: Callable[[Thresholds], list[Row]],
     links_to: tuple[str, str],
 ) -> dict[str, Any]:
     dash = (
@@ -138,12 +142,12 @@ def build_dashboard(
         )
     # Explicit layout: the SDK's automatic placement can run a row past 24 columns.
     y, panel_id = 0, 1
-    for row_title, panels in rows(cfg):
+    for row in rows(cfg):
         dash = dash.with_row(
-            db.Row(row_title).id(panel_id).grid_pos(dm.GridPos(h=1, w=GRID_WIDTH, x=0, y=y))
+            db.Row(row.title).id(panel_id).grid_pos(dm.GridPos(h=1, w=GRID_WIDTH, x=0, y=y))
         )
         panel_id, y = panel_id + 1, y + 1
-        placed, y = layout(panels, y)
+        placed, y = layout(row.tiles, y)
         for panel, pos in placed:
             dash = dash.with_panel(panel.id(panel_id).grid_pos(pos))
             panel_id += 1
@@ -191,8 +195,8 @@ def dashboards(cfg: Thresholds) -> dict[str, dict[str, Any]]:
 def rule_dependencies(cfg: Thresholds) -> dict[str, set[str]]:
     """Recorded series -> the raw contract metrics it is computed from (transitively)."""
     direct: dict[str, set[str]] = {}
-    for rule in R.recording_rules(cfg):
-        direct.setdefault(rule["record"], set()).update(R.metric_names(rule["expr"]))
+    for rule in rules.recording_rules(cfg):
+        direct.setdefault(rule["record"], set()).update(rules.metric_names(rule["expr"]))
     resolved: dict[str, set[str]] = {}
 
     def resolve(name: str) -> set[str]:
@@ -207,7 +211,7 @@ def rule_dependencies(cfg: Thresholds) -> dict[str, set[str]]:
 
 # Recorded series that exclude DDP's gradient sync: empty for a job whose only collective is
 # DDP's own (the contention index has DDP's part too).
-NEEDS_COLLECTIVES = {R.BUS_BANDWIDTH, R.TRANSFER_PER_CALL}
+NEEDS_COLLECTIVES = {recorded.BUS_BANDWIDTH, recorded.TRANSFER_PER_CALL}
 NEEDS = (
     "gpu",
     "pacing",
@@ -235,9 +239,9 @@ def needs(expr: str, cfg: Thresholds) -> list[str]:
     price: exporters given a GPU-hour's price; phase_sampling: ranks that time their phases
     in 1 step of N > 1.
     """
-    conditions = R.series_conditions()
+    conditions = rules.series_conditions()
     deps = rule_dependencies(cfg)
-    names = R.metric_names(expr)
+    names = rules.metric_names(expr)
     raw = set().union(*(deps.get(n, {n}) for n in names))
     found = {conditions.get(n, "always") for n in raw}
     if "ALERTS" in raw or _ALERT_SERIES.search(expr):

@@ -1,4 +1,5 @@
-"""The job overview dashboard, one function per row."""
+"""The job overview dashboard: job_overview() lists its rows; each function below gives the
+tiles of one kind of panel in them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from grafana_foundation_sdk.builders import (
 from grafana_foundation_sdk.models import common as cm
 
 from syncscope import catalog as M
-from syncscope import recorded as R
+from syncscope import recorded
 from syncscope.catalog import STEP_WINDOW
 from syncscope.monitoring.dashboards.common import (
     ALERT_PREFIX,
@@ -25,7 +26,10 @@ from syncscope.monitoring.dashboards.common import (
     TRIAGE_ROWS,
 )
 from syncscope.monitoring.dashboards.panels import (
+    Row,
+    Tile,
     alert_steps,
+    alert_threshold,
     prop,
     q,
     stat_panel,
@@ -46,134 +50,110 @@ from syncscope.monitoring.dashboards.queries import (
 )
 from syncscope.monitoring.dashboards.triage import triage
 from syncscope.monitoring.promql import sel
-from syncscope.thresholds import Thresholds, required
+from syncscope.thresholds import Thresholds
 
 
-def job_overview(cfg: Thresholds) -> list[tuple[str, list[tuple[int, int, Any]]]]:
-    """Rows of (width, height, panel): triage first, then the paper's failure modes."""
-    straggler = required(cfg.alerts["SyncscopeStraggler"].levels[0].threshold, "threshold")
-    diagnosis = cfg.diagnosis.verdict_score
-    phases = M.PHASE_SECONDS_TOTAL.name
-    busy = ratio_per_rank(
-        cfg, (phases, ('phase!~"comm_exposed|pacing"',)), (M.STEPS_TOTAL.name, ())
-    )
-    exposed = ratio_per_rank(cfg, (phases, ('phase="comm_exposed"',)), (phases, ()))
-    selected = sel(cfg, phases, JOB, NODE, RANK)
-    selected_steps = sel(cfg, M.STEPS_TOTAL.name, JOB, NODE, RANK)
-    by_phase = (
-        f"sum by (phase) (rate({selected}[{RATE}]))\n/ on () group_left ()\n"
-        f"  (sum(rate({selected_steps}[{RATE}])) > 0)"
-    )
-    every_rank_phase = (
-        f"sum by ({BY_RANK}, phase) (rate({sel(cfg, phases, JOB)}[{RATE}]))\n"
-        f"/ ignoring (phase) group_left ()\n"
-        f"  (sum by ({BY_RANK}) (rate({sel(cfg, M.STEPS_TOTAL.name, JOB)}[{RATE}])) > 0)"
-    )
-    engagements = ratio_per_rank(
-        cfg, (M.PACING_ENGAGEMENTS_TOTAL.name, ()), (M.STEPS_TOTAL.name, ())
-    )
-    dropped = ratio_per_rank(
-        cfg, (M.AGENT_RECORDS_DROPPED_TOTAL.name, ()), (M.STEPS_TOTAL.name, ())
-    )
-    exporter = cfg.selectors.exporter
+def job_overview(cfg: Thresholds) -> list[Row]:
+    """The job overview's rows: triage first, then the paper's failure modes."""
     return [
-        _overview_triage_which_ranks_are_late(cfg),
-        _overview_job_health(cfg, straggler=straggler),
-        _overview_work_and_energy(cfg),
-        _overview_goodput_and_cost(cfg),
-        _overview_trends(cfg),
-        _overview_step_time_and_phases(
-            cfg, busy=busy, exposed=exposed, by_phase=by_phase, every_rank_phase=every_rank_phase
+        Row("Triage: which ranks are late, where, why, since when, at what cost", triage(cfg)),
+        Row("Job health", _job_health(cfg)),
+        Row("Work done and the energy it takes", _work_and_energy(cfg)),
+        Row("Goodput and cost", [*_goodput(cfg), *_cost(cfg.intervals.slow_rules)]),
+        Row("Trends over days", _trends(cfg)),
+        Row(
+            "Step time and phases",
+            [
+                *_step_time(cfg),
+                *_job_phases(cfg),
+                *_selected_ranks_phases(cfg),
+                *_noisy_ranks_and_ranks_that_wait_least(cfg),
+            ],
         ),
-        _overview_where_the_job_waits(cfg),
-        _overview_synchronization(cfg, straggler=straggler, diagnosis=diagnosis),
-        _overview_pacing(cfg, engagements=engagements),
-        _overview_alerts_agents_and_exporters(cfg, dropped=dropped, exporter=exporter),
+        Row(
+            "Where the job waits: process groups and the wait chain",
+            _process_groups_and_wait_chain(cfg),
+        ),
+        Row("Synchronization", [*_synchronization(cfg), _diagnosis(cfg)]),
+        Row("Pacing", _pacing(cfg)),
+        Row(
+            "Alerts, agents and exporters",
+            [_active_alerts(), _agent_records(cfg), *_exporters(cfg)],
+        ),
     ]
 
 
-def _overview_triage_which_ranks_are_late(
-    cfg: Thresholds,
-) -> tuple[str, list[tuple[int, int, Any]]]:
-    """Overview row: Triage: which ranks are late, where, why, since when, at what cost."""
-    return ("Triage: which ranks are late, where, why, since when, at what cost", triage(cfg))
-
-
-def _overview_job_health(
-    cfg: Thresholds, *, straggler: Any
-) -> tuple[str, list[tuple[int, int, Any]]]:
-    """Overview row: Job health."""
-    return (
-        "Job health",
-        [
-            (
-                4,
-                4,
-                stat_panel(
-                    "Throughput",
-                    "Steps per second, averaged over the job's ranks.",
-                    [q(rec(R.STEPS_RATE), "{{job}}")],
-                    "suffix: steps/s",
-                ),
+def _job_health(cfg: Thresholds) -> list[Tile]:
+    """The job's headline numbers: throughput, step time and its variability, waiting, skew."""
+    straggler = alert_threshold(cfg, "SyncscopeStraggler")
+    return [
+        Tile(
+            4,
+            4,
+            stat_panel(
+                "Throughput",
+                "Steps per second, averaged over the job's ranks.",
+                [q(rec(recorded.STEPS_RATE), "{{job}}")],
+                "suffix: steps/s",
             ),
-            (
-                4,
-                4,
-                stat_panel(
-                    "Mean step time",
-                    "Mean wall time of a step over all ranks.",
-                    [q(rec(R.STEP_MEAN), "{{job}}")],
-                    "s",
-                ),
+        ),
+        Tile(
+            4,
+            4,
+            stat_panel(
+                "Mean step time",
+                "Mean wall time of a step over all ranks.",
+                [q(rec(recorded.STEP_MEAN), "{{job}}")],
+                "s",
             ),
-            (
-                4,
-                4,
-                stat_panel(
-                    "Step-time CV",
-                    f"Coefficient of variation of step time over the last {STEP_WINDOW} steps, "
-                    "noisiest rank. Orange/red at the SyncscopeStepTimeCVHigh levels.",
-                    [q(rec(R.STEP_CV), "{{job}}")],
-                    "none",
-                    thresholds=alert_steps(cfg, "SyncscopeStepTimeCVHigh"),
-                ),
+        ),
+        Tile(
+            4,
+            4,
+            stat_panel(
+                "Step-time CV",
+                f"Coefficient of variation of step time over the last {STEP_WINDOW} steps, "
+                "noisiest rank. Orange/red at the SyncscopeStepTimeCVHigh levels.",
+                [q(rec(recorded.STEP_CV), "{{job}}")],
+                "none",
+                thresholds=alert_steps(cfg, "SyncscopeStepTimeCVHigh"),
             ),
-            (
-                4,
-                4,
-                stat_panel(
-                    "Sync amplification",
-                    "Share of rank time spent waiting at collectives for the "
-                    "last peer (paper §3.3). Orange at the SyncscopeSyncAmplification threshold.",
-                    [q(rec(R.SYNC_AMPLIFICATION), "{{job}}")],
-                    "percentunit",
-                    thresholds=alert_steps(cfg, "SyncscopeSyncAmplification"),
-                ),
+        ),
+        Tile(
+            4,
+            4,
+            stat_panel(
+                "Sync amplification",
+                "Share of rank time spent waiting at collectives for the "
+                "last peer (paper §3.3). Orange at the SyncscopeSyncAmplification threshold.",
+                [q(rec(recorded.SYNC_AMPLIFICATION), "{{job}}")],
+                "percentunit",
+                thresholds=alert_steps(cfg, "SyncscopeSyncAmplification"),
             ),
-            (
-                4,
-                4,
-                stat_panel(
-                    "Exposed communication",
-                    "Share of step time in communication that backward did not hide.",
-                    [q(rec(R.COMM_EXPOSED_RATIO), "{{job}}")],
-                    "percentunit",
-                ),
+        ),
+        Tile(
+            4,
+            4,
+            stat_panel(
+                "Exposed communication",
+                "Share of step time in communication that backward did not hide.",
+                [q(rec(recorded.COMM_EXPOSED_RATIO), "{{job}}")],
+                "percentunit",
             ),
-            (
-                4,
-                4,
-                stat_panel(
-                    "Arrival skew",
-                    "Latest minus earliest rank, as a share of the mean step (orange from "
-                    "the SyncscopeStraggler threshold).",
-                    [q(rec(R.SKEW_RATIO), "{{job}}")],
-                    "percentunit",
-                    thresholds=steps((straggler, "orange")),
-                ),
+        ),
+        Tile(
+            4,
+            4,
+            stat_panel(
+                "Arrival skew",
+                "Latest minus earliest rank, as a share of the mean step (orange from "
+                "the SyncscopeStraggler threshold).",
+                [q(rec(recorded.SKEW_RATIO), "{{job}}")],
+                "percentunit",
+                thresholds=steps((straggler, "orange")),
             ),
-        ],
-    )
+        ),
+    ]
 
 
 def _job_and_per_gpu(title: str, desc: str, job: str, per_gpu: str) -> Any:
@@ -182,8 +162,8 @@ def _job_and_per_gpu(title: str, desc: str, job: str, per_gpu: str) -> Any:
     return panel.override_by_name("per GPU", [prop("custom.axisPlacement", "right")])
 
 
-def _overview_work_and_energy(cfg: Thresholds) -> tuple[str, list[tuple[int, int, Any]]]:
-    """Overview row: Work done and the energy it takes."""
+def _work_and_energy(cfg: Thresholds) -> list[Tile]:
+    """Work done per second, by the job and per GPU, and the power and energy it takes."""
     slow = cfg.intervals.slow_rules
     per_unit = ts(
         "Joules per sample",
@@ -191,54 +171,54 @@ def _overview_work_and_energy(cfg: Thresholds) -> tuple[str, list[tuple[int, int
         "joules (GPUs' NVML counters and the nodes' CPU packages, where measured) over the "
         "samples its ranks processed. Built for ranges of days: a job whose energy grows "
         "faster than its output shows it here.",
-        [q(joules_per(R.SAMPLES_RATE), "per sample"), q(joules_per(R.TOKENS_RATE), "per token")],
+        [
+            q(joules_per(recorded.SAMPLES_RATE), "per sample"),
+            q(joules_per(recorded.TOKENS_RATE), "per token"),
+        ],
         "joule",
     ).override_by_name("per token", [prop("custom.axisPlacement", "right")])
-    return (
-        "Work done and the energy it takes",
-        [
-            (
-                6,
-                8,
-                _job_and_per_gpu(
-                    "Samples per second",
-                    "Samples the job's ranks process per second, and per GPU (right axis: the "
-                    "mean over ranks that report samples). Ranks whose samples are not known "
-                    "(set samples_per_step or call agent.count()) count in neither.",
-                    R.SAMPLES_RATE,
-                    R.SAMPLES_PER_GPU,
-                ),
+    return [
+        Tile(
+            6,
+            8,
+            _job_and_per_gpu(
+                "Samples per second",
+                "Samples the job's ranks process per second, and per GPU (right axis: the "
+                "mean over ranks that report samples). Ranks whose samples are not known "
+                "(set samples_per_step or call agent.count()) count in neither.",
+                recorded.SAMPLES_RATE,
+                recorded.SAMPLES_PER_GPU,
             ),
-            (
-                6,
-                8,
-                _job_and_per_gpu(
-                    "Tokens per second",
-                    "Tokens the job's ranks process per second (token-id inputs: batch x "
-                    "sequence length), and per GPU (right axis).",
-                    R.TOKENS_RATE,
-                    R.TOKENS_PER_GPU,
-                ),
+        ),
+        Tile(
+            6,
+            8,
+            _job_and_per_gpu(
+                "Tokens per second",
+                "Tokens the job's ranks process per second (token-id inputs: batch x "
+                "sequence length), and per GPU (right axis).",
+                recorded.TOKENS_RATE,
+                recorded.TOKENS_PER_GPU,
             ),
-            (
-                6,
-                8,
-                ts(
-                    "Power",
-                    "The job's joules per second: its GPUs' energy counters and its nodes' CPU "
-                    "packages (RAPL), stacked. A source not measured has no line.",
-                    [q(expr, legend) for expr, legend in energy_by_source()],
-                    "watt",
-                    stack=True,
-                ),
+        ),
+        Tile(
+            6,
+            8,
+            ts(
+                "Power",
+                "The job's joules per second: its GPUs' energy counters and its nodes' CPU "
+                "packages (RAPL), stacked. A source not measured has no line.",
+                [q(expr, legend) for expr, legend in energy_by_source()],
+                "watt",
+                stack=True,
             ),
-            (6, 8, per_unit.interval(slow)),
-        ],
-    )
+        ),
+        Tile(6, 8, per_unit.interval(slow)),
+    ]
 
 
-def _overview_goodput_and_cost(cfg: Thresholds) -> tuple[str, list[tuple[int, int, Any]]]:
-    """Overview row: Goodput and cost, over the job's whole life (its restarts included)."""
+def _goodput(cfg: Thresholds) -> list[Tile]:
+    """Goodput over the job's whole life (its restarts included), and where the rest went."""
     slow = cfg.intervals.slow_rules
     goodput = (
         "Productive step time, less the steps restarts ran again, over the rank-seconds since "
@@ -258,45 +238,90 @@ def _overview_goodput_and_cost(cfg: Thresholds) -> tuple[str, list[tuple[int, in
         stack=True,
         max_val=1,
     )
-    return (
-        "Goodput and cost",
-        [
-            (
-                4,
-                8,
-                stat_panel("Goodput", goodput, [q(rec(R.GOODPUT), "{{job}}")], "percentunit"),
+    return [
+        Tile(
+            4,
+            8,
+            stat_panel("Goodput", goodput, [q(rec(recorded.GOODPUT), "{{job}}")], "percentunit"),
+        ),
+        Tile(
+            4,
+            8,
+            stat_panel(
+                "GPU-hours lost",
+                "GPU-hours (one GPU a rank) since the job started that did not go into "
+                "productive steps that counted (1 - goodput), of those below (the job's "
+                "world size x elapsed hours).",
+                [q(gpu_hours(lost=True), "lost"), q(gpu_hours(), "since start")],
+                "h",
             ),
-            (
-                4,
-                8,
-                stat_panel(
-                    "GPU-hours lost",
-                    "GPU-hours (one GPU a rank) since the job started that did not go into "
-                    "productive steps that counted (1 - goodput), of those below (the job's "
-                    "world size x elapsed hours).",
-                    [q(gpu_hours(lost=True), "lost"), q(gpu_hours(), "since start")],
-                    "h",
-                ),
-            ),
-            (
-                8,
-                8,
-                ts(
-                    "Goodput since the job started",
-                    goodput,
-                    [q(rec(R.GOODPUT), "goodput")],
-                    "percentunit",
-                    max_val=1,
-                ).interval(slow),
-            ),
-            (8, 8, bars.draw_style(cm.GraphDrawStyle.BARS).interval(slow)),
-            *_overview_cost(slow),
-        ],
-    )
+        ),
+        Tile(
+            8,
+            8,
+            ts(
+                "Goodput since the job started",
+                goodput,
+                [q(rec(recorded.GOODPUT), "goodput")],
+                "percentunit",
+                max_val=1,
+            ).interval(slow),
+        ),
+        Tile(8, 8, bars.draw_style(cm.GraphDrawStyle.BARS).interval(slow)),
+    ]
 
 
-def _overview_trends(cfg: Thresholds) -> tuple[str, list[tuple[int, int, Any]]]:
-    """Overview row: the job against its own first days (set the time range to its life)."""
+def _cost(slow: str) -> list[Tile]:
+    """What the job costs and what its lost time costs: empty unless the exporters are given
+    a GPU-hour's price (--price-per-gpu-hour)."""
+    price = "From the exporters' --price-per-gpu-hour (one GPU a rank); empty without it."
+    return [
+        Tile(
+            6,
+            6,
+            stat_panel(
+                "Cost per million tokens",
+                f"What the job's GPUs cost per hour over the tokens it processes per hour, per "
+                f"million, at the current rates. {price}",
+                [
+                    q(rec(recorded.COST_PER_MILLION_TOKENS), "tokens"),
+                    q(rec(recorded.COST_PER_MILLION_SAMPLES), "samples"),
+                ],
+                "none",
+            ),
+        ),
+        Tile(
+            6,
+            6,
+            stat_panel(
+                "Cost of lost time per hour",
+                f"The job's cost per hour times the share of its rank-time since it started "
+                f"that went into no goodput (1 - goodput). {price}",
+                [
+                    q(rec(recorded.LOST_COST_PER_HOUR), "lost"),
+                    q(rec(recorded.COST_PER_HOUR), "all"),
+                ],
+                "none",
+            ),
+        ),
+        Tile(
+            12,
+            6,
+            ts(
+                "Cost per hour",
+                f"The job's GPUs' cost per hour, and the part of it going into no goodput. {price}",
+                [
+                    q(rec(recorded.COST_PER_HOUR), "cost"),
+                    q(rec(recorded.LOST_COST_PER_HOUR), "lost"),
+                ],
+                "none",
+            ).interval(slow),
+        ),
+    ]
+
+
+def _trends(cfg: Thresholds) -> list[Tile]:
+    """The job against its own first days (set the time range to its life)."""
     day = cfg.windows.trend
     life = (
         f"Each point: the {day} up to it. Set the time range to the job's life to read it "
@@ -306,82 +331,37 @@ def _overview_trends(cfg: Thresholds) -> tuple[str, list[tuple[int, int, Any]]]:
         (
             "Step-time CV per day",
             "The mean over the day of the job's step-time CV (its most variable rank's).",
-            [q(rec(R.STEP_CV_PER_DAY), "CV")],
+            [q(rec(recorded.STEP_CV_PER_DAY), "CV")],
         ),
         (
             "Throughput per GPU per day",
             "Samples per second per GPU (the mean over ranks that report them), and steps per "
             "second, each averaged over the day.",
             [
-                q(rec(R.SAMPLES_PER_GPU_PER_DAY), "samples/s per GPU"),
-                q(rec(R.STEPS_RATE_PER_DAY), "steps/s"),
+                q(rec(recorded.SAMPLES_PER_GPU_PER_DAY), "samples/s per GPU"),
+                q(rec(recorded.STEPS_RATE_PER_DAY), "steps/s"),
             ],
         ),
         (
             "Restarts per day",
             "Ranks that came back as a new incarnation of themselves in the day, all nodes.",
-            [q(rec(R.RESTARTS_PER_DAY), "restarts")],
+            [q(rec(recorded.RESTARTS_PER_DAY), "restarts")],
         ),
     )
-    return (
-        "Trends over days",
-        [
-            (8, 8, ts(title, f"{text} {life}", targets, "none").interval("1h"))
-            for title, text, targets in panels
-        ],
-    )
-
-
-def _overview_cost(slow: str) -> list[tuple[int, int, Any]]:
-    """Overview row "Goodput and cost", the cost panels: empty unless the exporters are given
-    a GPU-hour's price (--price-per-gpu-hour)."""
-    price = "From the exporters' --price-per-gpu-hour (one GPU a rank); empty without it."
     return [
-        (
-            6,
-            6,
-            stat_panel(
-                "Cost per million tokens",
-                f"What the job's GPUs cost per hour over the tokens it processes per hour, per "
-                f"million, at the current rates. {price}",
-                [
-                    q(rec(R.COST_PER_MILLION_TOKENS), "tokens"),
-                    q(rec(R.COST_PER_MILLION_SAMPLES), "samples"),
-                ],
-                "none",
-            ),
-        ),
-        (
-            6,
-            6,
-            stat_panel(
-                "Cost of lost time per hour",
-                f"The job's cost per hour times the share of its rank-time since it started "
-                f"that went into no goodput (1 - goodput). {price}",
-                [q(rec(R.LOST_COST_PER_HOUR), "lost"), q(rec(R.COST_PER_HOUR), "all")],
-                "none",
-            ),
-        ),
-        (
-            12,
-            6,
-            ts(
-                "Cost per hour",
-                f"The job's GPUs' cost per hour, and the part of it going into no goodput. {price}",
-                [q(rec(R.COST_PER_HOUR), "cost"), q(rec(R.LOST_COST_PER_HOUR), "lost")],
-                "none",
-            ).interval(slow),
-        ),
+        Tile(8, 8, ts(title, f"{text} {life}", targets, "none").interval("1h"))
+        for title, text, targets in panels
     ]
 
 
-def _overview_step_time_and_phases_1(
-    cfg: Thresholds, *, busy: Any, by_phase: Any, every_rank_phase: Any
-) -> list[tuple[int, int, Any]]:
-    """Overview row "Step time and phases", panels, part 1."""
-    sampling = sel(cfg, M.PHASE_SAMPLING_EVERY.name, JOB, NODE, RANK)
+def _step_time(cfg: Thresholds) -> list[Tile]:
+    """Step time job-wide, and the ranks whose steps are busiest (a straggler's)."""
+    phases = M.PHASE_SECONDS_TOTAL.name
+    busy = ratio_per_rank(
+        cfg, (phases, ('phase!~"comm_exposed|pacing"',)), (M.STEPS_TOTAL.name, ())
+    )
     return [
-        (
+        Tile(
             12,
             8,
             ts(
@@ -389,13 +369,13 @@ def _overview_step_time_and_phases_1(
                 "Mean and quantiles of step wall time, job-wide (every node's "
                 "step-duration histogram pooled).",
                 [
-                    q(rec(R.STEP_MEAN), "mean"),
-                    q(rec(R.STEP_QUANTILE), "p{{quantile}}"),
+                    q(rec(recorded.STEP_MEAN), "mean"),
+                    q(rec(recorded.STEP_QUANTILE), "p{{quantile}}"),
                 ],
                 "s",
             ),
         ),
-        (
+        Tile(
             8,
             8,
             ts(
@@ -409,7 +389,14 @@ def _overview_step_time_and_phases_1(
                 band=True,
             ),
         ),
-        (
+    ]
+
+
+def _job_phases(cfg: Thresholds) -> list[Tile]:
+    """How often the selected ranks time their phases, and the job's phase shares."""
+    sampling = sel(cfg, M.PHASE_SAMPLING_EVERY.name, JOB, NODE, RANK)
+    return [
+        Tile(
             4,
             8,
             stat_panel(
@@ -424,19 +411,37 @@ def _overview_step_time_and_phases_1(
                 no_value="every step",
             ),
         ),
-        (
+        Tile(
             8,
             8,
             ts(
                 "Phase shares",
                 "Share of step wall time per phase, job-wide; they add up to 1.",
-                [q(rec(R.PHASE_RATIO), "{{phase}}")],
+                [q(rec(recorded.PHASE_RATIO), "{{phase}}")],
                 "percentunit",
                 stack=True,
                 max_val=1,
             ),
         ),
-        (
+    ]
+
+
+def _selected_ranks_phases(cfg: Thresholds) -> list[Tile]:
+    """The selected ranks' seconds per step in each phase, and against the job's median rank."""
+    phases = M.PHASE_SECONDS_TOTAL.name
+    selected = sel(cfg, phases, JOB, NODE, RANK)
+    selected_steps = sel(cfg, M.STEPS_TOTAL.name, JOB, NODE, RANK)
+    by_phase = (
+        f"sum by (phase) (rate({selected}[{RATE}]))\n/ on () group_left ()\n"
+        f"  (sum(rate({selected_steps}[{RATE}])) > 0)"
+    )
+    every_rank_phase = (
+        f"sum by ({BY_RANK}, phase) (rate({sel(cfg, phases, JOB)}[{RATE}]))\n"
+        f"/ ignoring (phase) group_left ()\n"
+        f"  (sum by ({BY_RANK}) (rate({sel(cfg, M.STEPS_TOTAL.name, JOB)}[{RATE}])) > 0)"
+    )
+    return [
+        Tile(
             8,
             8,
             ts(
@@ -448,7 +453,7 @@ def _overview_step_time_and_phases_1(
                 stack=True,
             ),
         ),
-        (
+        Tile(
             8,
             8,
             ts(
@@ -470,12 +475,12 @@ def _overview_step_time_and_phases_1(
     ]
 
 
-def _overview_step_time_and_phases_2(
-    cfg: Thresholds, *, exposed: Any
-) -> list[tuple[int, int, Any]]:
-    """Overview row "Step time and phases", panels, part 2."""
+def _noisy_ranks_and_ranks_that_wait_least(cfg: Thresholds) -> list[Tile]:
+    """The ranks whose step time varies most, and those that wait least (the straggler)."""
+    phases = M.PHASE_SECONDS_TOTAL.name
+    exposed = ratio_per_rank(cfg, (phases, ('phase="comm_exposed"',)), (phases, ()))
     return [
-        (
+        Tile(
             12,
             8,
             ts(
@@ -489,7 +494,7 @@ def _overview_step_time_and_phases_2(
                 band=True,
             ),
         ),
-        (
+        Tile(
             12,
             8,
             ts(
@@ -505,301 +510,283 @@ def _overview_step_time_and_phases_2(
     ]
 
 
-def _overview_step_time_and_phases(
-    cfg: Thresholds, *, busy: Any, exposed: Any, by_phase: Any, every_rank_phase: Any
-) -> tuple[str, list[tuple[int, int, Any]]]:
-    """Overview row: Step time and phases."""
-    return (
-        "Step time and phases",
-        [
-            *_overview_step_time_and_phases_1(
-                cfg, busy=busy, by_phase=by_phase, every_rank_phase=every_rank_phase
-            ),
-            *_overview_step_time_and_phases_2(cfg, exposed=exposed),
-        ],
-    )
-
-
-def _overview_where_the_job_waits(
-    cfg: Thresholds,
-) -> tuple[str, list[tuple[int, int, Any]]]:
-    """Overview row: Where the job waits: process groups and the wait chain."""
-    return (
-        "Where the job waits: process groups and the wait chain",
-        [
-            (
-                12,
-                8,
-                ts(
-                    "Rank-time lost per process group",
-                    "Share of the job's rank-time each process group's collectives take "
-                    "beyond the rank that spends least in them (groups by their mesh "
-                    f"dimension: dp, tp, pp, shard, ...), over {cfg.windows.straggler}; the "
-                    "groups together never past the time the ranks were blocked (a pipeline's "
-                    "receives, posted ahead, overlap its compute). Where a tensor- or "
-                    "pipeline-parallel job loses its time.",
-                    [q(rec(R.GROUP_WAIT), "{{group}}")],
-                    "percentunit",
-                    stack=True,
-                ),
-            ),
-            (
-                12,
-                8,
-                table_panel(
-                    "Who waits for whom",
-                    f"While a straggler is named: the {TRIAGE_ROWS} ranks that wait most, "
-                    "the group each waits in most and the rank it waits for there (empty: "
-                    "a rank its exporter does not see), seconds per step. Follow Waits for "
-                    "to the straggler.",
-                    [
-                        q(
-                            f"topk({TRIAGE_ROWS}, {sel(cfg, M.VICTIM_WAIT_SECONDS.name, JOB)})",
-                            instant=True,
-                            table_format=True,
-                        )
-                    ],
-                    unit="s",
-                    hide=("Time", "job", "__name__", "instance"),
-                    rename={
-                        "rank": "Rank",
-                        "node": "Node",
-                        "group": "Group",
-                        "waits_for": "Waits for",
-                        "Value": "Wait per step",
-                    },
-                    sort=("Value", True),
-                ),
-            ),
-        ],
-    )
-
-
-def _overview_synchronization(
-    cfg: Thresholds, *, straggler: Any, diagnosis: Any
-) -> tuple[str, list[tuple[int, int, Any]]]:
-    """Overview row: Synchronization."""
-    return (
-        "Synchronization",
-        [
-            (
-                12,
-                8,
-                ts(
-                    "Amplification, exposed communication, pacing",
-                    "Job-wide shares of rank time. Dashed line: the SyncscopeSyncAmplification threshold.",
-                    [
-                        q(rec(R.SYNC_AMPLIFICATION), "waiting for peers"),
-                        q(rec(R.COMM_EXPOSED_RATIO), "exposed communication"),
-                        q(rec(R.PACING_RATIO), "pacing delay"),
-                    ],
-                    "percentunit",
-                    thresholds=alert_steps(cfg, "SyncscopeSyncAmplification"),
-                ),
-            ),
-            (
-                12,
-                8,
-                ts(
-                    "Arrival lead: the latest ranks",
-                    "How early each rank reaches collectives compared with the last one, "
-                    f"job-wide (seconds per step, over {cfg.windows.straggler}), for the "
-                    f"{TOP} selected ranks lowest over the time range, and the job's median "
-                    "and band. The straggler sits at zero.",
-                    ranks_that_stand_out(gauge_per_rank(cfg, R.LEAD, recorded=True), lowest=True),
-                    "s",
-                    band=True,
-                ),
-            ),
-            (
-                12,
-                8,
-                ts(
-                    "Arrival skew",
-                    "Latest minus earliest rank, as a share of the mean step. Dashed "
-                    "line: the SyncscopeStraggler threshold.",
-                    [q(rec(R.SKEW_RATIO), "{{job}}")],
-                    "percentunit",
-                    thresholds=steps((straggler, "orange")),
-                ),
-            ),
-            (
-                12,
-                8,
-                bargauge.Panel()
-                .title("Diagnosis")
-                .description(
-                    "The exporters' local score (0..1) for each failure mode of paper "
-                    "§3.3, highest over the job's exporters."
-                )
-                .datasource(DS)
-                .unit("percentunit")
-                .min(0)
-                .max(1)
-                .thresholds(steps((diagnosis, "orange")))
-                .with_target(
-                    q(
-                        f"max by (mode) ({sel(cfg, M.DIAGNOSIS.name, JOB)})",
-                        "{{mode}}",
-                        instant=True,
-                    ).ref_id("A")
-                ),
-            ),
-        ],
-    )
-
-
-def _overview_pacing(
-    cfg: Thresholds, *, engagements: Any
-) -> tuple[str, list[tuple[int, int, Any]]]:
-    """Overview row: Pacing."""
-    return (
-        "Pacing",
-        [
-            (
-                8,
-                8,
-                ts(
-                    "Ranks paced",
-                    "Share of the job's ranks whose pacing controller is delaying them "
-                    "now (paper §4.3, §5.3). Engaged without a break for long: see "
-                    "SyncscopePacingEngagedLong.",
-                    [
-                        q(
-                            f"{rec(R.PACING_ACTIVE)}\n/ on (job)\n  {rec(R.WORLD_SIZE)}",
-                            "ranks paced",
-                        )
-                    ],
-                    "percentunit",
-                    max_val=1,
-                ),
-            ),
-            (
-                8,
-                8,
-                ts(
-                    "Pacing delay: the most delayed ranks",
-                    f"Current delay of the {TOP} selected ranks delayed most over the "
-                    "time range, the job's median delay and median engage threshold.",
-                    [
-                        *ranks_that_stand_out(
-                            gauge_per_rank(cfg, M.PACING_CURRENT_DELAY_SECONDS.name),
-                            band=False,
-                        ),
-                        q(
-                            "quantile by (job) (0.5, "
-                            f"{sel(cfg, M.PACING_CURRENT_DELAY_SECONDS.name, JOB)})",
-                            "median",
-                        ),
-                        q(
-                            "quantile by (job) (0.5, "
-                            f"{sel(cfg, M.PACING_THRESHOLD_SECONDS.name, JOB)})",
-                            "median threshold",
-                        ),
-                    ],
-                    "s",
-                ),
-            ),
-            (
-                8,
-                8,
-                ts(
-                    "Pacing engagements per step",
-                    f"Engagements per step of the {TOP} selected ranks engaging most "
-                    "often over the time range, and the job's median and band.",
-                    ranks_that_stand_out(engagements),
-                    "short",
-                    band=True,
-                ),
-            ),
-        ],
-    )
-
-
-def _overview_alerts_agents_and_exporters_1(
-    cfg: Thresholds, *, dropped: Any
-) -> list[tuple[int, int, Any]]:
-    """Overview row "Alerts, agents and exporters", panels, part 1."""
+def _process_groups_and_wait_chain(cfg: Thresholds) -> list[Tile]:
+    """The rank-time each process group loses, and which ranks wait for whom."""
     return [
-        (
-            12,
-            8,
-            table_panel(
-                "Active syncscope alerts",
-                "Pending and firing syncscope alerts (ALERTS) and how long each has "
-                "been active (ALERTS_FOR_STATE).",
-                [
-                    q(
-                        f'ALERTS{{alertname=~"{ALERT_PREFIX}.+"}}',
-                        instant=True,
-                        table_format=True,
-                    ),
-                    q(
-                        f'time() - ALERTS_FOR_STATE{{alertname=~"{ALERT_PREFIX}.+"}}',
-                        instant=True,
-                        table_format=True,
-                    ),
-                ],
-                hide=("Time", "__name__", "Value #A"),
-                rename={
-                    "alertname": "Alert",
-                    "severity": "Severity",
-                    "alertstate": "State",
-                    "job": "Job",
-                    "Value #B": "Active for",
-                },
-                sort=("Value #B", True),
-                columns={
-                    "Active for": [prop("unit", "dtdurations")],
-                    "State": [
-                        prop(
-                            "mappings",
-                            [
-                                {
-                                    "type": "value",
-                                    "options": {
-                                        "firing": {"color": "red", "index": 0},
-                                        "pending": {"color": "orange", "index": 1},
-                                    },
-                                }
-                            ],
-                        ),
-                        prop("custom.cellOptions", {"type": "color-text"}),
-                    ],
-                },
-            ),
-        ),
-        (
+        Tile(
             12,
             8,
             ts(
-                "Records dropped and rejected",
-                f"Agent records dropped per step by the {TOP} selected ranks dropping "
-                "most (exporter slow or unreachable), and records the exporters "
-                "rejected and ingested per second.",
+                "Rank-time lost per process group",
+                "Share of the job's rank-time each process group's collectives take "
+                "beyond the rank that spends least in them (groups by their mesh "
+                f"dimension: dp, tp, pp, shard, ...), over {cfg.windows.straggler}; the "
+                "groups together never past the time the ranks were blocked (a pipeline's "
+                "receives, posted ahead, overlap its compute). Where a tensor- or "
+                "pipeline-parallel job loses its time.",
+                [q(rec(recorded.GROUP_WAIT), "{{group}}")],
+                "percentunit",
+                stack=True,
+            ),
+        ),
+        Tile(
+            12,
+            8,
+            table_panel(
+                "Who waits for whom",
+                f"While a straggler is named: the {TRIAGE_ROWS} ranks that wait most, "
+                "the group each waits in most and the rank it waits for there (empty: "
+                "a rank its exporter does not see), seconds per step. Follow Waits for "
+                "to the straggler.",
                 [
-                    *ranks_that_stand_out(dropped, "dropped/step rank {{rank}}", band=False),
                     q(
-                        f"sum by (reason) (rate({M.EXPORTER_INGEST_REJECTED_TOTAL.name}[{RATE}]))",
-                        "rejected/s {{reason}}",
-                    ),
-                    q(
-                        f"sum(rate({M.EXPORTER_INGEST_RECORDS_TOTAL.name}[{RATE}]))",
-                        "ingested/s",
-                    ),
+                        f"topk({TRIAGE_ROWS}, {sel(cfg, M.VICTIM_WAIT_SECONDS.name, JOB)})",
+                        instant=True,
+                        table_format=True,
+                    )
                 ],
-                "short",
+                unit="s",
+                hide=("Time", "job", "__name__", "instance"),
+                rename={
+                    "rank": "Rank",
+                    "node": "Node",
+                    "group": "Group",
+                    "waits_for": "Waits for",
+                    "Value": "Wait per step",
+                },
+                sort=("Value", True),
             ),
         ),
     ]
 
 
-def _overview_alerts_agents_and_exporters_2(
-    cfg: Thresholds, *, exporter: Any
-) -> list[tuple[int, int, Any]]:
-    """Overview row "Alerts, agents and exporters", panels, part 2."""
+def _synchronization(cfg: Thresholds) -> list[Tile]:
+    """The job's time lost to synchronization, and the ranks that arrive latest."""
+    straggler = alert_threshold(cfg, "SyncscopeStraggler")
     return [
-        (
+        Tile(
+            12,
+            8,
+            ts(
+                "Amplification, exposed communication, pacing",
+                "Job-wide shares of rank time. Dashed line: the SyncscopeSyncAmplification threshold.",
+                [
+                    q(rec(recorded.SYNC_AMPLIFICATION), "waiting for peers"),
+                    q(rec(recorded.COMM_EXPOSED_RATIO), "exposed communication"),
+                    q(rec(recorded.PACING_RATIO), "pacing delay"),
+                ],
+                "percentunit",
+                thresholds=alert_steps(cfg, "SyncscopeSyncAmplification"),
+            ),
+        ),
+        Tile(
+            12,
+            8,
+            ts(
+                "Arrival lead: the latest ranks",
+                "How early each rank reaches collectives compared with the last one, "
+                f"job-wide (seconds per step, over {cfg.windows.straggler}), for the "
+                f"{TOP} selected ranks lowest over the time range, and the job's median "
+                "and band. The straggler sits at zero.",
+                ranks_that_stand_out(
+                    gauge_per_rank(cfg, recorded.LEAD, recorded=True), lowest=True
+                ),
+                "s",
+                band=True,
+            ),
+        ),
+        Tile(
+            12,
+            8,
+            ts(
+                "Arrival skew",
+                "Latest minus earliest rank, as a share of the mean step. Dashed "
+                "line: the SyncscopeStraggler threshold.",
+                [q(rec(recorded.SKEW_RATIO), "{{job}}")],
+                "percentunit",
+                thresholds=steps((straggler, "orange")),
+            ),
+        ),
+    ]
+
+
+def _diagnosis(cfg: Thresholds) -> Tile:
+    """The exporters' score for each failure mode."""
+    return Tile(
+        12,
+        8,
+        bargauge.Panel()
+        .title("Diagnosis")
+        .description(
+            "The exporters' local score (0..1) for each failure mode of paper "
+            "§3.3, highest over the job's exporters."
+        )
+        .datasource(DS)
+        .unit("percentunit")
+        .min(0)
+        .max(1)
+        .thresholds(steps((cfg.diagnosis.verdict_score, "orange")))
+        .with_target(
+            q(
+                f"max by (mode) ({sel(cfg, M.DIAGNOSIS.name, JOB)})",
+                "{{mode}}",
+                instant=True,
+            ).ref_id("A")
+        ),
+    )
+
+
+def _pacing(cfg: Thresholds) -> list[Tile]:
+    """How many ranks are paced, by how much, how often."""
+    engagements = ratio_per_rank(
+        cfg, (M.PACING_ENGAGEMENTS_TOTAL.name, ()), (M.STEPS_TOTAL.name, ())
+    )
+    return [
+        Tile(
+            8,
+            8,
+            ts(
+                "Ranks paced",
+                "Share of the job's ranks whose pacing controller is delaying them "
+                "now (paper §4.3, §5.3). Engaged without a break for long: see "
+                "SyncscopePacingEngagedLong.",
+                [
+                    q(
+                        f"{rec(recorded.PACING_ACTIVE)}\n/ on (job)\n  {rec(recorded.WORLD_SIZE)}",
+                        "ranks paced",
+                    )
+                ],
+                "percentunit",
+                max_val=1,
+            ),
+        ),
+        Tile(
+            8,
+            8,
+            ts(
+                "Pacing delay: the most delayed ranks",
+                f"Current delay of the {TOP} selected ranks delayed most over the "
+                "time range, the job's median delay and median engage threshold.",
+                [
+                    *ranks_that_stand_out(
+                        gauge_per_rank(cfg, M.PACING_CURRENT_DELAY_SECONDS.name),
+                        band=False,
+                    ),
+                    q(
+                        "quantile by (job) (0.5, "
+                        f"{sel(cfg, M.PACING_CURRENT_DELAY_SECONDS.name, JOB)})",
+                        "median",
+                    ),
+                    q(
+                        "quantile by (job) (0.5, "
+                        f"{sel(cfg, M.PACING_THRESHOLD_SECONDS.name, JOB)})",
+                        "median threshold",
+                    ),
+                ],
+                "s",
+            ),
+        ),
+        Tile(
+            8,
+            8,
+            ts(
+                "Pacing engagements per step",
+                f"Engagements per step of the {TOP} selected ranks engaging most "
+                "often over the time range, and the job's median and band.",
+                ranks_that_stand_out(engagements),
+                "short",
+                band=True,
+            ),
+        ),
+    ]
+
+
+def _active_alerts() -> Tile:
+    """The syncscope alerts pending and firing, and for how long."""
+    return Tile(
+        12,
+        8,
+        table_panel(
+            "Active syncscope alerts",
+            "Pending and firing syncscope alerts (ALERTS) and how long each has "
+            "been active (ALERTS_FOR_STATE).",
+            [
+                q(
+                    f'ALERTS{{alertname=~"{ALERT_PREFIX}.+"}}',
+                    instant=True,
+                    table_format=True,
+                ),
+                q(
+                    f'time() - ALERTS_FOR_STATE{{alertname=~"{ALERT_PREFIX}.+"}}',
+                    instant=True,
+                    table_format=True,
+                ),
+            ],
+            hide=("Time", "__name__", "Value #A"),
+            rename={
+                "alertname": "Alert",
+                "severity": "Severity",
+                "alertstate": "State",
+                "job": "Job",
+                "Value #B": "Active for",
+            },
+            sort=("Value #B", True),
+            columns={
+                "Active for": [prop("unit", "dtdurations")],
+                "State": [
+                    prop(
+                        "mappings",
+                        [
+                            {
+                                "type": "value",
+                                "options": {
+                                    "firing": {"color": "red", "index": 0},
+                                    "pending": {"color": "orange", "index": 1},
+                                },
+                            }
+                        ],
+                    ),
+                    prop("custom.cellOptions", {"type": "color-text"}),
+                ],
+            },
+        ),
+    )
+
+
+def _agent_records(cfg: Thresholds) -> Tile:
+    """The ranks whose agents drop records, and the records the exporters reject and ingest."""
+    dropped = ratio_per_rank(
+        cfg, (M.AGENT_RECORDS_DROPPED_TOTAL.name, ()), (M.STEPS_TOTAL.name, ())
+    )
+    return Tile(
+        12,
+        8,
+        ts(
+            "Records dropped and rejected",
+            f"Agent records dropped per step by the {TOP} selected ranks dropping "
+            "most (exporter slow or unreachable), and records the exporters "
+            "rejected and ingested per second.",
+            [
+                *ranks_that_stand_out(dropped, "dropped/step rank {{rank}}", band=False),
+                q(
+                    f"sum by (reason) (rate({M.EXPORTER_INGEST_REJECTED_TOTAL.name}[{RATE}]))",
+                    "rejected/s {{reason}}",
+                ),
+                q(
+                    f"sum(rate({M.EXPORTER_INGEST_RECORDS_TOTAL.name}[{RATE}]))",
+                    "ingested/s",
+                ),
+            ],
+            "short",
+        ),
+    )
+
+
+def _exporters(cfg: Thresholds) -> list[Tile]:
+    """The exporters' own health: scraped or down, collectors failing, collection time."""
+    exporter = cfg.selectors.exporter
+    return [
+        Tile(
             8,
             6,
             table_panel(
@@ -820,7 +807,7 @@ def _overview_alerts_agents_and_exporters_2(
                 thresholds=steps((1, "green"), base="red"),
             ),
         ),
-        (
+        Tile(
             8,
             6,
             stat_panel(
@@ -838,7 +825,7 @@ def _overview_alerts_agents_and_exporters_2(
                 thresholds=steps((1, "green"), base="red"),
             ),
         ),
-        (
+        Tile(
             8,
             6,
             ts(
@@ -853,16 +840,3 @@ def _overview_alerts_agents_and_exporters_2(
             ),
         ),
     ]
-
-
-def _overview_alerts_agents_and_exporters(
-    cfg: Thresholds, *, dropped: Any, exporter: Any
-) -> tuple[str, list[tuple[int, int, Any]]]:
-    """Overview row: Alerts, agents and exporters."""
-    return (
-        "Alerts, agents and exporters",
-        [
-            *_overview_alerts_agents_and_exporters_1(cfg, dropped=dropped),
-            *_overview_alerts_agents_and_exporters_2(cfg, exporter=exporter),
-        ],
-    )

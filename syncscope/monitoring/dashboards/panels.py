@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from grafana_foundation_sdk.builders import (
@@ -41,6 +42,11 @@ def steps(*levels: tuple[float, str], base: str = "green") -> db.ThresholdsConfi
             + [dm.Threshold(value=v, color=c) for v, c in levels]
         )
     )
+
+
+def alert_threshold(cfg: Thresholds, alert: str) -> float:
+    """The threshold of an alert's first level (the only one of a single-level alert)."""
+    return required(cfg.alerts[alert].levels[0].threshold, "threshold")
 
 
 def alert_steps(cfg: Thresholds, alert: str) -> db.ThresholdsConfig:
@@ -214,16 +220,34 @@ def value_map_json(*entries: tuple[float, str, str]) -> list[dict[str, Any]]:
     ]
 
 
-def layout(
-    panels: Sequence[tuple[int, int, Any]], y0: int
-) -> tuple[list[tuple[Any, dm.GridPos]], int]:
-    """Place panels in order, each at the lowest free spot (leftmost on ties): a tall panel
-    followed by short ones gets them stacked beside it. Returns the positions and the next y."""
+@dataclass(frozen=True)
+class Tile:
+    """A panel and the grid cells it takes: ``width`` of the GRID_WIDTH columns, ``height``
+    rows. Where it goes is layout()'s to decide."""
+
+    width: int
+    height: int
+    panel: Any  # a foundation-SDK panel builder (time series, stat, table, ...)
+
+
+@dataclass(frozen=True)
+class Row:
+    """A dashboard row: its title and its tiles, in the order layout() places them."""
+
+    title: str
+    tiles: Sequence[Tile]
+
+
+def layout(tiles: Sequence[Tile], y0: int) -> tuple[list[tuple[Any, dm.GridPos]], int]:
+    """Place tiles in order, each at the lowest free spot (leftmost on ties): a tall tile
+    followed by short ones gets them stacked beside it. Returns each panel with its position,
+    and the next y."""
     skyline = [y0] * GRID_WIDTH
     placed = []
-    for w, h, panel in panels:
+    for tile in tiles:
+        w, h = tile.width, tile.height
         x = min(range(GRID_WIDTH - w + 1), key=lambda i: (max(skyline[i : i + w]), i))
         y = max(skyline[x : x + w])
-        placed.append((panel, dm.GridPos(h=h, w=w, x=x, y=y)))
+        placed.append((tile.panel, dm.GridPos(h=h, w=w, x=x, y=y)))
         skyline[x : x + w] = [y + h] * w
     return placed, max(skyline)

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from syncscope import catalog as M
-from syncscope import recorded as R
+from syncscope import recorded
 from syncscope.monitoring.dashboards.common import (
     BAND,
     BY_RANK,
@@ -106,7 +106,7 @@ def phase_per_step(cfg: Thresholds, window: str, *matchers: str) -> str:
 def lateness() -> str:
     """How much later than the job's earliest rank each selected rank reaches collectives, in
     seconds per step: the largest lead minus its own (the straggler's is the job's skew)."""
-    return f"max by (job) ({rec(R.LEAD)})\n- on (job) group_right ()\n  {rec(R.LEAD, NODE, RANK)}"
+    return f"max by (job) ({rec(recorded.LEAD)})\n- on (job) group_right ()\n  {rec(recorded.LEAD, NODE, RANK)}"
 
 
 def late_rows(expr: str) -> str:
@@ -116,7 +116,7 @@ def late_rows(expr: str) -> str:
 
 def on_straggler(expr: str, labels: str = "") -> str:
     """A per-job value shown on the straggler's row (the rank the straggler rules name)."""
-    return f"0 * {rec(R.STRAGGLER_LAG)}\n+ on (job) group_left ({labels})\n  ({expr})"
+    return f"0 * {rec(recorded.STRAGGLER_LAG)}\n+ on (job) group_left ({labels})\n  ({expr})"
 
 
 def straggler_alert_age() -> str:
@@ -131,18 +131,18 @@ def idle_gpus_from_skew() -> str:
     """Rank-seconds per second the job's ranks wait for its latest one (persistent skew):
     each rank's lead over the latest rank per step, summed, times steps per second. A rank
     waiting is a GPU idle, so this is idle GPU-hours per hour."""
-    return f"sum by (job) ({rec(R.LEAD)})\n* on (job)\n  {rec(R.STEPS_RATE)}"
+    return f"sum by (job) ({rec(recorded.LEAD)})\n* on (job)\n  {rec(recorded.STEPS_RATE)}"
 
 
 def ratio_lead_per_step() -> PerRank:
     """Each rank's lead over the latest rank (recorded) as a share of the job's mean step."""
 
     def expr(window: str | None, at: str, matchers: Sequence[str]) -> str:
-        lead = rec(R.LEAD, *matchers)
+        lead = rec(recorded.LEAD, *matchers)
         if window is not None:
             lead = f"avg_over_time({lead}[{window}]{at})"
             return f"max by ({BY_RANK}) ({lead})"
-        return f"max by ({BY_RANK}) ({lead})\n/ on (job) group_left ()\n  {rec(R.STEP_MEAN)}"
+        return f"max by ({BY_RANK}) ({lead})\n/ on (job) group_left ()\n  {rec(recorded.STEP_MEAN)}"
 
     return expr
 
@@ -153,7 +153,10 @@ def ratio_lead_per_step() -> PerRank:
 def energy_by_source() -> list[tuple[str, str]]:
     """(query, legend) of the job's joules per second from each source: its GPUs' counters and
     its nodes' CPU packages (each present only where measured)."""
-    return [(rec(R.GPU_ENERGY_RATE), "GPUs"), (rec(R.CPU_ENERGY_RATE), "CPU packages")]
+    return [
+        (rec(recorded.GPU_ENERGY_RATE), "GPUs"),
+        (rec(recorded.CPU_ENERGY_RATE), "CPU packages"),
+    ]
 
 
 def joules_per(work: str) -> str:
@@ -162,7 +165,7 @@ def joules_per(work: str) -> str:
     per job at the slow rules' interval, so a range of days stays cheap; every minute weighs
     by its work, and energy spent while the job processed nothing counts against the work
     around it."""
-    energy = f"sum_over_time({rec(R.ENERGY_RATE)}[{INTERVAL}])"
+    energy = f"sum_over_time({rec(recorded.ENERGY_RATE)}[{INTERVAL}])"
     return f"{energy}\n/ on (job)\n  (sum_over_time({rec(work)}[{INTERVAL}]) > 0)"
 
 
@@ -171,11 +174,11 @@ def joules_per(work: str) -> str:
 
 def badput_shares() -> str:
     """Each badput category's share of the rank-seconds since the job started (recorded)."""
-    return rec(R.BADPUT_RATIO)
+    return rec(recorded.BADPUT_RATIO)
 
 
 def gpu_hours(lost: bool = False) -> str:
     """Rank-hours (GPU-hours, one GPU a rank) since the job's first process started; with
     ``lost``, those not spent on productive steps that counted (1 - goodput)."""
-    hours = f"{rec(R.RANK_SECONDS)} / 3600"
-    return f"{hours}\n* on (job)\n  (1 - {rec(R.GOODPUT)})" if lost else hours
+    hours = f"{rec(recorded.RANK_SECONDS)} / 3600"
+    return f"{hours}\n* on (job)\n  (1 - {rec(recorded.GOODPUT)})" if lost else hours

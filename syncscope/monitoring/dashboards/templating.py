@@ -8,7 +8,7 @@ from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.models import dashboard as dm
 
 from syncscope import catalog as M
-from syncscope import recorded as R
+from syncscope import recorded
 from syncscope.monitoring.dashboards.common import (
     ALERT_PREFIX,
     ANNOTATION_STEP,
@@ -41,7 +41,7 @@ def variables(cfg: Thresholds) -> list[Any]:
         query_var(
             "job",
             "Job",
-            f"label_values({R.STEPS_RATE}, job)",
+            f"label_values({recorded.STEPS_RATE}, job)",
             dm.VariableSort.ALPHABETICAL_ASC,
         )
         .multi(False)
@@ -49,7 +49,7 @@ def variables(cfg: Thresholds) -> list[Any]:
         query_var(
             "node",
             "Node",
-            f"label_values({rec(R.SYNC_PER_STEP)}, node)",
+            f"label_values({rec(recorded.SYNC_PER_STEP)}, node)",
             dm.VariableSort.ALPHABETICAL_ASC,
         )
         .multi(True)
@@ -59,7 +59,7 @@ def variables(cfg: Thresholds) -> list[Any]:
         query_var(
             "rank",
             "Rank",
-            f"label_values({rec(R.SYNC_PER_STEP, NODE)}, rank)",
+            f"label_values({rec(recorded.SYNC_PER_STEP, NODE)}, rank)",
             dm.VariableSort.NUMERICAL_ASC,
         )
         .multi(True)

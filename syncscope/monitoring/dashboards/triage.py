@@ -7,7 +7,7 @@ from typing import Any
 from grafana_foundation_sdk.models import dashboard as dm
 
 from syncscope import catalog as M
-from syncscope import recorded as R
+from syncscope import recorded
 from syncscope.monitoring.dashboards.common import (
     FABRIC_UID,
     JOB,
@@ -17,7 +17,16 @@ from syncscope.monitoring.dashboards.common import (
     TRIAGE_PHASES,
     TRIAGE_ROWS,
 )
-from syncscope.monitoring.dashboards.panels import link, prop, q, stat_panel, steps, table_panel
+from syncscope.monitoring.dashboards.panels import (
+    Tile,
+    alert_threshold,
+    link,
+    prop,
+    q,
+    stat_panel,
+    steps,
+    table_panel,
+)
 from syncscope.monitoring.dashboards.queries import (
     idle_gpus_from_skew,
     late_rows,
@@ -28,13 +37,13 @@ from syncscope.monitoring.dashboards.queries import (
     straggler_alert_age,
 )
 from syncscope.monitoring.promql import sel
-from syncscope.thresholds import Thresholds, required
+from syncscope.thresholds import Thresholds
 
 
 def triage_table(cfg: Thresholds) -> Any:
     """The triage row's table: the latest ranks with their node, GPU, cause, phases against the
     job's median rank, alert age and cost (targets A..L merged on job and rank)."""
-    straggler = required(cfg.alerts["SyncscopeStraggler"].levels[0].threshold, "threshold")
+    straggler = alert_threshold(cfg, "SyncscopeStraggler")
     window = cfg.windows.straggler
     targets = _triage_targets(cfg, window)
     rename = _triage_rename()
@@ -68,7 +77,7 @@ def _triage_targets(cfg: Thresholds, window: str) -> list[Any]:
     targets = [
         q(f"topk({TRIAGE_ROWS}, {lateness()})", instant=True, table_format=True),
         q(
-            late_rows(f"({lateness()})\n/ on (job) group_left ()\n  {rec(R.STEP_MEAN)}"),
+            late_rows(f"({lateness()})\n/ on (job) group_left ()\n  {rec(recorded.STEP_MEAN)}"),
             instant=True,
             table_format=True,
         ),
@@ -231,10 +240,19 @@ def _triage_columns(straggler: float) -> dict[str, list[dm.DynamicConfigValue]]:
     return columns
 
 
-def triage(cfg: Thresholds) -> list[tuple[int, int, Any]]:
+def triage(cfg: Thresholds) -> list[Tile]:
+    """The triage row: the late ranks, what their lateness costs, since when it is known."""
     return [
-        (24, 8, triage_table(cfg)),
-        (
+        Tile(24, 8, triage_table(cfg)),
+        *_cost_of_lateness(),
+        *_straggler_alert_and_ranks_reporting(),
+    ]
+
+
+def _cost_of_lateness() -> list[Tile]:
+    """What waiting for the late ranks costs: idle GPUs, throughput against its own best."""
+    return [
+        Tile(
             6,
             4,
             stat_panel(
@@ -242,12 +260,17 @@ def triage(cfg: Thresholds) -> list[tuple[int, int, Any]]:
                 "GPUs idle waiting at collectives for the last peer, on average: the "
                 "synchronization-amplification ratio times the world size (transient waits "
                 "included). What the job loses, in GPU-hours per hour.",
-                [q(f"{rec(R.SYNC_AMPLIFICATION)}\n* on (job)\n  {rec(R.WORLD_SIZE)}", "{{job}}")],
+                [
+                    q(
+                        f"{rec(recorded.SYNC_AMPLIFICATION)}\n* on (job)\n  {rec(recorded.WORLD_SIZE)}",
+                        "{{job}}",
+                    )
+                ],
                 "suffix: GPU-h/h",
                 thresholds=steps((1, "orange")),
             ),
         ),
-        (
+        Tile(
             6,
             4,
             stat_panel(
@@ -256,8 +279,8 @@ def triage(cfg: Thresholds) -> list[tuple[int, int, Any]]:
                 "job runs slower than it did itself.",
                 [
                     q(
-                        f"{rec(R.STEPS_RATE)}\n/ on (job)\n  "
-                        f"(max_over_time({rec(R.STEPS_RATE)}[1h]) > 0)",
+                        f"{rec(recorded.STEPS_RATE)}\n/ on (job)\n  "
+                        f"(max_over_time({rec(recorded.STEPS_RATE)}[1h]) > 0)",
                         "{{job}}",
                     )
                 ],
@@ -265,7 +288,13 @@ def triage(cfg: Thresholds) -> list[tuple[int, int, Any]]:
                 thresholds=steps((0.8, "orange"), (0.95, "green"), base="red"),
             ),
         ),
-        (
+    ]
+
+
+def _straggler_alert_and_ranks_reporting() -> list[Tile]:
+    """Since when the straggler alert is active, and whether every rank reports."""
+    return [
+        Tile(
             6,
             4,
             stat_panel(
@@ -286,7 +315,7 @@ def triage(cfg: Thresholds) -> list[tuple[int, int, Any]]:
                 no_value="not active",
             ),
         ),
-        (
+        Tile(
             6,
             4,
             stat_panel(
@@ -294,8 +323,8 @@ def triage(cfg: Thresholds) -> list[tuple[int, int, Any]]:
                 "Ranks whose records reach an exporter, against the world size the ranks "
                 "report. Fewer reporting: see SyncscopeRankSilent.",
                 [
-                    q(rec(R.RANKS_REPORTING), "reporting"),
-                    q(rec(R.WORLD_SIZE), "world size"),
+                    q(rec(recorded.RANKS_REPORTING), "reporting"),
+                    q(rec(recorded.WORLD_SIZE), "world size"),
                 ],
                 "none",
             ),
