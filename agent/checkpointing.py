@@ -2,27 +2,22 @@
 `torch.distributed.checkpoint`'s `save`, `async_save` and `load`, wrapped while an agent is
 attached, and `with agent.checkpoint():` around anything else that saves or loads.
 
-Of an `async_save`, the call is timed: what the training thread pays to stage the state and
-start the writer. The write goes on in torch's thread, untimed; a later wait for its future
-(`.result()` before the next save) is not seen either: wrap it in `agent.checkpoint()`.
+Of an `async_save`, only the call is timed (staging the state, starting the writer); the write
+in torch's thread and a later wait for its future are not: wrap those in `agent.checkpoint()`.
 
-What a call costs the job is badput (the exporter's `checkpoint_save` and `checkpoint_load`
-categories); within a step it is not data wait or forward either. Each outermost call on the
-thread that attached the agent becomes one event (wire.EVENT_CHECKPOINT_SAVE / _LOAD) and the
-phase clock moves its time out of the phase it interrupted into `other`
-(PhaseClock.checkpoint_done). A call nested inside another timed call (dcp.save writing through
-torch.save, a torch.save inside `with agent.checkpoint()`) counts once, as part of the outer
-one; calls from other threads (an asynchronous checkpointer's writer, a data loader) are not
-the training loop's and pass through untimed.
+A call's time is badput (the exporter's `checkpoint_save` / `checkpoint_load` categories), not
+data wait or forward: each outermost call on the thread that attached the agent becomes one
+event (wire.EVENT_CHECKPOINT_SAVE / _LOAD), and the phase clock moves its time out of the phase
+it interrupted into `other` (PhaseClock.checkpoint_done). A call nested in another timed call
+counts once, as part of the outer one; calls from other threads pass through untimed.
 
 The wrappers call the original with the caller's arguments and hand back exactly what it
-returns or raises; syncscope's own bookkeeping around it catches everything. Uncalled, they
-cost nothing: no hook fires anywhere else. The public functions are replaced on their modules
-(`torch.save`, `torch.distributed.checkpoint.save`, ...), so a name bound before attach() (`from
-torch import save`) is not seen; torch.distributed.checkpoint is wrapped only once the job has
-imported it (importing it here would cost the job ~1 s of start-up): at attach() and again at
-the end of the first step. `close()` puts the originals back unless something wrapped them
-again on top, in which case ours stays and passes calls through.
+returns or raises; our own bookkeeping catches everything, and uncalled they cost nothing. The
+public functions are replaced on their modules, so a name bound before attach() (`from torch
+import save`) is not seen. torch.distributed.checkpoint is wrapped only once the job has
+imported it (importing it here would slow the job's start-up): at attach() and at the end of the
+first step. `close()` puts the originals back unless something wrapped them again on top, in
+which case ours stays and passes calls through.
 """
 
 from __future__ import annotations

@@ -1,24 +1,20 @@
 """Every collective and point-to-point op a CPU process group runs, timed where torch funnels
 them all: the dispatcher's `c10d::` ops.
 
-Whatever issues a collective — torch.distributed's functions (whatever torch names them next;
-2.13 added `all_gather_single`), DTensor's functional collectives, FSDP2, pipelining's send and
-recv, DDP's reducer, a user's comm hook — ends in a ProcessGroup method whose C++ front calls
-the dispatcher op `c10d::<op>` (torch/csrc/distributed/c10d/ProcessGroup.hpp). A kernel
-registered for those ops at the BackendSelect key sees every call, redispatches it to the
-backend's kernel, and times those on CPU tensors. The kernel is C++ where its library is built
-(native.py, csrc/c10d_timing.cpp): it times each op from its issue to its
-completion (the Work's future, else the end of its first wait) and keeps the records until
-`poll()` moves them into the queue; the transports poll before they drain. Elsewhere a Python
-kernel (`torch.library`, several times dearer per call) times from the issue to the end of the first
-wait for it, `Work.wait` or `wait_tensor` for a functional collective (a completion callback on the
-future would cost more again in Python). Why not elsewhere, and what each costs
-(bench/bench_collective_kernel.py): docs/parallelism.md.
+Whatever issues a collective (torch.distributed's functions, DTensor's functional collectives,
+FSDP2, pipelining's send and recv, DDP's reducer, a user's comm hook) ends in a ProcessGroup
+method whose C++ front calls the dispatcher op `c10d::<op>`. A kernel registered for those ops at
+the BackendSelect key sees every call, redispatches it to the backend's kernel, and times those
+on CPU tensors. The kernel is C++ where its library is built (native.py, csrc/c10d_timing.cpp):
+it times each op from issue to completion (the Work's future, else the end of its first wait)
+and keeps the records until `poll()` moves them into the queue; the transports poll before they
+drain. Elsewhere a Python kernel (`torch.library`, several times dearer per call) times from the
+issue to the end of the first wait for it (`Work.wait`, or `wait_tensor` for a functional
+collective). Why there, and what each costs: docs/parallelism.md.
 
-Time blocked: `Work.wait` (what every synchronous collective, FSDP2 and pipelining call) and
-`_c10d_functional::wait_tensor` (DTensor's AsyncCollectiveTensor) add the time the training
-thread spends in them to `Blocked.ns`; the phase clock moves it out of the phase it interrupted
-into exposed communication (phases.py).
+Time blocked: `Work.wait` and `_c10d_functional::wait_tensor` add the time the training thread
+spends in them to `Blocked.ns`; the phase clock moves it out of the phase it interrupted into
+exposed communication (phases.py).
 
 Only CPU tensors are timed: a GPU collective returns before the GPU runs it, and Flight Recorder
 reports its GPU duration (nccl_trace.py); meta and fake tensors (compilers tracing) pass through.
@@ -580,8 +576,8 @@ def bucket_timing_hook(
     future in C++, so the interceptor, which times a collective to its wait, leaves DDP's
     buckets to this hook).
 
-    Opt-in detail level: any Python comm hook costs 80–200 µs per bucket (FIELD-NOTES), which
-    is why the default path does without. The second parameter must be named `bucket`, and the
+    Opt-in detail level: any Python comm hook costs tens to hundreds of µs per bucket
+    (docs/evaluation.md), which is why the default path does without. The second parameter must be named `bucket`, and the
     returned future must come from a Python `.then` (returning the work's future asserts).
     """
     import torch.distributed as dist

@@ -1,45 +1,27 @@
 """GPU-side phase timing: CUDA events at the phase clock's boundaries, resolved off the hot path.
 
-On CUDA the CPU phase clock measures when work was *enqueued*: forward returns before its
-kernels run, DDP's wait for NCCL only makes the stream wait, and the time shows up wherever the
+On CUDA the CPU phase clock measures when work was *enqueued*: the time shows up wherever the
 loop next synchronises (`loss.item()`, a host copy). So on CUDA the same boundaries also record
 a CUDA event on the current stream, and a background thread turns the events into phases once
 `Event.query()` says the GPU has passed them. Nothing here synchronises: the training thread
-only records (FIELD-NOTES: 2.2 µs per event; 7 events per step), the background thread only
-queries (0.4 µs) and reads elapsed times (1.1 µs).
+only records events, the background thread only queries them and reads elapsed times.
 
-Where the GPU's time goes between two consecutive events (k = this step):
-  data          end of step k-1 (or end of backward / communication) -> forward pre-hook
-  forward       forward pre-hook -> forward post-hook
-  backward      torch.autograd.backward entered -> callback A (all autograd kernels enqueued)
-  comm_exposed  A -> callback B (after DDP made the stream wait for its all-reduces): the
-                communication the GPU could not overlap with compute
-  optimizer     optimizer pre-hook -> post-hook / step end
-  other         the rest (loss, clipping, logging ...)
-The phases of a step add up to the GPU's step time (step end k-1 -> step end k). A step reaches
-the reporter as the same tuple the CPU clock emits, GPU phases in place of CPU ones (pacing
-stays the CPU delay the controller inserted, the work counts are the CPU clock's); DDP's
-`ddp_grad_sync` records carry the GPU's exposed communication. If the queue of unresolved steps is
-full, an event cannot be had or queried, or the stream is capturing a CUDA graph, a step goes out
-with its CPU phases instead, and the next step starts a new chain.
-
-Phase sampling (phases.py): a quiet step records one event, its end, so that every step's GPU
-time is still measured (end k-1 -> end k, on the stream looked up at the last timed step); its
-phases are the last timed step's shares of its total times its own GPU total (a timed step that
-went out with CPU phases, the first of a chain, gives its CPU shares), its DDP sync record its
-estimated exposed communication. The training thread only records that event and queues the
-step's total and work with the shares it will be estimated from; the resolver makes the phases
-and the sync record (a quiet step's end costs ≈ 5 µs less so: docs/gpu.md).
+GPU phases between events (k = this step): data (end of step k-1 -> forward pre-hook), forward (pre-hook -> post-hook), backward (torch.autograd.backward entered ->
+callback A), comm_exposed (A -> callback B, after DDP made the stream wait for its all-reduces),
+optimizer (pre-hook -> post-hook / step end), other (the rest). They add up to the GPU's step
+time (end k-1 -> end k) and reach the reporter in the CPU clock's tuple, GPU phases in place of
+CPU ones (pacing and work counts stay the CPU clock's); DDP's `ddp_grad_sync` records carry the
+GPU's exposed communication. If the queue of unresolved steps is full, an event cannot be had or
+queried, or the stream is capturing a CUDA graph, a step goes out with its CPU phases and the
+next step starts a new chain. Phase sampling: a quiet step records one event, its end; the
+resolver estimates its phases and sync record from the last timed step's shares (docs/gpu.md).
 
 Events go on the current stream *of the model's device* (`stream_of`), not of whatever device
-is current: a model on cuda:3 without torch.cuda.set_device(3) would otherwise be timed on
-device 0's idle stream. The resolver thread puts itself in thread-local capture mode before its
-first query (agent/capture_mode.py), so a user's global-mode graph capture survives it.
-
-Pacing on CUDA: the CPU sees almost no exposed communication (DDP only makes the stream wait),
-so the pacer is fed from each resolved GPU step's exposed communication, on the resolver thread,
-and the training thread sleeps the latest delay it decided (a few steps behind: the controller
-adapts over many steps).
+is current. The resolver thread puts itself in thread-local capture mode before its first query
+(agent/capture_mode.py), so a user's global-mode graph capture survives it. Pacing on CUDA: the
+CPU sees almost no exposed communication, so the resolver feeds the pacer each resolved GPU
+step's, and the training thread sleeps the latest delay it decided (a few steps behind: the
+controller adapts over many steps).
 """
 
 from __future__ import annotations
@@ -93,10 +75,9 @@ def torch_stream_of(torch: Any, device_index: int) -> Callable[[bool], Any]:
     (an event recorded then would be a node of the graph, not a point in the stream).
 
     `stream_of(fresh)`: the stream is looked up when `fresh` (a step's first mark) and reused for
-    the step's other marks. `torch.cuda.current_stream` builds a new Stream object at each call,
-    the costliest part of a mark on an H200 (bench_gpu_overhead --profile: 182 of the 7 marks'
-    286 µs of profiled time a step, 64 once looked up a step); whether the stream is capturing
-    is still asked at every mark, one C call."""
+    the step's other marks: `torch.cuda.current_stream` builds a new Stream object at each call,
+    the costliest part of a mark (docs/evaluation.md); whether the stream is capturing is still
+    asked at every mark, one C call."""
     current_stream = torch.cuda.current_stream
     capturing = torch.cuda.is_current_stream_capturing  # a capture runs on the current device
     last: list[Any] = [None]

@@ -1,35 +1,27 @@
 """NCCL collective durations from PyTorch's Flight Recorder, read off the training thread.
 
-ProcessGroupNCCL has no completion hook (deprecated in favour of Flight Recorder, FIELD-NOTES),
-and NCCL calls return to Python before the GPU has run them, so a CPU timer around them
-measures only the enqueue. With TORCH_NCCL_ENABLE_TIMING=1 every Flight Recorder entry gets
-`duration_ms` from CUDA events around the NCCL kernel: this rank's wait for the last peer plus
-the transfer, the very quantity the arrival estimator (syncscope.arrival) splits. This module
-turns entries into the records the gloo path produces, (op, group, bytes, duration_ns, step),
-and appends them to the same queue.
+ProcessGroupNCCL has no completion hook (Flight Recorder replaces it), and NCCL calls return to
+Python before the GPU has run them, so a CPU timer around them measures only the enqueue. With
+TORCH_NCCL_ENABLE_TIMING=1 every Flight Recorder entry gets `duration_ms` from CUDA events
+around the NCCL kernel: this rank's wait for the last peer plus the transfer, the very quantity
+the arrival estimator (syncscope.arrival) splits. This module turns entries into the records the
+gloo path produces, (op, group, bytes, duration_ns, step), and appends them to the same queue.
 
-Costs and bounds (the dump is `torch._C._distributed_c10d._dump_nccl_trace`, which returns a
-pickle and holds the GIL while it builds it: 42–51 ms for 2000 entries on the H100):
-  * never with stack traces (6.9 s for the same 2000 entries);
-  * at steps every rank agrees on. A dump stalls its rank's training thread, and in synchronous
-    training one rank's stall delays every rank: N ranks dumping at their own times cost the job
-    N stalls, N ranks dumping at the same step cost it one. So the reader's thread dumps right
-    after step k ends, for k + 1 a multiple of `StepTimeline.dump_every`, a power of two chosen
-    so that dumping takes at most `budget` of wall time (0.1 % by default: a 45 ms dump every
-    45 s) within [min_interval_s, max_interval_s]. Ranks of one job see the same step time and
-    similar dump costs, so they pick the same power; where two differ, the multiples of the
-    larger are multiples of the smaller, and those dumps still coincide
-    (bench/bench_dump_alignment.py measures aligned against unaligned dumps);
-  * from a thread in thread-local CUDA capture mode: the dump queries the events of collectives
-    still in flight, which would otherwise break a user's global-mode CUDA-graph capture
-    (agent/capture_mode.py);
+Costs and bounds: the dump (`torch._C._distributed_c10d._dump_nccl_trace`) builds a pickle
+holding the GIL, tens of ms for a full buffer, so it is taken
+  * never with stack traces (they cost orders of magnitude more);
+  * at steps every rank agrees on: one rank's stall delays every rank, so N ranks dumping at the
+    same step cost the job one stall, not N. The reader's thread dumps right after step k ends,
+    for k + 1 a multiple of `StepTimeline.dump_every`, a power of two chosen so that dumping
+    takes at most `budget` of wall time within [min_interval_s, max_interval_s]; where two ranks
+    pick different powers, the larger's multiples are the smaller's, so those dumps coincide
+    (bench/bench_dump_alignment.py);
+  * in thread-local CUDA capture mode, so that a user's graph capture survives (capture_mode.py);
   * at most `max_records_per_poll` records per dump; entries de-duplicated by `record_id`
-    (monotonic per process; a Flight Recorder reset starts it again at 0, which is detected by
-    the id going backwards or by a known id now carrying another creation time).
-An entry is done once it has a duration, or once the watchdog retired it without one (timing
-off); a completed entry not yet retired has no duration *yet* and is read again next dump.
-Entries that complete between dumps and fall out of the ring buffer before the next one are
-simply not seen: the estimator works on whatever sample of calls it gets.
+    (monotonic per process; a Flight Recorder reset, detected by the id going backwards or by a
+    known id with another creation time, starts it again at 0).
+An entry is done once it has a duration or the watchdog retired it without one; entries that
+fall out of the ring buffer between dumps are not seen (the estimator takes any sample).
 """
 
 from __future__ import annotations
@@ -123,7 +115,7 @@ def prepare_environment(env: Any = os.environ) -> bool:
     is 0 by default before torch 2.6); read when a group is created, so set for groups to come.
 
     Returns True if this call turned timing on. Costs one more CUDA event per collective on
-    NCCL's own path (FIELD-NOTES: Event.record 2.2 µs). A user's own setting is respected.
+    NCCL's own path (one `Event.record`, a few µs). A user's own setting is respected.
     """
     if not (env.get(BUFFER_SIZE_ENV, "").strip() or env.get(LEGACY_BUFFER_SIZE_ENV, "").strip()):
         env[BUFFER_SIZE_ENV] = env[LEGACY_BUFFER_SIZE_ENV] = DEFAULT_BUFFER_SIZE

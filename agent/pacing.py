@@ -1,38 +1,27 @@
 """The pacing controller: turns the waits a rank sees at collectives into a bounded delay.
 
-This is the one place where the paper's coordination mechanism lives (§4.3, "Coordination
-Control Mechanisms", and §5.3, "Coordination and Pacing Mechanism"): each rank keeps a rolling
-window of the waits it saw at the step's collectives; when its lead over the last peer is
-persistently above an adaptive threshold it delays its next iteration by a bounded fraction of
-that lead, and it backs off by itself when the imbalance subsides. It never runs a collective of
-its own and it can be switched off at any moment.
+The paper's coordination mechanism (§4.3, §5.3): when a rank's lead over the last peer, from a
+rolling window of its waits at collectives, stays above an adaptive threshold, it delays its next
+iteration by a bounded fraction of that lead, and backs off when the imbalance subsides.
 
-The controller is a pure object (waits in, delay out) and imports only the standard library
-(and syncscope.wire, which does too; agent/step_pacing.py feeds it at the step boundary). The
-same class also runs *vectorised* over many ranks at once (``PacingController(cfg, ranks=n)``):
-the simulator uses that form so that it exercises exactly this arithmetic, not a copy. Both
-forms go through the single :meth:`PacingController.update`; only a handful of primitive
-operations (min, max, select, sort) come from a small backend chosen at construction, and the
-numpy backend is imported only when a vectorised controller is built.
+A pure object (waits in, delay out), standard library only (agent/step_pacing.py feeds it at
+the step boundary). The same class runs *vectorised* over many ranks (``PacingController(cfg,
+ranks=n)``) so that the simulator exercises exactly this arithmetic: both forms go through
+:meth:`PacingController.update`, with min, max, select and sort from a backend chosen at
+construction (numpy imported only for the vectorised form).
 
-The rule, per update (docs/pacing.md gives the reasoning behind each step):
-
-1. ``u = wait + delay_applied``: the rank's *unpaced* lead. Once a delay is applied the observed
-   wait drops by about the delay, so adding it back gives a signal that the controller's own
-   output does not move; that is what keeps the loop from oscillating.
-2. ``lead`` = the ``lead_quantile`` of ``u`` over the window (robust: a checkpoint stall or one
-   late peer does not move it); ``noise`` = the standard deviation of the window without its two
-   largest samples.
+The rule, per update (the reasoning: docs/pacing.md):
+1. ``u = wait + delay_applied``, the *unpaced* lead, which the controller's own output does not
+   move (that keeps the loop from oscillating).
+2. ``lead`` = the ``lead_quantile`` of ``u`` over the window; ``noise`` = the window's standard
+   deviation without its two largest samples.
 3. ``threshold = max(min_threshold_s, (engage_noise_factor + balanced_lead(world_size)) *
-   noise)``, where ``balanced_lead`` is the lead every rank of a perfectly balanced group of that
-   size sees from noise alone. Engage when ``lead > threshold``; release when ``lead <
-   release_ratio * threshold`` (hysteresis).
-4. While engaged the target delay is ``gain * (lead - margin)`` with ``margin = max(margin_s,
-   margin_noise_factor * noise)``: the observed wait is regulated towards a small positive
-   margin, never towards zero. Otherwise the target is 0.
+   noise)``; engage when ``lead > threshold``, release below ``release_ratio * threshold``.
+4. Engaged, the target delay is ``gain * (lead - margin)``, ``margin = max(margin_s,
+   margin_noise_factor * noise)``: the wait is regulated towards a small margin, never zero.
 5. The delay moves towards the target (``rise`` up, ``decay`` down), is cut at once when the
-   observed wait falls below the margin (this rank is turning into the straggler), and is
-   clipped to ``[0, min(max_delay_s, max_step_fraction * step_s)]``.
+   observed wait falls below the margin, and is clipped to ``[0, min(max_delay_s,
+   max_step_fraction * step_s)]``.
 """
 
 from __future__ import annotations

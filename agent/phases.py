@@ -1,82 +1,27 @@
 """Training-thread phase clock: timestamps at phase boundaries, summed into one tuple per step.
 
-Where each boundary comes from (measured on gloo + DDP, see shared/FIELD-NOTES.md):
   data          previous step end (or previous backward) -> forward pre-hook
-  forward       entry -> return of the model's forward (wrapped on the instance); a model
-                with forward hooks of its own (FSDP2's root, a user's), which nn.Module runs
-                outside forward: our first pre-hook -> our last hook (ForwardHooks)
-  backward      entry of torch.autograd.backward (wrapped) -> callback A, queued on the autograd
-                engine by the first gradient of the model's parameters, which runs after all
-                autograd work of that backward
-  comm_exposed  A -> the return of the wrapped torch.autograd.backward, which comes right after
-                DDP's finalize has waited for its buckets (a backward run another way: callback
-                B, which A queues), plus
-                every wait for a collective the training thread is blocked in anywhere else
-                (FSDP2's all-gathers in forward, tensor-parallel all-reduces, pipeline recvs),
-                taken out of the phase it interrupted (collectives.Blocked)
+  forward       entry -> return of the model's forward (wrapped on the instance); with forward
+                hooks of its own (FSDP2's root, a user's): our first pre-hook -> our last hook
+  backward      entry of torch.autograd.backward (wrapped; else the first parameter gradient)
+                -> callback A, queued on the autograd engine by the first parameter gradient
+  comm_exposed  A -> the wrapped backward's return, right after DDP's finalize waited for its
+                buckets (another backward: callback B, which A queues), plus every wait for a
+                collective the training thread is blocked in elsewhere, taken out of the phase
+                it interrupted (collectives.Blocked)
   optimizer     optimizer step pre-hook -> post-hook
   pacing        the delay the pacing controller inserted at the step boundary
-  other         the rest (loss, clipping, logging ...), so that phases add up exactly
-A step runs from one optimizer post-hook to the next (or one `with agent.step()` block).
-Micro-steps under gradient accumulation are summed; a DDP micro-step under `no_sync()` has no
-exposed communication and emits no sync record.
-
-The work a step did (samples and tokens, the row's last two fields) is, in this order: what the
-user counted in the step (`agent.count`), the configured per-step numbers, or what the model's
-inputs show, read in the forward wrapper from shapes alone (no tensor data, nothing dynamo
-could trace): the leading dimension of forward's first positional argument (or of the keyword
-argument `batch_argument` when there is none) is the batch, and an int32/int64 tensor of two
-dimensions holds tokens (batch x sequence length). Every forward with gradients enabled adds to
-its step (micro-batches of gradient accumulation add up); forwards without gradients
-(evaluation inside the loop) are not training work. A step in which any such forward's batch
-is not a tensor with a leading dimension (a dict, a tuple, a scalar) reports its samples as
-not known (-1), and its tokens too unless every batch was a token tensor: no number rather
-than a guess.
-
-Checkpoint saves and loads on the training thread (agent/checkpointing.py) are no phase of
-their own: a call runs between two boundaries, so the phase in progress when it returns (data
-wait, forward, optimizer) is the one it interrupted, and its start moves later by the call's
-duration (`checkpoint_done`), as do the collective waits inside the call (dcp's barriers) on the
-blocked total. The step's total keeps the time, so it lands in `other`, and one event per call
-says how long it took and in which step (the exporter takes it out of productive time). Moving
-a start costs nothing at the boundaries, unlike a second total read at each of them as `blocked`
-is. A step's number starts at `attach(start_step=N)`, or at the restored `step` of an Adam-family
-optimizer's state at the first optimizer step (`detect_start`), so that numbers continue across
-restarts; the first step's end also queues the startup event (process start to that step's
-start, less checkpoint time before it).
-
-Why a parameter hook and not a hook on the forward output: a hook registered on the output every
-step costs 8-12 µs per step on a DDP backward (bench/bench_hook_costs.py), a post-accumulate-
-grad hook registered once costs ~0.3 µs when it fires. Which parameter's gradient comes first is
-learned on the first backward (all trainable parameters watched once), then only the first
-`TRIGGERS` keep a hook. If none of them fires in a backward that followed a forward of the model
-(conditional compute), the next backward learns again. After `RELEARN_LIMIT` such misses
-(gradients assigned rather than accumulated, as FSDP does, or a backward of another model after
-each forward of this one) the clock falls back to a hook on the forward output, registered every
-step: dearer, but it needs no parameter.
-Backward starts where torch.autograd.backward is entered (the first layer's gradient kernels,
-often the largest, come before any parameter gradient); without that wrapper (a backward run
-another way) it starts at the first parameter gradient.
-A split backward is timed by a wrapper of torch.autograd.grad: zero-bubble pipeline schedules
-(ZB-V, DualPipeV, interleaved zero bubble) compute each micro-batch's input gradients and,
-later, its weight gradients by torch.autograd.grad, which accumulates no gradient, so no
-parameter hook fires and no callback ends it. A call outside forward and outside any timed
-backward is backward time from entry to return, less its waits in collectives (exposed
-communication). Inside a forward (a gradient penalty) or a backward it is part of that phase.
-Everything here runs on the training thread (or autograd's), so it only reads the clock, adds
-integers and appends a tuple: no locks, no I/O.
-
-Phase sampling (`AgentConfig.phase_every` = N > 1, for steps of a few ms, where the clock's
-~20 µs a step, and on CUDA its events' ~45 µs, are a visible share: docs/gpu.md): the phases of
-the steps whose number is a multiple of N are timed, the same steps on every rank, so the
-job-wide comparison stays per step. The steps between them are "quiet": every hook returns at
-once (the forward wrapper still reads the batch), the step's total and work are counted as
-always, and its phases are the last timed step's shares of its total times its own total
-(estimate_phases), its waits in collectives dropped. Where the timed step had DDP's sync, a
-quiet step's sync record is an estimate too (the timed sync's share of its step times this
-step's total), so that waits and calls per step keep their meaning in the exporter (its wait
-chain divides a group's wait by the steps). Pacing needs every step's first wait: with a pacer
-every step is timed. The first step of a process is always timed.
+  other         the rest (loss, clipping, logging, checkpoint calls), so phases add up exactly
+A step runs from one optimizer post-hook to the next (or one `with agent.step()` block);
+micro-steps under gradient accumulation are summed, and a DDP `no_sync()` micro-step emits no
+sync record. A step's work (samples, tokens) is what `agent.count` added, else the configured
+numbers, else what its forwards' inputs show (count_inputs). Step numbers start at
+`attach(start_step=N)` or the optimizer's restored state (detect_start), so that they continue
+across restarts. A split backward (zero-bubble schedules' torch.autograd.grad) is timed by
+timed_grad. Phase sampling (`phase_every` = N > 1): only steps whose number is a multiple of N
+are timed, the same on every rank; the quiet steps between get the last timed step's shares
+(estimate_phases); with a pacer, and for a process's first step, every step is timed.
+On the training thread (or autograd's) this only reads the clock, adds and appends: no locks.
 """
 
 from __future__ import annotations
@@ -106,6 +51,13 @@ ROW_WORK = 9
 # The boundaries, as a subclass's `mark` hears of them (CudaPhaseClock records a CUDA event at
 # each); on CPU `mark` is None and costs one attribute test per boundary.
 STEP_START, FWD_PRE, FWD_POST, BWD_START, BWD_END, COMM_END, OPT_PRE, OPT_POST, STEP_END = range(9)
+# Backward ends at the first parameter gradient's post-accumulate-grad hook, registered once
+# and cheap when it fires, rather than a hook on the forward output registered every step
+# (bench/bench_hook_costs.py). The first backward learns which parameters' gradients come
+# first (all trainable ones watched once); then only TRIGGERS of them keep a hook. A backward
+# after a forward in which none fires (conditional compute) learns again; after RELEARN_LIMIT
+# such misses (gradients assigned, as FSDP does, or another model's backward) the clock falls
+# back to the forward output's hook: dearer, but it needs no parameter.
 TRIGGERS = 2  # parameters whose gradients come first, hooked after learning
 RELEARN_LIMIT = 16
 _now = time.perf_counter_ns
@@ -264,7 +216,14 @@ class PhaseClock:
             self.steps_open = True
 
     def count_inputs(self, torch: Any, batch_argument: str) -> None:
-        """Read each forward's batch size (and tokens) from the model's inputs from now on."""
+        """Read each forward's batch size (and tokens) from the model's inputs from now on.
+
+        From shapes alone (no tensor data, nothing dynamo could trace): the leading dimension of
+        forward's first positional argument (else of the keyword `batch_argument`) is the batch,
+        and an int32/int64 tensor of two dimensions holds tokens (batch x sequence). Only
+        forwards with gradients enabled count (micro-batches add up). A batch that is not a
+        tensor with a leading dimension makes the step's samples unknown (-1), and its tokens
+        too unless every batch was a token tensor: no number rather than a guess."""
         self.inputs = (
             torch.Tensor,
             frozenset((torch.int64, torch.int32)),
@@ -593,8 +552,10 @@ class PhaseClock:
     # -- checkpoints and the step count ---------------------------------------------------------
     def checkpoint_done(self, kind: str, end: int, duration: int, waited: int) -> None:
         """A checkpoint call on the training thread ended at `end` after `duration` ns, `waited`
-        of them blocked in collectives: out of the phase it interrupted (module docstring), one
-        event queued."""
+        of them blocked in collectives: one event queued, and the start of the phase it
+        interrupted (and the blocked total) moves later by the call, so the step's total keeps
+        the time in `other`. Moving a start costs nothing at the boundaries, unlike a second
+        total read at each."""
         if self.fwd_start:
             self.fwd_start += duration
         elif self.idle_since:
@@ -1102,7 +1063,10 @@ def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable
 def timed_grad(original: Callable[..., Any], registered: Clocks) -> Callable[..., Any]:
     """`original` (torch.autograd.grad) timed as backward by every registered clock for which
     it is a backward of its own: not in a quiet step, not inside a forward, a wrapped backward,
-    a backward a parameter hook started, or another such call (module docstring)."""
+    a backward a parameter hook started, or another such call. Zero-bubble pipeline schedules
+    compute input and weight gradients by torch.autograd.grad, which accumulates no gradient:
+    no parameter hook fires and no callback ends it. Such a call is backward time from entry to
+    return, less its waits in collectives; inside a forward or a backward it is that phase's."""
 
     def grad(*args: Any, **kwargs: Any) -> Any:
         t = _now()

@@ -15,11 +15,9 @@ training thread was blocked in (collectives.Blocked.first_ns). Each less its tra
 baseline, or the baseline of the collective that most steps complete first (local_arrival.py,
 node-wide once the exporter has answered), so what is left is waiting for the last peer.
 
-A rank's first wait is usually the same collective step after step; a step whose first wait
-came at another point of the step (a logging all-reduce every N steps after the optimizer, a
-stop flag's broadcast) says nothing about the usual one's slack and would read as a step
-without slack: only steps whose first wait came at the boundary most recent steps saw it at
-(phases.py's boundaries: in forward, before backward, DDP's sync ...) are fed.
+A step whose first wait came at another point than usual (a logging all-reduce every N steps,
+a stop flag's broadcast) says nothing about the usual one's slack: only steps whose first wait
+came at the boundary most recent steps saw it at (phases.py's boundaries) are fed.
 
 CUDA's clock knows only each GPU step's exposed communication, not which wait came first: there
 pacing stays DDP's, and switches itself off for the rest of the process when the rank's

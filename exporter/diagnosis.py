@@ -2,43 +2,26 @@
 
 Every mode gives a score in 0..1 and a one-line reason; its `verdict` is the score reaching the
 thresholds file's verdict_score (0.5), as do the dashboards' and the status page's verdict lines.
-The rules (docs/diagnosis.md gives the reasoning and the recorded scenarios they are tested on):
+The modes (their exact rules, reasoning and the scenarios they are tested on: docs/diagnosis.md):
 
-  straggler           one rank arrives last at the gradient sync persistently: the arrival skew
-                      (max − min arrival lead) is above max(skew threshold, 5 % of the median
-                      step) *and* the rank with the smallest lead was the last to arrive in at
-                      least max(50 %, 1.5 / ranks) of the steps all ranks report. Random stalls
-                      rotate the last arrival and so are runtime jitter, not a straggler.
-  sync_amplification  the share of each step that ranks sit idle at the sync waiting for a
-                      later peer; 50 % scores 1 (verdict from 25 %).
-  fabric_contention   the transfer per step (the exposed communication of the rank that arrived
-                      last, who waited for nobody) against its own uncontended baseline (its
-                      10th percentile; node-local, the median of the last minute's 64-step
-                      blocks over it, less the ranks' own work's inflation, the host's share):
-                      the verdict at SyncscopeFabricContention's line (1.5×).
-                      A large share of the step is not contention, nor is a link slow from
-                      the start (no faster baseline); neither is waiting for a late rank.
-  slow_link           (job-wide view only) the node whose link is known to carry less than
-                      SyncscopeSlowLink's line (50 %) of the job's median node's link.
+  straggler           one rank arrives last at the gradient sync persistently (a large arrival
+                      skew, and the same rank last in most steps; random stalls rotate the last
+                      arrival and are runtime jitter, not a straggler)
+  sync_amplification  the share of each step that ranks sit idle at the sync for a later peer
+  fabric_contention   the transfer per step (of the rank that arrived last, who waited for
+                      nobody) against its own uncontended baseline; a large share of the step,
+                      a link slow from the start, or waiting for a late rank is not contention
+  slow_link           (job-wide view only) a node whose link carries far less than the median's
   runtime_jitter      the share of step time lost to irregular spikes in the ranks' own work
-                      (step minus exposed communication and pacing, above that rank's median),
-                      median over ranks; 30 % scores 1.
-  locality            1 when a rank reports a PCIe link narrower than its maximum or a process
-                      on another NUMA node than its GPU (only over ranks that report a GPU; its
-                      reason claims no health it has no facts for).
+  locality            a narrow PCIe link or a process on another NUMA node than its GPU (only
+                      over ranks that report a GPU; its reason claims no health it has no facts for)
 
-A named straggler gets a cause: gpu_throttle (clock-event reasons that slow the GPU are set, its
-SM clock is below 90 % of its peers' median, and compute phases make up ≥ 80 % of its lateness),
-locality (a fault its peers do not share, and compute or data make up ≥ 80 % of its lateness),
-the phase (data, forward, backward, optimizer) that makes up ≥ 80 % of its lateness, or unknown.
-
-The decision verdict (`Diagnosis.verdict`, `job_verdict`) joins the modes with the hardware's
-health: none while the job loses no time (no straggler, no amplification, jitter, slow link or
-contention verdict, and throughput per GPU not fallen below its own baseline, which
-exporter/throughput.py keeps); "infrastructure", naming the node, GPU or link, when a health
-check fails; else "coupling" — "structural coupling, not infrastructure" where every check
-passed, and with "hardware health not known" where some could not be made (a host with no GPU
-telemetry).
+A named straggler gets a cause: gpu_throttle, locality, the phase that makes up most of its
+lateness, or unknown. The decision verdict (`Diagnosis.verdict`, `job_verdict`) joins the modes
+with the hardware's health: none while the job loses no time (no mode's verdict, and throughput
+per GPU not below its own baseline, exporter/throughput.py); "infrastructure", naming the node,
+GPU or link, when a health check fails; else "coupling", with "hardware health not known" where
+some check could not be made (a host with no GPU telemetry).
 """
 
 from __future__ import annotations

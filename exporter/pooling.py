@@ -3,37 +3,25 @@
 At step k a rank's time in one kind of collective (op, group, size class) is d(r,k) = T(k) +
 W(r,k): the transfer after the last arrival plus its wait for the last rank, whose own d is T(k).
 Once every rank reporting here has delivered step k, W(r,k) = d(r,k) − min over those ranks of
-d(·,k). That is exact when the whole job reports to this exporter. On a multi-node job it is the
-wait for the last rank *on this node*; what the node's ranks all wait for ranks elsewhere stays in
-the node's minimum, which the exporter exports (syncscope_collective_transfer_seconds_total,
-syncscope_pooled_steps_total) for Prometheus to compare across nodes.
+d(·,k): exact when the whole job reports here; on a multi-node job, the wait for the last rank
+*on this node*. What they all wait for ranks elsewhere stays in the node's minimum, exported
+(syncscope_collective_transfer_seconds_total, syncscope_pooled_steps_total) for Prometheus.
 
-Across nodes Prometheus needs the job's transfer per step, min over nodes of each node's minimum
-*at the same step*; a minimum over nodes of per-node means reads high whenever the last rank moves
-between nodes from step to step (jitter), and the amplification then reads low (0.14 against a
-pooled truth of 0.23 on two emulated nodes). So each exporter also keeps its minimum at sampled
-steps, in rings every exporter indexes alike (`SAMPLE_STRIDES`, `SAMPLE_SLOTS`): Prometheus takes,
-per slot, the minimum over nodes where every node holds the same step. Sampling by step number is
-independent of the values, so the mean over slots is an unbiased estimate of the per-step
-transfer. A ring agrees across nodes once it spans more steps than the nodes' reports and
-scrapes lag each other; strides of 8 to 512 steps keep one ring agreed whether steps take 10 ms
-or 10 s and scrapes come every 1 or 15 s, at 36 series per node and job. The number of slots
-sets how long a sample stays visible (slots × stride steps), not how many distinct samples a
-window sees (that is the stride's); 4 rings rather than 8 keep a rank within 40 series.
+Across nodes the job's transfer per step is the min over nodes of each node's minimum *at the
+same step*; a min over per-node means reads high when the last rank moves between nodes (and the
+amplification low). So each exporter also keeps its minimum at sampled steps, in rings every
+exporter indexes alike (`SAMPLE_STRIDES`, `SAMPLE_SLOTS`), and Prometheus takes per slot the min
+over nodes holding the same step. Sampling by step number is independent of the values, so the
+mean over slots is unbiased. The strides keep one ring agreed across nodes for steps of 10 ms to
+10 s and scrapes every 1 to 15 s; slots set how long a sample stays visible, not how many a
+window sees. Not a rolling minimum over many calls: that sits several standard deviations below
+the typical transfer, and leads and amplification would read the bias as waiting. Nothing here
+compares clocks across processes: reports arrive in step order, so a step is complete for a
+rank once it has reported that step or a later one.
 
-Not a rolling minimum over many calls: the minimum of many samples sits
-several standard deviations of the transfer below its typical value, and every rank's lead and
-the amplification read that bias as waiting (3× the true amplification on a clean run).
-Nothing here compares clocks across processes; ranks' reports arrive in step order, so a step
-is complete for a rank once it has reported that step or a later one.
-
-Cost: what each call does is proportional to what it receives or pools, never to the
-number of ranks. `complete` reads the lowest newest step over the reporting ranks, kept as counts
-per step, rather than asking every rank about every pending step; pending steps sit in a heap;
-each kind's transfer mean is recomputed only when a pooled step changed it. Pending rows hold
-numbers and interned keys only, which the garbage collector stops tracking while they are young
-(or never tracks): with hundreds of ranks a step stays pending for hundreds of ingests, and rows
-the collector tracked would be promoted and make every full collection walk them.
+Cost is proportional to what a call receives or pools, never to the number of ranks (counts per
+step, a heap of pending steps, means recomputed only when changed); pending rows hold only
+numbers and interned keys, which the garbage collector stops tracking.
 """
 
 from __future__ import annotations

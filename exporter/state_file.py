@@ -2,16 +2,14 @@
 
 Goodput divides counters summed since the job started by the time since then, so a counter that
 restarts from zero with its exporter would read as work never done. With `--state-file PATH`
-the exporter writes what it exports as counters (per rank: steps, step-time sums and histogram
-buckets, phase seconds, collectives, samples and tokens, records dropped, pacing delays, and the
-rank's life: process start, productive time, badput by category, the step numbers lost progress
-is measured by; per job: the pooled steps and transfer) every `interval_s` and at shutdown, and
-loads it at start. Ranks loaded are silent until they report again: one that reports with the
+the exporter writes what it exports as counters (per rank, as RankState names them; per job:
+the pooled steps and transfer) every `interval_s` and at shutdown, and loads it at start. Ranks
+loaded are silent until they report again: one that reports with the
 same incarnation (its process outlived the exporter's restart) carries on from its totals, a
 restarted one is a new incarnation of it as usual; one that never reports expires after
 expire_after_s. Each rank's throughput baseline (exporter/throughput.py) is kept too, so that an
 exporter restart does not make the verdict wait hundreds of steps for a baseline again; a file
-written before it was kept loads without one.
+without one loads with fresh baselines.
 
 Writes are atomic (a temporary file beside it, fsync, rename), so a crash mid-write leaves the
 last good file. A file that cannot be parsed or does not hold this format is logged as an

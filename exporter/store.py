@@ -916,10 +916,10 @@ def with_job_transfer(
     see their lead over the job's last rank (pacing paces the early ranks, never the straggler).
 
     Per step, not the sum of the kinds' means: a kind that skips steps counts there only as
-    often as it runs. With the sum, a broadcast seen once at start (8.7 ms on a loaded machine,
-    its mean kept all run) and a stop flag's every tenth step outweighed the job's 5 ms: the
-    sync's baseline went to zero, which an agent reads as "no baseline yet", so the early
-    node's ranks fed pacing nothing and never paced (docs/pacing.md, "Across nodes").
+    often as it runs. A sum lets a broadcast seen once at start, or a stop flag's every tenth
+    step, outweigh the job's transfer and take the sync's baseline to zero, which an agent reads
+    as "no baseline yet": the early node's ranks would never pace (docs/pacing.md, "Across
+    nodes").
     Should the correction still reach zero, the kind keeps its share of the job's transfer
     (every kind scaled by job ÷ node).
     """

@@ -4,45 +4,24 @@ Topology. ``gpus_per_node`` ranks share a node (intra-node links, NVLink class);
 leaf switches, ``nodes_per_leaf`` each (0: one switch, no spine); leaves reach each other
 through the spine over uplinks of capacity ``nodes_per_leaf · nic_bandwidth / oversubscription``.
 
-All-reduce of ``S`` bytes, split into ``buckets`` equal buckets of ``S_b = S / buckets``
-(hierarchical, as NCCL does across nodes): reduce-scatter inside the node, all-reduce of the
-node's shard across nodes, all-gather inside the node:
+All-reduce of ``S`` bytes in ``buckets`` buckets of ``S_b``, hierarchical as NCCL does it
+(reduce-scatter in the node, all-reduce of its shard across ``n`` nodes, all-gather in the node):
 
     intra  = 2 · ((g-1)/g · S_b / intra_bandwidth + (g-1) · intra_latency)        (g > 1)
-    ring   = 2 · (n-1)/n · S_b / bw_eff + 2 · (n-1) · hop_latency                  (n nodes)
+    ring   = 2 · (n-1)/n · S_b / bw_eff + 2 · (n-1) · hop_latency
     tree   = 2 · S_b / bw_eff + 2 · ceil(log2 n) · hop_latency
     bucket = intra + (ring | tree | the cheaper of the two for "auto")
 
-The node's NIC carries all ``g`` shards, so the bandwidth term is ``S_b / bw_eff`` per node. With
-one link class (``gpus_per_node = 1``, ``nodes_per_leaf = 0``) ``bw_eff = nic_bandwidth`` and
-``hop_latency = nic_latency``: the textbook ring cost, exactly.
-
-Contention (only across leaves). With the job's nodes spread over ``L`` leaves, a fraction
-``cf = (L-1)/L`` of ring neighbours sit behind the spine (``cross_leaf_fraction`` overrides:
-schedulers on shared clusters rarely place a job contiguously), so each leaf uplink carries
-``f = nodes_in_leaf · cf`` concurrent flows. Each flow gets
-
-    share_l = uplink_capacity · (1 - rho_l) / f,    rho_l = min(max_utilization, u_l + k_l)
-
-and the ring runs at its slowest link: ``bw_eff = min(nic_bandwidth, min_l share_l)``. Crossing
-hops add ``spine_latency / (1 - max rho)`` (queueing). Two loads enter ``rho_l``:
-
-- ``u_l``: other tenants' traffic on that uplink, an AR(1) process per leaf (mean
-  ``background_utilization``, sd ``background_sd``, correlation ``background_corr_steps``).
-  More leaves means a worse worst link: the max over leaves grows with the job.
-- ``k_l``: **arrival-skew load** — the mechanism through which pacing can pay off. A rank that
-  reaches the collective early has already pushed the first segments of its ring/tree schedule
-  towards peers that have arrived, and its pending sends, retransmissions and pause frames sit in
-  the leaf's shared queues until the last rank shows up; the critical-path traffic then shares
-  the uplink with them. Per leaf:
-
-      k_l = skew_coupling · cf · mean over ranks r in leaf l of min(wait_r, park_limit) / park_limit
-
-  i.e. a rank that waited at least ``park_limit`` holds ``skew_coupling`` of its share of the
-  uplink. It grows with the arrival spread and with the number of early flows per uplink, is
-  bounded, and is zero inside one leaf. ``skew_coupling = 0`` turns it off: then delaying early
-  ranks cannot shorten any step. Its strength is not measured here; it is the assumption that
-  the paper's Table 1 calibrates (docs/simulator.md).
+With one link class (``gpus_per_node = 1``, ``nodes_per_leaf = 0``) that is the textbook ring.
+Contention, only across leaves: a fraction ``cf = (L-1)/L`` of ring neighbours sit behind the
+spine (``cross_leaf_fraction`` overrides), so each uplink carries ``f = nodes_in_leaf · cf``
+flows, each getting ``uplink_capacity · (1 - rho_l) / f`` with ``rho_l = min(max_utilization,
+u_l + k_l)``; ``bw_eff`` is the slowest of those and ``nic_bandwidth``, and crossing hops add
+``spine_latency / (1 - max rho)``. ``u_l``: other tenants' traffic, an AR(1) process per leaf.
+``k_l``: arrival-skew load, ``skew_coupling · cf · mean over ranks r in leaf l of min(wait_r,
+park_limit) / park_limit``: early ranks' pending sends share the uplink with the critical path,
+the mechanism through which pacing can pay off; ``skew_coupling = 0`` turns it off. Its strength
+is an assumption calibrated on the paper's Table 1, not measured (docs/simulator.md).
 """
 
 from __future__ import annotations

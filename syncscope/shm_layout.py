@@ -1,9 +1,8 @@
 """The shared-memory ring's layout, which the agent writes (agent/shm_ring.py) and the exporter
 reads (exporter/shm_reader.py): a wire format, declared once.
 
-The ring is one file, `<dir>/<job>.<rank>.<pid>.<incarnation>.ring`, single producer (the
-training thread; other threads' rows reach it through the deques) and single consumer (the
-exporter, exporter/shm_reader.py). Layout, little-endian:
+One file, `<dir>/<job>.<rank>.<pid>.<incarnation>.ring`, single producer (the training thread),
+single consumer; little-endian:
 
   header (HEADER_BYTES)
     0   8s  magic                 8   I  version        12  I  slot bytes
@@ -14,18 +13,15 @@ exporter, exporter/shm_reader.py). Layout, little-endian:
     128 ... meta: JSON of the agent's identity and its static topology (written once)
   slots: capacity x SLOT_BYTES; slot i holds record seq where seq % capacity == i:
     stamp (Q, seq + 1), kind (Q), payload, stamp again (Q, seq + 1)
-    a step's payload (version 2): the wire's 11-field step row, the step's work (samples,
-    tokens; -1: not known) last; version 1 had the 9 fields before them and padding in their
-    place. The agent writes VERSION; the exporter reads every version (STEP_SLOTS).
+    a step's payload (version 2): the wire's 11-field step row, its work (samples, tokens; -1:
+    not known) last; version 1 lacks the work. The exporter reads every version (STEP_SLOTS).
     an event's payload (version 3, KIND_EVENT): the wire's event row, its kind as the index of
     its name in wire.EVENT_KINDS. Rings of versions 1 and 2 have no events.
 
 Protocol: the producer writes a slot only while write_seq - read_seq < capacity, then publishes
-write_seq; the consumer reads [read_seq, write_seq) and publishes read_seq after copying. A full
-ring (no exporter, or a slow one) refuses the new record and counts it as dropped: tail drop as
-in the queues, bounded memory, never a wait. The stamps at both ends of a slot let the reader
-reject a slot it caught half-written (which the protocol excludes; a foreign writer or a weakly
-ordered CPU could not), counting it as dropped.
+write_seq; the consumer reads [read_seq, write_seq), then publishes read_seq. A full ring
+refuses the new record and counts it as dropped: tail drop, bounded memory, never a wait. A slot
+caught half-written (a foreign writer, a weakly ordered CPU) fails its stamps and counts dropped.
 """
 
 from __future__ import annotations

@@ -7,30 +7,21 @@
 Settings come from the SYNCSCOPE_* variables `attach()` reads (SYNCSCOPE_EXPORTER, SYNCSCOPE_JOB,
 SYNCSCOPE_PACING, …); SYNCSCOPE_DISABLE=1 runs the script untouched.
 
-How it finds the model and the optimizer: with two global hooks from torch's public API, both
-removed at the first optimizer step, before `attach()`. A module forward pre-hook notes every
-module that runs forward with grad enabled until then (the first training step; not inside a
-torch.compile trace). At the first step an optimizer step post-hook takes the outermost of them
-(those no other one contains) that own trainable parameters and, if they own the optimizer's
-parameters, calls `attach(model=those, optimizer=that optimizer)`: one module, or a list in the
-order they first ran (a pipeline rank's stages). So whatever wraps the model is found: DDP, an
-FSDP2/HSDP root (its fully_shard'ed blocks are inside it), a tensor-parallel module, each
-`PipelineStage`'s submodule, a compiled module, or none. From the second step on only
-`attach()`'s own hooks run.
+How it finds the model and the optimizer: two global hooks from torch's public API, removed at
+the first optimizer step. A module forward pre-hook notes every module that runs forward with
+grad enabled until then (not inside a torch.compile trace); an optimizer step post-hook takes the
+outermost of them that own trainable parameters and, if they own the optimizer's, calls
+`attach(model=those, optimizer=that optimizer)`: one module, or a list in the order they ran (a
+pipeline rank's stages). So whatever wraps the model is found (DDP, FSDP2, tensor parallel...).
 
-Limits: the first step is not measured; with several optimizers, the first one to step marks
-the steps; every outermost module with trainable parameters run with grad before that step is
-timed as forward (a second model trained by another optimizer, as a GAN's, too). Where none owns
-the stepping optimizer's parameters (a model run only under no_grad, or called in a way no
-module hook sees), it logs one warning naming what it saw and attaches with the optimizer only:
-step and optimizer timing, no forward or backward.
+Limits: the first step is not timed; with several optimizers, the first to step marks the steps;
+every outermost module with trainable parameters run with grad before it is timed as forward (a
+GAN's second model too). Where none owns the stepping optimizer's parameters, it logs one
+warning and attaches with the optimizer only: step and optimizer timing, no forward or backward.
 
-Why a runner and not an import hook (a sitecustomize module or a .pth file switched on by an
-environment variable): this is visible on the command line, so whoever reads the job spec sees
-syncscope is there; it runs only in the processes it is put in front of, not in every Python
-process of the environment (pip, the exporter, tooling); it shadows nothing (a sitecustomize on
-PYTHONPATH hides the distribution's own); and removing it is deleting one argument. It is the
-same pattern as `python -m cProfile` or `coverage run`.
+A runner (as `python -m cProfile`), not an import hook (sitecustomize, a .pth file): it shows on
+the job's command line, runs only in the processes it is put in front of, shadows nothing, and
+removing it is deleting one argument.
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ VMALERT_UNSUPPORTED_FIELDS = {
 # before it in the same evaluation; vmalert reads them back from VictoriaMetrics, where they
 # arrive after its remote write, so a rule reads an earlier evaluation's, or this one's where the
 # write has landed. A rule that compared a record read back with one computed afresh compared two
-# evaluations (measured: the arrival lead `ratio - min(ratio)` of the rank waiting least was never
-# exactly 0, so the straggler's `lead == 0` matched nothing and no straggler was ever recorded).
+# evaluations: the arrival lead `ratio - min(ratio)` of the rank waiting least need not be
+# exactly 0, so the straggler's `lead == 0` could match nothing and name no straggler.
 # For vmalert, a reference to a record of the same group without a selector or range is therefore
 # replaced by that record's expression, so that a rule computes what it compares afresh, except
 # a record that takes a range of scraped series (the per-rank rates): recomputed in every later

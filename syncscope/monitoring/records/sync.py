@@ -88,9 +88,8 @@ def records(cfg: Thresholds) -> list[dict[str, Any]]:
 def window_full(cfg: Thresholds) -> dict[str, Any]:
     """The job's ranks, recorded only while every one of them has a full straggler window of
     its own: its step counter existed a window ago. Before that a rank's rates cover the few
-    scrapes since its series appeared, with the job still settling (measured: a clean tensor-
-    parallel job on two nodes read one node's ranks 15-20 % of a step more blocked than the
-    other's, and the straggler's condition named a rank at 2 of its first 4 evaluations). The
+    scrapes since its series appeared, with the job still settling: one node's ranks can read
+    more blocked than another's, and the straggler's condition would name a rank. The
     straggler's chain, the amplification and SyncscopeStepTimeCVHigh are judged from here on,
     all alike: the straggler, with the shortest for:, still comes first and inhibits the others
     (judged from the same start, not the straggler a window later). Identity, not a count: a
@@ -153,9 +152,8 @@ and on (job, stride, slot)
         # one join with the agreed slots, where the mean of their minima and a filter by them
         # read them twice (and vmalert, inlining them, computed them twice more).
         # Only once every node's counters cover a full window: a node's first readings are
-        # rates over its first scrapes (measured: 39.7, 40.8, 47.3 ms a step against 48-51 ms
-        # pooled from the ranks' records, then 54), and the lowest reading of the job becomes
-        # the contention baseline for the next hour: a steady job read 1.45 times it.
+        # rates over its first scrapes, which read low, and the lowest reading of the job
+        # becomes the contention baseline for the next hour: a steady job would read inflated.
         record(
             TRANSFER_NODE_MIN,
             f"""
