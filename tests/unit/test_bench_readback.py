@@ -1,0 +1,90 @@
+"""bench/bench_readback.py at a tiny size on a real Prometheus: one node's read cycle after
+aa1b01e returns fewer series than the seven unmatched queries of before, few for its 8 ranks,
+and names the planted straggler; the load phases run. The rules' straggler window is 1m (not
+the shipped 5m) so that the lead comes within two minutes."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+# The bench's own modules, loaded by name: bench_readback imports bench_scale and scale_engines.
+MODULES = ("scale_engines", "bench_scale", "bench_readback")
+
+
+def load(name: str) -> ModuleType:
+    """bench/<name>.py as module `name`, in sys.modules (bench/ is not on sys.path here)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    try:
+        for name in MODULES:
+            module = load(name)
+        yield module
+    finally:
+        for name in MODULES:
+            sys.modules.pop(name, None)
+
+
+def test_ddp_groups_are_the_world_and_one_per_local_rank(bench):
+    job = sys.modules["bench_scale"].Job(3, 4, 1.0, 0.03, 0.0)
+    assert bench.ddp_groups(job) == {
+        tuple(range(12)),
+        (0, 4, 8),
+        (1, 5, 9),
+        (2, 6, 10),
+        (3, 7, 11),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None,
+    reason="prometheus is not installed (scripts/setup installs it)",
+)
+def test_a_nodes_read_cycle_is_smaller_than_before_and_names_the_straggler(bench, tmp_path):
+    args = bench.parse_args(
+        [
+            "--nodes=16",
+            "--straggler-window=1m",
+            "--readers=4",
+            "--cycles=2",
+            "--before-readers=2",
+            "--before-cycles=2",
+            "--idle-s=2",
+            "--wait-timeout=240",
+        ]
+    )
+    out = bench.run(args)
+    one = out["one_cycle"]
+    before, after = one["before"], one["after"]
+    assert before["ok"] and after["ok"]
+    assert before["queries"] == 7 and after["queries"] <= 4
+    # every rank's lead (128) and every node's link before; the node's 8 ranks, the job's
+    # series, the slowest link and its data-parallel groups' members (16 each) after
+    assert after["series"] < before["series"]
+    assert after["series"] <= 200
+    assert after["bytes"] < before["bytes"]
+    assert one["straggler_named"] == one["straggler_planted"] == out["job"]["straggler"]
+    assert one["local_leads"] == list(range(8))
+    assert out["interest"]["nodes"] == ["node0000"]
+    for side in ("after_load", "before_load"):
+        assert out[side]["failed"] == 0 and out[side]["cycles"] == out[side]["readers"] * 2
+    assert out["projection"]["after"]["series_per_s"] == pytest.approx(
+        12_500 / 15 * after["series"]
+    )
