@@ -13,7 +13,10 @@ runs it on the checkout (and on planted faults in a temporary copy). What it che
 - words: nothing about how the project was built (notebook names, issue numbers, the
   machinery that ran it, machine-local paths);
 - the README's length (at most README_MAX_WORDS words, counted as `wc -w` counts);
-- the generated reference (docs/reference/) is current (`syncscope generate` rewrites it).
+- the generated reference (docs/reference/) is current (`syncscope generate` rewrites it);
+- runnable blocks: a shell block marked runnable (```` ```bash runnable ```` or an
+  `<!-- runnable -->` line before its fence) is a bash/sh block; `runnable_blocks()` lists
+  them, and tests/unit/test_docs.py runs each with `bash -euo pipefail` (see `run_block`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ _COMMAND = re.compile(
     r"(syncscope-exporter|python3? -m syncscope\.exporter|syncscope(?:\s+[a-z][a-z-]*)?)"
     r"(?![\w./-])"
 )
+_RUNNABLE_COMMENT = re.compile(r"^\s*<!--\s*runnable\s*-->\s*$", re.I)
+_SHELLS = ("bash", "sh", "shell", "console")
+RUNNABLE_TIMEOUT_S = 120
 _SEPARATOR = re.compile(r"\|\|?|;|&&|(?<!\S)[<>]|(?<!\S)#")
 
 
@@ -58,7 +64,7 @@ _SEPARATOR = re.compile(r"\|\|?|;|&&|(?<!\S)[<>]|(?<!\S)#")
 class Problem:
     path: str
     line: int
-    kind: str  # link, anchor, metric, alert, record, flag, words, length, stale
+    kind: str  # link, anchor, metric, alert, record, flag, words, length, stale, runnable
     message: str
 
     def __str__(self) -> str:
@@ -270,6 +276,109 @@ def check_words(rel: str, text: str) -> list[Problem]:
     return problems
 
 
+@dataclass(frozen=True)
+class Block:
+    """A fenced block marked runnable: where it starts, its info string and its lines."""
+
+    path: str
+    line: int
+    info: str
+    code: str
+
+
+def _fence_info(line: str) -> str:
+    return _FENCE.sub("", line, count=1).strip()
+
+
+def runnable_blocks(rel: str, text: str) -> tuple[list[Block], list[Problem]]:
+    """The blocks of a page marked runnable (```` ```bash runnable ````, or a line
+    `<!-- runnable -->` right before the fence, blank lines between allowed), and a problem
+    for each marker that marks nothing or marks a block that is not bash/sh."""
+    blocks: list[Block] = []
+    problems: list[Problem] = []
+    marker: int | None = None  # the line of a pending <!-- runnable --> comment
+    fence: str | None = None
+    start, info, marked = 0, "", False
+    lines: list[str] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        match = _FENCE.match(line)
+        if fence is None and match:
+            fence, start, info, lines = match.group(1), number, _fence_info(line), []
+            marked = marker is not None or "runnable" in info.split()[1:]
+            marker = None
+            continue
+        if fence is not None:
+            if not (match and match.group(1) == fence and not _fence_info(line)):
+                lines.append(line)
+                continue
+            fence = None
+            if not marked:
+                continue
+            language = info.split()[0] if info.split() else ""
+            if language in _SHELLS:
+                blocks.append(Block(rel, start, info, "\n".join(lines) + "\n"))
+            else:
+                problems.append(
+                    Problem(
+                        rel,
+                        start,
+                        "runnable",
+                        f"a {language or 'plain'} block is marked runnable (only bash/sh run)",
+                    )
+                )
+            continue
+        if _RUNNABLE_COMMENT.match(line):
+            if marker is not None:
+                problems.append(Problem(rel, marker, "runnable", "the marker marks no block"))
+            marker = number
+        elif line.strip() and marker is not None:
+            problems.append(Problem(rel, marker, "runnable", "the marker marks no block"))
+            marker = None
+    if marker is not None:
+        problems.append(Problem(rel, marker, "runnable", "the marker marks no block"))
+    return blocks, problems
+
+
+def all_runnable_blocks(root: Path) -> list[Block]:
+    blocks: list[Block] = []
+    for path in doc_files(root):
+        blocks += runnable_blocks(path.relative_to(root).as_posix(), path.read_text("utf-8"))[0]
+    return blocks
+
+
+def run_block(
+    block: Block,
+    cwd: Path,
+    env: Mapping[str, str] | None = None,
+    timeout: float = RUNNABLE_TIMEOUT_S,
+) -> Problem | None:
+    """Run one block with `bash -euo pipefail` in `cwd`; a problem if it fails or times out.
+    A block's `$ ` prompts are removed first, so a console block runs as written."""
+    import subprocess
+
+    code = "\n".join(
+        line[2:] if line.startswith("$ ") else line for line in block.code.splitlines()
+    )
+    try:
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", code],
+            cwd=cwd,
+            env=None if env is None else dict(env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        return Problem(block.path, block.line, "runnable", f"did not finish in {timeout:g} s")
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return Problem(
+            block.path, block.line, "runnable", f"exit {done.returncode}: " + " | ".join(tail)
+        )
+    return None
+
+
 def readme_words(text: str) -> int:
     return len(text.split())
 
@@ -304,6 +413,7 @@ def check(
         problems += check_names(rel, text, known)
         problems += check_flags(rel, text, known)
         problems += check_words(rel, text)
+        problems += runnable_blocks(rel, text)[1]
         if rel == README and readme_words(text) > README_MAX_WORDS:
             problems.append(
                 Problem(

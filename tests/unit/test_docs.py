@@ -3,7 +3,9 @@ each fault it looks for is caught when planted in a temporary copy."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -182,3 +184,68 @@ def test_the_real_checkout_copy_fails_on_a_planted_fault(tmp_path, known, expect
     (root / "docs" / "reference" / "rules.md").write_text("# stale\n")
     kinds = {p.kind for p in docs_check.check(root, known, expected_reference)}
     assert {"link", "metric", "stale"} <= kinds
+
+
+def _block_env() -> dict[str, str]:
+    """The environment the marked blocks run in: this interpreter's bin folder first on PATH, so
+    that `syncscope` and `python` are the checkout's."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def test_the_guides_mark_runnable_blocks():
+    """The quick start's check and each guide's cheap commands are marked, and nothing slow is."""
+    blocks = docs_check.all_runnable_blocks(ROOT)
+    assert {b.path for b in blocks} >= {"docs/deploy.md", "docs/observability.md"}, blocks
+    assert any("syncscope generate --check" in b.code for b in blocks)
+    for block in blocks:
+        assert "make demo" not in block.code and "make test" not in block.code, block
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "block", docs_check.all_runnable_blocks(ROOT), ids=lambda b: f"{b.path}:{b.line}"
+)
+def test_every_runnable_block_runs(block, tmp_path):
+    env = _block_env()
+    env["TMPDIR"] = str(tmp_path)  # a block's `mktemp -d` output lands in pytest's folder
+    problem = docs_check.run_block(block, ROOT, env, timeout=120)
+    assert problem is None, str(problem)
+
+
+def test_runnable_markers_are_read_and_misplaced_ones_reported():
+    text = (
+        "# Page\n\n```bash runnable\nsyncscope --help\n```\n\n<!-- runnable -->\n\n"
+        "```sh\n$ echo one\n```\n\n```bash\nnot marked\n```\n\n<!-- runnable -->\nprose\n\n"
+        "```python runnable\nprint(1)\n```\n\n<!-- runnable -->\n"
+    )
+    blocks, problems = docs_check.runnable_blocks("docs/p.md", text)
+    assert [(b.line, b.code) for b in blocks] == [(3, "syncscope --help\n"), (9, "$ echo one\n")]
+    assert [(p.line, p.kind) for p in problems] == [
+        (17, "runnable"),  # a marker before prose
+        (20, "runnable"),  # a Python block
+        (24, "runnable"),  # a marker at the end
+    ], problems
+
+
+def test_a_failing_or_hanging_runnable_block_is_reported(tmp_path, known, expected_reference):
+    root = _tree(tmp_path, expected_reference)
+    guide = root / "docs" / "guide.md"
+    guide.write_text(
+        guide.read_text() + "\n```bash runnable\n$ echo ok\nfalse | cat\necho not reached\n```\n"
+        '\n<!-- runnable -->\n```bash\nsleep 5\n```\n\n```bash runnable\necho "$UNSET_X"\n```\n'
+        "\n<!-- runnable -->\n```python\nprint(1)\n```\n"
+    )
+    assert _kinds(docs_check.check(root, known, expected_reference)) == [
+        ("docs/guide.md", "runnable")  # the Python block
+    ]
+    blocks = docs_check.all_runnable_blocks(root)
+    assert len(blocks) == 3
+    problems = [docs_check.run_block(b, root, _block_env(), timeout=1) for b in blocks]
+    assert all(p is not None and p.kind == "runnable" for p in problems), problems
+    assert "exit 1" in problems[0].message  # pipefail: `false | cat` fails the block
+    assert "did not finish" in problems[1].message
+    assert "UNSET_X" in problems[2].message  # -u: an unset variable fails the block
+    ok = docs_check.Block("docs/guide.md", 1, "bash", "$ echo ok\n")
+    assert docs_check.run_block(ok, root, _block_env()) is None
