@@ -73,6 +73,11 @@ class AgentConfig:
     start_step: int | None = None
     disable: bool = False  # hard off switch: attach() returns an agent that does nothing
 
+    @staticmethod
+    def env_name(field_name: str) -> str:
+        """``phase_every`` -> ``SYNCSCOPE_PHASE_EVERY``."""
+        return "SYNCSCOPE_" + field_name.upper()
+
     @classmethod
     def resolve(
         cls, overrides: Mapping[str, object], env: Mapping[str, str] = os.environ
@@ -84,7 +89,7 @@ class AgentConfig:
             raise TypeError(f"attach() got unknown settings: {', '.join(sorted(unknown))}")
         values: dict[str, object] = {}
         for name, f in known.items():
-            raw = env.get("SYNCSCOPE_" + name.upper())
+            raw = env.get(cls.env_name(name))
             if raw is None or raw == "":
                 continue
             kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")

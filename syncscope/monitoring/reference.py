@@ -21,7 +21,7 @@ import importlib
 import inspect
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from syncscope import catalog, recorded
@@ -205,10 +205,14 @@ def _field_notes(cls: type) -> dict[str, str]:
     return notes
 
 
-def _dataclass_table(cls: type, env_prefix: str | None, skip: frozenset[str] = frozenset()) -> str:
+def _dataclass_table(
+    cls: type, env_name: Callable[[str], str] | None, skip: frozenset[str] = frozenset()
+) -> str:
+    """A table of `cls`'s fields; `env_name`: the variable a field is read from (its class's
+    own naming), None where there is none."""
     notes = _field_notes(cls)
     head = "| Setting | Env var | Default | Meaning |\n|---|---|---|---|\n"
-    if env_prefix is None:
+    if env_name is None:
         head = "| Field | Default | Meaning |\n|---|---|---|\n"
     rows = [head]
     for f in dataclasses.fields(cls):
@@ -219,10 +223,10 @@ def _dataclass_table(cls: type, env_prefix: str | None, skip: frozenset[str] = f
         else:
             default = "(see below)"
         note = _cell(notes.get(f.name, ""))
-        if env_prefix is None:
+        if env_name is None:
             rows.append(f"| `{f.name}` | {default} | {note} |\n")
         else:
-            rows.append(f"| `{f.name}` | `{env_prefix}{f.name.upper()}` | {default} | {note} |\n")
+            rows.append(f"| `{f.name}` | `{env_name(f.name)}` | {default} | {note} |\n")
     return "".join(rows)
 
 
@@ -255,13 +259,13 @@ def settings_page(cfg: Thresholds) -> str:
         "\n## Agent settings\n\nKeywords of `attach()`, or environment variables; a keyword "
         "wins over the variable, which wins over the default (`agent/config.py`).\n\n"
     )
-    out.append(_dataclass_table(AgentConfig, "SYNCSCOPE_"))
+    out.append(_dataclass_table(AgentConfig, AgentConfig.env_name))
     out.append(
         "\n## Pacing constants\n\nThe pacing controller's constants (`agent/pacing.py`), each "
         "set by an environment variable. Pacing itself is turned on with the agent setting "
         "`pacing`.\n\n"
     )
-    out.append(_dataclass_table(PacingConfig, "SYNCSCOPE_PACING_"))
+    out.append(_dataclass_table(PacingConfig, PacingConfig.env_name))
     out.append(
         "\n## Exporter settings\n\nThe exporter's typed settings (`exporter/settings.py`); the "
         "command line sets them ([CLI reference](cli.md#syncscope-exporter)).\n\n"
