@@ -72,6 +72,12 @@ def test_rules_alerts_and_every_dashboard_query_against_real_prometheus(
         def straggler() -> list[dict]:
             return prom.query('job_rank:syncscope_straggler_lag_seconds:argmin_lead{job="steady"}')
 
+        # From the job's first scraped steps, not from its launch: four ranks importing torch
+        # on a loaded machine took long enough that the 40 s ran out before the rules' window
+        # (SyncscopeStraggler's lead needs a full one) had data.
+        assert wait_until(
+            lambda: prom.query('syncscope_steps_total{job="steady"}'), timeout=60, interval=1
+        ), "Prometheus never scraped the job's steps"
         found = wait_until(straggler, timeout=40, interval=1)
         assert found, "Prometheus never named a straggler"
         assert {r["metric"]["rank"] for r in found} == {str(SLOW_RANK)}
@@ -90,6 +96,11 @@ def test_rules_alerts_and_every_dashboard_query_against_real_prometheus(
             lambda: firing(prom, "SyncscopeStraggler", "steady"), timeout=20, interval=1
         )
 
+        # The exporter names the straggler's cause once every rank has a settled window of
+        # steps (its warm-up); the rules, on the lab's short windows, may fire before that.
+        assert wait_until(
+            lambda: prom.query('syncscope_straggler_cause{job="steady"}'), timeout=30, interval=1
+        ), "the exporter never named the straggler's cause"
         have = {"pacing", "straggler", "collectives", "alerts"}
         empty = []
         for q in evaluable_queries(job="steady", rate_interval="10s", have=have):
