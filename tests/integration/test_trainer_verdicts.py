@@ -1,0 +1,310 @@
+"""Real trainers' verdicts: PyTorch Lightning and the Hugging Face `Trainer`, each on two CPU
+ranks of gloo DDP on 127.0.0.1 into a real exporter, slowed and clean, each through its
+syncscope callback and unmodified under `python -m syncscope.integrations.run`.
+
+test_integrations.py checks that each callback measures a real run; this tier checks what the
+exporter concludes from it, as test_real_trainers.py does for torchtitan. Slowed: a forward
+pre-hook on rank 1's first layer (the Lightning module's first Linear, GPT-2's first block),
+set up by the training script from TEST_SLOW_RANK / TEST_SLOW_MS, sleeps 40 ms every step.
+The exporter names nobody until every rank delivered a settled window of 100 steps
+(`warming_up` in /v1/state); after that the slowed rank must be named in >= 95 % of the
+samples, with cause forward. Clean: no sample from the first report on may name a straggler
+or put the straggler or an infrastructure mode at its verdict line; runtime_jitter may appear
+there (two ranks share two cores with whatever else the machine runs, see
+test_real_trainers.py) and is printed.
+
+The scripts the runner runs contain no syncscope code: it must find the model under the
+trainer itself (the DDP wrapper Lightning's strategy / accelerate made). It does, and its
+verdicts are right; under Lightning its phases do not add up to the step (forward and backward
+are timed inside the optimizer phase too: LIGHTNING_RUNNER_PHASES below), so those two cases
+end as xfail once their verdict checks have passed. Each job is kept short: a tiny model,
+small batches, just enough steps for some samples after the warm-up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Private helpers of the older tiers, imported rather than copied: the rank launcher (a real
+# gloo job, one process per rank, the script or the runner in front of it), the wait for a
+# job's final report, the check that forward, backward and DDP's gradient sync were measured;
+# and test_real_trainers.py's sampling cadence and infrastructure modes.
+from tests.integration.test_integrations import _assert_measured, _installed, _job, _run_ranks
+from tests.integration.test_real_trainers import INFRASTRUCTURE, MIN_SAMPLES, SAMPLE_EVERY_S
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+SLOW_RANK = 1
+SLOW_MS = 40
+# Enough steps for the exporter's settled window of 100 (the runner does not measure the first
+# step; every incarnation's first measured one is warm-up) and a few seconds of samples after.
+# Seen on an idle 2-core machine (ms per step): Lightning ~8 clean, ~50 slowed; the Trainer ~14
+# clean, ~60 slowed. Each job is 17-25 s of wall time, about 10 of them the ranks' start.
+STEPS = {
+    "lightning": {"slowed": 170, "clean": 700},
+    "huggingface": {"slowed": 170, "clean": 350},
+}
+
+LIGHTNING = """
+import os, time
+import torch, torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import lightning.pytorch as pl
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+steps = int(os.environ["TEST_STEPS"])
+# Our own FileStore rendezvous; Lightning uses an initialised process group as it is.
+dist.init_process_group("gloo", init_method="file://" + os.environ["SYNCSCOPE_INIT_FILE"],
+                        rank=rank, world_size=world)
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    def training_step(self, batch, _idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+torch.manual_seed(0)
+model = Tiny()
+if rank == int(os.environ.get("TEST_SLOW_RANK", "-1")):
+    delay = float(os.environ["TEST_SLOW_MS"]) / 1000
+    model.net[0].register_forward_pre_hook(lambda *_: time.sleep(delay))
+n = 16 * world * (steps + 8)  # one epoch: no epoch boundary inside the run
+data = DataLoader(TensorDataset(torch.randn(n, 32), torch.randn(n, 1)), batch_size=16)
+callbacks = []  # CALLBACK
+trainer = pl.Trainer(accelerator="cpu", devices=world, num_nodes=1, strategy="ddp",
+                     max_steps=steps, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+trainer.fit(model, data)
+print("trained", trainer.global_step, "steps", flush=True)
+"""
+
+HUGGINGFACE = """
+import os, time
+import torch, torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+steps = int(os.environ["TEST_STEPS"])
+dist.init_process_group("gloo", init_method="file://" + os.environ["SYNCSCOPE_INIT_FILE"],
+                        rank=rank, world_size=world)
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8 * world * (steps + 8)  # one epoch: no epoch boundary inside the run
+    def __getitem__(self, i):
+        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+# A config-only model: nothing is downloaded.
+model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+if rank == int(os.environ.get("TEST_SLOW_RANK", "-1")):
+    delay = float(os.environ["TEST_SLOW_MS"]) / 1000
+    model.transformer.h[0].register_forward_pre_hook(lambda *_: time.sleep(delay))
+args = TrainingArguments(output_dir=os.environ["TEST_OUT"], max_steps=steps,
+                         per_device_train_batch_size=8, report_to=[], save_strategy="no",
+                         logging_strategy="no", use_cpu=True, disable_tqdm=True,
+                         dataloader_num_workers=0)
+trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+pass  # CALLBACK
+trainer.train()
+print("trained", trainer.state.global_step, "steps", flush=True)
+"""
+
+SCRIPTS = {"lightning": LIGHTNING, "huggingface": HUGGINGFACE}
+CALLBACKS = {
+    "lightning": (
+        "callbacks = []  # CALLBACK",
+        "from syncscope.integrations.lightning import SyncscopeCallback\n"
+        "callbacks = [SyncscopeCallback()]",
+    ),
+    "huggingface": (
+        "pass  # CALLBACK",
+        "from syncscope.integrations.huggingface import SyncscopeCallback\n"
+        "trainer.add_callback(SyncscopeCallback(trainer))",
+    ),
+}
+
+
+def script_for(trainer: str, via: str) -> str:
+    """The training script: with the trainer's syncscope callback, or none (the runner's)."""
+    script = SCRIPTS[trainer]
+    assert "syncscope" not in script  # (SYNCSCOPE_INIT_FILE is the launcher's rendezvous)
+    if via == "callback":
+        marker, callback = CALLBACKS[trainer]
+        assert script.count(marker) == 1
+        script = script.replace(marker, callback)
+    return script
+
+
+def run_job(
+    exporter: Any, tmp_path: Path, trainer: str, via: str, slowed: bool
+) -> tuple[str, int, list[dict[str, Any]], float]:
+    """Run the 2-rank job; return its name, its steps, every state of it /v1/state gave while
+    it ran (from its first report on) and its wall time."""
+    kind = "slowed" if slowed else "clean"
+    job = f"{trainer}-{via}-{kind}"
+    steps = STEPS[trainer][kind]
+    env = {
+        "SYNCSCOPE_EXPORTER": exporter.url,
+        "SYNCSCOPE_JOB": job,
+        "TEST_STEPS": str(steps),
+        "TEST_OUT": str(tmp_path / "out"),
+        "MASTER_PORT": "1",  # never used (the process group exists); stops a port search
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    if slowed:
+        env.update(TEST_SLOW_RANK=str(SLOW_RANK), TEST_SLOW_MS=str(SLOW_MS))
+    script = script_for(trainer, via)
+    result: dict[str, Any] = {}
+
+    def ranks() -> None:
+        try:
+            result["outputs"] = _run_ranks(WORLD, tmp_path, script, [], env, runner=via == "runner")
+        except BaseException as exc:  # noqa: BLE001 - raised again on the test's thread
+            result["error"] = exc
+
+    started = time.monotonic()
+    thread = threading.Thread(target=ranks, daemon=True)
+    thread.start()
+    samples = []
+    while thread.is_alive():
+        thread.join(SAMPLE_EVERY_S)
+        state = exporter.state()["jobs"].get(job)
+        if state and state["ranks"]:
+            samples.append(state)
+    wall = time.monotonic() - started
+    if "error" in result:
+        raise result["error"]
+    outputs = result["outputs"]
+    assert all(f"trained {steps} steps" in o for o in outputs), [o[-2000:] for o in outputs]
+    return job, steps, samples, wall
+
+
+def settled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The samples after the exporter's warm-up: every rank reporting, no `warming_up`
+    (test_real_trainers.settled, for this tier's world size)."""
+    return [s for s in samples if len(s["ranks"]) == WORLD and "warming_up" not in s["diagnosis"]]
+
+
+def summary(exporter: Any, job: str, steps: int, wall: float, samples: list[Any]) -> Any:
+    """The job's final report (every rank's steps in), with one line printed about the run."""
+    final = _job(exporter, job, WORLD, steps - 1)
+    per_rank = []
+    for r in final["ranks"]:
+        n = max(1, r["steps_total"])
+        ms = {k: round(v / n * 1e3, 1) for k, v in r["phase_seconds_total"].items() if v}
+        per_rank.append(f"rank {r['rank']}: {r['steps_total']} steps, ms/step {ms}")
+    after = settled(samples)
+    print(
+        f"{job}: {wall:.1f} s wall, {len(samples)} samples, {len(after)} after warm-up; "
+        + "; ".join(per_rank)
+    )
+    return final
+
+
+# A product finding (the runner under Lightning), on every run: Lightning's automatic
+# optimization runs forward and backward inside `optimizer.step(closure)`, so the optimizer
+# step hooks the runner attaches with (agent/phases.py: optimizer = pre-hook -> post-hook) time
+# the whole closure as "optimizer" as well: the phases add up to more than the step (seen: 47
+# ms of "optimizer" in a 50 ms step) and `other` is clamped at 0.
+# The callback does not hand the optimizer to attach() for this reason
+# (syncscope/integrations/lightning.py); the runner has no such case.
+LIGHTNING_RUNNER_PHASES = (
+    "the runner under Lightning times forward and backward twice (inside the optimizer phase: "
+    "Lightning runs them in optimizer.step(closure)), so the phases add up to more than the "
+    "step; the verdict checks before this passed"
+)
+
+
+def assert_measured(final: dict[str, Any], steps: int, trainer: str, via: str) -> None:
+    """test_integrations' check that forward, backward and DDP's gradient sync were measured
+    (the agent found the model under the trainer) and that the phases add up to the step."""
+    if (trainer, via) != ("lightning", "runner"):
+        # The Lightning callback leaves the optimizer out of attach(): no optimizer phase.
+        _assert_measured(final, steps, optimizer=(trainer, via) != ("lightning", "callback"))
+        return
+    enclosed = []
+    for r in final["ranks"]:
+        phases = r["phase_seconds_total"]
+        assert phases["forward"] > 0 and phases["backward"] > 0, phases
+        sync = [c for c in r["collectives"] if c["op"] == "ddp_grad_sync"]
+        assert sync and sync[0]["calls"] >= steps - 2, r["collectives"]
+        assert r["arrival_lead_s"] is not None
+        enclosed.append(
+            sum(phases.values()) > 1.05 * r["step_seconds_sum"]
+            and phases["optimizer"] >= phases["forward"] + phases["backward"]
+        )
+    if all(enclosed):
+        pytest.xfail(LIGHTNING_RUNNER_PHASES)
+    _assert_measured(final, steps, optimizer=True)
+
+
+TRAINERS = [
+    pytest.param(
+        "lightning",
+        marks=pytest.mark.skipif(
+            not (_installed("lightning") or _installed("pytorch_lightning")),
+            reason="PyTorch Lightning not installed (optional extra: syncscope[lightning])",
+        ),
+    ),
+    pytest.param(
+        "huggingface",
+        marks=pytest.mark.skipif(
+            not (_installed("transformers") and _installed("accelerate")),
+            reason="transformers/accelerate not installed (optional extra: syncscope[huggingface])",
+        ),
+    ),
+]
+VIAS = ["callback", "runner"]
+
+
+@pytest.mark.parametrize("via", VIAS)
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_slowed_rank_is_named_with_cause_forward(
+    trainer: str, via: str, exporter: Any, tmp_path: Path
+) -> None:
+    job, steps, samples, wall = run_job(exporter, tmp_path, trainer, via, slowed=True)
+    final = summary(exporter, job, steps, wall, samples)
+    after = settled(samples)
+    named = [s["diagnosis"]["straggler"] for s in after]
+    print(f"{job}: named {[n and (n['rank'], n['cause']) for n in named]}")
+    assert len(after) >= MIN_SAMPLES, f"only {len(after)} of {len(samples)} samples after warm-up"
+    right = [n for n in named if n is not None and n["rank"] == SLOW_RANK]
+    assert len(right) >= 0.95 * len(after), [n and (n["rank"], n["cause"]) for n in named]
+    assert {n["cause"] for n in right} == {"forward"}, {n["cause_reason"] for n in right}
+    assert_measured(final, steps, trainer, via)
+
+
+@pytest.mark.parametrize("via", VIAS)
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_clean_run_gets_no_verdict(trainer: str, via: str, exporter: Any, tmp_path: Path) -> None:
+    job, steps, samples, wall = run_job(exporter, tmp_path, trainer, via, slowed=False)
+    final = summary(exporter, job, steps, wall, samples)
+    after = settled(samples)
+    assert len(after) >= MIN_SAMPLES, f"only {len(after)} of {len(samples)} samples after warm-up"
+    noise = set()
+    for state in samples:
+        diagnosis = state["diagnosis"]
+        assert diagnosis["straggler"] is None, diagnosis["modes"].get("straggler")
+        at_line = {m: v["reason"] for m, v in diagnosis["modes"].items() if v.get("verdict")}
+        assert not at_line.keys() & {"straggler", *INFRASTRUCTURE}, at_line
+        verdict = diagnosis.get("verdict")
+        if verdict is not None:
+            assert verdict["verdict"] == "coupling", verdict
+            assert "straggler" not in verdict["coupling"], verdict
+        noise |= at_line.keys()
+    if noise:
+        print(f"{job}: at their line on a clean run (the machine's noise): {sorted(noise)}")
+    assert_measured(final, steps, trainer, via)
