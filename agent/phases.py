@@ -98,6 +98,10 @@ class PhaseClock:
         self.bwd_start = 0
         self.bwd_end = 0
         self.opt_start = 0
+        # A forward ran inside optimizer.step(closure) (Lightning's automatic optimization):
+        # the closure's forward, backward and sync are theirs, the update after it the
+        # optimizer's (from the closure's end).
+        self.opt_closure = False
         self.bwd_pending = False
         # DDP's sync is measured when the wrapped backward returns (set by callback A)
         self.sync_due = False
@@ -326,6 +330,9 @@ class PhaseClock:
                         if ns > 0:
                             clock.acc[DATA] += ns
                         clock.idle_since = 0
+                    if clock.opt_start:  # inside optimizer.step(closure)
+                        clock.opt_start = 0
+                        clock.opt_closure = True
                     clock.fwd_start = t
                     if clock.mark is not None:
                         clock.mark(FWD_PRE)
@@ -381,6 +388,9 @@ class PhaseClock:
         if idle:
             self.acc[DATA] += max(0, t - idle - waited)
             self.idle_since = 0
+        if self.opt_start:  # inside optimizer.step(closure)
+            self.opt_start = 0
+            self.opt_closure = True
         self.fwd_start = t
         if self.mark is not None:
             self.mark(FWD_PRE)
@@ -514,6 +524,9 @@ class PhaseClock:
             else:
                 self.bwd_pending = False
                 self.idle_since = t
+                if self.opt_closure:  # the closure ends: the update after it is the optimizer's
+                    self.opt_closure = False
+                    self.opt_start = t
             if self.mark is not None:
                 self.mark(BWD_END)
         except BaseException as exc:  # noqa: BLE001
@@ -536,6 +549,9 @@ class PhaseClock:
             self.acc[COMM] += exposed - waited
             self.bwd_pending = False
             self.idle_since = t
+            if self.opt_closure:  # the closure ends: the update after it is the optimizer's
+                self.opt_closure = False
+                self.opt_start = t
             coll = self.collectives
             if len(coll) < self.coll_max:
                 # _sync_record's tuple, built here: one call fewer on every timed step

@@ -53,6 +53,57 @@ def test_phases_match_injected_sleeps_and_add_up(tmp_path):
     assert agent.stats["errors"] == 0
 
 
+class SlowStep(torch.optim.Optimizer):
+    """Plain SGD whose update takes 8 ms after the closure (its own step: a subclass calling
+    super().step() would fire the step hooks twice once the parent's step is hooked too)."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+        time.sleep(0.008)
+        return loss
+
+
+def test_a_closure_inside_the_optimizer_step_is_not_optimizer_time(tmp_path):
+    """Lightning's automatic optimization runs forward and backward inside
+    optimizer.step(closure): the closure's time is forward and backward, the update after it
+    the optimizer's, and the phases still add up to the step (they held the closure twice)."""
+    record = tmp_path / "steps.jsonl"
+    model = Sleepy()
+    opt = SlowStep(model.parameters())
+    agent = attach(model=model, optimizer=opt, record=str(record), exporter=None)
+    x = torch.randn(4, 8)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    for _ in range(12):
+        time.sleep(0.015)  # "data loading"
+        opt.step(closure)
+    agent.close()
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    rows = [line for line in lines if "event" not in line][1:]
+    assert len(rows) == 11
+    for row in rows:
+        p = row["phases"]
+        assert sum(p.values()) == pytest.approx(row["step_s"], rel=0.01)
+        assert p["data"] >= 0.015 and p["forward"] >= 0.010 and p["optimizer"] >= 0.008
+    # the optimizer phase is the update (8 ms), not the closure's forward (10 ms) with it
+    assert statistics.median(row["phases"]["optimizer"] for row in rows) < 0.014
+    assert agent.stats["errors"] == 0
+
+
 def test_manual_steps_and_a_hook_failure_never_reach_the_loop(tmp_path):
     record = tmp_path / "steps.jsonl"
     agent = attach(record=str(record), exporter=None)
