@@ -331,7 +331,7 @@ def as_json(value: Any) -> Any:
         return [as_json(v) for v in value]
     out: dict[str, Any] = {}
     cls: type = type(value)  # a dataclass: a view, or wire.PacingState inside one
-    for name, by_phase, omit_if_none in _json_fields(cls):
+    for name, by_phase, omit_if_none in json_fields(cls):
         v = getattr(value, name)
         if by_phase:
             out[name] = dict(zip(PHASES, v, strict=True)) if v else {}
@@ -341,7 +341,7 @@ def as_json(value: Any) -> Any:
 
 
 @functools.cache
-def _json_fields(cls: type) -> tuple[tuple[str, bool, bool], ...]:
+def json_fields(cls: type) -> tuple[tuple[str, bool, bool], ...]:
     # Looked up once per class: /v1/state?recent=300 renders thousands of RecentSteps.
     return tuple(
         (f.name, f.metadata == BY_PHASE, f.metadata == OMIT_IF_NONE)

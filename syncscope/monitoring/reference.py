@@ -400,6 +400,109 @@ def cli_page() -> str:
     return "".join(out)
 
 
+# ---------------------------------------------------------------------------------- HTTP
+
+
+def _schema_type(schema: dict[str, Any]) -> str:
+    """A JSON-schema property's type in a few words."""
+    if "$ref" in schema:
+        return schema["$ref"].rsplit("/", 1)[-1]
+    if "anyOf" in schema or "oneOf" in schema:
+        return " or ".join(_schema_type(s) for s in schema.get("anyOf", schema.get("oneOf", [])))
+    kind = schema.get("type", "any")
+    if kind == "array":
+        items = schema.get("items") or schema.get("prefixItems") or {}
+        if isinstance(items, list):
+            return "row [" + ", ".join(_schema_type(i) for i in items) + "]"
+        return f"list of {_schema_type(items)}"
+    if "const" in schema:
+        return f"`{schema['const']}`"
+    return str(kind)
+
+
+def _view_classes() -> list[type]:
+    """/v1/state's dataclasses, from the top: each one a field of one before it."""
+    from syncscope.exporter.findings import Diagnosis, ModeVerdict, Straggler, Victim, WarmUp
+    from syncscope.exporter.jobwide import JobWide
+    from syncscope.exporter.store import JobView, RankView, RecentStep, StoreView
+
+    return [
+        StoreView,
+        JobView,
+        RankView,
+        RecentStep,
+        Diagnosis,
+        ModeVerdict,
+        Straggler,
+        Victim,
+        WarmUp,
+        JobWide,
+    ]
+
+
+def http_page() -> str:
+    """The exporter's HTTP API from its OpenAPI spec, and /v1/state's fields from the views."""
+    from syncscope.exporter.app import create_app
+    from syncscope.exporter.settings import Settings
+    from syncscope.exporter.store import json_fields
+
+    spec = create_app(Settings()).openapi()
+    schemas = spec.get("components", {}).get("schemas", {})
+    out = [HEADER.format(source="exporter/app.py (its OpenAPI spec)"), "# HTTP API reference\n\n"]
+    out.append(
+        "The exporter's endpoints, from the OpenAPI spec it serves at `/openapi.json`, and the "
+        "fields of `/v1/state`, from the views it is rendered from. The status page is served "
+        "at `/`.\n\n"
+    )
+    for path, methods in sorted(spec["paths"].items()):
+        for method, op in sorted(methods.items()):
+            out.append(f"## `{method.upper()} {path}`\n\n{op.get('summary', '')}.\n\n")
+            params = op.get("parameters", [])
+            if params:
+                out.append("| Parameter | In | Type | Default |\n|---|---|---|---|\n")
+                for param in params:
+                    schema = param.get("schema", {})
+                    default = _value(schema["default"]) if "default" in schema else "—"
+                    out.append(
+                        f"| `{param['name']}` | {param['in']} | {_schema_type(schema)} | "
+                        f"{default} |\n"
+                    )
+                out.append("\n")
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {})
+            if body:
+                out.append(f"Body: {_schema_type(body['schema'])}.\n\n")
+            out.append("| Status | Meaning |\n|---|---|\n")
+            for code, reply in sorted(op.get("responses", {}).items()):
+                out.append(f"| {code} | {_cell(reply.get('description', ''))} |\n")
+            out.append("\n")
+    out.append("## Ingest body schemas\n\n")
+    for name in sorted(schemas):
+        if name in ("HTTPValidationError", "ValidationError"):
+            continue
+        schema = schemas[name]
+        required = set(schema.get("required", []))
+        out.append(f"### {name}\n\n| Field | Type | Required |\n|---|---|---|\n")
+        for field_name, prop in schema.get("properties", {}).items():
+            needed = "yes" if field_name in required else "no"
+            out.append(f"| `{field_name}` | {_cell(_schema_type(prop))} | {needed} |\n")
+        out.append("\n")
+    out.append("## `/v1/state` fields\n\n")
+    out.append(
+        "The reply is a StoreView with `collectors`, `version` (and `state_file` where one is "
+        "kept) beside it; a field absent where its value is null is marked so.\n\n"
+    )
+    for cls in _view_classes():
+        notes = _field_notes(cls)
+        out.append(f"### {cls.__name__}\n\n| Field | Meaning |\n|---|---|\n")
+        for name, _by_phase, omit_if_none in json_fields(cls):
+            note = notes.get(name, "")
+            if omit_if_none:
+                note = f"{note} (absent where null)".strip()
+            out.append(f"| `{name}` | {_cell(note)} |\n")
+        out.append("\n")
+    return "".join(out)
+
+
 def files(cfg: Thresholds | None = None) -> dict[str, str]:
     """docs/reference/<page>.md -> its text."""
     cfg = cfg or load_config()
@@ -408,4 +511,5 @@ def files(cfg: Thresholds | None = None) -> dict[str, str]:
         f"{REFERENCE_DIR}/rules.md": rules_page(cfg),
         f"{REFERENCE_DIR}/settings.md": settings_page(cfg),
         f"{REFERENCE_DIR}/cli.md": cli_page(),
+        f"{REFERENCE_DIR}/http.md": http_page(),
     }
