@@ -27,6 +27,7 @@ from syncscope.exporter.diagnosis import (
     throttle_reasons,
 )
 from syncscope.exporter.energy import CpuEnergy
+from syncscope.exporter.findings import rank_list
 from syncscope.exporter.gpu import ENERGY_KEY, has_gpu, topology_number
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import JobView, RankView, Store, StoreView
@@ -726,7 +727,7 @@ def _job_section(
         f'<div class="job-head"><h2 id="{_e(ident)}">Job <code>{_e(job.name)}</code></h2>'
         f'<span class="muted">{len(live)} of {len(ranks)} ranks reporting · world size {world}'
         f" · {_scope(job, world - len(ranks), now)}</span></div>"
-        f"{banner}{_cards(live or ranks, job.diagnosis, cpu)}"
+        f"{banner}{_no_model(live)}{_cards(live or ranks, job.diagnosis, cpu)}"
         f"{_goodput_line(job, world, now)}"
         '<div class="split"><div class="panel">'
         f"{_verdict_line(job.diagnosis)}"
@@ -735,6 +736,35 @@ def _job_section(
         f'<div class="panel"><h3>Ranks</h3>{phase_legend()}{_ranks_table(job, now)}</div></section>'
     )
     return body, headline
+
+
+# Steps after which a rank with no forward or backward time is taken to have no model.
+NO_MODEL_AFTER_STEPS = 10
+
+
+def _no_model(live: Sequence[RankView]) -> str:
+    """A notice naming the ranks that time no forward and no backward after their first
+    steps: their agent found no model (the runner attached to the optimizer only, or attach()
+    got none), so the phases and a straggler's cause are not known for them."""
+    fwd, bwd = Phase.FORWARD, Phase.BACKWARD
+    blind = [
+        r.rank
+        for r in live
+        if r.steps_total > NO_MODEL_AFTER_STEPS
+        and r.phase_seconds_total[fwd] <= 0
+        and r.phase_seconds_total[bwd] <= 0
+    ]
+    if not blind:
+        return ""
+    text = (
+        f"{rank_list(blind)}: no forward or backward timed. The agent found no model (attached "
+        "to the optimizer only), so phases and a straggler's cause are not known there; pass "
+        "the model to attach() (docs/attach.md)."
+    )
+    return (
+        '<div class="banner banner-info" data-kind="no-model">'
+        f'<span class="icon" aria-hidden="true">ℹ</span><p>{_e(text)}</p></div>'
+    )
 
 
 def _scope(job: JobView, elsewhere: int, now: float) -> str:

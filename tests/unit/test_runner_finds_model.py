@@ -169,3 +169,29 @@ def test_no_module_owns_the_parameters(auto: AutoAttach, caplog: pytest.LogCaptu
     warned = [r.getMessage() for r in caplog.records if r.name == "syncscope.integrations.run"]
     assert len(warned) == 1, warned
     assert "optimizer only" in warned[0] and "Tanh" in warned[0] and "SGD" in warned[0]
+
+
+def test_the_page_says_which_ranks_time_no_model():
+    """A rank attached to the optimizer only (the runner found no model) times no forward and
+    no backward: the page names it once it has stepped a while, and no other rank."""
+    from fastapi.testclient import TestClient
+    from syncscope.exporter.app import create_app
+    from syncscope.exporter.settings import Settings
+
+    from tests.unit.test_warm_up import MS, Job
+
+    def step(n: int, model: bool) -> list[int]:
+        phases = (10, 20, 30, 10, 5, 0) if model else (10, 0, 0, 60, 5, 0)
+        return [n, (5_000 + n) * 10**9, 75 * MS, *(ms * MS for ms in phases)]
+
+    with TestClient(create_app(Settings())) as client:
+        job = Job(client)
+        job.start()
+        job.post(0, [step(n, model=False) for n in range(5)])
+        job.post(1, [step(n, model=True) for n in range(5)])
+        assert "no forward or backward timed" not in client.get("/").text  # too early to say
+        job.post(0, [step(n, model=False) for n in range(5, 20)])
+        job.post(1, [step(n, model=True) for n in range(5, 20)])
+        page = client.get("/").text
+    assert page.count("no forward or backward timed") == 1
+    assert "rank 0: no forward or backward timed" in page  # rank 0 alone, not "ranks 0–1"
