@@ -158,6 +158,13 @@ def test_torchtitan_clean_run_gets_no_verdict(
     print(f"{job}: {wall:.1f} s wall, {len(samples)} samples, {len(after)} after warm-up")
     assert_measured(exporter, job)
     assert len(after) >= MIN_SAMPLES, f"only {len(after)} of {len(samples)} samples after warm-up"
+    assert_no_verdict(job, samples)
+
+
+def assert_no_verdict(job: str, samples: list[dict[str, Any]]) -> None:
+    """A clean run's samples, from the first report on: no straggler, neither the straggler
+    nor an infrastructure mode at its verdict line, no decision verdict citing either; a mode
+    the machine's noise puts at its line (runtime_jitter) is printed."""
     noise = set()
     for state in samples:
         diagnosis = state["diagnosis"]

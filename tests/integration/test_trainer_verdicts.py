@@ -33,7 +33,7 @@ import pytest
 # job's final report, the check that forward, backward and DDP's gradient sync were measured;
 # and test_real_trainers.py's sampling cadence and infrastructure modes.
 from tests.integration.test_integrations import _assert_measured, _installed, _job, _run_ranks
-from tests.integration.test_real_trainers import INFRASTRUCTURE, MIN_SAMPLES, SAMPLE_EVERY_S
+from tests.integration.test_real_trainers import MIN_SAMPLES, SAMPLE_EVERY_S, assert_no_verdict
 
 pytestmark = pytest.mark.slow
 
@@ -264,17 +264,5 @@ def test_clean_run_gets_no_verdict(trainer: str, via: str, exporter: Any, tmp_pa
     final = summary(exporter, job, steps, wall, samples)
     after = settled(samples)
     assert len(after) >= MIN_SAMPLES, f"only {len(after)} of {len(samples)} samples after warm-up"
-    noise = set()
-    for state in samples:
-        diagnosis = state["diagnosis"]
-        assert diagnosis["straggler"] is None, diagnosis["modes"].get("straggler")
-        at_line = {m: v["reason"] for m, v in diagnosis["modes"].items() if v.get("verdict")}
-        assert not at_line.keys() & {"straggler", *INFRASTRUCTURE}, at_line
-        verdict = diagnosis.get("verdict")
-        if verdict is not None:
-            assert verdict["verdict"] == "coupling", verdict
-            assert "straggler" not in verdict["coupling"], verdict
-        noise |= at_line.keys()
-    if noise:
-        print(f"{job}: at their line on a clean run (the machine's noise): {sorted(noise)}")
+    assert_no_verdict(job, samples)
     assert_measured(final, steps, trainer, via)
