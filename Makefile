@@ -31,7 +31,7 @@ lint:
 	.venv/bin/mypy agent exporter sim syncscope bench
 	.venv/bin/ruff format --check .
 
-# The full fuzz run of issue 7 (docs/reliability.md): 10,000 examples per test, counts to
+# The full fuzz run (docs/reliability.md): 10,000 examples per test, counts to
 # fuzz-report.json (git-ignored). About 7 minutes here.
 fuzz:
 	scripts/setup test
