@@ -17,10 +17,10 @@ test:
 
 # Between edits: ruff, then the unit tests not marked slow (the slow ones start real
 # servers, promtool runs or multi-process jobs; `make test` runs them all). The generated
-# files' check (`syncscope generate --check`: rules, dashboards, metric contract, README
-# table) is one of these unit tests (test_rules.py). No setup step: run `make test` or
-# `scripts/setup test` once first. About 2 minutes here (2 shared cores; `make test`: 11 to
-# 12 minutes for tests/unit alone). pytest-xdist -n 2 did not help here (2:01 and 2:26
+# files' check (`syncscope generate --check`: rules, dashboards, metric contract, reference
+# pages) is one of these unit tests (test_rules.py), the docs check (test_docs.py) another.
+# No setup step: run `make test` or `scripts/setup test` once first. About 2 minutes here
+# (2 shared cores). pytest-xdist -n 2 did not help here (2:01 and 2:26
 # against 1:42 and 2:19 serial: each worker pays the ~20 s of imports again).
 test-fast:
 	.venv/bin/ruff check .
