@@ -111,9 +111,19 @@ def run_job(
     return samples, wall
 
 
-def settled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The samples after the exporter's warm-up: every rank reporting, no `warming_up`."""
-    return [s for s in samples if len(s["ranks"]) == WORLD and "warming_up" not in s["diagnosis"]]
+def settled(samples: list[dict[str, Any]], world: int = WORLD) -> list[dict[str, Any]]:
+    """The samples after the exporter's warm-up: all `world` ranks reporting, no `warming_up`."""
+    return [s for s in samples if len(s["ranks"]) == world and "warming_up" not in s["diagnosis"]]
+
+
+def assert_named(after: list[dict[str, Any]], slowed: int) -> None:
+    """At least MIN_SAMPLES samples after warm-up, >= 95 % of them naming `slowed`, and every
+    one that names it with cause forward."""
+    named = [s["diagnosis"]["straggler"] for s in after]
+    assert len(after) >= MIN_SAMPLES, f"only {len(after)} samples after warm-up"
+    right = [n for n in named if n is not None and n["rank"] == slowed]
+    assert len(right) >= 0.95 * len(after), [n and (n["rank"], n["cause"]) for n in named]
+    assert {n["cause"] for n in right} == {"forward"}, {n["cause_reason"] for n in right}
 
 
 def assert_measured(exporter: Any, job: str) -> None:
@@ -140,11 +150,7 @@ def test_torchtitan_slowed_rank_is_named_with_cause_forward(
     after = settled(samples)
     print(f"{job}: {wall:.1f} s wall, {len(samples)} samples, {len(after)} after warm-up")
     assert_measured(exporter, job)
-    assert len(after) >= MIN_SAMPLES, f"only {len(after)} of {len(samples)} samples after warm-up"
-    named = [s["diagnosis"]["straggler"] for s in after]
-    right = [n for n in named if n is not None and n["rank"] == slowed]
-    assert len(right) >= 0.95 * len(after), [n and (n["rank"], n["cause"]) for n in named]
-    assert {n["cause"] for n in right} == {"forward"}, {n["cause_reason"] for n in right}
+    assert_named(after, slowed)
 
 
 @pytest.mark.parametrize("via", VIAS)

@@ -33,7 +33,13 @@ import pytest
 # job's final report, the check that forward, backward and DDP's gradient sync were measured;
 # and test_real_trainers.py's sampling cadence and infrastructure modes.
 from tests.integration.test_integrations import _assert_measured, _installed, _job, _run_ranks
-from tests.integration.test_real_trainers import MIN_SAMPLES, SAMPLE_EVERY_S, assert_no_verdict
+from tests.integration.test_real_trainers import (
+    MIN_SAMPLES,
+    SAMPLE_EVERY_S,
+    assert_named,
+    assert_no_verdict,
+    settled,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -190,12 +196,6 @@ def run_job(
     return job, steps, samples, wall
 
 
-def settled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The samples after the exporter's warm-up: every rank reporting, no `warming_up`
-    (test_real_trainers.settled, for this tier's world size)."""
-    return [s for s in samples if len(s["ranks"]) == WORLD and "warming_up" not in s["diagnosis"]]
-
-
 def summary(exporter: Any, job: str, steps: int, wall: float, samples: list[Any]) -> Any:
     """The job's final report (every rank's steps in), with one line printed about the run."""
     final = _job(exporter, job, WORLD, steps - 1)
@@ -204,7 +204,7 @@ def summary(exporter: Any, job: str, steps: int, wall: float, samples: list[Any]
         n = max(1, r["steps_total"])
         ms = {k: round(v / n * 1e3, 1) for k, v in r["phase_seconds_total"].items() if v}
         per_rank.append(f"rank {r['rank']}: {r['steps_total']} steps, ms/step {ms}")
-    after = settled(samples)
+    after = settled(samples, WORLD)
     print(
         f"{job}: {wall:.1f} s wall, {len(samples)} samples, {len(after)} after warm-up; "
         + "; ".join(per_rank)
@@ -247,13 +247,10 @@ def test_slowed_rank_is_named_with_cause_forward(
 ) -> None:
     job, steps, samples, wall = run_job(exporter, tmp_path, trainer, via, slowed=True)
     final = summary(exporter, job, steps, wall, samples)
-    after = settled(samples)
+    after = settled(samples, WORLD)
     named = [s["diagnosis"]["straggler"] for s in after]
     print(f"{job}: named {[n and (n['rank'], n['cause']) for n in named]}")
-    assert len(after) >= MIN_SAMPLES, f"only {len(after)} of {len(samples)} samples after warm-up"
-    right = [n for n in named if n is not None and n["rank"] == SLOW_RANK]
-    assert len(right) >= 0.95 * len(after), [n and (n["rank"], n["cause"]) for n in named]
-    assert {n["cause"] for n in right} == {"forward"}, {n["cause_reason"] for n in right}
+    assert_named(after, SLOW_RANK)
     assert_measured(final, steps, trainer, via)
 
 
@@ -262,7 +259,7 @@ def test_slowed_rank_is_named_with_cause_forward(
 def test_clean_run_gets_no_verdict(trainer: str, via: str, exporter: Any, tmp_path: Path) -> None:
     job, steps, samples, wall = run_job(exporter, tmp_path, trainer, via, slowed=False)
     final = summary(exporter, job, steps, wall, samples)
-    after = settled(samples)
+    after = settled(samples, WORLD)
     assert len(after) >= MIN_SAMPLES, f"only {len(after)} of {len(samples)} samples after warm-up"
     assert_no_verdict(job, samples)
     assert_measured(final, steps, trainer, via)
