@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from syncscope.lab.launch import launch, wait_all
+from syncscope.lab.launch import fork_ranks, launch, wait_all
 from syncscope.lab.servers import free_port, start_exporter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +49,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ranks_forked_from_a_warm_process() -> Iterator[None]:
+    """Every lab job's ranks forked from one process that has imported torch (~5 s of CPU a
+    rank saved; syncscope.lab.forkserver), started by the session's first job."""
+    fork_ranks(True)
+    yield
+    fork_ranks(False)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Any
 
-from syncscope.lab.launch import launch
+from syncscope.lab.launch import RankProcess, launch
 from syncscope.lab.nodes import EmulatedNodes, NodesUnavailable
 from syncscope.lab.servers import Prometheus, free_port, get_json, start_exporter
 from syncscope.monitoring.prometheus_config import local_config
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, workdir, stack)
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: RankProcess) -> None:
     if proc.poll() is None:
         proc.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -36,7 +36,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-from syncscope.lab.launch import launch, wait_all
+from syncscope.lab.forkserver import Placement
+from syncscope.lab.launch import RankProcess, launch, wait_all
 from syncscope.lab.servers import free_port, get_json, start_exporter
 from syncscope.lab.truth import Truth, truth_from_dir
 
@@ -150,7 +151,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
+def _stop(proc: RankProcess, grace: float = 5.0) -> None:
     if proc.poll() is None:
         proc.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -208,7 +209,7 @@ class EmulatedNodes:
         ]
         self.records_dir: str | None = None
         self._made: list[str] = []  # namespaces created, deleted in reverse order
-        self.ranks: list[subprocess.Popen] = []  # every rank launched, all stopped on exit
+        self.ranks: list[RankProcess] = []  # every rank launched, all stopped on exit
         self._flows: list[subprocess.Popen] = []  # competing flows' ends, stopped on exit
         self._launches = 0
 
@@ -286,14 +287,11 @@ class EmulatedNodes:
     def node_of(self, rank: int) -> Node:
         return self.nodes[rank // self.ranks_per_node]
 
-    def _prefix(self, rank: int) -> list[str]:
+    def _place(self, rank: int) -> Placement:
         node = self.node_of(rank)
-        prefix = ["ip", "netns", "exec", node.netns]
-        if self.hostnames:
-            # A UTS namespace of its own, named after the node, for the agent's hostname label.
-            prefix += ["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"']
-            prefix.append(f"node{node.index}")
-        return prefix
+        # With hostnames, a UTS namespace of its own, named after the node, for the agent's
+        # hostname label.
+        return Placement(node.netns, f"node{node.index}" if self.hostnames else None)
 
     def _rank_env(self, rank: int) -> dict[str, str]:
         node = self.node_of(rank)
@@ -314,7 +312,7 @@ class EmulatedNodes:
         stdout: int | IO[bytes] | None = None,
         stderr: int | IO[bytes] | None = None,
         record: bool = True,
-    ) -> list[subprocess.Popen]:
+    ) -> list[RankProcess]:
         """Start one job of ``world_size`` ranks, node i's ranks inside node i's namespace.
 
         With ``record`` every rank appends its steps to ``records_dir/rank{rank}.jsonl`` (a
@@ -334,7 +332,7 @@ class EmulatedNodes:
             stdout=stdout,
             stderr=stderr,
             local_world_size=self.ranks_per_node,
-            prefix=self._prefix,
+            place=self._place,
             rank_env=self._rank_env,
         )
         self.ranks += procs
@@ -348,7 +346,7 @@ class EmulatedNodes:
         env: Mapping[str, str] | None = None,
         timeout: float = 300.0,
         record: bool = True,
-    ) -> Iterator[list[subprocess.Popen]]:
+    ) -> Iterator[list[RankProcess]]:
         """One job of the workload under SYNCSCOPE_JOB=job, its ranks' output in
         ``workdir/<job>.log``, its ranks yielded while it runs; on leaving, they are waited for,
         and a RuntimeError carries the log's tail if a rank failed."""
