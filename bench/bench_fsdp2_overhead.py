@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
-    from syncscope.lab.launch import launch, wait_all
+    from syncscope.lab.launch import RankProcess, launch, wait_all
     from syncscope.lab.servers import free_port, start_exporter
 
     plan = (
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         port = free_port()
         exporter = start_exporter(port, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         env["SYNCSCOPE_EXPORTER"] = f"http://127.0.0.1:{port}"
-    jobs: list[list[subprocess.Popen]] = []
+    jobs: list[list[RankProcess]] = []
     cut_short = False
 
     def stop(_signum: int, _frame: Any) -> None:
