@@ -604,10 +604,15 @@ def _ranks_table(job: JobView, now: float) -> str:
         if hidden
         else ""
     )
+    scope = (
+        "the job's, read back from Prometheus"
+        if any(r.lead_scope == "job" for r in job.ranks)
+        else "among this node's ranks"
+    )
     return more + (
-        '<div class="scroll"><table class="ranks"><caption>Ranks on this node. Arrival lead: '
-        "how early a rank reaches the gradient sync before the last peer (the straggler's is "
-        "near 0); wait: its time blocked there per step.</caption>"
+        '<div class="scroll"><table class="ranks"><caption>Ranks on this node. Arrival lead '
+        f"({scope}): how early a rank reaches the gradient sync before the last peer (the "
+        "straggler's is near 0); wait: its time blocked there per step.</caption>"
         f"<thead><tr>{ths}</tr></thead><tbody>{''.join(rows)}</tbody></table></div>"
     )
 

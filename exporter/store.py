@@ -145,6 +145,9 @@ class RankView:
     step_time_median_s: float | None
     step_time_cv: float | None
     phase_shares: tuple[float, ...] = field(metadata=BY_PHASE)  # empty until steps take time
+    # How early the rank arrives at collectives (mean of the last 64 steps): job-wide (lead_scope
+    # "job", the rules' figure read back from Prometheus) where the exporter has one, else this
+    # node's own (node_lead_s). The diagnosis, the page and /v1/state use this one.
     arrival_lead_s: float | None
     wait_mean_s: float | None
     collectives: tuple[CollectiveView, ...]
@@ -155,9 +158,10 @@ class RankView:
     step_ratio_bucket_counts: tuple[int, ...] = ()  # per RATIO_BUCKETS bound, then +Inf
     step_ratio_sum: float = 0.0
     # This exporter's own lead (over the rank blocked least on this node), what the
-    # syncscope_arrival_lead_seconds gauge exports; arrival_lead_s is job-wide where
-    # Prometheus is read back, and that is what the diagnosis, the page and /v1/state use.
+    # syncscope_arrival_lead_seconds gauge exports.
     node_lead_s: float | None = None
+    # Whose figure arrival_lead_s is: "job" (read back from Prometheus) or "node" (node_lead_s).
+    lead_scope: str = "node"
     # Work the rank reported (samples, tokens): totals over the exporter's life (None: never
     # known, so no series), and per second over its last STEP_WINDOW steps that said.
     samples_total: int | None = None
@@ -852,7 +856,7 @@ class Store:
             job_wide = self.job_wide(name, as_of=last) if self.job_wide is not None else None
             if job_wide is not None and job_wide.leads:
                 ranks = [
-                    dataclasses.replace(r, arrival_lead_s=job_wide.leads[r.rank])
+                    dataclasses.replace(r, arrival_lead_s=job_wide.leads[r.rank], lead_scope="job")
                     if r.rank in job_wide.leads
                     else r
                     for r in ranks

@@ -99,6 +99,9 @@ def test_ingest_then_scrape(client):
     assert 0 < sum(c["seconds"] for c in collectors.values()) <= took
     rank = state["jobs"]["j"]["ranks"][0]
     assert len(rank["recent_steps"]) == 5 and rank["steps_total"] == 10
+    # no Prometheus read back: the lead is this node's own
+    assert rank["lead_scope"] == "node" and rank["arrival_lead_s"] == rank["node_lead_s"]
+    assert "Arrival lead (among this node's ranks)" in client.get("/").text
 
 
 @pytest.mark.parametrize(
@@ -305,6 +308,11 @@ def test_the_lead_gauge_is_node_local_and_the_state_job_wide():
     assert node_local == {"0": pytest.approx(0.0), "1": pytest.approx(0.030)}, node_local
     leads = {r["rank"]: r["arrival_lead_s"] for r in state["ranks"]}
     assert leads == {0: pytest.approx(0.050), 1: pytest.approx(0.080)}, leads
+    # and says whose they are; the node's own stays beside them
+    assert {r["lead_scope"] for r in state["ranks"]} == {"job"}
+    assert "Arrival lead (the job's, read back from Prometheus)" in page
+    own = {r["rank"]: r["node_lead_s"] for r in state["ranks"]}
+    assert own == {0: pytest.approx(0.0), 1: pytest.approx(0.030)}, own
     # The job-wide view names a straggler at SyncscopeStraggler's line, and the page says so.
     cfg = load_config()
     ratio = min(lv.threshold for lv in cfg.alerts["SyncscopeStraggler"].levels)
