@@ -9,6 +9,8 @@ demo:
 	scripts/setup demo
 	.venv/bin/syncscope demo $(DEMO_ARGS)
 
+# About 55 minutes here (2 shared cores), most of it real multi-rank jobs; their ranks are
+# forked from one process that has already imported torch (syncscope/lab/forkserver.py).
 test:
 	scripts/setup test
 	.venv/bin/ruff check .
