@@ -48,12 +48,16 @@ def fork_ranks(enabled: bool) -> None:
         _Forking.server = None
 
 
-def _fork_server(module: str, env: Mapping[str, str]) -> ForkServer | None:
-    if not _Forking.enabled:
-        return None
-    if _Forking.server is None:
+def fork_server() -> ForkServer | None:
+    """The server ranks are forked from, started now if need be (None: forking is off)."""
+    if _Forking.enabled and _Forking.server is None:
         _Forking.server = ForkServer()
-    return _Forking.server if _Forking.server.serves(module, env) else None
+    return _Forking.server
+
+
+def _fork_server(module: str, env: Mapping[str, str]) -> ForkServer | None:
+    server = fork_server()
+    return server if server is not None and server.serves(module, env) else None
 
 
 def launch(
