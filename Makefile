@@ -9,8 +9,8 @@ demo:
 	scripts/setup demo
 	.venv/bin/syncscope demo $(DEMO_ARGS)
 
-# About 55 minutes here (2 shared cores), most of it real multi-rank jobs; their ranks are
-# forked from one process that has already imported torch (syncscope/lab/forkserver.py).
+# Most of its time is real multi-rank jobs (docs/evaluation.md, "The test suite"); their ranks
+# are forked from one process that has already imported torch (syncscope/lab/forkserver.py).
 test:
 	scripts/setup test
 	.venv/bin/ruff check .
