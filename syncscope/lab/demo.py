@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Any
 
-from syncscope.lab.launch import RankProcess, launch
+from syncscope.lab.launch import launch, stop
 from syncscope.lab.nodes import EmulatedNodes, NodesUnavailable
 from syncscope.lab.servers import Prometheus, free_port, get_json, start_exporter
 from syncscope.monitoring.prometheus_config import local_config
@@ -177,16 +177,6 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, workdir, stack)
 
 
-def _stop(proc: RankProcess) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(5)
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
 def _run(args: argparse.Namespace, workdir: str, stack: contextlib.ExitStack) -> int:
     job = "demo"
     train_args = [
@@ -221,7 +211,7 @@ def _run(args: argparse.Namespace, workdir: str, stack: contextlib.ExitStack) ->
     else:
         port = args.port or free_port()
         exporter = start_exporter(port, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        stack.callback(_stop, exporter)
+        stack.callback(stop, exporter)
         exporter_ports = [port]
     prom = demo_prometheus(exporter_ports, workdir) if args.prometheus == "auto" else None
     if prom is not None:
@@ -259,7 +249,7 @@ def _run(args: argparse.Namespace, workdir: str, stack: contextlib.ExitStack) ->
     else:
         ranks = launch(args.ranks, train_args, env=env, **out)
     for p in ranks:
-        stack.callback(_stop, p)
+        stack.callback(stop, p)
     view = _View(job, bases, prom, multi=cluster is not None)
     tty = sys.stdout.isatty()
     last_print = 0.0

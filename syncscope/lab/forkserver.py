@@ -45,6 +45,7 @@ _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
 _MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2
 _PR_SET_PDEATHSIG = 1
 _HEADER = struct.Struct("!I")
+_LIBC = ctypes.CDLL(None, use_errno=True)  # setns, unshare, mount, umount2, prctl
 
 
 @dataclass(frozen=True)
@@ -72,26 +73,25 @@ def _check(result: int, what: str) -> None:
 def _enter(place: Placement) -> None:
     """Join the placement's namespaces, as `ip netns exec` does: the network namespace, then a
     mount namespace of its own whose /sys shows that network namespace's interfaces."""
-    libc = ctypes.CDLL(None, use_errno=True)
     if place.netns:
         fd = os.open(os.path.join(NETNS_DIR, place.netns), os.O_RDONLY)
         try:
-            _check(libc.setns(fd, _CLONE_NEWNET), f"setns {place.netns}")
+            _check(_LIBC.setns(fd, _CLONE_NEWNET), f"setns {place.netns}")
         finally:
             os.close(fd)
-        _check(libc.unshare(_CLONE_NEWNS), "unshare mount namespace")
-        _check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "mount / slave")
-        _check(libc.umount2(b"/sys", _MNT_DETACH), "umount /sys")
-        _check(libc.mount(place.netns.encode(), b"/sys", b"sysfs", 0, None), "mount /sys")
+        _check(_LIBC.unshare(_CLONE_NEWNS), "unshare mount namespace")
+        _check(_LIBC.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "mount / slave")
+        _check(_LIBC.umount2(b"/sys", _MNT_DETACH), "umount /sys")
+        _check(_LIBC.mount(place.netns.encode(), b"/sys", b"sysfs", 0, None), "mount /sys")
     if place.hostname:
-        _check(libc.unshare(_CLONE_NEWUTS), "unshare UTS namespace")
+        _check(_LIBC.unshare(_CLONE_NEWUTS), "unshare UTS namespace")
         socket.sethostname(place.hostname)
 
 
 # -- the server ---------------------------------------------------------------------------------
 def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
-    while len(data) < _HEADER.size or len(data) < _HEADER.size + _HEADER.unpack_from(data)[0]:
+    while len(data) < _HEADER.size or len(data) - _HEADER.size < _HEADER.unpack_from(data)[0]:
         more = conn.recv(1 << 16)
         if not more:
             raise EOFError("the client hung up mid-request")
@@ -101,8 +101,7 @@ def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
 
 def _become(request: dict[str, Any], fds: list[int], keep_closed: list[socket.socket]) -> None:
     """In the forked child: take the request's stdio, place, directory and environment."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the server gone (its client died): go too
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the server gone (its client died): go too
     for s in keep_closed:
         s.close()
     for target, fd in enumerate(fds):
@@ -124,7 +123,7 @@ def serve(path: str, preload: Sequence[str]) -> dict[str, Any] | None:
     for name in preload:
         __import__(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client decides when the server stops
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)

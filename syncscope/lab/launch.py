@@ -11,6 +11,7 @@ does so.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import subprocess
@@ -111,6 +112,17 @@ def launch(
         command = [*before, sys.executable, "-m", module, *args]
         procs.append(subprocess.Popen(command, env=rank_vars, stdout=stdout, stderr=stderr))
     return procs
+
+
+def stop(proc: RankProcess, grace: float = 5.0) -> None:
+    """Terminate a rank (or any process), killing it after ``grace`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 def wait_all(procs: Sequence[RankProcess], timeout: float) -> list[int]:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from syncscope.lab.forkserver import Placement
-from syncscope.lab.launch import RankProcess, launch, wait_all
+from syncscope.lab.launch import RankProcess, launch, stop, wait_all
 from syncscope.lab.servers import free_port, get_json, start_exporter
 from syncscope.lab.truth import Truth, truth_from_dir
 
@@ -151,16 +151,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _stop(proc: RankProcess, grace: float = 5.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(grace)
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
 class EmulatedNodes:
     """N emulated nodes of R ranks each; a context manager that removes everything on exit.
 
@@ -270,10 +260,10 @@ class EmulatedNodes:
     def close(self) -> None:
         """Stop ranks and exporters, delete the namespaces (and with them the veths)."""
         for proc in [*self.ranks, *self._flows]:
-            _stop(proc, grace=2.0)
+            stop(proc, grace=2.0)
         for node in self.nodes:
             if node.exporter is not None:
-                _stop(node.exporter)
+                stop(node.exporter)
         for name in reversed(self._made):
             with contextlib.suppress(NodesUnavailable):
                 iproute("ip", "netns", "delete", name)
@@ -409,7 +399,7 @@ class EmulatedNodes:
             yield
         finally:
             for proc in reversed(ends):
-                _stop(proc, grace=1.0)
+                stop(proc, grace=1.0)
 
     # -- reading it -------------------------------------------------------------------------
 

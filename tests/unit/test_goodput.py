@@ -222,8 +222,15 @@ def test_process_start_from_proc_and_none_where_unreadable(tmp_path):
     # old by the time it runs, late in the suite).
     before = time.time()
     out = subprocess.run(
-        [sys.executable, "-c", "from syncscope.agent.config import process_started_unix_s as p; print(p())"],
-        capture_output=True, text=True, check=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            "from syncscope.agent.config import process_started_unix_s as p; print(p())",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     ).stdout
     real = float(out)
     assert before - 2.0 < real <= time.time() + 0.1
