@@ -31,6 +31,7 @@ WORLD = 4
 # Median step time during a fault over the rest of the run: the bound is the machine's noise
 # (+-30 % between 100-step windows of an undisturbed run here), not a performance target.
 NOISE_BOUND = 1.5
+STEPS = 'syncscope_steps_total{job="restart"}'
 
 
 def produced(result: dict[str, Any]) -> int:
@@ -212,6 +213,12 @@ def test_exporter_killed_and_restarted_mid_run(job_factory, tmp_path):
         job = job_factory(WORLD, ["--duration", "25"], first.url, job="restart")
         assert wait_until(lambda: len(first_steps_seen(first, "restart")) == WORLD, 60)
         time.sleep(5)
+        if prom is not None:
+            # Prometheus hands a new target to its scrapers up to 5 s after it is ready, and the
+            # forked ranks report within 2 s of the launch: without this wait a loaded machine
+            # kills the first exporter before Prometheus has one sample of it, and there is no
+            # reset to see.
+            assert wait_until(lambda: len(prom.query(STEPS)) == WORLD, 15), prom.query("up")
         before = first.metrics_text()
         started_before = first.state()["started_unix_s"]
         steps_at_kill = by_rank(parse_samples(before, "syncscope_steps_total"))
@@ -273,14 +280,19 @@ def test_exporter_killed_and_restarted_mid_run(job_factory, tmp_path):
 
         if prom is not None:
             # The real thing: rate() over the restart never goes negative, and a reset is seen.
-            resets = prom.query('resets(syncscope_steps_total{job="restart"}[5m])')
-            low = prom.query(
-                'min(min_over_time(rate(syncscope_steps_total{job="restart"}[3s])[5m:1s]))'
+            # It held the first exporter's counters (above) and has scraped the second's.
+            assert wait_until(
+                lambda: prom.query(
+                    f"syncscope_exporter_start_time_seconds >= {state['started_unix_s'] - 1e-3}"
+                ),
+                15,
             )
+            resets = prom.query(f"resets({STEPS}[5m])")
+            low = prom.query(f"min(min_over_time(rate({STEPS}[3s])[5m:1s]))")
             print(f"prometheus: resets {resets} min rate {low}")
-            if resets and low:  # Prometheus scraped both exporters
-                assert all(float(x["value"][1]) >= 1 for x in resets), resets
-                assert float(low[0]["value"][1]) >= 0, low
+            assert len(resets) == WORLD, resets
+            assert all(float(x["value"][1]) >= 1 for x in resets), resets
+            assert low and float(low[0]["value"][1]) >= 0, low
     finally:
         for e in (first, second):
             if e is not None:
