@@ -54,11 +54,17 @@ STEP_START, FWD_PRE, FWD_POST, BWD_START, BWD_END, COMM_END, OPT_PRE, OPT_POST, 
 # Backward ends at the first parameter gradient's post-accumulate-grad hook, registered once
 # and cheap when it fires, rather than a hook on the forward output registered every step
 # (bench/bench_hook_costs.py). The first backward learns which parameters' gradients come
-# first (all trainable ones watched once); then only TRIGGERS of them keep a hook. A backward
-# after a forward in which none fires (conditional compute) learns again; after RELEARN_LIMIT
-# such misses (gradients assigned, as FSDP does, or another model's backward) the clock falls
-# back to the forward output's hook: dearer, but it needs no parameter.
+# first; then only TRIGGERS of them keep a hook. It watches the last LEARN_WINDOW trainable
+# parameters only (gradients come roughly in reverse order of registration): a parameter keeps
+# paying for a hook after the hook is removed (torch leaves its tensor's C++ hook in place, an
+# empty dict's call every backward: ~1,000 instructions, callgrind), so watching all of them
+# once cost a model of 300 parameter tensors ~150 µs a step for good. A backward after a forward
+# in which none fires (conditional compute, or the window's parameters unused) learns again
+# over twice the window; after RELEARN_LIMIT such misses (gradients assigned, as FSDP does, or
+# another model's backward) the clock falls back to the forward output's hook: dearer, but it
+# needs no parameter.
 TRIGGERS = 2  # parameters whose gradients come first, hooked after learning
+LEARN_WINDOW = 8  # the trainable parameters, counted from the last, the first learning watches
 RELEARN_LIMIT = 16
 _now = time.perf_counter_ns
 
@@ -120,6 +126,7 @@ class PhaseClock:
         self._params: list[Any] = []
         self._grad_hooks: dict[int, Any] = {}
         self._learned: list[Any] | None = None  # parameters in the order their gradients came
+        self._watched = 0  # how many of _params, from the last, learning has watched
         # Tail drop: a full queue refuses the new record and counts it. (Appending to a full
         # deque(maxlen) would evict the oldest instead, and "was it full?" checked before the
         # append races with the reporter's drain, so the count could be off.)
@@ -413,9 +420,12 @@ class PhaseClock:
 
     # -- backward -----------------------------------------------------------------------------
     def _learn(self) -> None:
+        """Watch the last LEARN_WINDOW parameters (twice as many as the last time, when learning
+        again) for the first gradients of the next backward."""
         seen = set(self._grad_hooks)
         self._learned = []
-        for p in self._params:
+        self._watched = max(LEARN_WINDOW, 2 * self._watched)
+        for p in self._params[-self._watched :]:
             if id(p) not in seen and p.is_leaf:
                 seen.add(id(p))
                 self._grad_hooks[id(p)] = _grad_hook(p, self.grad_ready)

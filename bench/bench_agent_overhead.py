@@ -546,6 +546,10 @@ SIZES = (  # (label, hidden, layers, batch): about 0.2, 2, 10 and 50 ms CPU step
     ("~10 ms", 512, 4, 192),
     ("~50 ms", 1024, 4, 192),
 )
+# As many parameter tensors as a small transformer (GPT-2 small has 148), steps of ~5 ms: what
+# grows with the parameter count (hooks per parameter) shows here, not in SIZES (<= 10 each).
+# Only with `--size-steps deep`: it is no point on the cost-vs-step-time slope.
+DEEP = ("deep (130 tensors)", 16, 64, 4)
 
 
 def transports(http_url: str, shm_url: str) -> dict[str, Callable[..., Any]]:
@@ -585,24 +589,30 @@ def cost_vs_size(
     """
     rng = random.Random(1)
     interval = AgentConfig().flush_interval_s
+    arms: list[str | None] = [None, *agents]
     setups = []
     for label, hidden, layers, batch in sizes:
-        model, opt = make(hidden, layers)
+        # A model of its own per arm: what an agent leaves on a model's parameters (torch keeps
+        # a tensor's C++ gradient hook after its Python hooks are removed) must not land on the
+        # other arms' steps.
+        models = {arm: make(hidden, layers) for arm in arms}
         x, y = torch.randn(batch, hidden), torch.randn(batch, 1)
+        model, opt = models[None]
         run(model, opt, x, y, 3, None, "")
         _, _, wall = run(model, opt, x, y, 5, None, "")
         steps = max(5, round(arm_s * 1e6 / wall))
-        for attach in agents.values():
+        for name, attach in agents.items():
+            model, opt = models[name]
             run(model, opt, x, y, 3, attach, "")
-        setups.append((label, model, opt, x, y, steps))
-    arms: list[str | None] = [None, *agents]
+        setups.append((label, models, x, y, steps))
     res = {(s[0], a): [] for s in setups for a in arms}  # type: dict[tuple[str, str | None], list]
     for i in range(rounds):
-        for label, model, opt, x, y, steps in setups:
+        for label, models, x, y, steps in setups:
             order = arms[i % len(arms) :] + arms[: i % len(arms)]
             for arm in order:
                 warm = rng.uniform(0.0, interval) if arm == "http" else 0.0
                 agent = agents[arm] if arm is not None else None
+                model, opt = models[arm]
                 res[(label, arm)].append(run(model, opt, x, y, steps, agent, "", warm, 3))
     print(
         f"cost vs model size: {rounds} rounds, ~{arm_s:.1f} s per arm; cells: median of per-round "
@@ -617,7 +627,7 @@ def cost_vs_size(
         head = ["step", "steps/arm", "train-thread CPU, µs", "process CPU, µs", "wall ratio"]
         print(f"  {arm}:")
         print("    " + "".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip())
-        for label, _m, _o, _x, _y, steps in setups:
+        for label, _m, _x, _y, steps in setups:
             base, rows = res[(label, None)], res[(label, arm)]
             d_cpu = [r[0] - b[0] for r, b in zip(rows, base, strict=True)]
             d_proc = [r[1] - b[1] for r, b in zip(rows, base, strict=True)]
@@ -1130,7 +1140,8 @@ def main() -> None:
         "--size-steps",
         default=None,
         metavar="MS,MS",
-        help="only these of --sizes' steps, e.g. 10 (for longer arms where the noise is)",
+        help="only these of --sizes' steps, e.g. 10 (for longer arms where the noise is), "
+        "or deep (the model with 130 parameter tensors)",
     )
     p.add_argument(
         "--size-arms",
@@ -1274,7 +1285,9 @@ def main() -> None:
             picked: tuple[tuple[str, int, int, int], ...] = SIZES
             if a.size_steps:
                 picked = tuple(
-                    z for z in SIZES if z[0].removeprefix("~").split()[0] in a.size_steps.split(",")
+                    z
+                    for z in (*SIZES, DEEP)
+                    if z[0].removeprefix("~").split()[0] in a.size_steps.split(",")
                 )
             cost_vs_size(a.sizes, a.arm_s, chosen, picked)
         if legacy and (a.pauses or not modes):

@@ -17,6 +17,7 @@ from syncscope.agent.phases import (  # noqa: E402
     BACKWARD,
     COMM,
     FORWARD,
+    LEARN_WINDOW,
     RELEARN_LIMIT,
     ROW_WORK,
     TRIGGERS,
@@ -211,6 +212,51 @@ def test_only_the_first_gradients_stay_hooked_and_a_missed_trigger_relearns():
     # The step where the trigger missed has no backward; the ones after it do again.
     assert rows[3][3 + BACKWARD] == 0
     assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[4:])
+    assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[1:3])
+
+
+def test_learning_hooks_only_the_last_parameters_and_widens_after_a_miss():
+    # torch keeps a parameter's C++ post-accumulate-grad hook after its last Python hook is
+    # removed (every backward calls it on an empty dict), so a parameter learning ever hooked
+    # costs every step for good: learning must not touch the whole model.
+    layers = 3 * LEARN_WINDOW  # 2 parameter tensors each: 6 windows
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)])
+    params = list(model.parameters())
+    errors: list = []
+    clock = clock_for(model, errors)
+    skip_tail = {"on": False}
+
+    def forward(x):
+        # from step 3 on the last half of the model is not used: its triggers get no gradient
+        last = layers // 2 if skip_tail["on"] else layers
+        for layer in model[:last]:
+            x = layer(x)
+        return SleepInBackward.apply(x, 4.0)
+
+    model.forward = forward  # type: ignore[method-assign]
+
+    def ever_hooked() -> set[int]:
+        return {i for i, p in enumerate(params) if p._post_accumulate_grad_hooks is not None}
+
+    def switch(i, out):
+        if i == 1:
+            assert ever_hooked() == set(range(len(params) - LEARN_WINDOW, len(params)))
+            assert len(clock._grad_hooks) == TRIGGERS
+            assert set(clock._grad_hooks) <= {id(p) for p in params[-LEARN_WINDOW:]}
+        if i == 2:
+            skip_tail["on"] = True
+        return out
+
+    rows = train(model, clock, 12, torch.randn(2, 4), before_backward=switch)
+    assert errors == []
+    # Steps 3 and 4 missed: the unused half is 3 windows, so learning watched 2 windows, then
+    # 4, which reach the used parameters; the first 2 windows were never hooked.
+    assert clock.misses == 2
+    assert [row[3 + BACKWARD] == 0 for row in rows[3:5]] == [True, True]
+    hooked = ever_hooked()
+    assert min(hooked) == len(params) - 4 * LEARN_WINDOW and max(hooked) == len(params) - 1
+    assert set(clock._grad_hooks) <= {id(p) for p in params[: len(params) // 2]}
+    assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[5:])
     assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[1:3])
 
 
