@@ -217,8 +217,15 @@ def ab(args) -> int:
             preexec_fn=(lambda: os.sched_setaffinity(0, others)) if others else None,
         )
         url = f"http://127.0.0.1:{port}"
-    model, opt, x = build(torch, args.layers, args.d, args.batch, args.seq, local_rank, cuda)
-    run_steps(model, opt, x, args.warmup)
+    # A model per arm, the same from the same seed: what an agent leaves on a model's
+    # parameters (torch keeps a tensor's C++ gradient hook after its Python hooks are removed)
+    # stays off the detached arm's steps.
+    models = {}
+    for attached in (False, True):
+        torch.manual_seed(0)
+        models[attached] = build(torch, args.layers, args.d, args.batch, args.seq, local_rank, cuda)
+        model, opt, x = models[attached]
+        run_steps(model, opt, x, args.warmup)
     times: dict[bool, list[float]] = {False: [], True: []}
     per_round: list[dict[str, list[float]]] = []  # each round's step times, per arm (--steps-out)
     thread_cpu: dict[bool, list[float]] = {False: [], True: []}  # µs per step, per round
@@ -228,6 +235,7 @@ def ab(args) -> int:
 
     def attached_agent():
         """The attached arm's agent: `--without` parts out, `--dump-every` applied."""
+        model, opt, _ = models[True]
         agent = attach(model=model, optimizer=opt, exporter=url, **options)
         without(agent, args.without)
         reader = getattr(agent, "nccl_reader", None)
@@ -242,6 +250,7 @@ def ab(args) -> int:
         for attached in (False, True) if i % 2 == 0 else (True, False):
             agent = attached_agent() if attached else None
             reader = getattr(agent, "nccl_reader", None)
+            model, opt, x = models[attached]
             run_steps(model, opt, x, args.warmup)
             before = reader.stats["dumps"] if reader is not None else 0
             measured = run_steps(model, opt, x, args.steps, thread_cpu[attached])
@@ -258,8 +267,10 @@ def ab(args) -> int:
                 agent.close()
         round_ratios.append(attached_median / detached_median)
     if args.profile:
+        model, opt, x = models[False]
         profile_round(model, opt, x, args.profile, "detached")
         agent = attached_agent()
+        model, opt, x = models[True]
         run_steps(model, opt, x, args.warmup)
         profile_round(model, opt, x, args.profile, f"attached (without {args.without or 'none'})")
         agent.close()

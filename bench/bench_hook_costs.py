@@ -7,6 +7,9 @@ tiny DDP model (gloo, one process) so the hooks are visible. Mechanisms:
   instance wrapper   the model's forward wrapped on the instance (what the agent does)
   output hook/step   a no-op hook registered on the forward output's grad_fn every step
   param hook         a no-op post-accumulate-grad hook registered once on one parameter
+  ... removed        one registered and removed on each of the 4 parameters: torch keeps the
+                     tensor's C++ hook, called every backward on an empty dict (why the agent
+                     learns its trigger parameters from a few of them, agent/phases.py)
   agent clock        the agent's whole PhaseClock (forward, backward, optimizer, callbacks)
   CUDA clock         the CUDA path's CudaPhaseClock with its resolver thread, CUDA stubbed:
                      events that cost nothing (a real Event.record is ~2.2 µs on an H100), so
@@ -71,14 +74,25 @@ def main() -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = tempfile.mktemp(prefix="syncscope-bench-")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    layers = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    model = torch.nn.parallel.DistributedDataParallel(layers)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     x, y = torch.randn(4, 16), torch.randn(4, 1)
-    per_step: list[Callable[[Any], None]] = []  # called on each forward output
 
-    def run(steps: int) -> tuple[float, float]:
+    class Rig:
+        """A model and optimizer of their own. Each mechanism gets one, and the arms without
+        one run on a model nothing was ever installed on: torch keeps a parameter's C++
+        gradient hook after its Python hooks are removed, so a shared model would carry one
+        mechanism's leftovers into the others' arms."""
+
+        def __init__(self) -> None:
+            layers = torch.nn.Sequential(
+                torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)
+            )
+            self.model = torch.nn.parallel.DistributedDataParallel(layers)
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+            self.per_step: list[Callable[[Any], None]] = []  # called on each forward output
+
+    def run(rig: Rig, steps: int) -> tuple[float, float]:
         """Training-thread and whole-process CPU per step, µs."""
+        model, opt, per_step = rig.model, rig.opt, rig.per_step
         cpu, proc = time.thread_time_ns(), time.process_time_ns()
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
@@ -92,10 +106,10 @@ def main() -> None:
             (time.process_time_ns() - proc) / 1e3 / steps,
         )
 
-    def module_hooks() -> list:
-        return [model.register_forward_pre_hook(noop), model.register_forward_hook(noop)]
+    def module_hooks(rig: Rig) -> list:
+        return [rig.model.register_forward_pre_hook(noop), rig.model.register_forward_hook(noop)]
 
-    def instance_wrapper() -> list:
+    def instance_wrapper(rig: Rig) -> list:
         def timed(original: Callable[..., Any], count: bool = True) -> Callable[..., Any]:
             def forward(*args: Any, **kwargs: Any) -> Any:
                 noop()
@@ -105,25 +119,30 @@ def main() -> None:
 
             return forward
 
-        return [wrap_forward(model, timed)]
+        return [wrap_forward(rig.model, timed)]
 
-    def output_hook() -> list:
-        per_step.append(lambda out: out.grad_fn.register_prehook(noop))
-        return [SimpleNamespace(remove=per_step.clear)]
+    def output_hook(rig: Rig) -> list:
+        rig.per_step.append(lambda out: out.grad_fn.register_prehook(noop))
+        return [SimpleNamespace(remove=rig.per_step.clear)]
 
-    def param_hook() -> list:
-        return [list(model.parameters())[-1].register_post_accumulate_grad_hook(noop)]
+    def param_hook(rig: Rig) -> list:
+        return [list(rig.model.parameters())[-1].register_post_accumulate_grad_hook(noop)]
 
-    def agent_clock(every: int = 1) -> list:
+    def param_hook_removed(rig: Rig) -> list:
+        for p in rig.model.parameters():  # what torch leaves once a hook is gone, per parameter
+            p.register_post_accumulate_grad_hook(noop).remove()
+        return []
+
+    def agent_clock(rig: Rig, every: int = 1) -> list:
         queue = torch.autograd.Variable._execution_engine.queue_callback
         clock = PhaseClock(
-            deque(maxlen=8192), deque(maxlen=32768), queue, "g", 1.0, noop, ddp_model=model
+            deque(maxlen=8192), deque(maxlen=32768), queue, "g", 1.0, noop, ddp_model=rig.model
         )
         clock.phase_every = every
-        clock.instrument(model, opt)
+        clock.instrument(rig.model, rig.opt)
         return [SimpleNamespace(remove=clock.uninstrument)]
 
-    def cuda_clock(every: int = 1) -> list:
+    def cuda_clock(rig: Rig, every: int = 1) -> list:
         queue = torch.autograd.Variable._execution_engine.queue_callback
         clock = CudaPhaseClock(
             deque(maxlen=8192),
@@ -132,12 +151,12 @@ def main() -> None:
             "g",
             1.0,
             noop,
-            ddp_model=model,
+            ddp_model=rig.model,
             event_factory=StubEvent,
             thread_guard=lambda: None,
         )
         clock.phase_every = every
-        clock.instrument(model, opt)
+        clock.instrument(rig.model, rig.opt)
         clock.start()
 
         def remove() -> None:
@@ -146,18 +165,22 @@ def main() -> None:
 
         return [SimpleNamespace(remove=remove)]
 
-    mechanisms = {
+    mechanisms: dict[str, Callable[[Rig], list]] = {
         "module hooks (pre + post)": module_hooks,
         "instance wrapper of forward": instance_wrapper,
         "output grad_fn hook, every step": output_hook,
         "post-accumulate-grad hook, once": param_hook,
+        "the same, removed, on all 4 params": param_hook_removed,
         "agent PhaseClock, everything": agent_clock,
         "CudaPhaseClock, CUDA stubbed": cuda_clock,
-        "PhaseClock, phases 1 step in 16": lambda: agent_clock(16),
-        "CudaPhaseClock, stubbed, 1 in 16": lambda: cuda_clock(16),
+        "PhaseClock, phases 1 step in 16": lambda rig: agent_clock(rig, 16),
+        "CudaPhaseClock, stubbed, 1 in 16": lambda rig: cuda_clock(rig, 16),
     }
+    bare = Rig()
+    rigs = {name: Rig() for name in mechanisms}
     events: dict[str, float] = {}
-    run(200)  # warm-up
+    for rig in (bare, *rigs.values()):
+        run(rig, 200)  # warm-up
     diffs: dict[str, list[float]] = {name: [] for name in mechanisms}
     process: dict[str, list[float]] = {name: [] for name in mechanisms}
     for i in range(a.rounds):
@@ -165,18 +188,19 @@ def main() -> None:
             out = {}
             for with_it in (True, False) if i % 2 == 0 else (False, True):
                 if with_it:
-                    handles = install()
-                    run(20)  # the clock learns its trigger parameters on the first backward
+                    rig = rigs[name]
+                    handles = install(rig)
+                    run(rig, 20)  # the clock learns its trigger parameters on the first backward
                     before = StubEvent.recorded
-                    out[True] = run(a.steps)
+                    out[True] = run(rig, a.steps)
                     events[name] = (StubEvent.recorded - before) / a.steps
                     for h in handles:
                         h.remove()
                 else:
-                    out[False] = run(a.steps)
+                    out[False] = run(bare, a.steps)
             diffs[name].append(out[True][0] - out[False][0])
             process[name].append(out[True][1] - out[False][1])
-    base = run(1000)[0]
+    base = run(bare, 1000)[0]
     print(f"DDP (gloo, 1 rank), tiny model: {base:.0f} µs of training-thread CPU per step")
     print(f"{a.rounds} rounds x {a.steps} steps; CPU per step, with minus without:")
     print(f"  {'':34s} {'training thread':28s} whole process  events a step")
