@@ -118,6 +118,13 @@ def make(hidden: int, layers: int):
     return model, torch.optim.SGD(model.parameters(), lr=1e-4)
 
 
+def separate_models(arms: Any, hidden: int, layers: int) -> dict[Any, tuple[Any, Any]]:
+    """A (model, optimizer) of its own for each arm, all alike: torch keeps a parameter's C++
+    gradient hook after its Python hooks are removed, so on a shared model the hooks one agent
+    left would be paid by the other arms too (the arm without an agent included)."""
+    return {arm: make(hidden, layers) for arm in arms}
+
+
 def run(
     model,
     opt,
@@ -175,12 +182,12 @@ def guard(rounds: int, steps: int, exporter: str, plant_us: float) -> dict[str, 
     interleaved pairs of `steps`-step arms. Returns, per figure (thread_cpu, wall): the median
     of per-round differences (µs per step), its 90 % interval, the budget, and `over` (the
     interval's lower end is over the budget)."""
-    model, opt = make(16, 1)
     x, y = torch.randn(4, 16), torch.randn(4, 1)
 
     def planted(**kwargs: Any) -> Any:
         agent = syncscope.agent.attach(**kwargs)
         if plant_us > 0:
+            opt = kwargs["optimizer"]
             handle = opt.register_step_post_hook(lambda *_: time.sleep(plant_us / 1e6))
             close = agent.close
 
@@ -191,12 +198,15 @@ def guard(rounds: int, steps: int, exporter: str, plant_us: float) -> dict[str, 
             agent.close = close_both  # type: ignore[method-assign]
         return agent
 
-    run(model, opt, x, y, 100, None, exporter)  # warm-up
-    run(model, opt, x, y, 50, planted, exporter)
+    models = separate_models((None, planted), 16, 1)
+    run(*models[None], x, y, 100, None, exporter)  # warm-up
+    run(*models[planted], x, y, 50, planted, exporter)
     diffs: dict[str, list[float]] = {"thread_cpu": [], "wall": []}
     for i in range(rounds):
         arms: list[Any] = [None, planted] if i % 2 == 0 else [planted, None]
-        out = {id(arm): run(model, opt, x, y, steps, arm, exporter, warm_steps=30) for arm in arms}
+        out = {
+            id(arm): run(*models[arm], x, y, steps, arm, exporter, warm_steps=30) for arm in arms
+        }
         with_it, without = out[id(planted)], out[id(None)]
         diffs["thread_cpu"].append(with_it[0] - without[0])
         diffs["wall"].append(with_it[2] - without[2])
@@ -274,12 +284,12 @@ def scenario(
     seed: int = 0,
 ) -> dict[str | None, list[tuple[float, float, float]]]:
     """Run the interleaved rounds; returns each arm's (CPU, process CPU, wall) per round."""
-    model, opt = make(hidden, layers)
-    x, y = torch.randn(batch, hidden), torch.randn(batch, 1)
-    run(model, opt, x, y, 50, None, exporter)  # warm-up
-    for attach in agents.values():
-        run(model, opt, x, y, 50, attach, exporter)
     arms: list[str | None] = [None, *agents]
+    models = separate_models(arms, hidden, layers)
+    x, y = torch.randn(batch, hidden), torch.randn(batch, 1)
+    run(*models[None], x, y, 50, None, exporter)  # warm-up
+    for name, attach in agents.items():
+        run(*models[name], x, y, 50, attach, exporter)
     results: dict[str | None, list[tuple[float, float, float]]] = {a: [] for a in arms}
     rng = random.Random(seed)
     interval = AgentConfig().flush_interval_s
@@ -290,7 +300,7 @@ def scenario(
             order.reverse()
         for arm in order:
             agent = agents[arm] if arm is not None else None
-            results[arm].append(run(model, opt, x, y, steps, agent, exporter, warm_s))
+            results[arm].append(run(*models[arm], x, y, steps, agent, exporter, warm_s))
     return results
 
 
@@ -592,10 +602,7 @@ def cost_vs_size(
     arms: list[str | None] = [None, *agents]
     setups = []
     for label, hidden, layers, batch in sizes:
-        # A model of its own per arm: what an agent leaves on a model's parameters (torch keeps
-        # a tensor's C++ gradient hook after its Python hooks are removed) must not land on the
-        # other arms' steps.
-        models = {arm: make(hidden, layers) for arm in arms}
+        models = separate_models(arms, hidden, layers)
         x, y = torch.randn(batch, hidden), torch.randn(batch, 1)
         model, opt = models[None]
         run(model, opt, x, y, 3, None, "")
@@ -868,10 +875,11 @@ def job_worker(a: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method=a.job_init, rank=rank, world_size=world)
     hidden, layers, batch = JOB_SIZE
     torch.manual_seed(rank)
-    model, opt = make(hidden, layers)
-    x, y = torch.randn(batch, hidden), torch.randn(batch, 1)
     agents = transports(a.job_http, a.job_shm)
     del agents["hooks"]
+    arms: list[str | None] = [None, *agents]
+    models = separate_models(arms, hidden, layers)  # every rank builds them in this order
+    x, y = torch.randn(batch, hidden), torch.randn(batch, 1)
     events: list[tuple[str, int, int, int]] = []  # (kind, start ns, wall ns, thread CPU ns)
     flush0, pump0 = tmod.Reporter.flush, shm_ring.ShmTransport.pump
 
@@ -895,29 +903,30 @@ def job_worker(a: argparse.Namespace) -> None:
     tmod.Reporter.flush = flush  # type: ignore[method-assign]
     shm_ring.ShmTransport.pump = pump  # type: ignore[method-assign]
 
-    def step() -> None:
+    def step(model: Any, opt: Any) -> None:
         opt.zero_grad(set_to_none=True)
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
 
-    for _ in range(10):
-        step()
+    for pair in models.values():
+        for _ in range(10):
+            step(*pair)
     rng = random.Random(18)  # the same on every rank: they agree on arms and warm-up steps
-    arms: list[str | None] = [None, *agents]
     out: dict[str, Any] = {"rounds": []}
     for i in range(a.job_rounds):
         order = arms[i % len(arms) :] + arms[: i % len(arms)]
         for arm in order:
             warm = rng.randrange(3, 3 + a.job_steps) if arm == "http" else 3
             dist.barrier()
+            model, opt = models[arm]
             agent = agents[arm](model=model, optimizer=opt, job="job") if arm else None
             for _ in range(warm):
-                step()
+                step(model, opt)
             starts = []
             t = time.perf_counter_ns()
             for _ in range(a.job_steps):
                 starts.append(t)
-                step()
+                step(model, opt)
                 t = time.perf_counter_ns()
             starts.append(t)
             if agent is not None:
