@@ -544,6 +544,7 @@ def _diagnose(
                     t,
                     "this node's ranks",
                     host=node_transfer.work,
+                    held_s=node_transfer.held_s,
                 )
                 modes["fabric_contention"] = (v.score, v.reason)
             else:
@@ -641,13 +642,18 @@ def contention_verdict(
     t: Thresholds,
     source: str,
     host: float | None = None,
+    held_s: float | None = None,
 ) -> ModeVerdict:
     """fabric_contention: the transfer per step against its own uncontended baseline (the same
     line as SyncscopeFabricContention): the verdict score where it reaches the line.
 
     `host`: the ranks' own work per step against its own baseline, where known. A host that
     slows everything (its CPUs shared with other work) inflates a host-driven transfer (gloo)
-    with the work; only the transfer's inflation beyond the work's is the fabric's."""
+    with the work; only the transfer's inflation beyond the work's is the fabric's.
+
+    `held_s`: how long the node's own reading has stayed over the line (node-local); it is a
+    verdict only once that reaches the alert's for: (t.contention_hold_s). None: a reading
+    the rules made (job-wide), whose alert applies its for: itself."""
     fabric = inflation / max(1.0, host or 1.0)
     excess = max(0.0, fabric - 1.0) / max(t.contention_inflation - 1.0, 1e-9)
     score = min(1.0, excess * t.verdict_score)
@@ -656,12 +662,17 @@ def contention_verdict(
         if host is not None and host > 1.0
         else ""
     )
-    return ModeVerdict(
-        round(score, 4),
-        score >= t.verdict_score,
+    reason = (
         f"the transfer per step (after the last rank arrives) is {transfer_s * 1e3:.1f} ms, "
-        f"{inflation:.2f}× its own baseline (line {t.contention_inflation:g}×; {source}){also}",
+        f"{inflation:.2f}× its own baseline (line {t.contention_inflation:g}×; {source}){also}"
     )
+    if score >= t.verdict_score and held_s is not None and held_s < t.contention_hold_s:
+        score = t.verdict_score - 0.01
+        reason += (
+            f"; over its line for {held_s:.0f} s of the {t.contention_hold_s:g} s it must hold "
+            "(SyncscopeFabricContention's for:)"
+        )
+    return ModeVerdict(round(score, 4), score >= t.verdict_score, reason)
 
 
 def _job_wide(

@@ -68,6 +68,9 @@ class NodeInflation(NamedTuple):
     transfer_s: float  # the median of the recent blocks' transfer per step
     transfer: float  # it ÷ the 10th percentile of the baseline window's blocks
     work: float  # the same ratio for the node's work per step (step − exposed comm − pacing)
+    # How long the transfer's share beyond the work's (transfer / max(1, work)) has stayed at
+    # or over the pool's contention line, block after block (s; 0: not over it now)
+    held_s: float = 0.0
 
 
 def _least_exposed(entries: dict[Rank, _RankStep], stages: dict[Rank, int]) -> dict[int, float]:
@@ -165,6 +168,10 @@ class JobPool:
     # window). Recent: the median of the blocks of the last `recent_window_s` (the rate window).
     baseline_window_s: float = 3600.0
     recent_window_s: float = 60.0
+    # SyncscopeFabricContention's line: from the block at which the inflation (the fabric's
+    # share) reached it, without a block under it since, the verdict's hold is counted
+    contention_line: float = 1.5
+    _over_since: float | None = None
     history: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=8192))
     _block: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # [transfer, work, n]
     # The node's transfer (sum of its minima) at each of the last `transfer_window` pooled
@@ -392,6 +399,12 @@ class JobPool:
             block[0] = block[1] = block[2] = 0.0
             while self.history and self.history[0][0] < now - self.baseline_window_s:
                 self.history.popleft()
+            got = self.inflation()
+            if got is not None and got.transfer / max(1.0, got.work) >= self.contention_line:
+                if self._over_since is None:
+                    self._over_since = now
+            else:
+                self._over_since = None
 
     def inflation(self) -> NodeInflation | None:
         """The node's recent transfer and work per step against their own baselines, or None
@@ -410,8 +423,12 @@ class JobPool:
         transfer_base, work_base = (sorted(b[i] for b in history)[p10] for i in (1, 2))
         if transfer_base <= 0:
             return None
+        over = self._over_since
         return NodeInflation(
-            transfer, transfer / transfer_base, work / work_base if work_base > 0 else 1.0
+            transfer,
+            transfer / transfer_base,
+            work / work_base if work_base > 0 else 1.0,
+            history[-1][0] - over if over is not None else 0.0,
         )
 
     def transfer_per_step(self) -> float | None:

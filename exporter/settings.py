@@ -49,6 +49,10 @@ class Thresholds:
     contention_recent_s: float
     throughput_horizon_s: float
     window: int = STEP_WINDOW  # most recent steps compared
+    # The node-local contention verdict's hold, SyncscopeFabricContention's for: a recent
+    # transfer over its line for less than the alert waits is what a noisy machine's spread of
+    # blocks can lend a clean run (median recent over a 10th-percentile baseline)
+    contention_hold_s: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: ThresholdsFile) -> Thresholds:
@@ -67,6 +71,7 @@ class Thresholds:
         section["straggler_hold_s"] = max(
             duration_seconds(alerts["SyncscopeStraggler"].for_), duration_seconds(windows.straggler)
         )
+        section["contention_hold_s"] = duration_seconds(alerts["SyncscopeFabricContention"].for_)
         section["contention_baseline_s"] = duration_seconds(windows.contention_baseline)
         section["contention_recent_s"] = duration_seconds(windows.rate)
         section["throughput_horizon_s"] = duration_seconds(windows.trend)

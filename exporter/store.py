@@ -600,7 +600,9 @@ class Store:
         """A job's pool, its contention baseline over the rules' windows (with --set)."""
         t = self.settings.thresholds
         return JobPool(
-            baseline_window_s=t.contention_baseline_s, recent_window_s=t.contention_recent_s
+            baseline_window_s=t.contention_baseline_s,
+            recent_window_s=t.contention_recent_s,
+            contention_line=t.contention_inflation,
         )
 
     def _new_incarnation(self, state: RankState, pool: JobPool) -> None:

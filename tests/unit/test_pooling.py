@@ -176,6 +176,28 @@ def test_the_nodes_transfer_history_gives_its_inflation_against_its_own_baseline
     assert got and abs(got.transfer - 2.0) < 1e-9 and abs(got.work - 2.0) < 1e-9
 
 
+def test_the_pool_counts_how_long_the_fabric_share_has_held_over_its_line(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("syncscope.exporter.pooling.time.monotonic", lambda: clock[0])
+    pool = JobPool(transfer_window=8, recent_window_s=10.0, contention_line=1.5)
+    _blocks(pool, [0.02] * 30, clock, 1.0)
+    assert pool.inflation().held_s == 0.0  # type: ignore[union-attr]
+    # Inflated: over the line from the block at which the last 10 s's median crossed it.
+    _blocks(pool, [0.05] * 40, clock, 1.0)
+    got = pool.inflation()
+    assert got and got.transfer >= 1.5 and 30.0 <= got.held_s <= 36.0, got
+    # One calm block does not end it (the median holds), a calm stretch does.
+    _blocks(pool, [0.02], clock, 1.0)
+    assert pool.inflation().held_s > 30.0  # type: ignore[union-attr]
+    _blocks(pool, [0.02] * 20, clock, 1.0)
+    assert pool.inflation().held_s == 0.0  # type: ignore[union-attr]
+    # The same inflation of the transfer with the ranks' own work as slow is the host's: no
+    # hold starts.
+    _blocks(pool, [0.05] * 40, clock, 1.0, work=0.125)
+    got = pool.inflation()
+    assert got and got.transfer >= 2.0 and got.work >= 2.0 and got.held_s == 0.0, got
+
+
 def test_node_local_contention_is_the_inflation_not_the_share_of_the_step():
     from syncscope.exporter.diagnosis import diagnose_job
     from syncscope.exporter.settings import Settings
@@ -184,14 +206,21 @@ def test_node_local_contention_is_the_inflation_not_the_share_of_the_step():
 
     ranks = ranks_of("balanced")  # the whole job on this node; transfer half of each step
 
-    def contention(transfer_s: float, transfer: float, work: float):
-        inflation = NodeInflation(transfer_s, transfer, work)
+    hold = Settings().thresholds.contention_hold_s  # SyncscopeFabricContention's for:
+    assert hold == 15 * 60
+
+    def contention(transfer_s: float, transfer: float, work: float, held_s: float = hold):
+        inflation = NodeInflation(transfer_s, transfer, work, held_s)
         return diagnose_job(ranks, Settings(), node_transfer=inflation).modes["fabric_contention"]
 
     calm = contention(0.02, 1.1, 1.0)
     assert not calm.verdict and "1.10× its own baseline" in calm.reason
     hot = contention(0.05, 2.5, 1.0)
     assert hot.verdict and hot.score == 1.0
+    # Over the line for less than the alert's for: no verdict yet, and the page says why.
+    early = contention(0.05, 2.5, 1.0, held_s=40.0)
+    assert not early.verdict and early.score < 0.5, early
+    assert "over its line for 40 s of the 900 s it must hold" in early.reason, early
     # The same transfer while the ranks' own work is as slow: the host, not the fabric.
     host = contention(0.05, 2.5, 2.4)
     assert not host.verdict and "own work is 2.40×" in host.reason, host
