@@ -122,8 +122,10 @@ def serve(path: str, preload: Sequence[str]) -> dict[str, Any] | None:
     Returns in a child only (its request); the server itself exits here."""
     for name in preload:
         __import__(name)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client decides when the server stops
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # The client decides when the server stops: it closes our stdin (its end closes with it,
+    # however it dies). No PDEATHSIG here: it fires when the *thread* that started us exits, and
+    # a test may start the server from a thread that ends long before the session does.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -227,6 +229,9 @@ class Forked:
 Stream = int | IO[bytes] | None
 
 
+FORKED_MODULE = "syncscope.lab.workload"  # the one module a server forks (the lab's ranks)
+
+
 class ForkServer:
     """A running ``python -m syncscope.lab.forkserver``; `spawn` forks a rank from it."""
 
@@ -248,9 +253,7 @@ class ForkServer:
 
     def serves(self, module: str, env: Mapping[str, str]) -> bool:
         """Whether a child of this server is the same as a fresh ``python -m module``."""
-        return module == "syncscope.lab.workload" and env.get("PYTHONPATH") == self.env.get(
-            "PYTHONPATH"
-        )
+        return module == FORKED_MODULE and env.get("PYTHONPATH") == self.env.get("PYTHONPATH")
 
     def spawn(
         self,

@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Protocol
 
-from syncscope.lab.forkserver import ForkServer, Placement
+from syncscope.lab.forkserver import FORKED_MODULE, ForkServer, Placement
 
 
 class RankProcess(Protocol):
@@ -57,6 +57,8 @@ def fork_server() -> ForkServer | None:
 
 
 def _fork_server(module: str, env: Mapping[str, str]) -> ForkServer | None:
+    if module != FORKED_MODULE:  # a trainer's script: not started (~5 s of CPU) for nothing
+        return None
     server = fork_server()
     return server if server is not None and server.serves(module, env) else None
 
@@ -65,7 +67,7 @@ def launch(
     world_size: int,
     args: Sequence[str],
     env: Mapping[str, str] | None = None,
-    module: str = "syncscope.lab.workload",
+    module: str = FORKED_MODULE,
     stdout: int | IO[bytes] | None = None,
     stderr: int | IO[bytes] | None = None,
     *,

@@ -55,6 +55,23 @@ def test_closing_the_server_kills_the_children_still_running():
     assert not os.path.exists(s.path)
 
 
+def test_a_server_started_from_a_thread_outlives_the_thread():
+    # A test's launcher thread can be the first to need the server (the trainer tiers run
+    # their ranks from one); the server must still serve the session after that thread ends.
+    import threading
+
+    started: list[ForkServer] = []
+    thread = threading.Thread(target=lambda: started.append(ForkServer(preload=())))
+    thread.start()
+    thread.join()
+    s = started[0]
+    try:
+        child = s.spawn(PROBE, ["0"], s.env, stdout=subprocess.DEVNULL)
+        assert child.wait(30) == 0
+    finally:
+        s.close()
+
+
 def test_only_the_lab_workload_under_the_servers_pythonpath_is_forked(server):
     assert server.serves("syncscope.lab.workload", server.env)
     assert not server.serves("train_script", server.env)
