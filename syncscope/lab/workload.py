@@ -271,6 +271,9 @@ def no_sync(model: Any) -> Any:
     return unsynced()
 
 
+_KEPT: list[dict] = []  # main()'s locals, alive until the process leaves (os._exit)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -444,6 +447,11 @@ def main(argv: list[str] | None = None) -> int:
             )
     dist.barrier()
     dist.destroy_process_group()
+    # Nothing this run built is destroyed on the way out: at main()'s return its locals (the
+    # model, the process group's tensors and works) were dropped while gloo's worker threads
+    # still ran, and one rank in ~50 deadlocked there (main thread and pt_gloo_runloop both in
+    # a futex wait, the result already written). They go with the process, at os._exit below.
+    _KEPT.append(locals())
     return 0
 
 
