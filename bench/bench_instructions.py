@@ -1,0 +1,223 @@
+"""The agent's cost on the training thread in instructions, not time: what noisy shared cores
+cannot blur.
+
+Runs itself under callgrind (valgrind's tool; `scripts/setup` does not install valgrind, the
+machine's package manager does) with collection off, and in the child switches it on only around
+each arm's measured steps (`callgrind_control -z` before, `-d LABEL` after), the training thread
+counted apart from the reporter's (`--separate-threads=yes`). Each arm runs on a DDP model
+(gloo, one rank) of its own, built alike: torch keeps a parameter's C++ gradient hook after its
+Python hooks are removed, so on a shared model one arm's leftovers would be counted in the next.
+
+Arms, instructions per step over the bare model's:
+  the bare mechanisms the agent's hooks use, each added on top of the ones above it: the
+  forward wrapped on the instance, optimizer pre- and post-hooks, torch.autograd.backward
+  wrapped, a post-accumulate-grad hook on two parameters, one of which queues an autograd
+  callback (queue_callback) at the first of them in each backward; then
+  the agent as attach() installs it (no exporter), every step timed, 1 step in 16 timed, and
+  without reading the work from the batch (detect_work=False).
+
+Counts are exact for one run, but two models built alike differ by a few thousand
+instructions a step (allocation, cache placement), so small differences between arms on
+models of their own are within that.
+
+Run: .venv/bin/python bench/bench_instructions.py [--layers 1] [--steps 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+# The arms, in the order the child measures them (its dumps are arm0, arm1, ...)
+ARMS = (
+    "bare",
+    "+ forward wrapper",
+    "+ optimizer pre/post hooks",
+    "+ backward wrapper",
+    "+ 2 gradient hooks",
+    "+ queue_callback",
+    "agent",
+    "agent, 1 step in 16 timed",
+    "agent, detect_work=False",
+)
+LABELS: list[str] = []  # the child's arms measured so far
+WARM_STEPS = 40  # past the agent's first steps (trigger learning, the startup event)
+
+
+def child(layers: int, steps: int) -> None:
+    """Under callgrind: every arm's steps, each between a zero and a dump of the counters."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import syncscope.agent
+    from bench_agent_overhead import make
+
+    store = tempfile.mktemp(prefix="syncscope-bench-")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    x, y = torch.randn(4, 16), torch.randn(4, 1)
+    pid = str(os.getpid())
+
+    def control(*args: str) -> None:
+        subprocess.run(["callgrind_control", *args, pid], check=True, capture_output=True)
+
+    def measure(label: str, model: Any, opt: Any) -> None:
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+        for _ in range(WARM_STEPS):
+            step()
+        control("-i", "on")
+        control("-z")
+        for _ in range(steps):
+            step()
+        assert label == ARMS[len(LABELS)], label
+        control("-d", f"arm{len(LABELS)}")  # callgrind_control takes no spaces here
+        LABELS.append(label)
+        control("-i", "off")
+
+    measure("bare", *make(16, layers))
+
+    # The mechanisms, cumulative, on a model of their own.
+    model, opt = make(16, layers)
+    original = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    model.forward = forward
+    measure("+ forward wrapper", model, opt)
+    opt.register_step_pre_hook(lambda *_: None)
+    opt.register_step_post_hook(lambda *_: None)
+    measure("+ optimizer pre/post hooks", model, opt)
+    backward = torch.autograd.backward
+
+    def wrapped_backward(*args: Any, **kwargs: Any) -> Any:
+        return backward(*args, **kwargs)
+
+    torch.autograd.backward = wrapped_backward
+    measure("+ backward wrapper", model, opt)
+    params = list(model.parameters())[-2:]
+    handles = [p.register_post_accumulate_grad_hook(lambda _p: None) for p in params]
+    measure("+ 2 gradient hooks", model, opt)
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+    queued = [False]
+
+    def done() -> None:
+        queued[0] = False
+
+    def first(_p: Any) -> None:
+        if not queued[0]:
+            queued[0] = True
+            queue(done)
+
+    for h in handles:
+        h.remove()
+    for p in params:
+        p.register_post_accumulate_grad_hook(first)
+    measure("+ queue_callback", model, opt)
+    torch.autograd.backward = backward
+
+    agents: list[tuple[str, dict[str, Any]]] = [
+        ("agent", {}),
+        ("agent, 1 step in 16 timed", {"phase_every": 16}),
+        ("agent, detect_work=False", {"detect_work": False}),
+    ]
+    for label, options in agents:
+        model, opt = make(16, layers)
+        agent = syncscope.agent.attach(
+            model=model, optimizer=opt, exporter=None, job="bench", **options
+        )
+        measure(label, model, opt)
+        agent.close()
+    time.sleep(0.1)
+    dist.destroy_process_group()
+
+
+def totals(out_dir: str) -> dict[str, int]:
+    """{dump label: the main thread's instructions} from callgrind's dump files (thread 1 of
+    each, cg.PID.N-01), in the order they were dumped."""
+    found: dict[str, int] = {}
+    dumps = []
+    for path in glob.glob(os.path.join(out_dir, "cg.*.*-01")):
+        number = re.search(r"\.(\d+)-01$", path)
+        if number:
+            dumps.append((int(number.group(1)), path))
+    for _, path in sorted(dumps):
+        text = Path(path).read_text(errors="replace")
+        label = re.search(r"^desc: Trigger: dump (.*)$", text, re.M)
+        total = re.search(r"^totals: (\d+)", text, re.M)
+        if label and total and label.group(1).startswith("arm"):
+            found[ARMS[int(label.group(1)[3:])]] = int(total.group(1))
+    return found
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=1, help="Linear(16,16) layers (2 tensors each)")
+    p.add_argument("--steps", type=int, default=64, help="measured steps per arm")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        child(a.layers, a.steps)
+        return
+    missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
+    if missing:
+        sys.exit(f"bench_instructions.py needs {' and '.join(missing)} (the valgrind package)")
+    with tempfile.TemporaryDirectory(prefix="syncscope-callgrind-") as out_dir:
+        cmd = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            "--separate-threads=yes",
+            f"--callgrind-out-file={out_dir}/cg.%p",
+            sys.executable,
+            __file__,
+            "--child",
+            "--layers",
+            str(a.layers),
+            "--steps",
+            str(a.steps),
+        ]
+        env = dict(os.environ, PYTHONMALLOC="malloc", OMP_NUM_THREADS="1")
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        found = totals(out_dir)
+    bare = found.get("bare")
+    if bare is None:
+        sys.exit(f"no dump of the bare arm among {sorted(found)}")
+
+    def per_step(instructions: int) -> float:
+        return instructions / a.steps
+
+    print(
+        f"DDP (gloo, 1 rank), {a.layers} Linear(16,16) layer(s): training-thread instructions "
+        f"per step under callgrind, {a.steps} steps an arm after {WARM_STEPS}"
+    )
+    print(f"  {'bare model':40s} {per_step(bare) / 1e3:9.1f} k")
+    previous = bare
+    for label, total in found.items():
+        if label == "bare":
+            continue
+        step_cost = per_step(total - bare) / 1e3
+        if label.startswith("+"):
+            print(f"  {label:40s} {step_cost:+9.1f} k  ({per_step(total - previous) / 1e3:+.1f} k)")
+            previous = total
+        else:
+            print(f"  {label:40s} {step_cost:+9.1f} k")
+
+
+if __name__ == "__main__":
+    main()
