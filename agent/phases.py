@@ -56,9 +56,9 @@ STEP_START, FWD_PRE, FWD_POST, BWD_START, BWD_END, COMM_END, OPT_PRE, OPT_POST, 
 # (bench/bench_hook_costs.py). The first backward learns which parameters' gradients come
 # first; then only TRIGGERS of them keep a hook. It watches the last LEARN_WINDOW trainable
 # parameters only (gradients come roughly in reverse order of registration): a parameter keeps
-# paying for a hook after the hook is removed (torch leaves its tensor's C++ hook in place, an
-# empty dict's call every backward: ~1,000 instructions, callgrind), so watching all of them
-# once cost a model of 300 parameter tensors ~150 µs a step for good. A backward after a forward
+# paying for a hook after the hook is removed (torch leaves its tensor's C++ hook in place and
+# calls it, on an empty dict, every backward), so watching all of them once cost every step a
+# call per parameter tensor for good (docs/evaluation.md). A backward after a forward
 # in which none fires (conditional compute, or the window's parameters unused) learns again
 # over twice the window; after RELEARN_LIMIT such misses (gradients assigned, as FSDP does, or
 # another model's backward) the clock falls back to the forward output's hook: dearer, but it

@@ -47,7 +47,7 @@ from syncscope.exporter.findings import (
 )
 from syncscope.exporter.gpu import has_gpu, locality_faults, pcie_link_fault
 from syncscope.exporter.jobwide import JobWide
-from syncscope.exporter.pooling import NodeInflation
+from syncscope.exporter.pooling import NodeInflation, fabric_share
 from syncscope.exporter.settings import DEFAULT_THRESHOLDS, Settings, Thresholds
 from syncscope.exporter.store import RankView, RecentStep, Store, StoreView
 
@@ -654,7 +654,7 @@ def contention_verdict(
     `held_s`: how long the node's own reading has stayed over the line (node-local); it is a
     verdict only once that reaches the alert's for: (t.contention_hold_s). None: a reading
     the rules made (job-wide), whose alert applies its for: itself."""
-    fabric = inflation / max(1.0, host or 1.0)
+    fabric = fabric_share(inflation, host)
     excess = max(0.0, fabric - 1.0) / max(t.contention_inflation - 1.0, 1e-9)
     score = min(1.0, excess * t.verdict_score)
     also = (

@@ -68,9 +68,16 @@ class NodeInflation(NamedTuple):
     transfer_s: float  # the median of the recent blocks' transfer per step
     transfer: float  # it ÷ the 10th percentile of the baseline window's blocks
     work: float  # the same ratio for the node's work per step (step − exposed comm − pacing)
-    # How long the transfer's share beyond the work's (transfer / max(1, work)) has stayed at
-    # or over the pool's contention line, block after block (s; 0: not over it now)
+    # How long the fabric's share (fabric_share) has stayed at or over the pool's contention
+    # line, block after block (s; 0: not over it now)
     held_s: float = 0.0
+
+
+def fabric_share(transfer: float, work: float | None) -> float:
+    """The transfer's inflation beyond the ranks' own work's (`work` None: not known): a host
+    that slows everything (its CPUs shared) inflates a host-driven transfer (gloo) with the
+    work, so only what the transfer gained beyond that is the fabric's."""
+    return transfer / max(1.0, work or 1.0)
 
 
 def _least_exposed(entries: dict[Rank, _RankStep], stages: dict[Rank, int]) -> dict[int, float]:
@@ -400,7 +407,7 @@ class JobPool:
             while self.history and self.history[0][0] < now - self.baseline_window_s:
                 self.history.popleft()
             got = self.inflation()
-            if got is not None and got.transfer / max(1.0, got.work) >= self.contention_line:
+            if got is not None and fabric_share(got.transfer, got.work) >= self.contention_line:
                 if self._over_since is None:
                     self._over_since = now
             else:

@@ -449,8 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     dist.destroy_process_group()
     # Nothing this run built is destroyed on the way out: at main()'s return its locals (the
     # model, the process group's tensors and works) were dropped while gloo's worker threads
-    # still ran, and one rank in ~50 deadlocked there (main thread and pt_gloo_runloop both in
-    # a futex wait, the result already written). They go with the process, at os._exit below.
+    # still ran, and a rank could deadlock there (main thread and pt_gloo_runloop both in a
+    # futex wait, the result already written). They go with the process, at os._exit below.
     _KEPT.append(locals())
     return 0
 
