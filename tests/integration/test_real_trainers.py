@@ -12,6 +12,8 @@ under `python -m syncscope.integrations.run`, slowed (a forward pre-hook on one 
 transformer block sleeps 100 ms) and clean. The ranks are forked from one process that has
 imported torchtitan (tests/fixtures/torchtitan_launch.py): four imports of it on two cores took
 a minute.
+Each job trains until the test has seen enough of it (tests/fixtures/stop.py), so a fast or a
+slow machine gives the same number of samples.
 
 The exporter names nobody until every rank delivered a settled window of 100 steps
 (`warming_up` in /v1/state): slowed, the slowed rank must be named in >= 95 % of the samples
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -36,6 +39,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT, wait_until
+from tests.fixtures import stop
 
 pytestmark = [
     pytest.mark.slow,
@@ -51,9 +55,10 @@ WORLD = 4
 # collectives of the forward and so arrives late at the dp ones too: a victim, not the root.
 SLOWED = {"fsdp2": 2, "dp_tp": 3}
 SLOW_MS = 100
-# The exporter's settled window is 100 steps; the runner does not measure the first one and
-# every incarnation's first measured step is warm-up. The rest are the samples' steps.
-STEPS = {"slowed": 120, "clean": 125}
+# A job runs until the test has MIN_SAMPLES samples after the exporter's warm-up (its settled
+# window is 100 steps), then stops within tests/fixtures/stop.py's CHECK_EVERY steps; STEPS caps
+# a job whose exporter never settles (seen: 70-150 ms a step here, so under 90 s).
+STEPS = 600
 MIN_SAMPLES = 5
 SAMPLE_EVERY_S = 0.5
 
@@ -63,8 +68,7 @@ def run_job(
 ) -> tuple[list[dict[str, Any]], float]:
     """Run the 4-rank torchtitan job; return every state of it /v1/state gave while it ran (from
     its first report on) and the job's wall time."""
-    kind = "slowed" if slow_rank is not None else "clean"
-    script = ["--parallel", parallel, "--steps", str(STEPS[kind])]
+    script = ["--parallel", parallel, "--steps", str(STEPS)]
     if slow_rank is not None:
         script += ["--slow-rank", str(slow_rank), "--slow-ms", str(SLOW_MS)]
     if not runner:
@@ -83,6 +87,7 @@ def run_job(
         OMP_NUM_THREADS="1",
         TMPDIR=str(tmp_path),
     )
+    env[stop.ENV] = str(tmp_path)
     command = [sys.executable, "-m", "tests.fixtures.torchtitan_launch", "--world", str(WORLD)]
     command += ["--runner"] if runner else []
     log_path = tmp_path / f"{job}.log"
@@ -98,6 +103,8 @@ def run_job(
                 state = exporter.state()["jobs"].get(job)
                 if state and state["ranks"]:
                     samples.append(state)
+                if len(settled(samples)) >= MIN_SAMPLES:
+                    stop.ask(tmp_path)
             proc.wait(timeout=240)
         finally:
             if proc.poll() is None:
@@ -107,8 +114,15 @@ def run_job(
         log.seek(0)
         output = log.read().decode(errors="replace")
     assert proc.returncode == 0, f"the job failed:\n{output[-6000:]}"
-    assert output.count(f"trained {STEPS[kind]} steps") == WORLD, output[-3000:]
+    assert_trained_together(output, WORLD)
     return samples, wall
+
+
+def assert_trained_together(output: str, world: int) -> int:
+    """Every rank printed `trained N steps`, the same N: return N."""
+    trained = re.findall(r"trained (\d+) steps", output)
+    assert len(trained) == world and len(set(trained)) == 1, output[-3000:]
+    return int(trained[0])
 
 
 def settled(samples: list[dict[str, Any]], world: int = WORLD) -> list[dict[str, Any]]:

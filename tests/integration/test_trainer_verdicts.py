@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from tests.fixtures import stop
+
 # Private helpers of the older tiers, imported rather than copied: the rank launcher (a real
 # gloo job, one process per rank, the script or the runner in front of it), the wait for a
 # job's final report, the check that forward, backward and DDP's gradient sync were measured;
@@ -38,6 +40,7 @@ from tests.integration.test_real_trainers import (
     SAMPLE_EVERY_S,
     assert_named,
     assert_no_verdict,
+    assert_trained_together,
     settled,
 )
 
@@ -46,13 +49,13 @@ pytestmark = pytest.mark.slow
 WORLD = 2
 SLOW_RANK = 1
 SLOW_MS = 40
-# Enough steps for the exporter's settled window of 100 (the runner does not measure the first
-# step; every incarnation's first measured one is warm-up) and a few seconds of samples after.
-# Seen on an idle 2-core machine (ms per step): Lightning ~8 clean, ~50 slowed; the Trainer ~14
-# clean, ~60 slowed. Each job is 17-25 s of wall time, about 10 of them the ranks' start.
+# A job trains until the test has MIN_SAMPLES samples after the exporter's settled window of
+# 100 steps (tests/fixtures/stop.py, a callback in each script); STEPS caps a job whose exporter
+# never settles. Seen on an idle 2-core machine (ms per step): Lightning ~8 clean, ~50 slowed;
+# the Trainer ~14 clean, ~60 slowed; about 10 s of each job is the ranks' start.
 STEPS = {
-    "lightning": {"slowed": 170, "clean": 700},
-    "huggingface": {"slowed": 170, "clean": 350},
+    "lightning": {"slowed": 600, "clean": 2000},
+    "huggingface": {"slowed": 600, "clean": 1500},
 }
 
 LIGHTNING = """
@@ -85,7 +88,15 @@ if rank == int(os.environ.get("TEST_SLOW_RANK", "-1")):
     model.net[0].register_forward_pre_hook(lambda *_: time.sleep(delay))
 n = 16 * world * (steps + 8)  # one epoch: no epoch boundary inside the run
 data = DataLoader(TensorDataset(torch.randn(n, 32), torch.randn(n, 1)), batch_size=16)
-callbacks = []  # CALLBACK
+from tests.fixtures.stop import Stopper
+
+class StopWhenAsked(pl.Callback):  # the test says when it has seen enough
+    stopper = Stopper(rank)
+    def on_train_batch_end(self, trainer, *_):
+        if self.stopper(trainer.global_step):
+            trainer.should_stop = True
+
+callbacks = [StopWhenAsked()]  # CALLBACK
 trainer = pl.Trainer(accelerator="cpu", devices=world, num_nodes=1, strategy="ddp",
                      max_steps=steps, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
@@ -119,7 +130,16 @@ args = TrainingArguments(output_dir=os.environ["TEST_OUT"], max_steps=steps,
                          per_device_train_batch_size=8, report_to=[], save_strategy="no",
                          logging_strategy="no", use_cpu=True, disable_tqdm=True,
                          dataloader_num_workers=0)
-trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+from transformers import TrainerCallback
+from tests.fixtures.stop import Stopper
+
+class StopWhenAsked(TrainerCallback):  # the test says when it has seen enough
+    stopper = Stopper(rank)
+    def on_step_end(self, args, state, control, **_):
+        if self.stopper(state.global_step):
+            control.should_training_stop = True
+
+trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[StopWhenAsked()])
 pass  # CALLBACK
 trainer.train()
 print("trained", trainer.state.global_step, "steps", flush=True)
@@ -128,9 +148,9 @@ print("trained", trainer.state.global_step, "steps", flush=True)
 SCRIPTS = {"lightning": LIGHTNING, "huggingface": HUGGINGFACE}
 CALLBACKS = {
     "lightning": (
-        "callbacks = []  # CALLBACK",
+        "callbacks = [StopWhenAsked()]  # CALLBACK",
         "from syncscope.integrations.lightning import SyncscopeCallback\n"
-        "callbacks = [SyncscopeCallback()]",
+        "callbacks = [StopWhenAsked(), SyncscopeCallback()]",
     ),
     "huggingface": (
         "pass  # CALLBACK",
@@ -164,6 +184,7 @@ def run_job(
         "SYNCSCOPE_JOB": job,
         "TEST_STEPS": str(steps),
         "TEST_OUT": str(tmp_path / "out"),
+        stop.ENV: str(tmp_path),
         "MASTER_PORT": "1",  # never used (the process group exists); stops a port search
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -188,12 +209,13 @@ def run_job(
         state = exporter.state()["jobs"].get(job)
         if state and state["ranks"]:
             samples.append(state)
+        if len(settled(samples, WORLD)) >= MIN_SAMPLES:
+            stop.ask(tmp_path)
     wall = time.monotonic() - started
     if "error" in result:
         raise result["error"]
-    outputs = result["outputs"]
-    assert all(f"trained {steps} steps" in o for o in outputs), [o[-2000:] for o in outputs]
-    return job, steps, samples, wall
+    trained = assert_trained_together("".join(result["outputs"]), WORLD)
+    return job, trained, samples, wall
 
 
 def summary(exporter: Any, job: str, steps: int, wall: float, samples: list[Any]) -> Any:
