@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -364,6 +365,8 @@ def diagnose_job(
     thresholds: Thresholds = DEFAULT_THRESHOLDS,
     job_wide: JobWide | None = None,
     node_transfer: NodeInflation | None = None,
+    last: Diagnosis | None = None,
+    now: float | None = None,
 ) -> Diagnosis:
     """Scores, verdicts and reasons for one job's ranks on this node.
 
@@ -372,6 +375,8 @@ def diagnose_job(
     on other nodes, the reasons say the view is node-local and fabric contention abstains.
     `node_transfer`: the node's transfer and work per step against their own baselines, from
     the exporter's pooling: the contention verdict where every rank of the job reports here.
+    `now` (unix s) and `last`, the job's previous diagnosis: the coupling modes hold as their
+    alerts do (hold_modes); without `now`, one reading on its own, they do not.
     Never raises: the snapshot it is part of also serves /metrics and the page, so on a rule's
     failure it returns no verdicts and the error in `error`.
     """
@@ -383,6 +388,8 @@ def diagnose_job(
     warm_up = warming_up(ranks, thresholds)
     if warm_up is not None:
         return _before_the_evidence(diagnosis, warm_up, thresholds)
+    if now is not None:
+        diagnosis = hold_modes(diagnosis, last, now, thresholds)
     try:
         verdict = decision.job_verdict(diagnosis, ranks, thresholds, job_wide, shares)
     except Exception as exc:  # noqa: BLE001 - nor may a verdict bug cost the modes
@@ -417,6 +424,40 @@ def _before_the_evidence(diagnosis: Diagnosis, warm_up: WarmUp, t: Thresholds) -
     )
 
 
+# The coupling modes that are a verdict only once they have held at their line for their alert's
+# for: mode -> (the Thresholds field, the alert).
+HELD_MODES = {
+    "runtime_jitter": ("jitter_hold_s", "SyncscopeStepTimeCVHigh"),
+    "sync_amplification": ("amplification_hold_s", "SyncscopeSyncAmplification"),
+}
+
+
+def hold_modes(
+    diagnosis: Diagnosis, last: Diagnosis | None, now: float, t: Thresholds
+) -> Diagnosis:
+    """`diagnosis` with each of HELD_MODES a verdict only once it has been at its line, in
+    consecutive diagnoses of the job, for as long as its alert's for:. Before that its score
+    stays just under the line and its reason says how long it has held. `last`: the job's
+    previous diagnosis, whose `over_since` this one carries on (None: its first)."""
+    before = last.over_since if last is not None else {}
+    modes = dict(diagnosis.modes)
+    since: dict[str, float] = {}
+    for mode, (field, alert) in HELD_MODES.items():
+        m = modes.get(mode)
+        if m is None or not m.verdict:
+            continue
+        since[mode] = start = min(before.get(mode, now), now)
+        hold_s, held_s = getattr(t, field), now - start
+        if held_s < hold_s:
+            modes[mode] = ModeVerdict(
+                round(t.verdict_score - 0.01, 4),
+                False,
+                f"{m.reason}; at its line for {held_s:.0f} s of the {hold_s:g} s it must hold "
+                f"({alert}'s for:)",
+            )
+    return dataclasses.replace(diagnosis, modes=modes, over_since=since)
+
+
 @dataclasses.dataclass(frozen=True)
 class Diagnoser:
     """How a snapshot diagnoses a job: with these settings' thresholds, the shipped ones with
@@ -430,6 +471,7 @@ class Diagnoser:
         ranks: Sequence[RankView],
         job_wide: JobWide | None,
         node_transfer: NodeInflation | None,
+        last: Diagnosis | None = None,
     ) -> Diagnosis:
         return diagnose_job(
             ranks,
@@ -437,6 +479,8 @@ class Diagnoser:
             self.settings.thresholds,
             job_wide=job_wide,
             node_transfer=node_transfer,
+            last=last,
+            now=time.time(),
         )
 
 

@@ -18,8 +18,9 @@ from typing import Any
 from syncscope.catalog import CLOCK_EVENT_REASONS
 
 # Field metadata for store.as_json (which declares the others): the key is left out of the JSON
-# while the field is None.
+# while the field is None (OMIT_IF_NONE), or always (NOT_IN_JSON).
 OMIT_IF_NONE = {"json": "omit_if_none"}
+NOT_IN_JSON = {"json": "omit"}
 
 # The NVML clock-event ("throttle") reasons that mean the GPU is being slowed down.
 THROTTLE_BITS = {r.bit: r.words for r in CLOCK_EVENT_REASONS if r.slows}
@@ -107,6 +108,9 @@ class Diagnosis:
     skew_line_s: float | None = field(default=None, metadata=OMIT_IF_NONE)
     # While a rank here has fewer settled steps than the window: no straggler, no verdict.
     warming_up: WarmUp | None = field(default=None, metadata=OMIT_IF_NONE)
+    # Since when (unix s) each held mode has been over its line in consecutive diagnoses: the
+    # next diagnosis of the job carries it on (exporter.diagnosis.hold_modes).
+    over_since: Mapping[str, float] = field(default_factory=dict, metadata=NOT_IN_JSON)
 
 
 def median(values: list[float]) -> float | None:

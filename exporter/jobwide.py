@@ -32,12 +32,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from syncscope.exporter.findings import NOT_IN_JSON
+
 from syncscope import recorded
 from syncscope.prometheus_api import PrometheusAPI, PrometheusError
 
 log = logging.getLogger("syncscope.exporter")
-# Field metadata for store.as_json (which declares the others): the field is left out of the JSON.
-NOT_IN_JSON = {"json": "omit"}
 # How long an ended job's last reading is kept (the exporter expires the job itself sooner).
 HOLD_S = 24 * 3600.0
 

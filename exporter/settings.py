@@ -53,6 +53,12 @@ class Thresholds:
     # transfer over its line for less than the alert waits is what a noisy machine's spread of
     # blocks can lend a clean run (median recent over a 10th-percentile baseline)
     contention_hold_s: float = 0.0
+    # The node's coupling modes hold as their alerts do (exporter.diagnosis.HELD_MODES):
+    # runtime_jitter for SyncscopeStepTimeCVHigh's for:, sync_amplification for
+    # SyncscopeSyncAmplification's. Spikes that a busy machine lends a clean job for a minute
+    # are not its coupling.
+    jitter_hold_s: float = 0.0
+    amplification_hold_s: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: ThresholdsFile) -> Thresholds:
@@ -72,6 +78,10 @@ class Thresholds:
             duration_seconds(alerts["SyncscopeStraggler"].for_), duration_seconds(windows.straggler)
         )
         section["contention_hold_s"] = duration_seconds(alerts["SyncscopeFabricContention"].for_)
+        section["jitter_hold_s"] = duration_seconds(alerts["SyncscopeStepTimeCVHigh"].for_)
+        section["amplification_hold_s"] = duration_seconds(
+            alerts["SyncscopeSyncAmplification"].for_
+        )
         section["contention_baseline_s"] = duration_seconds(windows.contention_baseline)
         section["contention_recent_s"] = duration_seconds(windows.rate)
         section["throughput_horizon_s"] = duration_seconds(windows.trend)

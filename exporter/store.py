@@ -20,8 +20,8 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Seq
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from syncscope.exporter.findings import OMIT_IF_NONE, Diagnosis
-from syncscope.exporter.jobwide import NOT_IN_JSON, Interest, JobWide
+from syncscope.exporter.findings import NOT_IN_JSON, OMIT_IF_NONE, Diagnosis
+from syncscope.exporter.jobwide import Interest, JobWide
 from syncscope.exporter.pooling import JobPool, NodeInflation, Sample
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.throughput import Throughput, ThroughputView
@@ -71,8 +71,8 @@ RATIO_BUCKETS = (0.5, 0.8, 0.9, 0.95, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0, 5.0)
 RATIO_MEDIAN_EVERY = 16
 # Field metadata for `as_json`. BY_PHASE: the field holds one number per wire.Phase, in Phase
 # order (index it with a Phase), and its JSON is an object keyed by phase label ({} when the
-# tuple is empty). OMIT_IF_NONE (findings, which store imports): the key is left out of the JSON
-# while the field is None. NOT_IN_JSON (jobwide, likewise): the key is always left out.
+# tuple is empty). OMIT_IF_NONE and NOT_IN_JSON (findings, which store imports): the key is left
+# out of the JSON while the field is None, or always.
 BY_PHASE = {"json": "by_phase"}
 
 
@@ -489,11 +489,14 @@ class ByLastReport(Generic[K]):
         return len(self._at)
 
 
-# How a snapshot diagnoses one job: its ranks here, Prometheus's job-wide view (None: node-local)
-# and the node's transfer and work per step against their baselines (exporter.pooling).
+# How a snapshot diagnoses one job: its ranks here, Prometheus's job-wide view (None: node-local),
+# the node's transfer and work per step against their baselines (exporter.pooling), and the
+# job's last diagnosis (None: its first), which carries how long each mode has held.
 # exporter.diagnosis.snapshot passes its rules under the store's settings; the store, below
 # the diagnosis, does not import them.
-Diagnose = Callable[[Sequence[RankView], JobWide | None, NodeInflation | None], Diagnosis]
+Diagnose = Callable[
+    [Sequence[RankView], JobWide | None, NodeInflation | None, Diagnosis | None], Diagnosis
+]
 
 
 class Store:
@@ -905,7 +908,7 @@ class Store:
         last = self._diagnosed.get(job)
         if last is not None and last[1] is job_wide and last[0] == key:
             return last[2]
-        diagnosis = diagnose(ranks, job_wide, node)
+        diagnosis = diagnose(ranks, job_wide, node, last[2] if last is not None else None)
         self._diagnosed[job] = (key, job_wide, diagnosis)
         return diagnosis
 

@@ -18,11 +18,11 @@ slow machine gives the same number of samples.
 The exporter names nobody until every rank delivered a settled window of 100 steps
 (`warming_up` in /v1/state): slowed, the slowed rank must be named in >= 95 % of the samples
 after that, with cause forward; clean, no sample from the first report on may name a
-straggler, put the straggler or a fabric mode at its verdict line, or give a decision verdict
-that cites a straggler or the infrastructure. A clean run may get runtime_jitter (or
-sync_amplification) at its line and a "coupling" verdict from it: four ranks share two cores
-with whatever else the machine runs, and the spikes that costs are real (seen: 15 % of step
-time lost to spikes on a clean FSDP2 run); the test prints any such verdict.
+straggler, put any mode at its verdict line or give a decision verdict. Four ranks share two
+cores with whatever else the machine runs, and the spikes that costs are real (seen: 15 % of
+step time lost to spikes on a clean FSDP2 run); runtime_jitter and sync_amplification are a
+verdict only once they have held for their alerts' for: (10 min), as spikes that a busy
+machine lends a job for a minute are not its coupling.
 """
 
 from __future__ import annotations
@@ -148,7 +148,6 @@ def assert_measured(exporter: Any, job: str) -> None:
         assert phases["forward"] > 0 and phases["backward"] > 0, (r["rank"], phases)
 
 
-INFRASTRUCTURE = ("fabric_contention", "slow_link")
 VIAS = ["attach", "runner"]
 PARALLELS = ["fsdp2", "dp_tp"]
 
@@ -182,19 +181,11 @@ def test_torchtitan_clean_run_gets_no_verdict(
 
 
 def assert_no_verdict(job: str, samples: list[dict[str, Any]]) -> None:
-    """A clean run's samples, from the first report on: no straggler, neither the straggler
-    nor an infrastructure mode at its verdict line, no decision verdict citing either; a mode
-    the machine's noise puts at its line (runtime_jitter) is printed."""
-    noise = set()
+    """A clean run's samples, from the first report on: no straggler, no mode at its verdict
+    line, no decision verdict."""
     for state in samples:
         diagnosis = state["diagnosis"]
-        assert diagnosis["straggler"] is None, diagnosis["modes"].get("straggler")
+        assert diagnosis["straggler"] is None, (job, diagnosis["modes"].get("straggler"))
         at_line = {m: v["reason"] for m, v in diagnosis["modes"].items() if v.get("verdict")}
-        assert not at_line.keys() & {"straggler", *INFRASTRUCTURE}, at_line
-        verdict = diagnosis.get("verdict")
-        if verdict is not None:
-            assert verdict["verdict"] == "coupling", verdict
-            assert "straggler" not in verdict["coupling"], verdict
-        noise |= at_line.keys()
-    if noise:
-        print(f"{job}: at their line on a clean run (the machine's noise): {sorted(noise)}")
+        assert not at_line, (job, at_line)
+        assert diagnosis.get("verdict") is None, (job, diagnosis["verdict"])

@@ -144,6 +144,39 @@ def test_jitter_is_runtime_jitter_not_a_straggler() -> None:
     assert jitter.modes["runtime_jitter"].score > 2 * balanced.modes["runtime_jitter"].score
 
 
+def test_coupling_modes_are_a_verdict_only_once_they_held_for_their_alerts_for() -> None:
+    """The exporter's path (a time and the job's last diagnosis): runtime_jitter and
+    sync_amplification wait, at their line, for SyncscopeStepTimeCVHigh's and
+    SyncscopeSyncAmplification's for: (10 min as shipped); the decision verdict waits with
+    them; a reading under the line starts the wait again."""
+    ranks, t = ranks_of("jitter"), SETTINGS.thresholds
+    assert (t.jitter_hold_s, t.amplification_hold_s) == (600.0, 600.0)
+    held = {"runtime_jitter", "sync_amplification"}
+
+    first = diagnose_job(ranks, SETTINGS, last=None, now=1000.0)
+    assert not verdicts(first) & held and first.verdict is None
+    assert first.over_since == {m: 1000.0 for m in held}
+    assert "at its line for 0 s of the 600 s it must hold (SyncscopeStepTimeCVHigh's for:)" in (
+        first.modes["runtime_jitter"].reason
+    )
+    assert first.modes["runtime_jitter"].score == 0.49
+
+    almost = diagnose_job(ranks, SETTINGS, last=first, now=1599.0)
+    assert not verdicts(almost) & held and almost.over_since == first.over_since
+    assert "for 599 s of the 600 s" in almost.modes["sync_amplification"].reason
+
+    held_long = diagnose_job(ranks, SETTINGS, last=almost, now=1600.0)
+    assert held <= verdicts(held_long)
+    assert held_long.verdict is not None and held_long.verdict.verdict == "coupling"
+    assert "runtime_jitter" in held_long.verdict.coupling
+
+    # A balanced reading in between: under the line, so the wait starts again.
+    calm = diagnose_job(ranks_of("balanced"), SETTINGS, last=almost, now=1600.0)
+    assert not verdicts(calm) & held and calm.over_since == {}
+    again = diagnose_job(ranks, SETTINGS, last=calm, now=1601.0)
+    assert not verdicts(again) & held and again.over_since == {m: 1601.0 for m in held}
+
+
 def test_throttling_gpu_explains_a_compute_straggler() -> None:
     ranks = gpu(
         ranks_of("forward_straggler"), r2={"sm_clock_hertz": 1.41e9, "throttle_reasons": 0x40}

@@ -34,12 +34,12 @@ LAYERS = {
 # new module takes its place here.
 EXPORTER_ORDER = (
     # settings (with the diagnosis's lines), the per-rank and per-job accumulators the store
-    # keeps, Prometheus's job-wide view read back, and the diagnosis's result types
+    # keeps, the diagnosis's result types, and Prometheus's job-wide view read back
     "settings",
     "throughput",
     "pooling",
-    "jobwide",
     "findings",
+    "jobwide",
     # the ingest state and its views, and what feeds and keeps it
     "store",
     "shm_reader",

@@ -249,18 +249,20 @@ def test_warm_up_is_the_rank_with_fewest_settled_steps_against_the_window():
 
 def test_the_diagnosis_runs_on_new_data_not_per_scrape():
     """Scrapes between two batches of the job reuse its diagnosis; a batch, a rank gone stale
-    or a new job-wide reading makes a new one."""
+    or a new job-wide reading makes a new one, from the job's last (which carries the modes'
+    holds)."""
     from syncscope.exporter.diagnosis import Diagnoser
     from syncscope.exporter.jobwide import JobWide
     from syncscope.exporter.store import Store
 
     settings = Settings()
     store = Store(settings)
-    calls = []
+    calls, made = [], []
 
     def counted(*args):
         calls.append(args)
-        return Diagnoser(settings)(*args)
+        made.append(Diagnoser(settings)(*args))
+        return made[-1]
 
     with TestClient(create_app(settings, store)) as client:
         job = Job(client)
@@ -281,3 +283,5 @@ def test_the_diagnosis_runs_on_new_data_not_per_scrape():
         settings.stale_after_s = 0.0  # every rank silent longer than that: stale
         store.view(counted)
         assert len(calls) == 4
+        assert calls[0][3] is None
+        assert all(args[3] is last for args, last in zip(calls[1:], made, strict=False))
