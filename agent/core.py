@@ -19,6 +19,7 @@ from syncscope.agent.collectives import (
     GroupLabels,
     bucket_timing_hook,
 )
+from syncscope.agent.compiles import CompileWatch
 from syncscope.agent.config import AgentConfig, process_identity, process_started_unix_s
 from syncscope.agent.link import LinkSampler, with_link
 from syncscope.agent.local_arrival import LocalArrival
@@ -147,6 +148,7 @@ class Agent:
         if self.patch is not None:
             self.clock.blocked = self.patch.blocked
         self.checkpoints = checkpointing.CheckpointTimer(self.clock, self._on_error)
+        self.compiles = CompileWatch(self.clock, self._on_error)
         self._count_work(torch, model, config)
         self.record = RecordWriter(config.record, self.identity) if config.record else None
         self.arrival = LocalArrival(self.record) if config.pacing or self.record else None
@@ -173,6 +175,7 @@ class Agent:
             checkpointing.install(self.checkpoints)
         except Exception as exc:  # noqa: BLE001 - no checkpoint time, everything else stands
             self._on_error(exc)
+        self.compiles.install()
         # The transport's work falls on step boundaries every rank agrees on, so the ranks
         # pause together: the ring is pumped at every `align_every_steps`-th step
         # (shm_ring.py); the HTTP reporter's thread is woken at the first such step of each
@@ -293,6 +296,7 @@ class Agent:
             self.clock.uninstrument()
         with contextlib.suppress(Exception):
             checkpointing.uninstall(self.checkpoints)
+        self.compiles.uninstall()
         self.clock.after_step = None
         self.clock.on_first_step = None
         if self.patch is not None:
@@ -339,6 +343,7 @@ class Agent:
             checkpointing.wrap_available()
         except Exception as exc:  # noqa: BLE001
             self._on_error(exc)
+        self.compiles.install()  # and a torch.compile'd model has compiled in it
 
     def _count_work(self, torch: Any, model: Any, config: AgentConfig) -> None:
         """Samples and tokens per step: as set, else read from the model's inputs."""

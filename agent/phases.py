@@ -34,7 +34,15 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from syncscope.wire import DDP_GRAD_SYNC, EVENT_STARTUP, MAX_WORK, NO_STEP, UNKNOWN_WORK, Phase
+from syncscope.wire import (
+    DDP_GRAD_SYNC,
+    EVENT_COMPILE,
+    EVENT_STARTUP,
+    MAX_WORK,
+    NO_STEP,
+    UNKNOWN_WORK,
+    Phase,
+)
 
 # Positions in the per-step accumulator, as plain ints: indexing a list with an IntEnum member
 # costs an __index__ call on the hot path. `other` is not accumulated (see PhaseClock).
@@ -596,6 +604,11 @@ class PhaseClock:
             step = NO_STEP
             self.outside_ns += duration
         self._event(kind, step, end, duration)
+
+    def compile_done(self, end: int, duration: int) -> None:
+        """A torch.compile compilation ended at `end` after `duration` ns, on any thread
+        (agent/compiles.py): one event, in the step it fell in."""
+        self._event(EVENT_COMPILE, self.step if self.steps_open else NO_STEP, end, duration)
 
     def _event(self, kind: str, step: int, end: int, duration: int) -> None:
         events = self.events

@@ -289,8 +289,8 @@ def _banner(job: JobView, live: Sequence[RankView]) -> tuple[str, str]:
     if diag.warming_up is not None:
         text = (
             f"Job {name}: {diag.warming_up.text}. No verdict until every rank has delivered a "
-            "settled window of steps: its first (compiling) step and a checkpoint load's are "
-            "left out."
+            "settled window of steps: its first step and those a checkpoint load or a "
+            "recompilation fell in are left out."
         )
         return (
             '<div class="banner banner-info" data-kind="warming-up"><span class="icon" '

@@ -30,6 +30,7 @@ from syncscope.arrival import collective_key, key_text
 from syncscope.catalog import BADPUT_CATEGORIES, LOST_PROGRESS, STEP_WINDOW
 from syncscope.wire import (
     EVENT_CHECKPOINT_LOAD,
+    EVENT_COMPILE,
     EVENT_STARTUP,
     GROUP_FACT,
     MAX_LABEL_LEN,
@@ -658,14 +659,15 @@ class Store:
 
     def _events(self, state: RankState, rows: list[EventSeconds]) -> None:
         """Startup and checkpoint time: badput by category; a checkpoint inside a step also
-        waits for that step's row, to be taken out of its productive time."""
+        waits for that step's row, to be taken out of its productive time. A checkpoint load
+        or a compile: the rank's steps up to its step are warm-up."""
         badput, pending = state.badput_s, state.checkpoint_pending
         for kind, step, _end_unix_s, duration in rows:
+            if step >= 0 and kind in (EVENT_CHECKPOINT_LOAD, EVENT_COMPILE):
+                self._warm_up(state, step)  # the steps after a load or a compile settle anew
             if kind not in badput or kind == LOST_PROGRESS:
-                continue  # a kind this exporter does not know
+                continue  # not badput (a compile), or a kind this exporter does not know
             badput[kind] += duration
-            if step >= 0 and kind == EVENT_CHECKPOINT_LOAD:
-                self._warm_up(state, step)  # the steps after a load settle anew
             if step >= 0 and kind != EVENT_STARTUP:
                 pending[step] = pending.get(step, 0.0) + duration
                 if len(pending) > MAX_PENDING_CHECKPOINTS:  # rows that never came

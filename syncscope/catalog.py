@@ -453,7 +453,8 @@ NODE_LINK_BYTES_TOTAL = MetricSpec(
 )
 # The job's life on each node, over its ranks and their incarnations (exporter/store.py):
 # what goodput and badput are made of. Once per node and job, not per rank (series budget).
-# The badput categories the exporter counts; wire.EVENT_KINDS' names are among them.
+# The badput categories the exporter counts; wire.EVENT_KINDS' names are among them, but for a
+# compile's (its time stays in the step's phases).
 LOST_PROGRESS = "lost_progress"
 BADPUT_CATEGORIES = ("startup", "checkpoint_save", "checkpoint_load", LOST_PROGRESS)
 NODE_BADPUT_SECONDS_TOTAL = MetricSpec(

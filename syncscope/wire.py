@@ -200,13 +200,17 @@ class CollectiveRecord:
 #   startup          process start to the first step's start, less checkpoint time before it
 #   checkpoint_save  a checkpoint save on the training thread (torch.save, dcp.save, or
 #   checkpoint_load  ... a load; `with agent.checkpoint(kind)`), one call counted once
+#   compile          a torch.compile compilation or recompilation ended (agent/compiles.py):
+#                    the exporter's settled steps count again after its step; not badput
 # An event's step is the step it fell in (its time is part of that step's `other`), or
 # NO_STEP: outside every step (before the first, or a startup). The exporter ignores kinds it
 # does not know, so that a newer agent's events never cost its batch.
 EVENT_STARTUP = "startup"
 EVENT_CHECKPOINT_SAVE = "checkpoint_save"
 EVENT_CHECKPOINT_LOAD = "checkpoint_load"
-EVENT_KINDS = (EVENT_STARTUP, EVENT_CHECKPOINT_SAVE, EVENT_CHECKPOINT_LOAD)
+EVENT_COMPILE = "compile"
+# The shared-memory ring sends a kind as its index here: new kinds go at the end.
+EVENT_KINDS = (EVENT_STARTUP, EVENT_CHECKPOINT_SAVE, EVENT_CHECKPOINT_LOAD, EVENT_COMPILE)
 NO_STEP = -1
 EventStep = Annotated[int, Ge(NO_STEP), Le(1 << 62)]
 

@@ -191,16 +191,55 @@ def test_a_restart_puts_the_job_back_into_warm_up_for_its_reloaded_steps(job):
     assert job.seen()[0]["diagnosis"]["straggler"]["rank"] == 1
 
 
-def test_a_checkpoint_load_inside_a_step_starts_the_settled_count_again(job):
-    """A load inside step 120 (an in-process recovery, no restart): that step is warm-up and
-    the ranks' settled steps count again from the next one."""
+@pytest.mark.parametrize("kind", ["checkpoint_load", "compile"])
+def test_a_load_or_a_recompile_inside_a_step_starts_the_settled_count_again(job, kind):
+    """A load (an in-process recovery, no restart) or a torch.compile recompilation inside
+    step 120: that step is warm-up and the ranks' settled steps count again from the next one.
+    A load's time is badput; a compile's stays in the step's phases."""
     unequal_start(job, 30, check=False)
     slowed(job, 30, 120)
-    load = {"events": [["checkpoint_load", 120, 5_120 * 10**9, 2 * 10**9]]}
-    slowed(job, 120, 126, **load)
+    event = {"events": [[kind, 120, 5_120 * 10**9, 2 * 10**9]]}
+    slowed(job, 120, 126, **event)
     state, page, metrics = job.seen()
     assert_no_verdict(state, page, metrics, settled=5)
     assert [s["step"] for s in client_recent(job) if s.get("warm_up")] == [0, 120]
+    badput = {
+        dict(k)["category"]: v
+        for k, v in parse_samples(metrics, "syncscope_node_badput_seconds_total").items()
+    }
+    assert badput.get("checkpoint_load", 0.0) == (4.0 if kind == "checkpoint_load" else 0.0)
+    assert "compile" not in badput  # 2 s of a load on each rank above; a compile's are not
+
+
+def test_the_agent_marks_the_step_a_torch_compile_recompiles_in(monkeypatch):
+    """torch.compile's compilations reach the agent (agent/compiles.py): one event in the
+    step a new input shape recompiled in, none in the steps that ran compiled code."""
+    import torch
+    from syncscope.agent import attach
+
+    from syncscope.wire import EVENT_COMPILE
+
+    monkeypatch.delenv("SYNCSCOPE_EXPORTER", raising=False)
+    torch.compiler.reset()
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    compiled = torch.compile(model, backend="eager", dynamic=False)
+    agent = attach(optimizer=opt, exporter=None, flush_interval_s=3600)
+    try:
+        recompiled_in = None
+        for step in range(8):
+            if step == 5:
+                recompiled_in = agent.clock.step
+            compiled(torch.randn(6 if step == 5 else 4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        compiles = [e for e in agent.queues.events if e[0] == EVENT_COMPILE]
+        assert len(compiles) == 2, compiles  # the first compilation, the new shape's
+        assert compiles[1][1] == recompiled_in and compiles[1][3] > 0, compiles
+    finally:
+        agent.close()
+        torch.compiler.reset()
+    assert agent.compiles.handler is None
 
 
 def view(rank: int, settled: int | None, stale: bool = False) -> RankView:
