@@ -15,7 +15,11 @@ the emulator batches more to fit its CPU). Expositions come from the exporter's 
 (StoreCollector in a CollectorRegistry, generate_latest), rendered at most once per feed, when a
 scrape asks; one HTTP server on 127.0.0.1 serves every node at /metrics/<node>. With
 --workers K the nodes are spread over K forked processes (node n in worker n mod K), each with
-its own feeder and server, the targets pointing at each node's (EmulatorPool).
+its own feeder and server, the targets pointing at each node's (EmulatorPool). With --replicate
+only node 0 and the straggler's node are fed; every other node serves node 0's exposition with
+its own hostname, rank numbers and GPU UUIDs (Template): the same series and the same number
+of samples per scrape, values copied, for sizes whose ingest and rendering this machine cannot
+emulate.
 
 Prometheus runs with the shipped configuration (compose_config: scrape and evaluation interval,
 scrape job, honor_labels), the shipped rules (rules.write_rules, no overrides) and one target
@@ -303,7 +307,7 @@ def gpu_topology(node: int, local_rank: int, per_node: int) -> dict[str, Any]:
     numa = local_rank * 2 // per_node
     cpus = "0-55" if numa == 0 else "56-111"
     return {
-        "gpu_uuid": f"GPU-{node:08x}-{local_rank:04x}-4c2e-9d1a-7f3b5e8c{local_rank:04x}",
+        "gpu_uuid": f"{gpu_uuid_prefix(node)}{local_rank:04x}-4c2e-9d1a-7f3b5e8c{local_rank:04x}",
         "gpu_name": "NVIDIA H100 80GB HBM3",
         "pci_bus_id": f"0000:{BUS_IDS[local_rank % len(BUS_IDS)]}:00.0",
         "pcie_link_width": 16,
@@ -331,6 +335,11 @@ def gpu_topology(node: int, local_rank: int, per_node: int) -> dict[str, Any]:
     }
 
 
+def gpu_uuid_prefix(node: int) -> str:
+    """What every GPU UUID of node `node` starts with (gpu_topology)."""
+    return f"GPU-{node:08x}-"
+
+
 @dataclass
 class Node:
     """One emulated node: its exporter's Store and collectors, and its ranks' agents."""
@@ -343,6 +352,7 @@ class Node:
     lock: threading.Lock = field(default_factory=threading.Lock)
     rendered: bytes = b""
     dirty: bool = True
+    template: Template | None = None  # of `rendered`, once a replica asked (--replicate)
 
     def __post_init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -371,10 +381,64 @@ class Node:
         """The node's /metrics, rendered again only if fed since; and the CPU seconds spent."""
         t0 = time.thread_time()
         with self.lock:
-            if self.dirty:
-                self.rendered = generate_latest(self.registry)
-                self.dirty = False
-            return self.rendered, time.thread_time() - t0
+            return self._render(), time.thread_time() - t0
+
+    def replica(self, node: int) -> tuple[bytes, float]:
+        """Node `node`'s /metrics as a copy of this one's (--replicate): this node's exposition
+        with `node`'s identity put in (Template); and the CPU seconds spent."""
+        t0 = time.thread_time()
+        with self.lock:
+            body = self._render()
+            if self.template is None:
+                self.template = Template(body, self.index, self.job.per_node)
+            template = self.template
+        return template.render(node), time.thread_time() - t0
+
+    def _render(self) -> bytes:
+        if self.dirty:
+            self.rendered = generate_latest(self.registry)
+            self.template = None
+            self.dirty = False
+        return self.rendered
+
+
+class Template:
+    """A node's exposition split where a node's identity goes, so that another node's is a join:
+    its hostname (the `node` label, the ranks' hostname), its ranks' numbers (the `rank` label,
+    and `waits_for` where it names a rank of the node) and its GPUs' UUIDs. Everything else (the
+    values, the series) is the prototype's."""
+
+    HOST, UUID = 0, 1  # the other pieces: bytes, or (HOST | UUID | RANK, local rank)
+    RANK = 2
+
+    def __init__(self, body: bytes, prototype: int, per_node: int) -> None:
+        self.per_node = per_node
+        host, uuid = hostname(prototype).encode(), gpu_uuid_prefix(prototype).encode()
+        token = re.compile(
+            rb'(?<=[{,])(rank|waits_for)="(\d+)"|' + re.escape(host) + rb"|" + re.escape(uuid)
+        )
+        pieces: list[bytes | tuple[int, int]] = []
+        pos = 0
+        for m in token.finditer(body):
+            if m[1] is not None:
+                local = int(m[2]) - prototype * per_node
+                if not 0 <= local < per_node:
+                    continue  # a rank of another node stays what it is
+                pieces += [body[pos : m.start()] + m[1] + b'="', (self.RANK, local), b'"']
+            else:
+                pieces += [body[pos : m.start()], (self.HOST if m[0] == host else self.UUID, 0)]
+            pos = m.end()
+        pieces.append(body[pos:])
+        self.pieces = pieces
+
+    def render(self, node: int) -> bytes:
+        per = self.per_node
+        values = {
+            self.HOST: [hostname(node).encode()],
+            self.UUID: [gpu_uuid_prefix(node).encode()],
+            self.RANK: [str(node * per + local).encode() for local in range(per)],
+        }
+        return b"".join(p if isinstance(p, bytes) else values[p[0]][p[1]] for p in self.pieces)
 
 
 # Issue 32's bound on series per rank: at or under what one Prometheus carried per rank at
@@ -431,16 +495,37 @@ class Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
+# --replicate: every node but these serves node 0's exposition with its own identity.
+REPLICA_PROTOTYPE = 0
+
+
+def replicated_prototypes(job: Job) -> set[int]:
+    """The nodes fed for real under --replicate: node 0 and the straggler's."""
+    return {REPLICA_PROTOTYPE, job.straggler // job.per_node}
+
+
 class Emulator:
     """Nodes' agents fed on one thread, those nodes served by one HTTP server (every node of the
-    job, or one worker's share of them: EmulatorPool)."""
+    job, or one worker's share of them: EmulatorPool). With `replicate`, only node 0 and the
+    straggler's node are fed; every other node serves node 0's exposition with its own
+    hostname, rank numbers and GPU UUIDs (Template), so that the emulator's cost no longer
+    grows with the nodes' ingest and rendering, only with the scrapes."""
 
     def __init__(
-        self, job: Job, feed_s: float, seed: int, nodes: Sequence[int] | None = None
+        self,
+        job: Job,
+        feed_s: float,
+        seed: int,
+        nodes: Sequence[int] | None = None,
+        replicate: bool = False,
     ) -> None:
         self.job, self.feed_s = job, feed_s
         self.shared = SharedSteps(job, seed)  # the same in every worker: one seed, in step order
         per = job.per_node
+        self.served = set(range(job.nodes) if nodes is None else nodes)
+        # --replicate: only the prototypes are fed (in every worker), the rest copy node 0.
+        fed = sorted(replicated_prototypes(job)) if replicate else sorted(self.served)
+        self.replicate = replicate
         self.nodes = {
             n: Node(
                 n,
@@ -451,7 +536,7 @@ class Emulator:
                 ],
                 [gpu_topology(n, local, per) for local in range(per)],
             )
-            for n in (range(job.nodes) if nodes is None else nodes)
+            for n in fed
         }
         self.stop = threading.Event()
         self.lock = threading.Lock()
@@ -537,6 +622,13 @@ class Emulator:
                 self.feed_late_s.append(late)
             start = max(start + self.feed_s, time.monotonic() - self.feed_s)
 
+    def exposition(self, node: int) -> tuple[bytes, float]:
+        """Node `node`'s /metrics (one this emulator serves) and the CPU seconds it took."""
+        own = self.nodes.get(node)
+        if own is not None:
+            return own.exposition()
+        return self.nodes[REPLICA_PROTOTYPE].replica(node)
+
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         emulator = self
 
@@ -548,11 +640,11 @@ class Emulator:
                     self._reply(json.dumps(emulator.stats()).encode(), "application/json")
                     return
                 prefix, _, index = self.path.rpartition("/")
-                node = emulator.nodes.get(int(index)) if index.isdigit() else None
-                if prefix != "/metrics" or node is None:
+                n = int(index) if index.isdigit() else -1
+                if prefix != "/metrics" or n not in emulator.served:
                     self.send_error(404)
                     return
-                body, cpu_s = node.exposition()
+                body, cpu_s = emulator.exposition(n)
                 with emulator.lock:
                     emulator.render_cpu_s += cpu_s
                     emulator.scrapes += 1
@@ -580,13 +672,14 @@ def _worker(
     nodes: Sequence[int],
     conn: connection.Connection,
     inherited: list[connection.Connection],
+    replicate: bool = False,
 ) -> None:
     """One EmulatorPool worker: feed its nodes once, hand its port over, take its CPUs and
     start; run until the parent says stop or its end of the pipe closes (the parent exited)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for other in inherited:  # the earlier workers' pipes: their parent ends must close with it
         other.close()
-    emulator = Emulator(job, feed_s, seed, nodes)
+    emulator = Emulator(job, feed_s, seed, nodes, replicate)
     try:
         emulator.feed_all()
         gc.collect()
@@ -615,7 +708,9 @@ class EmulatorPool:
     shared steps and each rank its own numbers, so the job is the one a single process feeds.
     The figures are the workers' summed (their CPU, RSS), with this process's."""
 
-    def __init__(self, job: Job, feed_s: float, seed: int, workers: int) -> None:
+    def __init__(
+        self, job: Job, feed_s: float, seed: int, workers: int, replicate: bool = False
+    ) -> None:
         self.job = job
         self.started = False
         context = multiprocessing.get_context("fork")  # before any thread of this process
@@ -625,7 +720,15 @@ class EmulatorPool:
             parent, child = context.Pipe()
             proc = context.Process(
                 target=_worker,
-                args=(job, feed_s, seed, range(w, job.nodes, workers), child, self.conns),
+                args=(
+                    job,
+                    feed_s,
+                    seed,
+                    range(w, job.nodes, workers),
+                    child,
+                    self.conns,
+                    replicate,
+                ),
                 name=f"emulator-{w}",
                 daemon=True,
             )
@@ -772,9 +875,9 @@ def run_size(nodes: int, args: argparse.Namespace, done: Callable[[Measured], No
         t = time.perf_counter()
         emulator: Emulator | EmulatorPool
         if args.workers > 1:
-            emulator = EmulatorPool(job, args.feed_s, args.seed, args.workers)
+            emulator = EmulatorPool(job, args.feed_s, args.seed, args.workers, args.replicate)
         else:
-            emulator = Emulator(job, args.feed_s, args.seed)
+            emulator = Emulator(job, args.feed_s, args.seed, replicate=args.replicate)
         stack.callback(emulator.close)
         emulator.feed_all()
         print(
@@ -862,6 +965,7 @@ def measure(
         "scrapes": after["scrapes"] - before["scrapes"],
         "rss_mb": after["rss_mb"],
         "workers": args.workers,
+        "replicate": args.replicate,
     }
     targets = target_figures(engine.url, duration, job.nodes, split=engine.name == "vm")
     panels = None
@@ -1362,6 +1466,12 @@ def main() -> int:
         type=int,
         default=1,
         help="emulator processes, the nodes spread over them (one holds a core at 1,024 x 8)",
+    )
+    p.add_argument(
+        "--replicate",
+        action="store_true",
+        help="feed only node 0 and the straggler's node; every other node serves node 0's "
+        "exposition with its own hostname, ranks and GPU UUIDs (sizes this machine cannot feed)",
     )
     p.add_argument(
         "--engine",
