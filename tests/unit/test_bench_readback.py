@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -50,41 +49,6 @@ def test_ddp_groups_are_the_world_and_one_per_local_rank(bench):
         (2, 6, 10),
         (3, 7, 11),
     }
-
-
-def test_a_replicated_node_serves_the_series_the_node_itself_would(bench):
-    """--replicate: a node that copies node 0's exposition has exactly the series (names and
-    labels) that node's own exporter renders, and its own hostname, ranks and GPUs."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    scale = sys.modules["bench_scale"]
-    job = scale.Job(6, 8, 1.0, 0.03, time.time() - 300)
-    assert scale.replicated_prototypes(job) == {0, 3}
-
-    def series(body: bytes) -> set[tuple[str, frozenset]]:
-        return {
-            (s.name, frozenset(s.labels.items()))
-            for family in text_string_to_metric_families(body.decode())
-            for s in family.samples
-        }
-
-    real = scale.Emulator(job, 5.0, 20)
-    copied = scale.Emulator(job, 5.0, 20, replicate=True)
-    try:
-        real.feed_all()
-        copied.feed_all()
-        assert sorted(copied.nodes) == [0, 3]  # only the prototypes are fed
-        for node in (1, 5):
-            own, _ = real.exposition(node)
-            replica, _ = copied.exposition(node)
-            assert series(replica) == series(own)
-            assert scale.hostname(node).encode() in replica
-            assert scale.hostname(0).encode() not in replica
-        # The straggler's node is fed for real: its exposition is its own.
-        assert series(copied.exposition(3)[0]) == series(real.exposition(3)[0])
-    finally:
-        real.server.server_close()
-        copied.server.server_close()
 
 
 @pytest.mark.slow
