@@ -525,7 +525,6 @@ class Emulator:
         self.served = set(range(job.nodes) if nodes is None else nodes)
         # --replicate: only the prototypes are fed (in every worker), the rest copy node 0.
         fed = sorted(replicated_prototypes(job)) if replicate else sorted(self.served)
-        self.replicate = replicate
         self.nodes = {
             n: Node(
                 n,

@@ -452,10 +452,14 @@ def hold_modes(
             modes[mode] = ModeVerdict(
                 round(t.verdict_score - 0.01, 4),
                 False,
-                f"{m.reason}; at its line for {held_s:.0f} s of the {hold_s:g} s it must hold "
-                f"({alert}'s for:)",
+                f"{m.reason}; at its line {_must_hold(held_s, hold_s, alert)}",
             )
     return dataclasses.replace(diagnosis, modes=modes, over_since=since)
+
+
+def _must_hold(held_s: float, hold_s: float, alert: str) -> str:
+    """How long a reading has held against the hold its alert's for: asks, as reasons say it."""
+    return f"for {held_s:.0f} s of the {hold_s:g} s it must hold ({alert}'s for:)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -712,10 +716,7 @@ def contention_verdict(
     )
     if score >= t.verdict_score and held_s is not None and held_s < t.contention_hold_s:
         score = t.verdict_score - 0.01
-        reason += (
-            f"; over its line for {held_s:.0f} s of the {t.contention_hold_s:g} s it must hold "
-            "(SyncscopeFabricContention's for:)"
-        )
+        reason += f"; over its line {_must_hold(held_s, t.contention_hold_s, 'SyncscopeFabricContention')}"
     return ModeVerdict(round(score, 4), score >= t.verdict_score, reason)
 
 

@@ -201,7 +201,8 @@ class CollectiveRecord:
 #   checkpoint_save  a checkpoint save on the training thread (torch.save, dcp.save, or
 #   checkpoint_load  ... a load; `with agent.checkpoint(kind)`), one call counted once
 #   compile          a torch.compile compilation or recompilation ended (agent/compiles.py):
-#                    the exporter's settled steps count again after its step; not badput
+#                    the exporter's settled steps count again after its step; not badput,
+#                    and its time stays in the phase it fell in, not in `other`
 # An event's step is the step it fell in (its time is part of that step's `other`), or
 # NO_STEP: outside every step (before the first, or a startup). The exporter ignores kinds it
 # does not know, so that a newer agent's events never cost its batch.
