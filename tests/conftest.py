@@ -199,6 +199,26 @@ def job_factory(tmp_path: Any) -> Iterator[Any]:
         j.kill()
 
 
+class RunOnce:
+    """A module's jobs, each run once by the first test that asks for it (`runs(key)`) and
+    judged by every test that needs it; a failure (or skip) of the run is every such test's."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self.done: dict[Any, Any] = {}
+
+    def __call__(self, key: Any) -> Any:
+        if key not in self.done:
+            try:
+                self.done[key] = (True, self.run(key))
+            except (Exception, pytest.skip.Exception) as exc:
+                self.done[key] = (False, exc)
+        ok, result = self.done[key]
+        if not ok:
+            raise result
+        return result
+
+
 def wait_until(predicate: Any, timeout: float, interval: float = 0.5) -> Any:
     deadline = time.monotonic() + timeout
     last = None

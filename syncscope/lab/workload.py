@@ -55,6 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="the slow rank starts sleeping this many seconds into training (an onset)",
     )
+    p.add_argument(
+        "--control",
+        default=None,
+        help="a folder through which a test steers the run (with --duration, which stays a cap): "
+        "the file `slow` there starts the slow rank's sleep, `stop` ends the run; rank 0 looks "
+        "every 10 steps and writes `onset` (the first slowed step, then unix time)",
+    )
     p.add_argument("--jitter-prob", type=float, default=0.0, help="chance a rank stalls in a step")
     p.add_argument("--jitter-ms", type=float, default=150.0)
     p.add_argument(
@@ -396,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.duration
     if args.jitter_until > 0:
         jitter_end[0] = time.monotonic() + args.jitter_until
-    if slow_s or slow_data_s or slow_bwd_s:
+    if (slow_s or slow_data_s or slow_bwd_s) and not args.control:  # else when the test asks
         slow_from[0] = time.monotonic() + args.slow_after
         onset = time.time() + args.slow_after
         print(f"syncscope-workload: rank {rank} slow from unix {onset:.3f}", flush=True)
@@ -432,9 +439,17 @@ def main(argv: list[str] | None = None) -> int:
         last = now
         step += 1
         if not args.steps and step % 10 == 0:
-            flag = torch.tensor([1.0 if time.monotonic() < deadline else 0.0])
-            dist.broadcast(flag, src=0)
-            if flag.item() == 0.0:
+            go_on, slowing = time.monotonic() < deadline, slow_from[0] < float("inf")
+            if args.control and rank == 0:
+                go_on = go_on and not os.path.exists(os.path.join(args.control, "stop"))
+                if not slowing and os.path.exists(os.path.join(args.control, "slow")):
+                    slowing = True
+                    _write(os.path.join(args.control, "onset"), f"{step} {time.time():.3f}")
+            flags = torch.tensor([float(go_on), float(slowing)])
+            dist.broadcast(flags, src=0)
+            if flags[1].item() and slow_from[0] == float("inf"):
+                slow_from[0] = time.monotonic()  # from the next step on
+            if not flags[0].item():
                 break
     if agent is not None:
         agent.close()
@@ -453,6 +468,13 @@ def main(argv: list[str] | None = None) -> int:
     # futex wait, the result already written). They go with the process, at os._exit below.
     _KEPT.append(locals())
     return 0
+
+
+def _write(path: str, text: str) -> None:
+    """`text` in `path`, whole or not at all for a reader."""
+    with open(path + ".partial", "w") as f:
+        f.write(text)
+    os.replace(path + ".partial", path)
 
 
 if __name__ == "__main__":

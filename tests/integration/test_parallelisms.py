@@ -1,23 +1,35 @@
-"""The parallelisms large jobs run, each a real 4-rank gloo job with one rank slowed 30 ms and
-a clean run: FSDP2 (resharding, and not resharding with explicit prefetch), HSDP on a 2-D mesh,
-DTensor tensor parallel inside pairs with FSDP2 across them, pipelines
+"""The parallelisms large jobs run, each a real 4-rank gloo job that runs clean, then with one
+rank slowed 30 ms: FSDP2 (resharding, and not resharding with explicit prefetch), HSDP on a
+2-D mesh, DTensor tensor parallel inside pairs with FSDP2 across them, pipelines
 (torch.distributed.pipelining: GPipe, interleaved 1F1B, ZB-V with its split backward)
-inside pairs with FSDP2 across them, DDP with gradient accumulation. The exporter must name the
-slowed rank with the phase it was slowed in as its cause (forward; backward on ZB-V), every
-rank's lead must match the truth pooled per step from the ranks' own records, and a clean run
-must stay silent.
+inside pairs with FSDP2 across them, DDP with gradient accumulation. While clean the exporter
+must stay silent; once a full window of steps is slowed it must name the slowed rank with the
+phase it was slowed in as its cause (forward; backward on ZB-V), and every rank's lead must
+match the truth pooled per step from the ranks' own records. One job per workload serves both
+of its tests.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from syncscope.catalog import STEP_WINDOW
 from syncscope.lab.truth import pooled_truth, read_records, record_files
 from syncscope.lab.workload import SCHEDULES, parse_args
-from tests.conftest import chain_end, torch_available, wait_until
+from tests.conftest import (
+    Exporter,
+    Job,
+    RunOnce,
+    chain_end,
+    parse_samples,
+    torch_available,
+    wait_until,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -62,40 +74,96 @@ WARM_UP_STEPS = 64  # the exporter's lead is the mean of the last 64 pooled step
 LEAD_STEPS = 64
 
 
-def sample_states(exporter: Any, job: Any, every_s: float = 1.0) -> list[dict[str, Any]]:
-    """The job's diagnosis and ranks, once a second while it runs, after every rank has
-    delivered the warm-up steps and the exporter's diagnosis has warmed up (a settled window
-    of every rank's steps: before it, it names nobody)."""
-    samples = []
-    while job.running():
-        time.sleep(every_s)
-        state = exporter.state()["jobs"].get("test")
-        ranks = (state or {}).get("ranks", [])
-        if (
-            len(ranks) == 4
-            and min(r["steps_total"] for r in ranks) >= WARM_UP_STEPS
-            and "warming_up" not in state["diagnosis"]
-        ):
-            samples.append(state)
-    return samples
+CLEAN_SAMPLES = 6  # the test asks for the slowed rank's sleep after this many clean samples
+SLOWED_SAMPLES = 10  # and stops the job after this many samples of a window wholly slowed
 
 
-def run(
-    exporter: Any, job_factory: Any, tmp_path: Any, args: list[str], seconds: int, **env: str
-) -> tuple:
-    records = tmp_path / "records"
-    records.mkdir()
-    job = job_factory(
+def settled(state: dict[str, Any] | None) -> bool:
+    """Every rank has delivered the warm-up steps and the exporter's diagnosis has warmed up
+    (a settled window of every rank's steps: before it, it names nobody)."""
+    ranks = (state or {}).get("ranks", [])
+    return (
+        state is not None
+        and len(ranks) == 4
+        and min(r["steps_total"] for r in ranks) >= WARM_UP_STEPS
+        and "warming_up" not in state["diagnosis"]
+    )
+
+
+@dataclass
+class Phased:
+    """One job's samples (its exporter's state once a second), clean and slowed, its exporter's
+    last state and the folders of the ranks' records and checkpoints."""
+
+    clean: list[dict[str, Any]] = field(default_factory=list)
+    slowed: list[dict[str, Any]] = field(default_factory=list)
+    final: dict[str, Any] = field(default_factory=dict)
+    metrics: str = ""  # its last scrape
+    records: str = ""
+    saves: Path = Path()
+
+
+def run_phased(name: str, tmp: Path, args: list[str], **env: str) -> Phased:
+    """The job with `args`, steered through its control folder: clean until CLEAN_SAMPLES
+    settled samples, then slowed (its first slowed step written by rank 0), sampled again once
+    every rank's window (STEP_WINDOW steps) lies after that step, stopped at SLOWED_SAMPLES.
+    Samples are taken only while no slowed step can have run (before the ask) or while the
+    exporter's windows hold slowed steps only: the steps between are neither phase."""
+    out = Phased(records=str(tmp / "records"), saves=tmp / "checkpoints")
+    control = tmp / "control"
+    for folder in (control, tmp / "records"):
+        folder.mkdir()
+    if name in CHECKPOINTED:  # a rank holding several stages saves them all
+        args = [*args, "--checkpoint-every", "50", "--checkpoint-dir", str(out.saves)]
+    exporter = Exporter()
+    job = Job(
         4,
-        ["--duration", str(seconds), *args],
+        ["--duration", "150", "--control", str(control), *args],
         exporter.url,
-        SYNCSCOPE_RECORD=str(records / "rank{rank}.jsonl"),
+        str(tmp),
+        SYNCSCOPE_RECORD=str(tmp / "records" / "rank{rank}.jsonl"),
         **env,
     )
-    assert wait_until(lambda: exporter.state()["jobs"].get("test"), timeout=60), "no reports"
-    samples = sample_states(exporter, job)
-    job.wait()
-    return samples, exporter.state()["jobs"]["test"], str(records)
+    try:
+        assert wait_until(lambda: exporter.state()["jobs"].get("test"), 60), "no reports"
+        onset: int | None = None
+        while job.running():
+            time.sleep(1)
+            state = exporter.state()["jobs"].get("test")
+            if not settled(state):
+                continue
+            assert state is not None
+            if not (control / "slow").exists():
+                out.clean.append(state)
+                if len(out.clean) >= CLEAN_SAMPLES:
+                    (control / "slow").touch()
+                continue
+            if onset is None and (control / "onset").exists():
+                onset = int((control / "onset").read_text().split()[0])
+            first = min(r["steps_total"] for r in state["ranks"]) - STEP_WINDOW
+            if onset is not None and first >= onset:
+                out.slowed.append(state)
+                if len(out.slowed) >= SLOWED_SAMPLES:
+                    (control / "stop").touch()
+        job.wait()
+        out.final = exporter.state()["jobs"]["test"]
+        out.metrics = exporter.metrics_text()
+    finally:
+        job.kill()
+        exporter.stop()
+    return out
+
+
+@pytest.fixture(scope="module")
+def phased(tmp_path_factory: pytest.TempPathFactory) -> RunOnce:
+    """`phased(name)`: the workload's run, started by the first test that asks for it."""
+
+    def run(name: str) -> Phased:
+        slowed, cause = SLOWED.get(name, 2), SLOWED_IN.get(name, "forward")
+        slowing = ["--slow-rank", str(slowed), "--slow-ms", "30", "--slow-in", cause]
+        return run_phased(name, tmp_path_factory.mktemp(name), [*WORKLOADS[name], *slowing])
+
+    return RunOnce(run)
 
 
 def forward_ms(state: dict[str, Any], rank: int) -> float:
@@ -104,13 +172,11 @@ def forward_ms(state: dict[str, Any], rank: int) -> float:
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))
-def test_the_slowed_rank_is_named_with_its_cause_and_every_lead_matches_the_truth(
-    name, exporter, job_factory, tmp_path
-):
+def test_the_slowed_rank_is_named_with_its_cause_and_every_lead_matches_the_truth(name, phased):
     slowed = SLOWED.get(name, 2)
     cause = SLOWED_IN.get(name, "forward")
-    args = [*WORKLOADS[name], "--slow-rank", str(slowed), "--slow-ms", "30", "--slow-in", cause]
-    samples, final, records = run(exporter, job_factory, tmp_path, args, 30)
+    run = phased(name)
+    samples, final, records = run.slowed, run.final, run.records
     assert len(samples) >= 8, f"only {len(samples)} samples after warm-up"
     named = [s["diagnosis"]["straggler"] for s in samples]
     right = [n for n in named if n is not None and n["rank"] == slowed]
@@ -166,12 +232,9 @@ def test_the_slowed_rank_is_named_with_its_cause_and_every_lead_matches_the_trut
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))
-def test_a_clean_run_gets_no_straggler_and_no_fabric_verdict(name, exporter, job_factory, tmp_path):
-    # A rank holding several stages saves them all (it once handed torch.save a list).
-    saves = tmp_path / "checkpoints"
-    checkpoints = ["--checkpoint-every", "50", "--checkpoint-dir", str(saves)]
-    args = [*WORKLOADS[name], *(checkpoints if name in CHECKPOINTED else ())]
-    samples, _final, _records = run(exporter, job_factory, tmp_path, args, 25)
+def test_a_clean_run_gets_no_straggler_and_no_fabric_verdict(name, phased):
+    run = phased(name)
+    samples, saves = run.clean, run.saves
     if name in CHECKPOINTED:
         done = {r: int((saves / f"latest-{r}").read_text()) for r in range(4)}
         assert all(steps >= 50 for steps in done.values()), done
@@ -191,18 +254,17 @@ def test_a_clean_run_gets_no_straggler_and_no_fabric_verdict(name, exporter, job
     assert all(s["backward"] > 0 for s in shares.values()), shares
 
 
-def test_with_phase_sampling_the_slowed_rank_is_named_and_its_lead_is_true(
-    exporter, job_factory, tmp_path
-):
-    """SYNCSCOPE_PHASE_EVERY=4 on the DDP job, rank 2 slowed 30 ms in forward: the exporter still
-    names it with cause forward, and every other rank its victim; the leads match the truth of
-    the last 64 timed steps; every quiet step's record carries its timed step's phase shares,
-    and every step its work."""
+def test_with_phase_sampling_the_slowed_rank_is_named_and_its_lead_is_true(tmp_path):
+    """SYNCSCOPE_PHASE_EVERY=4 on the DDP job, silent while clean, then rank 2 slowed 30 ms in
+    forward: the exporter still names it with cause forward, and every other rank its victim;
+    the leads match the truth of the last 64 timed steps; every quiet step's record carries its
+    timed step's phase shares, and every step its work."""
     every = 4
     args = ["--slow-rank", "2", "--slow-ms", "30"]
-    samples, final, records = run(
-        exporter, job_factory, tmp_path, args, 30, SYNCSCOPE_PHASE_EVERY=str(every)
-    )
+    run = run_phased("ddp", tmp_path, args, SYNCSCOPE_PHASE_EVERY=str(every))
+    samples, final, records = run.slowed, run.final, run.records
+    assert len(run.clean) >= CLEAN_SAMPLES, f"only {len(run.clean)} clean samples"
+    assert all(s["diagnosis"]["straggler"] is None for s in run.clean), run.clean[-1]["diagnosis"]
     assert len(samples) >= 8, f"only {len(samples)} samples after warm-up"
     named = [s["diagnosis"]["straggler"] for s in samples]
     right = [n for n in named if n is not None and n["rank"] == 2]
@@ -236,7 +298,7 @@ def test_with_phase_sampling_the_slowed_rank_is_named_and_its_lead_is_true(
     for r in final["ranks"]:
         assert r["samples_total"] == batch * r["steps_total"], r
     # and Prometheus is told so, for the dashboard's "Phases timed"
-    scraped = exporter.samples("syncscope_phase_sampling_every")
+    scraped = parse_samples(run.metrics, "syncscope_phase_sampling_every")
     sampling = {int(dict(labels)["rank"]): n for labels, n in scraped.items()}
     assert sampling == dict.fromkeys(range(4), every), sampling
     # The wait chain divides each group's wait by the steps: the quiet steps' estimated syncs
