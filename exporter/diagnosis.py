@@ -259,8 +259,8 @@ def wait_chain(
         if r.rank == root or r.steps_total <= 0 or not r.collectives:
             continue
         waits: dict[str, float] = {}
-        for c in r.collectives:
-            waits[c.group] = waits.get(c.group, 0.0) + c.wait_seconds / r.steps_total
+        for c in r.collectives:  # per step over the window: where it waits now
+            waits[c.group] = waits.get(c.group, 0.0) + c.wait_per_step
         group, wait = max(waits.items(), key=lambda kv: kv[1])
         # Pacing delays a rank before its first wait, by less than that wait: the delay is
         # time it holds back for the rank it waits for, moved out of the collective. A paced
@@ -273,7 +273,7 @@ def wait_chain(
             # It waits for a rank elsewhere, as long as its node's peers do.
             spent: dict[str, float] = {}
             for c in r.collectives:
-                spent[c.group] = spent.get(c.group, 0.0) + c.seconds
+                spent[c.group] = spent.get(c.group, 0.0) + c.seconds_per_step
             group, wait = max(spent, key=spent.__getitem__), lead
             waits = {}
         out[r.rank] = Victim(r.rank, group, _waits_for(r, group, root, blocked), wait)

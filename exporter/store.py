@@ -115,7 +115,9 @@ class RecentStep:
 
 @dataclass(frozen=True)
 class CollectiveView:
-    """A rank's totals for one (op, group)."""
+    """A rank's totals for one (op, group), and per step over its last STEP_WINDOW steps (all
+    its steps, before it has that many reported here): what the wait chain reads, so that a
+    straggler that appears after hours of a clean job is followed where its victims wait now."""
 
     op: str
     group: str
@@ -123,6 +125,8 @@ class CollectiveView:
     seconds: float
     bytes: float
     wait_seconds: float
+    seconds_per_step: float
+    wait_per_step: float
 
 
 @dataclass(frozen=True)
@@ -210,7 +214,9 @@ class RankView:
                 "step_ratio_bucket_counts": tuple(data.get("step_ratio_bucket_counts", ())),
                 "phase_seconds_total": by_phase(data["phase_seconds_total"]),
                 "phase_shares": by_phase(data["phase_shares"]),
-                "collectives": tuple(CollectiveView(**c) for c in data["collectives"]),
+                "collectives": tuple(
+                    CollectiveView(**_per_step(c, data["steps_total"])) for c in data["collectives"]
+                ),
                 "pacing": PacingState(**data["pacing"]) if data["pacing"] else None,
                 "recent_steps": tuple(
                     RecentStep(
@@ -364,6 +370,9 @@ class CollectiveTotals:
     wait_seconds: float = 0.0
 
 
+Mark = tuple[int, int, dict[tuple[str, str], tuple[float, float]]]
+
+
 @dataclass
 class RankState:
     job: str
@@ -384,6 +393,11 @@ class RankState:
     ratio_sum: float = 0.0
     median_s: float = 0.0  # of the window, every RATIO_MEDIAN_EVERY steps; 0: none yet
     collectives: dict[tuple[str, str], CollectiveTotals] = field(default_factory=dict)
+    # (steps_total, the job's pooled steps, {(op, group): (seconds, wait_seconds)}) after each
+    # of its reports, from the newest at or before STEP_WINDOW steps ago: its collectives'
+    # figures over the window. A wait is added when its step is pooled (often at a peer's
+    # report), so waits count per pooled step and seconds per step delivered.
+    marks: deque[Mark] = field(default_factory=deque)
     dropped_before: int = 0  # records lost by earlier incarnations of this rank
     dropped_current: int = 0
     window: deque[float] = field(default_factory=deque)  # recent step durations (CV)
@@ -590,6 +604,7 @@ class Store:
             self._events(state, ingest.events)  # before the steps: a step's checkpoints first
             self._steps(state, pool, ingest.steps)
             self._pool(job, pool, now)
+            _mark(state, pool.pooled_steps_total)
             self.ingested_records += (
                 len(ingest.steps) + len(ingest.collectives) + len(ingest.events)
             )
@@ -632,6 +647,7 @@ class Store:
         state.window = deque(maxlen=self.settings.step_window)
         state.work = deque(maxlen=self.settings.step_window)
         state.recent = deque(maxlen=self.settings.recent_steps)
+        state.marks.clear()
         state.throughput.restart()
         pool.forget(state.rank)
 
@@ -951,6 +967,58 @@ MAX_PENDING_CHECKPOINTS = 64
 _DATA, _COMM, _PACING = (PHASES.index(p) for p in ("data", "comm_exposed", "pacing"))
 
 
+def _per_step(c: Mapping[str, Any], steps: int) -> Mapping[str, Any]:
+    """A recorded collective, with its figures per step over all steps where it has none
+    (recorded before the window was kept)."""
+    if "wait_per_step" in c or steps <= 0:
+        return {"seconds_per_step": 0.0, "wait_per_step": 0.0, **c}
+    return {
+        **c,
+        "seconds_per_step": c["seconds"] / steps,
+        "wait_per_step": c["wait_seconds"] / steps,
+    }
+
+
+def _mark(state: RankState, pooled: int) -> None:
+    """Note the rank's collective totals after a report; keep marks back to the window's start."""
+    marks = state.marks
+    totals = {k: (t.seconds, t.wait_seconds) for k, t in state.collectives.items()}
+    if marks and marks[-1][0] == state.steps_total:  # no step since: at most one per step
+        marks.pop()
+    marks.append((state.steps_total, pooled, totals))
+    start = state.steps_total - STEP_WINDOW
+    while len(marks) > 1 and marks[1][0] <= start:
+        marks.popleft()
+
+
+def _collective_views(s: RankState) -> tuple[CollectiveView, ...]:
+    """Its collectives' totals, and per step between its oldest and newest marks (over all its
+    steps before it has two): a wait is added when its step is pooled, so waits count per
+    pooled step between the marks, seconds per step delivered."""
+    steps = pooled = s.steps_total
+    base: dict[tuple[str, str], tuple[float, float]] = {}
+    now = {k: (t.seconds, t.wait_seconds) for k, t in s.collectives.items()}
+    if len(s.marks) > 1:
+        (first, pooled_first, base), (last, pooled_last, now) = s.marks[0], s.marks[-1]
+        steps, pooled = last - first, pooled_last - pooled_first
+    out = []
+    for key, t in sorted(s.collectives.items()):
+        seconds, wait = base.get(key, (0.0, 0.0))
+        seconds_now, wait_now = now.get(key, (seconds, wait))
+        out.append(
+            CollectiveView(
+                *key,
+                t.calls,
+                t.seconds,
+                t.bytes,
+                t.wait_seconds,
+                (seconds_now - seconds) / steps if steps > 0 else 0.0,
+                (wait_now - wait) / pooled if pooled > 0 else 0.0,
+            )
+        )
+    return tuple(out)
+
+
 def _rank_view(s: RankState, now: float, stale_after: float, keep: int | None) -> RankView:
     recent = tuple(s.recent)
     # The rolling figures leave warm-up steps out (a compile's step is no baseline).
@@ -994,10 +1062,7 @@ def _rank_view(s: RankState, now: float, stale_after: float, keep: int | None) -
         arrival_lead_s=lead,
         node_lead_s=lead,
         wait_mean_s=(sum(r.wait_s for r in last) / len(durations)) if durations else None,
-        collectives=tuple(
-            CollectiveView(op, g, t.calls, t.seconds, t.bytes, t.wait_seconds)
-            for (op, g), t in sorted(s.collectives.items())
-        ),
+        collectives=_collective_views(s),
         dropped_total=s.dropped_total,
         pacing=pacing,
         topology=s.topology,

@@ -370,8 +370,8 @@ STRAGGLER_CAUSE = MetricSpec(
 VICTIM_WAIT_SECONDS = MetricSpec(
     "syncscope_victim_wait_seconds",
     "gauge",
-    "While a straggler is named: per step, how long a rank here waits in the group it waits in "
-    "most, for the rank it waits for there (waits_for; empty: a rank this exporter does not "
+    f"While a straggler is named: per step over its last {STEP_WINDOW} steps, how long a rank here waits "
+    "in the group it waits in most, for the rank it waits for there (waits_for; empty: a rank this exporter does not "
     "see). Following waits_for from any victim leads to the straggler.",
     ("job", "node", "rank", "group", "waits_for"),
     "straggler",

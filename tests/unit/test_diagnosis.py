@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
+from syncscope.exporter.app import create_app
 from syncscope.exporter.collectors import collect_diagnosis
 from syncscope.exporter.diagnosis import (
     CAUSES,
@@ -304,6 +306,13 @@ def test_a_failing_rule_returns_no_verdicts_instead_of_raising() -> None:
     assert out.modes == {} and out.straggler is None and out.error is not None
 
 
+def collective(op: str, group: str, steps: int, per_step_s: float, wait_s: float) -> Any:
+    """A collective called once a step for `steps` steps, alike over them: totals and window."""
+    return CollectiveView(
+        op, group, steps, steps * per_step_s, 1e6, steps * wait_s, per_step_s, wait_s
+    )
+
+
 def tp_mesh(
     layout: dict[int, tuple[str, float, float]], paced: dict[int, float] | None = None
 ) -> list[RankView]:
@@ -318,9 +327,7 @@ def tp_mesh(
         held = {Phase.COMM_EXPOSED: blocked, Phase.PACING: (paced or {}).get(rank, 0.0)}
         phases = tuple(held.get(p, 0.01) for p in Phase)
         colls = tuple(
-            CollectiveView(
-                "all_reduce", g, steps, steps * 0.03, 1e6, steps * (wait if g == group else 0.0001)
-            )
+            collective("all_reduce", g, steps, 0.03, wait if g == group else 0.0001)
             for g in ("tp", "dp")
         )
         ranks.append(
@@ -394,10 +401,7 @@ def test_a_wait_chain_that_goes_round_in_a_circle_is_led_out_of_it() -> None:
             base,
             rank=rank,
             steps_total=steps,
-            collectives=tuple(
-                CollectiveView("send", g, steps, steps * 0.4, 1e6, steps * w)
-                for g, w in waits[rank].items()
-            ),
+            collectives=tuple(collective("send", g, steps, 0.4, w) for g, w in waits[rank].items()),
             topology={"group.pp": pp[rank], "group.dp": dp[rank]},
             recent_steps=tuple(
                 RecentStep(
@@ -417,10 +421,7 @@ def test_a_wait_chain_that_goes_round_in_a_circle_is_led_out_of_it() -> None:
     waits[1]["dp"] = 0.0620
     ranks[1] = replace(
         ranks[1],
-        collectives=tuple(
-            CollectiveView("send", g, steps, steps * 0.4, 1e6, steps * w)
-            for g, w in waits[1].items()
-        ),
+        collectives=tuple(collective("send", g, steps, 0.4, w) for g, w in waits[1].items()),
     )
     chain = {v.rank: (v.group, v.waits_for) for v in wait_chain(ranks, root=2, min_wait_s=0.005)}
     assert chain == {0: ("pp", 1), 1: ("dp", 3), 3: ("pp", 2)}
@@ -464,8 +465,8 @@ def test_the_wait_chain_crosses_nodes_with_the_job_wide_leads() -> None:
     ranks = []
     for rank in (0, 1):
         colls = (  # (group, seconds per step, wait beyond this node's least per step)
-            CollectiveView("all_gather", "shard", steps, steps * 0.004, 1e6, steps * 0.0002),
-            CollectiveView("all_reduce", "replicate", steps, steps * 0.035, 1e6, steps * 0.0003),
+            collective("all_gather", "shard", steps, 0.004, 0.0002),
+            collective("all_reduce", "replicate", steps, 0.035, 0.0003),
         )
         ranks.append(
             replace(
@@ -484,3 +485,44 @@ def test_the_wait_chain_crosses_nodes_with_the_job_wide_leads() -> None:
     ]
     # Without the job-wide view the node sees no wait: no victims rather than wrong ones.
     assert wait_chain(ranks, root=3, min_wait_s=0.0075) == ()
+
+
+def test_the_wait_chain_follows_where_a_rank_waits_now_not_over_the_job() -> None:
+    """Rank 0 waits 20 ms a step in `shard` for 300 steps, then 30 ms in `replicate` for 150
+    (its peer arriving late at another collective: a straggler that appears mid-job). Over the
+    job it waited most in shard (6 s against 4.5 s); over the last window only in replicate,
+    and that is where the wait chain has it wait."""
+    ms = 1_000_000
+
+    def rows(rank: int, first: int, n: int, waits_in: str, wait_ms: int) -> dict:
+        steps, colls = [], []
+        for i in range(first, first + n):
+            steps.append(
+                [i, (5_000 + i) * 10**9, 100 * ms, 10 * ms, 20 * ms, 30 * ms, 10 * ms, 0, 0]
+            )
+            for group in ("shard", "replicate"):
+                late = rank == 0 and group == waits_in
+                colls.append(["all_reduce", group, 1024, (1 + (wait_ms if late else 0)) * ms, i])
+        agent = {"job": "j", "rank": rank, "local_rank": rank, "world_size": 2, "incarnation": "a"}
+        return {
+            "schema_version": 2,
+            "agent": {**agent, "hostname": "h"},
+            "clock_offset_ns": 1_700_000_000 * 10**9 - 5_000 * 10**9,
+            "steps": steps,
+            "collectives": colls,
+        }
+
+    with TestClient(create_app(Settings())) as client:
+        for first in range(0, 450, 50):
+            waits_in, wait_ms = ("shard", 20) if first < 300 else ("replicate", 30)
+            for rank in (0, 1):
+                reply = client.post("/v1/ingest", json=rows(rank, first, 50, waits_in, wait_ms))
+                assert reply.status_code == 200, reply.text
+        state = client.get("/v1/state").json()["jobs"]["j"]
+    (rank0,) = [RankView.from_json(r) for r in state["ranks"] if r["rank"] == 0]
+    by_group = {c.group: c for c in rank0.collectives}
+    assert by_group["shard"].wait_seconds > by_group["replicate"].wait_seconds  # the totals
+    assert by_group["replicate"].wait_per_step == pytest.approx(0.030, abs=0.001)
+    assert by_group["shard"].wait_per_step == pytest.approx(0.0, abs=0.001)
+    chain = wait_chain([rank0], root=1, min_wait_s=0.005)
+    assert [(v.rank, v.group) for v in chain] == [(0, "replicate")]
