@@ -36,6 +36,7 @@ from syncscope.monitoring.prometheus_config import (
 )
 from syncscope.thresholds import load_config, required
 from tests.conftest import (
+    RunOnce,
     Webhook,
     chain_end,
     shipped_alertmanager_config,
@@ -335,38 +336,55 @@ def named_by_the_rule(sel: str) -> str:
     return f"{R.STRAGGLER_RATIO}{sel} > {ratio} and on (job) {R.SKEW}{sel} > {floor}"
 
 
-def run_across_nodes(tmp_path, job: str, args: list[str], named: bool = True) -> dict[str, Any]:
-    """One job on two nodes, each exporter reading the job-wide view back: every exporter's
-    job state once a second after warm-up, and the rules' evaluations over the same time.
-    `named`: the job has a straggler, which the exporters name once they have held it."""
+# Per phase, the exporter samples (two a second) and the seconds of the rules' evaluations
+# (one a second) over full windows the test takes before it slows a rank, or stops the job.
+ENOUGH = {"clean": (16, 12), "slowed": (24, 16)}
+
+
+def run_across_nodes(tmp_path, job: str, args: list[str], clean: bool) -> dict[str, Any]:
+    """One job on two nodes, each exporter reading the job-wide view back, steered through the
+    workload's control folder: clean (with `clean`) until the test has its samples, then with
+    `args`' slow rank slowed until it has those too. Per phase, every exporter's job state once
+    a second and the rules' evaluations over the same time: {"clean": ..., "slowed": ...}.
+
+    The rules judge a job only once every rank has a full window of its own
+    (job:syncscope_steps_total:count_full_window): a phase is read from the first full window
+    after every rank's first scrape (`ready`) or after the first slowed step (rank 0 writes
+    when), however long this machine took to start the job. The exporters, reading the rules
+    back every 2 s, are sampled from that window on, once slowed after they have held what they
+    read for as long as they must (the alert's for: and a window) and read it once more. The
+    seconds between the ask and that point are neither phase's."""
+    control = tmp_path / "control"
+    control.mkdir()
+    if not clean:
+        (control / "slow").touch()
+    sel = f'{{job="{job}"}}'
+    window, hold_s = local_window_s(), exporter_hold_s() + 2
+    out: dict[str, Any] = {}
     with job_wide_nodes(tmp_path) as (cluster, prom), open(tmp_path / f"{job}.log", "wb") as log:
         started = time.time()
         ranks = cluster.launch(
-            args, env=dict(os.environ, SYNCSCOPE_JOB=job), stdout=log, stderr=subprocess.STDOUT
+            ["--duration", "240", "--control", str(control), *args],
+            env=dict(os.environ, SYNCSCOPE_JOB=job),
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
-        sel = f'{{job="{job}"}}'
-        # The rules judge a job only once every rank has a full window of its own
-        # (job:syncscope_steps_total:count_full_window): whom they name is read from the first
-        # full window after every rank's first scrape (`ready`), however long this machine
-        # took to start the job, and that they name nobody on a clean job from the launch on.
-        # The exporters, reading the rules back every 2 s, are sampled from that window on,
-        # once they have held what they read for as long as they must (the alert's for: and
-        # a window) and read it once more.
         warm = started + scenarios.WARM_UP_S + 5
-        window = local_window_s()
-        hold = exporter_hold_s() + 2 if named else 0.0
-        ready = 0.0
+        ready = onset = 0.0
         samples: list[tuple[int, Any]] = []
-        running: list[tuple[int, Any]] = []
-        last = 0.0
-        while any(r.poll() is None for r in ranks):
+        while all(r.poll() is None for r in ranks):
             time.sleep(1)
             if not ready:
                 scraped = prom.query(f"count({M.STEPS_TOTAL.name}{sel}) >= {len(ranks)}")
                 ready = time.time() if scraped else 0.0
-            if not ready or time.time() < max(warm, ready + window + 3 + hold):
+            if not onset and (control / "onset").exists():
+                onset = float((control / "onset").read_text().split()[1])
+            slowing = (control / "slow").exists()
+            if not ready or (slowing and not onset):
                 continue
-            alive = all(r.poll() is None for r in ranks)
+            since = max(warm, ready + window, onset + window if slowing else 0.0)
+            if time.time() < since + 3 + (hold_s if slowing else 0.0):
+                continue
             # An exporter whose diagnosis is warming up (a settled window of its ranks' steps
             # not yet delivered) gives no verdict: not a sample of one.
             states = [
@@ -375,35 +393,42 @@ def run_across_nodes(tmp_path, job: str, args: list[str], named: bool = True) ->
                 if job in s["jobs"] and "warming_up" not in s["jobs"][job]["diagnosis"]
             ]
             samples.extend(states)
-            if alive and all(r.poll() is None for r in ranks):
-                running = states
-            last = time.time()
+            now = time.time()
+            phase = "slowed" if slowing else "clean"
+            wanted, ruled_s = ENOUGH[phase]
+            if len(samples) < wanted or now - (since + 1) < ruled_s:
+                continue
+            out[phase] = {
+                "samples": samples,
+                "running": states,  # every exporter's last sample, all ranks still running
+                # Whom SyncscopeStraggler's condition names, at every evaluation (1 s), over
+                # full windows of the phase
+                "ruled": prom.query_range(named_by_the_rule(sel), since + 1, now),
+                # From the launch (the ask) on: whom the condition names, the job's arrival
+                # skew over its mean step (recorded once every rank has a full window; on a
+                # clean job, how far under the straggler's line it stayed) and the straggler
+                # alert.
+                "ruled_since_start": prom.query_range(named_by_the_rule(sel), started, now),
+                "skew": prom.query_range(f"{R.SKEW_RATIO}{sel}", started, now),
+                "alerts": prom.query_range(
+                    f'ALERTS{{alertname="SyncscopeStraggler",alertstate="firing",job="{job}"}}',
+                    started,
+                    now,
+                ),
+                "lost": {
+                    r["metric"]["group"]: float(r["value"][1])
+                    for r in prom.query(f"{R.GROUP_WAIT}{sel}", at=now)
+                },
+                "step": float(prom.query(f"{R.STEP_MEAN}{sel}", at=now)[0]["value"][1]),
+                "exposed": float(prom.query(f"{R.COMM_EXPOSED_RATIO}{sel}", at=now)[0]["value"][1]),
+            }
+            samples = []
+            started = now
+            (control / ("stop" if slowing else "slow")).touch()
+            if slowing:
+                break
         assert wait_all(ranks, 60) == [0, 0, 0, 0], (tmp_path / f"{job}.log").read_text()[-2000:]
-        ruled_from = max(warm, ready + window + 1)
-        out = {
-            "samples": samples,
-            # Every exporter's last sample while every rank was still running: the job's end
-            # (ranks stopping one by one, the last steps' waits for them) is no steady state.
-            "running": running,
-            # Whom SyncscopeStraggler's condition names, at every evaluation (1 s)
-            "ruled": prom.query_range(named_by_the_rule(sel), ruled_from, last),
-            # From the launch on: whom the condition names, the job's arrival skew over its
-            # mean step (recorded once every rank has a full window; on a clean job, how far
-            # under the straggler's line it stayed) and the straggler alert.
-            "ruled_since_launch": prom.query_range(named_by_the_rule(sel), started, last),
-            "skew": prom.query_range(f"{R.SKEW_RATIO}{sel}", started, last),
-            "alerts": prom.query_range(
-                f'ALERTS{{alertname="SyncscopeStraggler",alertstate="firing",job="{job}"}}',
-                started,
-                time.time(),
-            ),
-            "lost": {
-                r["metric"]["group"]: float(r["value"][1])
-                for r in prom.query(f"{R.GROUP_WAIT}{sel}", at=last)
-            },
-            "step": float(prom.query(f"{R.STEP_MEAN}{sel}", at=last)[0]["value"][1]),
-            "exposed": float(prom.query(f"{R.COMM_EXPOSED_RATIO}{sel}", at=last)[0]["value"][1]),
-        }
+    assert set(out) == {"clean", "slowed"} - (set() if clean else {"clean"}), sorted(out)
     return out
 
 
@@ -422,9 +447,23 @@ def ruled_rank(series: dict[str, float]) -> str | None:
     return ranks.pop() if len(ranks) == 1 else ("several" if ranks else None)
 
 
+@pytest.fixture(scope="module")
+def across_nodes(tmp_path_factory: pytest.TempPathFactory) -> RunOnce:
+    """`across_nodes(name)`: the workload's run on two nodes, slowed after a clean phase where
+    CLEAN_ACROSS_NODES has it, with pacing asked for: started by the first test that asks."""
+
+    def run(name: str) -> dict[str, Any]:
+        args, slowed = ACROSS_NODES[name]
+        slowing = ["--slow-rank", str(slowed), "--slow-ms", "30", "--pacing"]
+        tmp, clean = tmp_path_factory.mktemp(name), name in CLEAN_ACROSS_NODES
+        return run_across_nodes(tmp, f"{name}-across-nodes", [*args, *slowing], clean)
+
+    return RunOnce(run)
+
+
 @needs_prometheus
 @pytest.mark.parametrize("name", list(ACROSS_NODES))
-def test_each_parallelism_across_nodes_names_the_root_job_wide(name, tmp_path):
+def test_each_parallelism_across_nodes_names_the_root_job_wide(name, across_nodes):
     """One rank slowed 30 ms in forward (a stage-0 rank for the pipeline), pacing asked for:
     both exporters name it in ≥ 95 % of their samples (its node's with cause forward), the job-wide rule
     in ≥ 95 % of its evaluations, and every victim's chain reaches it, across the link where
@@ -433,13 +472,9 @@ def test_each_parallelism_across_nodes_names_the_root_job_wide(name, tmp_path):
     group shows the time lost in tp and dp near the victims' waits there; with a pipeline it
     stays within the ranks' blocked time and near the victims' waits in pp. Pacing stays on
     with several groups (it is fed each step's first wait) and never delays the root."""
-    job = f"{name}-across-nodes"
-    args, slowed = ACROSS_NODES[name]
-    run = run_across_nodes(
-        tmp_path,
-        job,
-        ["--duration", "45", *args, "--slow-rank", str(slowed), "--slow-ms", "30", "--pacing"],
-    )
+    _args, slowed = ACROSS_NODES[name]
+    phases = across_nodes(name)
+    run = phases["slowed"]
     samples = run["samples"]
     assert len(samples) >= 20, len(samples)
     named = [(node, s["diagnosis"]["straggler"] or {}) for node, s in samples]
@@ -488,21 +523,24 @@ def test_each_parallelism_across_nodes_names_the_root_job_wide(name, tmp_path):
         assert sum(lost.values()) <= 1.1 * run["exposed"], (lost, run["exposed"])
         waited = sum(w for g, _whom, w in victims.values() if g == "pp") / (4 * run["step"])
         assert 0.7 * waited <= lost["pp"] <= 2.5 * waited, (lost, waited)
+    # Pacing never delays the root: not since the ask (it may have paced it while clean).
+    clean = phases["clean"]["running"] if "clean" in phases else []
+    before = {r["rank"]: r["pacing"]["total_delay_s"] for _node, s in clean for r in s["ranks"]}
     for _node, s in run["running"]:
         for r in s["ranks"]:
             assert r["pacing"] and r["pacing"]["enabled"], r
-            if r["rank"] == slowed:  # pacing never delays the root
-                assert r["pacing"]["total_delay_s"] == 0.0, r["pacing"]
+            if r["rank"] == slowed:
+                delay = r["pacing"]["total_delay_s"] - before.get(slowed, 0.0)
+                assert delay == 0.0, (r["pacing"], before)
 
 
 @needs_prometheus
 @pytest.mark.parametrize("name", CLEAN_ACROSS_NODES)
-def test_each_parallelism_across_nodes_clean_gets_no_straggler_anywhere(name, tmp_path):
-    """No rank slowed: no exporter sample names a straggler or a fabric fault, no evaluation
-    of the job-wide rule crosses the straggler alert's threshold, and the alert never fires."""
-    job = f"{name}-clean-across-nodes"
-    args, _slowed = ACROSS_NODES[name]
-    run = run_across_nodes(tmp_path, job, ["--duration", "30", *args], named=False)
+def test_each_parallelism_across_nodes_clean_gets_no_straggler_anywhere(name, across_nodes):
+    """No rank slowed yet, pacing on: no exporter sample names a straggler or a fabric fault,
+    no evaluation of the job-wide rule crosses the straggler alert's threshold, and the alert
+    never fires."""
+    run = across_nodes(name)["clean"]
     samples = run["samples"]
     assert len(samples) >= 15, len(samples)
     skews = [v for series in run["skew"].values() for v in series.values()]
@@ -513,7 +551,7 @@ def test_each_parallelism_across_nodes_clean_gets_no_straggler_anywhere(name, tm
         assert diagnosis["straggler"] is None, (node, diagnosis["modes"]["straggler"], skews)
         for mode in ("fabric_contention", "slow_link"):
             assert not diagnosis["modes"].get(mode, {}).get("verdict"), (node, mode, diagnosis)
-    ruled = [ruled_rank(series) for series in run["ruled_since_launch"].values()]
+    ruled = [ruled_rank(series) for series in run["ruled_since_start"].values()]
     assert set(ruled) == {None}, ruled
     assert not any(run["alerts"].values()), run["alerts"]
 
