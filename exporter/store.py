@@ -995,12 +995,12 @@ def _collective_views(s: RankState) -> tuple[CollectiveView, ...]:
     """Its collectives' totals, and per step between its oldest and newest marks (over all its
     steps before it has two): a wait is added when its step is pooled, so waits count per
     pooled step between the marks, seconds per step delivered."""
-    steps = pooled = s.steps_total
-    base: dict[tuple[str, str], tuple[float, float]] = {}
-    now = {k: (t.seconds, t.wait_seconds) for k, t in s.collectives.items()}
     if len(s.marks) > 1:
         (first, pooled_first, base), (last, pooled_last, now) = s.marks[0], s.marks[-1]
         steps, pooled = last - first, pooled_last - pooled_first
+    else:  # over all its steps
+        steps = pooled = s.steps_total
+        base, now = {}, {k: (t.seconds, t.wait_seconds) for k, t in s.collectives.items()}
     out = []
     for key, t in sorted(s.collectives.items()):
         seconds, wait = base.get(key, (0.0, 0.0))
