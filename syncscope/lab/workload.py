@@ -399,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(args.batch, args.hidden)
     y = torch.randn(args.batch, 1)
     probe = torch.ones(256)
-    times: list[float] = []
+    times: list[float] = []  # each step's duration (s)
+    ends: list[float] = []  # and its end (unix s)
     deadline = time.monotonic() + args.duration
     if args.jitter_until > 0:
         jitter_end[0] = time.monotonic() + args.jitter_until
@@ -436,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpoints.save(saved, opt, step + 1)
         now = time.perf_counter()
         times.append(now - last)
+        ends.append(time.time())  # when, for a test that locates a fault by the wall clock
         last = now
         step += 1
         if not args.steps and step % 10 == 0:
@@ -458,7 +460,13 @@ def main(argv: list[str] | None = None) -> int:
 
         with open(args.result.format(rank=rank), "w") as f:
             json.dump(
-                {"rank": rank, "step_times": times, "stats": agent.stats if agent else None}, f
+                {
+                    "rank": rank,
+                    "step_times": times,
+                    "step_ends": ends,
+                    "stats": agent.stats if agent else None,
+                },
+                f,
             )
     dist.barrier()
     dist.destroy_process_group()

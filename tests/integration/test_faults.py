@@ -72,16 +72,15 @@ def longest_step(results: list[dict], window: tuple[int, int]) -> float:
     return max(t for r in results for t in r["step_times"][window[0] : window[1]])
 
 
-def resume_step(exporter: Exporter, job: str) -> int | None:
-    """First step each rank reported after a gap in its recent steps (min over ranks)."""
-    firsts = []
-    for r in exporter.state(recent=300)["jobs"].get(job, {}).get("ranks", []):
-        steps = [s["step"] for s in r["recent_steps"]]
-        gaps = [b for a, b in zip(steps, steps[1:], strict=False) if b - a > 1]
-        if not gaps:
-            return None
-        firsts.append(gaps[-1])
-    return min(firsts) if firsts else None
+def steps_within(results: list[dict], t0: float, t1: float) -> tuple[int, int]:
+    """The step indices (lo, hi) that every rank ended between unix times t0 and t1: where a
+    fault was, by the clock. (Not by the exporter's step counts: a count is not a step number
+    once rows were dropped, and on a loaded machine a 32-row queue drops some before the
+    fault too.)"""
+    lo = max(next((i for i, t in enumerate(r["step_ends"]) if t >= t0), 1 << 30) for r in results)
+    hi = min(sum(1 for t in r["step_ends"] if t <= t1) for r in results)
+    assert hi - lo >= 5, f"5 steps at least between {t0:.3f} and {t1:.3f}: {lo}..{hi}"
+    return lo, hi
 
 
 def first_steps_seen(exporter: Exporter, job: str) -> dict[int, int]:
@@ -224,9 +223,10 @@ def test_exporter_killed_and_restarted_mid_run(job_factory, tmp_path):
         steps_at_kill = by_rank(parse_samples(before, "syncscope_steps_total"))
         first.proc.kill()  # SIGKILL: no goodbye, connections reset
         first.proc.wait(10)
-        t_kill = time.monotonic()
+        t_kill, killed_unix = time.monotonic(), time.time()
         time.sleep(10)
         assert job.running(), "the job must outlive the outage for this test to mean anything"
+        up_unix = time.time()
         second = Exporter(port=port)
         t_up = time.monotonic()
         resumed = wait_until(
@@ -236,7 +236,6 @@ def test_exporter_killed_and_restarted_mid_run(job_factory, tmp_path):
         )
         resume_s = time.monotonic() - t_up
         assert resumed, "ranks did not report to the restarted exporter"
-        resumed_at = min(resumed.values())  # first step the new exporter received
         assert resume_s <= 5.0, f"reports resumed {resume_s:.2f} s after the restart"
         print(f"\nreports resumed {resume_s:.2f} s after the restarted exporter answered")
 
@@ -266,10 +265,8 @@ def test_exporter_killed_and_restarted_mid_run(job_factory, tmp_path):
 
         # Step time while nothing listens (the first half of the gap: the second half holds
         # the new exporter's start-up, a CPU burst on this 2-core machine) vs just before.
-        killed_at = int(min(steps_at_kill.values()))
-        span = resumed_at - killed_at
-        print(f"steps: killed at {killed_at}, resumed at {resumed_at}")
-        outage = (killed_at + 5, killed_at + span // 2)
+        outage = steps_within(results, killed_unix + 0.5, (killed_unix + up_unix) / 2)
+        print(f"steps during the outage: {outage}")
         ratio = median_ratio(results, outage)
         longest = longest_step(results, outage)
         print(f"longest step during the outage: {longest * 1e3:.1f} ms")
@@ -312,6 +309,7 @@ def test_stalled_exporter_keeps_queue_bounded_memory_flat_and_loop_unblocked(exp
     steps_at_stall = by_rank(parse_samples(exporter.metrics_text(), "syncscope_steps_total"))
     rss: dict[int, list[int]] = {i: [] for i in range(WORLD)}
     os.kill(exporter.proc.pid, signal.SIGSTOP)
+    stopped_unix = time.time()
     try:
         for _ in range(16):  # 8 s of stall, RSS sampled every 0.5 s
             for i, p in enumerate(job.procs):
@@ -319,6 +317,7 @@ def test_stalled_exporter_keeps_queue_bounded_memory_flat_and_loop_unblocked(exp
             time.sleep(0.5)
     finally:
         os.kill(exporter.proc.pid, signal.SIGCONT)
+        continued_unix = time.time()
     assert wait_until(
         lambda: (
             min(by_rank(parse_samples(exporter.metrics_text(), "syncscope_steps_total")).values())
@@ -327,8 +326,6 @@ def test_stalled_exporter_keeps_queue_bounded_memory_flat_and_loop_unblocked(exp
         timeout=10,
         interval=0.2,
     ), "reports did not resume after the stall"
-    resumed_at = wait_until(lambda: resume_step(exporter, "stall"), 5, 0.2)
-    assert resumed_at
     results = job.wait(120)
     for i, samples in rss.items():
         growth = max(samples) - min(samples)
@@ -337,13 +334,12 @@ def test_stalled_exporter_keeps_queue_bounded_memory_flat_and_loop_unblocked(exp
         stats = r["stats"]
         assert stats["sent_records"] + stats["dropped_records"] == produced(r), stats
         assert stats["dropped_records"] > 0
-    stalled_at = int(min(steps_at_stall.values()))
-    stall = (stalled_at + 5, resumed_at - 5)
+    stall = steps_within(results, stopped_unix + 0.5, continued_unix)
     ratio = median_ratio(results, stall)
     longest = longest_step(results, stall)
     print(f"longest step during the stall: {longest * 1e3:.1f} ms")
     assert longest < 0.5, longest
-    print(f"\nsteps: stalled at {stalled_at}, resumed at {resumed_at}")
+    print(f"\nsteps during the stall: {stall}")
     print(f"median step time during the stall / rest of the run: {ratio:.3f}; rss {rss}")
     assert ratio <= NOISE_BOUND, ratio
 
