@@ -44,8 +44,11 @@ from tests.conftest import (
     wait_until,
 )
 
+# quiet: these jobs judge lateness and link shares on ranks that share this machine's cores;
+# `make test` runs them after the rest, alone (see the marker in pyproject.toml).
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.quiet,
     pytest.mark.skipif(not torch_available(), reason="torch is not installed"),
 ]
 needs_prometheus = pytest.mark.skipif(
