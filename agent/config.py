@@ -56,7 +56,7 @@ class AgentConfig:
     # Time c10d ops with the C++ kernel where it is built (agent/native.py), else in Python
     native_collectives: bool = True
     # The work this rank does per step (syncscope_rank_samples_total, _tokens_total). Unset,
-    # it is read from the model's inputs (agent/phases.py) where they say it unambiguously;
+    # it is read from the model's inputs (agent/step_work.py) where they say it unambiguously;
     # `agent.count(samples=, tokens=)` in a step overrides both for that step.
     samples_per_step: int | None = None
     tokens_per_step: int | None = None

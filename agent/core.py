@@ -23,7 +23,8 @@ from syncscope.agent.compiles import CompileWatch
 from syncscope.agent.config import AgentConfig, process_identity, process_started_unix_s
 from syncscope.agent.link import LinkSampler, with_link
 from syncscope.agent.local_arrival import LocalArrival
-from syncscope.agent.phases import PhaseClock, parts_of
+from syncscope.agent.phase_hooks import Instrumented, instrument, parts_of
+from syncscope.agent.phases import PhaseClock
 from syncscope.agent.queues import RecordQueues
 from syncscope.agent.recording import RecordWriter
 from syncscope.agent.shm_ring import ShmTransport
@@ -117,6 +118,7 @@ class Agent:
         self.errors = 0
         self.last_error: BaseException | None = None
         self._closed = False
+        self.hooks: Instrumented | None = None  # on the model and optimizer, for the clock
         torch = sys.modules.get("torch") if model is None and optimizer is None else _import_torch()
         model = model_parts(torch, model)
         self.identity = _identity(config)
@@ -170,7 +172,7 @@ class Agent:
             counter = self.clock.step_counter = self.patch.step_counter
             if counter is not None:
                 counter.value = self.clock.step
-        self.clock.instrument(model, optimizer)
+        self.hooks = instrument(self.clock, model, optimizer)
         try:
             checkpointing.install(self.checkpoints)
         except Exception as exc:  # noqa: BLE001 - no checkpoint time, everything else stands
@@ -260,7 +262,7 @@ class Agent:
             agent.count(samples=len(batch), tokens=batch["input_ids"].numel())
         """
         try:
-            self.clock.count(samples, tokens)
+            self.clock.work.count(samples, tokens)
         except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
             self._on_error(exc)
 
@@ -293,7 +295,8 @@ class Agent:
         # memory, gloo's threads) until the interpreter exits.
         atexit.unregister(self.close)
         with contextlib.suppress(Exception):
-            self.clock.uninstrument()
+            if self.hooks is not None:
+                self.hooks.remove()
         with contextlib.suppress(Exception):
             checkpointing.uninstall(self.checkpoints)
         self.compiles.uninstall()
@@ -347,14 +350,14 @@ class Agent:
 
     def _count_work(self, torch: Any, model: Any, config: AgentConfig) -> None:
         """Samples and tokens per step: as set, else read from the model's inputs."""
-        clock = self.clock
+        work = self.clock.work
         if config.samples_per_step is not None and config.samples_per_step >= 0:
-            clock.samples_per_step = min(MAX_WORK, config.samples_per_step)
+            work.samples_per_step = min(MAX_WORK, config.samples_per_step)
         if config.tokens_per_step is not None and config.tokens_per_step >= 0:
-            clock.tokens_per_step = min(MAX_WORK, config.tokens_per_step)
-        both_set = clock.samples_per_step >= 0 and clock.tokens_per_step >= 0
+            work.tokens_per_step = min(MAX_WORK, config.tokens_per_step)
+        both_set = work.samples_per_step >= 0 and work.tokens_per_step >= 0
         if model is not None and torch is not None and config.detect_work and not both_set:
-            clock.count_inputs(torch, config.batch_argument)
+            work.count_inputs(torch, config.batch_argument)
 
     def _make_clock(
         self,

@@ -234,7 +234,7 @@ class CudaPhaseClock(PhaseClock):
         if self.quiet:
             # Its phases and DDP sync are the resolver's to estimate, from the GPU's shares;
             # here only its total and work (the less a quiet step touches, the less it costs).
-            cpu: tuple | None = (step, t, t - self.step_start, *NO_PHASES, *self._work())
+            cpu: tuple | None = (step, t, t - self.step_start, *NO_PHASES, *self.work.take())
             ddp: list = []
             estimate = (self.shares, self.sync_share)
             self._next_step(t)

@@ -9,7 +9,7 @@ tiny DDP model (gloo, one process) so the hooks are visible. Mechanisms:
   param hook         a no-op post-accumulate-grad hook registered once on one parameter
   ... removed        one registered and removed on each of the 4 parameters: torch keeps the
                      tensor's C++ hook, called every backward on an empty dict (why the agent
-                     learns its trigger parameters from a few of them, agent/phases.py)
+                     learns its trigger parameters from a few of them, agent/grad_triggers.py)
   agent clock        the agent's whole PhaseClock (forward, backward, optimizer, callbacks)
   CUDA clock         the CUDA path's CudaPhaseClock with its resolver thread, CUDA stubbed:
                      events that cost nothing (a real Event.record is ~2.2 µs on an H100), so
@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from syncscope.agent.cuda_timing import CudaPhaseClock
-from syncscope.agent.phases import PhaseClock, wrap_forward
+from syncscope.agent.phase_hooks import instrument, wrap_forward
+from syncscope.agent.phases import PhaseClock
 
 
 def noop(*_: Any) -> None:
@@ -139,8 +140,7 @@ def main() -> None:
             deque(maxlen=8192), deque(maxlen=32768), queue, "g", 1.0, noop, ddp_model=rig.model
         )
         clock.phase_every = every
-        clock.instrument(rig.model, rig.opt)
-        return [SimpleNamespace(remove=clock.uninstrument)]
+        return [instrument(clock, rig.model, rig.opt)]
 
     def cuda_clock(rig: Rig, every: int = 1) -> list:
         queue = torch.autograd.Variable._execution_engine.queue_callback
@@ -156,11 +156,11 @@ def main() -> None:
             thread_guard=lambda: None,
         )
         clock.phase_every = every
-        clock.instrument(rig.model, rig.opt)
+        hooks = instrument(clock, rig.model, rig.opt)
         clock.start()
 
         def remove() -> None:
-            clock.uninstrument()
+            hooks.remove()
             clock.stop()
 
         return [SimpleNamespace(remove=remove)]

@@ -217,7 +217,7 @@ AGENT_RECORDS_DROPPED_TOTAL = _rank(
     "counter",
     "Records the rank's agent could not deliver.",
 )
-# -- per rank: work done (agent/phases.py says how a step's work is known)
+# -- per rank: work done (agent/step_work.py says how a step's work is known)
 RANK_SAMPLES_TOTAL = _rank(
     "syncscope_rank_samples_total",
     "counter",

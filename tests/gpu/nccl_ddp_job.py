@@ -178,6 +178,7 @@ def sampling_check(steps: list[tuple], every: int, first: int) -> dict:
 def via_modules(torch, args) -> dict:
     from syncscope.agent.cuda_timing import CudaPhaseClock
     from syncscope.agent.nccl_trace import FlightRecorderReader, StepTimeline
+    from syncscope.agent.phase_hooks import instrument
     from syncscope.agent.topology import TopologySampler, locator_from_torch
 
     model, opt, x = build(torch, args.layers, args.d, args.batch, args.seq)
@@ -195,7 +196,7 @@ def via_modules(torch, args) -> dict:
         timeline=timeline,
     )
     clock.phase_every = args.phase_every
-    clock.instrument(model, opt)
+    instrument(clock, model, opt)
     fr_sink: deque = deque(maxlen=100_000)
     reader = FlightRecorderReader(
         fr_sink, timeline=timeline, current_step=lambda: clock.step, min_interval_s=1.0

@@ -13,16 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from syncscope.agent.phases import (  # noqa: E402
-    BACKWARD,
-    COMM,
-    FORWARD,
-    LEARN_WINDOW,
-    RELEARN_LIMIT,
-    ROW_WORK,
-    TRIGGERS,
-    PhaseClock,
-)
+from syncscope.agent.grad_triggers import LEARN_WINDOW, RELEARN_LIMIT, TRIGGERS  # noqa: E402
+from syncscope.agent.phase_hooks import instrument  # noqa: E402
+from syncscope.agent.phases import BACKWARD, COMM, FORWARD, ROW_WORK, PhaseClock  # noqa: E402
 
 from syncscope.wire import DDP_GRAD_SYNC  # noqa: E402
 
@@ -64,7 +57,7 @@ def clock_for(model, errors, ddp_group=None, ddp_model=None):
 
 def train(model, clock, steps, x, opt=None, before_backward=None):
     opt = opt or torch.optim.SGD(model.parameters(), lr=0.01)
-    clock.instrument(model, opt)
+    hooks = instrument(clock, model, opt)
     try:
         for i in range(steps):
             opt.zero_grad()
@@ -74,7 +67,7 @@ def train(model, clock, steps, x, opt=None, before_backward=None):
             out.pow(2).mean().backward()
             opt.step()
     finally:
-        clock.uninstrument()
+        hooks.remove()
     return list(clock.steps)
 
 
@@ -100,7 +93,7 @@ def test_a_gradient_hook_called_outside_backward_starts_nothing():
     errors: list = []
     clock = clock_for(model, errors)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    clock.instrument(model, opt)
+    hooks = instrument(clock, model, opt)
     try:
         for _ in range(5):
             opt.zero_grad()
@@ -108,7 +101,7 @@ def test_a_gradient_hook_called_outside_backward_starts_nothing():
             clock.grad_ready(model[0].weight)  # what FSDP2's deferred reduction does
             opt.step()
     finally:
-        clock.uninstrument()
+        hooks.remove()
     assert errors == []
     assert not clock.bwd_pending
     rows = list(clock.steps)
@@ -134,9 +127,9 @@ def test_every_stage_of_a_pipeline_rank_is_timed_and_its_batch_read_once():
     first, second = Stage(), Stage()
     errors: list = []
     clock = clock_for(first, errors)
-    clock.count_inputs(torch, "input")
+    clock.work.count_inputs(torch, "input")
     opt = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.01)
-    clock.instrument([first, second], opt)
+    hooks = instrument(clock, [first, second], opt)
     try:
         for _ in range(4):
             opt.zero_grad()
@@ -144,7 +137,7 @@ def test_every_stage_of_a_pipeline_rank_is_timed_and_its_batch_read_once():
                 second(first(micro)).pow(2).mean().backward()
             opt.step()
     finally:
-        clock.uninstrument()
+        hooks.remove()
     assert errors == []
     assert first.__dict__.get("forward") is None and second.__dict__.get("forward") is None
     for row in list(clock.steps)[1:]:
@@ -198,17 +191,17 @@ def test_only_the_first_gradients_stay_hooked_and_a_missed_trigger_relearns():
 
     def switch(i, out):
         if i == 1:
-            assert len(clock._grad_hooks) == TRIGGERS  # learned on the first backward
-            assert {id(p) for p in model.b.parameters()} == set(clock._grad_hooks)
+            assert len(clock.triggers.hooks) == TRIGGERS  # learned on the first backward
+            assert {id(p) for p in model.b.parameters()} == set(clock.triggers.hooks)
         if i == 2:
             model.use_b = False  # branch b (the triggers) gets no gradient from step 3 on
         if i == 6:  # relearned on step 4's backward
-            assert {id(p) for p in model.a.parameters()} == set(clock._grad_hooks)
+            assert {id(p) for p in model.a.parameters()} == set(clock.triggers.hooks)
         return out
 
     rows = train(model, clock, 7, torch.randn(4, 8), before_backward=switch)
     assert errors == []
-    assert clock.misses == 1
+    assert clock.triggers.misses == 1
     # The step where the trigger missed has no backward; the ones after it do again.
     assert rows[3][3 + BACKWARD] == 0
     assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[4:])
@@ -241,8 +234,8 @@ def test_learning_hooks_only_the_last_parameters_and_widens_after_a_miss():
     def switch(i, out):
         if i == 1:
             assert ever_hooked() == set(range(len(params) - LEARN_WINDOW, len(params)))
-            assert len(clock._grad_hooks) == TRIGGERS
-            assert set(clock._grad_hooks) <= {id(p) for p in params[-LEARN_WINDOW:]}
+            assert len(clock.triggers.hooks) == TRIGGERS
+            assert set(clock.triggers.hooks) <= {id(p) for p in params[-LEARN_WINDOW:]}
         if i == 2:
             skip_tail["on"] = True
         return out
@@ -251,11 +244,11 @@ def test_learning_hooks_only_the_last_parameters_and_widens_after_a_miss():
     assert errors == []
     # Steps 3 and 4 missed: the unused half is 3 windows, so learning watched 2 windows, then
     # 4, which reach the used parameters; the first 2 windows were never hooked.
-    assert clock.misses == 2
+    assert clock.triggers.misses == 2
     assert [row[3 + BACKWARD] == 0 for row in rows[3:5]] == [True, True]
     hooked = ever_hooked()
     assert min(hooked) == len(params) - 4 * LEARN_WINDOW and max(hooked) == len(params) - 1
-    assert set(clock._grad_hooks) <= {id(p) for p in params[: len(params) // 2]}
+    assert set(clock.triggers.hooks) <= {id(p) for p in params[: len(params) // 2]}
     assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[5:])
     assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[1:3])
 
@@ -291,7 +284,7 @@ def test_gradients_that_bypass_accumulation_fall_back_to_the_output_hook():
     x = torch.randn(4, 8, requires_grad=True)
     rows = train(model, clock, RELEARN_LIMIT + 4, x)
     assert errors == []
-    assert clock.output_hooks and clock.misses == RELEARN_LIMIT + 1
+    assert clock.triggers.output_hooks and clock.triggers.misses == RELEARN_LIMIT + 1
     assert all(row[3 + BACKWARD] == 0 for row in rows[: RELEARN_LIMIT + 1])
     assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[RELEARN_LIMIT + 2 :])
 
@@ -315,7 +308,7 @@ def test_a_split_backward_by_autograd_grad_is_backward_time():
     errors: list = []
     clock = clock_for(model, errors)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    clock.instrument(model, opt)
+    hooks = instrument(clock, model, opt)
     weights = list(model.parameters())
     try:
         for _ in range(5):
@@ -327,7 +320,7 @@ def test_a_split_backward_by_autograd_grad_is_backward_time():
                 w.grad = g
             opt.step()
     finally:
-        clock.uninstrument()
+        hooks.remove()
     assert errors == []
     rows = list(clock.steps)
     assert len(rows) == 5
@@ -343,11 +336,11 @@ def test_uninstrument_puts_torch_and_the_model_back():
     original, original_grad = torch.autograd.backward, torch.autograd.grad
     model = torch.nn.Linear(4, 1)
     clock = clock_for(model, [])
-    clock.instrument(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    hooks = instrument(clock, model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert torch.autograd.backward is not original and "forward" in model.__dict__
     assert torch.autograd.grad is not original_grad
-    clock.uninstrument()
-    clock.uninstrument()
+    hooks.remove()
+    hooks.remove()
     assert torch.autograd.backward is original and torch.autograd.grad is original_grad
     assert "forward" not in model.__dict__
     assert not model._forward_hooks and not model._forward_pre_hooks
@@ -361,7 +354,7 @@ def test_no_sync_micro_steps_have_no_exposed_comm_and_no_sync_record(gloo_world_
     errors: list = []
     clock = clock_for(model, errors, ddp_group="default_pg", ddp_model=model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    clock.instrument(model, opt)
+    hooks = instrument(clock, model, opt)
     x = torch.randn(4, 8)
     try:
         for _ in range(6):
@@ -372,7 +365,7 @@ def test_no_sync_micro_steps_have_no_exposed_comm_and_no_sync_record(gloo_world_
                     model(x).pow(2).mean().backward()
             opt.step()
     finally:
-        clock.uninstrument()
+        hooks.remove()
     assert errors == []
     syncs = [c for c in clock.collectives if c[0] == DDP_GRAD_SYNC]
     assert len(syncs) == 6  # one per step, not one per micro-step

@@ -15,7 +15,8 @@ from syncscope.agent.capture_mode import (
 )
 from syncscope.agent.cuda_timing import CudaPhaseClock, torch_stream_of
 from syncscope.agent.nccl_trace import StepTimeline
-from syncscope.agent.phases import ROW_WORK, Clocks, timed_backward
+from syncscope.agent.phase_hooks import Clocks, instrument, timed_backward, timed_forward
+from syncscope.agent.phases import ROW_WORK
 
 from syncscope.wire import DDP_GRAD_SYNC
 
@@ -86,7 +87,7 @@ class Loop:
             **kw,
         )
         # The wrappers the agent puts on the model's forward and on torch.autograd.backward.
-        self.forward = self.clock.timed_forward(self.stream.enqueue)
+        self.forward = timed_forward(self.clock, self.stream.enqueue)
         registered = Clocks()
         registered.clocks = (self.clock,)
         self.backward = timed_backward(self._backward, registered)
@@ -124,7 +125,7 @@ def test_gpu_timed_steps_carry_the_work_the_cpu_clock_counted():
     """A step goes out with GPU phases, and with the samples and tokens of its own CPU step."""
     loop = Loop()
     for k in range(4):
-        loop.clock.count(samples=10 + k, tokens=None if k == 2 else 100 * k)
+        loop.clock.work.count(samples=10 + k, tokens=None if k == 2 else 100 * k)
         loop.step()
     loop.stream.run_all()
     assert loop.clock.resolve() == 4 and loop.clock.gpu_steps == 3
@@ -459,14 +460,14 @@ def test_with_real_torch_hooks_on_cpu():
     )
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    clock.instrument(model, opt)
+    hooks = instrument(clock, model, opt)
     x = torch.randn(32, 64)
     for _ in range(6):
         time.sleep(0.002)
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         opt.step()
-    clock.uninstrument()
+    hooks.remove()
     clock.resolve()
     assert errors == [] and len(steps) == 6 and clock.gpu_steps == 5
     for r in list(steps)[1:]:

@@ -180,9 +180,9 @@ def test_without_detection_only_what_is_set_counts(agents):
     lin = torch.nn.Linear(6, 1)
     agent, opt = agents(lin, detect_work=False, tokens_per_step=1000)
     step(opt, lin(torch.randn(5, 6)))
-    assert agent.clock.inputs is None
+    assert agent.clock.work.inputs is None
     both, _ = agents(torch.nn.Linear(6, 1), samples_per_step=8, tokens_per_step=64)
-    assert both.clock.inputs is None  # both set: nothing read on the training thread
+    assert both.clock.work.inputs is None  # both set: nothing read on the training thread
     with both.step():
         pass
     assert work(agent) == [(-1, 1000)]
@@ -212,8 +212,8 @@ def test_a_failure_reading_inputs_never_reaches_the_training_loop(agents):
     def broken() -> bool:
         raise RuntimeError("grad mode unreadable")
 
-    tensor, dtypes, keyword, _ = agent.clock.inputs
-    agent.clock.inputs = (tensor, dtypes, keyword, broken)
+    tensor, dtypes, keyword, _ = agent.clock.work.inputs
+    agent.clock.work.inputs = (tensor, dtypes, keyword, broken)
     out = lin(torch.randn(5, 6))  # the forward still runs and returns
     step(opt, out)
     assert out.shape == (5, 1) and agent.errors == 1
