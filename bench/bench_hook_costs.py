@@ -1,8 +1,8 @@
 """What each way of hooking a DDP training step costs the training thread, side by side.
 
-The numbers behind agent/phases.py's design (docs/reliability.md): for each mechanism, the
-training-thread CPU per step with it minus without it, median over interleaved rounds, on a
-tiny DDP model (gloo, one process) so the hooks are visible. Mechanisms:
+The numbers behind the agent's hooks (agent/phase_hooks.py; docs/reliability.md): for each
+mechanism, the training-thread CPU per step with it minus without it, median over interleaved
+rounds, on a tiny DDP model (gloo, one process) so the hooks are visible. Mechanisms:
   module hooks       register_forward_pre_hook + register_forward_hook, no-op bodies
   instance wrapper   the model's forward wrapped on the instance (what the agent does)
   output hook/step   a no-op hook registered on the forward output's grad_fn every step
