@@ -11,16 +11,16 @@ demo:
 
 # Most of its time is real multi-rank jobs (docs/evaluation.md, "The test suite"); their ranks
 # are forked from one process that has already imported torch (syncscope/lab/forkserver.py).
-# Those jobs mostly wait (the machine sits ~85 % idle during one), so three test files run at
-# once (pytest-xdist; each file's jobs stay on one worker). The tests marked quiet judge
-# lateness across emulated nodes and run afterwards, alone: beside other jobs a clean rank
-# really is late now and then, and the rules say so. They run even when the rest failed; the
-# target fails if either did.
+# Those jobs mostly wait (the machine sits ~85 % idle during one), so two test files run at
+# once (pytest-xdist; each file's jobs stay on one worker). The tests marked quiet judge timing
+# a starved core moves (lateness across emulated nodes, the pacing controller) and run
+# afterwards, alone: beside other jobs a clean rank really is late now and then, and the
+# rules say so. They run even when the rest failed; the target fails if either did.
 test:
 	scripts/setup test
 	.venv/bin/ruff check .
 	.venv/bin/mypy agent exporter sim syncscope bench
-	.venv/bin/pytest -q --durations=30 -n 3 --dist loadfile -m "not quiet"; rest=$$?; \
+	.venv/bin/pytest -q --durations=30 -n 2 --dist loadfile -m "not quiet"; rest=$$?; \
 	.venv/bin/pytest -q --durations=15 -m quiet && exit $$rest
 
 # Between edits: ruff, then the unit tests not marked slow (the slow ones start real
