@@ -297,7 +297,11 @@ def test_a_split_backward_by_autograd_grad_is_backward_time():
     class WithPenalty(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.lin, self.sleeper, self.penalty = torch.nn.Linear(8, 8), Sleeper(24.0), Sleeper(4.0)
+            self.lin, self.sleeper, self.penalty = (
+                torch.nn.Linear(8, 8),
+                Sleeper(24.0),
+                Sleeper(4.0),
+            )
 
         def forward(self, x):
             probe = x.detach().requires_grad_()

@@ -599,6 +599,21 @@ def _synchronization(cfg: Thresholds) -> list[Tile]:
             12,
             8,
             ts(
+                "Arrival lead within each node",
+                "How early each rank reaches collectives compared with the rank of its own "
+                "node that waits least, as that node's exporter measures it (seconds per "
+                "step, its last 64 steps), for the ranks lowest over the time range. A rank "
+                "late within its node sits at zero here; a node whose ranks are all late "
+                "shows only on the job-wide lead beside.",
+                ranks_that_stand_out(gauge_per_rank(cfg, M.ARRIVAL_LEAD_SECONDS.name), lowest=True),
+                "s",
+                band=True,
+            ),
+        ),
+        Tile(
+            12,
+            8,
+            ts(
                 "Arrival skew",
                 "Latest minus earliest rank, as a share of the mean step. Dashed "
                 "line: the SyncscopeStraggler threshold.",
