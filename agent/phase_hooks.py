@@ -62,8 +62,8 @@ def instrument(clock: PhaseClock, model: Any = None, optimizer: Any = None) -> I
             handles.append(hooks)
             hooks.follow()  # the module's hooks so far (FSDP2's): ours around them
     if parts and clock.queue_callback is not None:
-        # Every trainable parameter is hooked until the first backward shows which gradients
-        # come first.
+        # The last trainable parameters are watched until the first backward shows which
+        # gradients come first (grad_triggers.py).
         clock.triggers.watch(p for m in parts for p in m.parameters() if p.requires_grad)
         install_backward(clock)
     if optimizer is not None:

@@ -18,8 +18,8 @@ sync record. A step's work (samples, tokens) is what `agent.count` added, else t
 numbers, else what its forwards' inputs show (agent/step_work.py). Step numbers start at
 `attach(start_step=N)` or the optimizer's restored state (detect_start), so that they continue
 across restarts. A split backward (zero-bubble schedules' torch.autograd.grad) is timed by
-phase_hooks.timed_grad. Phase sampling (`phase_every` = N > 1): only steps whose number is a multiple of N
-are timed, the same on every rank; the quiet steps between get the last timed step's shares
+phase_hooks.timed_grad. Phase sampling (`phase_every` = N > 1): steps numbered a multiple of
+N are timed, the same on every rank; the quiet steps between get the last timed step's shares
 (estimate_phases); with a pacer, and for a process's first step, every step is timed.
 On the training thread (or autograd's) this only reads the clock, adds and appends: no locks.
 """
