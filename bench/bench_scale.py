@@ -1246,6 +1246,12 @@ def summarise(m: Measured) -> dict[str, Any]:
             # 1: named at the first evaluation once the window is full
             "after_window_evaluations": full.index(first_full) + 1 if first_full else None,
             "window_full_share": sum(t in hit for t in full) / len(full) if full else None,
+            # from the first naming once the window is full on: whether it stays named
+            "named_since_share": (
+                sum(t in hit for t in since) / len(since)
+                if (since := [t for t in full if first_full is not None and t >= first_full])
+                else None
+            ),
             "by_evaluation": [(t, sorted(m.straggler_ranks[t])) for t in times],
         },
         "emulator": m.emulator,
@@ -1413,7 +1419,9 @@ def print_details(row: dict[str, Any], top: int) -> None:
             f"{s['after_window_evaluations'] or '-'} once its window was full "
             f"({s['window_full_after_s']:.0f} s after the first scrape), in "
             + (f"{s['window_full_share']:.0%}" if s["window_full_share"] is not None else "-")
-            + " of the evaluations from then on"
+            + " of the evaluations from then on, "
+            + (f"{s['named_since_share']:.0%}" if s["named_since_share"] is not None else "-")
+            + " from its first naming on"
         )
         print("processes (largest RSS, CPU while measured):")
         for name, p in row["processes"].items():
