@@ -173,6 +173,31 @@ def _all_exprs() -> list[str]:
     return exprs
 
 
+def test_every_family_syncscope_emits_is_read_by_a_shipped_rule_or_dashboard():
+    """The converse: a family no rule, alert, panel, variable or annotation reads is dead (remove
+    it) or a view nobody ships (draw it). Families of other software (the client's process_*,
+    Prometheus' up and ALERTS) are not syncscope's to ship a view of."""
+    from syncscope.catalog import CATALOG
+
+    read: set[str] = set()
+    for group in rules.rule_groups(load_config())["groups"]:
+        for rule in group["rules"]:
+            read |= rules.metric_names(rule["expr"])
+    for expr in _all_exprs():
+        read |= rules.metric_names(expr)
+    for uid in UIDS:  # the annotations (restarts, alerts) too
+        for annotation in dashboard(uid)["annotations"]["list"]:
+            read |= rules.metric_names(annotation.get("expr", ""))
+    suffixes = {"histogram": ("_bucket", "_sum", "_count")}
+    unread = [
+        spec.name
+        for spec in CATALOG
+        if spec.name.startswith("syncscope_")
+        and not read & {spec.name + s for s in suffixes.get(spec.type, ("",))}
+    ]
+    assert not unread, unread
+
+
 def test_every_series_a_dashboard_reads_is_in_the_contract_or_recorded():
     contract = rules.series_conditions()
     recorded = {r["record"] for r in rules.recording_rules(load_config())}

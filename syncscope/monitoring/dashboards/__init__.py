@@ -214,6 +214,7 @@ def rule_dependencies(cfg: Thresholds) -> dict[str, set[str]]:
 NEEDS_COLLECTIVES = {recorded.BUS_BANDWIDTH, recorded.TRANSFER_PER_CALL}
 NEEDS = (
     "gpu",
+    "gpu_fault",
     "pacing",
     "straggler",
     "rejections",
@@ -230,9 +231,9 @@ NEEDS = (
 def needs(expr: str, cfg: Thresholds) -> list[str]:
     """What a query needs beyond a running job to return anything (the flags in queries.json).
 
-    gpu / pacing / straggler / rejections: contract series that exist only with a GPU, with
-    the pacing controller on, while the exporter names a straggler, or once it has rejected a
-    record; alerts: ALERTS or ALERTS_FOR_STATE, only while an alert is pending or firing;
+    gpu / gpu_fault / pacing / straggler / rejections: contract series that exist only with a
+    GPU, where a GPU has had a fault, with the pacing controller on, while the exporter names a
+    straggler, or once it has rejected a record; alerts: ALERTS or ALERTS_FOR_STATE, only while an alert is pending or firing;
     collectives: collectives other than DDP's gradient sync; link: the ranks' link facts
     (agent/link.py); work: ranks whose samples or tokens are known; rapl: an exporter that
     reads its host's CPU package energy (a query reading energy of either source lists both);
@@ -352,9 +353,9 @@ def evaluable_queries(
     and ``rank`` are regular expressions (the variables are used with ``=~``); ``rate_interval``
     stands in for ``$__rate_interval`` (at least 4 scrape intervals, as in Grafana) and
     ``range_`` for ``$__range`` (the time range the per-rank panels pick their ranks over).
-    ``expected_data`` is true when every flag in ``needs`` is in ``have``: gpu, pacing,
-    straggler, rejections (series that exist only with a GPU, the pacing controller, a
-    diagnosed straggler, or after a rejected record), alerts (ALERTS: only while an alert is
+    ``expected_data`` is true when every flag in ``needs`` is in ``have``: gpu, gpu_fault,
+    pacing, straggler, rejections (series that exist only with a GPU, a GPU fault, the pacing
+    controller, a diagnosed straggler, or after a rejected record), alerts (ALERTS: only while an alert is
     pending or firing), collectives (collectives other than DDP's gradient sync), link (the
     ranks' link facts, agent/link.py).
     """

@@ -19,6 +19,7 @@ from syncscope.monitoring.dashboards.common import (
     JOB,
     MAX_SERIES,
     NODE,
+    RANGE,
     RANK,
     RATE,
     TOP,
@@ -298,8 +299,16 @@ def _arrival_skew(cfg: Thresholds) -> list[Tile]:
             6,
             ts(
                 "Arrival skew",
-                "Latest minus earliest rank (seconds) over the straggler window.",
-                [q(rec(recorded.SKEW), "{{job}}")],
+                "Latest minus earliest rank (seconds) over the straggler window, job-wide "
+                "(the rules), and the widest within one node (its exporter's own ranks): "
+                "near the job's, the late rank's node holds early ranks too.",
+                [
+                    q(rec(recorded.SKEW), "{{job}}"),
+                    q(
+                        f"max by (job) ({sel(cfg, M.ARRIVAL_SKEW_SECONDS.name, JOB)})",
+                        "{{job}} within a node",
+                    ),
+                ],
                 "s",
             ),
         ),
@@ -478,4 +487,45 @@ def _gpu_state(cfg: Thresholds) -> list[Tile]:
                 thresholds=steps((1, "orange")),
             ),
         ),
+        _gpu_faults(cfg),
     ]
+
+
+def _gpu_faults(cfg: Thresholds) -> Tile:
+    """The GPUs with hardware faults over the time range: XID errors, uncorrected ECC errors,
+    row remapping (the exporter's verdict names them as the infrastructure's)."""
+
+    def faulted(expr: str) -> Any:
+        return q(f"topk(20, max by ({BY_RANK}) ({expr}))", instant=True, table_format=True)
+
+    def grew(metric: str) -> str:
+        return f"increase({sel(cfg, metric, JOB, NODE, RANK)}[{RANGE}]) > 0"
+
+    return Tile(
+        24,
+        6,
+        table_panel(
+            "GPU faults",
+            "The selected ranks whose GPU had a hardware fault in the time range (20 at most): "
+            "XID errors NVML delivered and the last code, uncorrected ECC errors, rows pending "
+            "remap or failed to remap. Empty: none, or no GPU.",
+            [
+                faulted(grew(M.GPU_XID_ERRORS_TOTAL.name)),
+                faulted(sel(cfg, M.GPU_LAST_XID.name, JOB, NODE, RANK)),
+                faulted(grew(M.GPU_ECC_UNCORRECTED_ERRORS_TOTAL.name)),
+                faulted(sel(cfg, M.GPU_ROW_REMAP_PENDING.name, JOB, NODE, RANK)),
+                faulted(sel(cfg, M.GPU_ROW_REMAP_FAILURE.name, JOB, NODE, RANK)),
+            ],
+            hide=("Time", "__name__", "job"),
+            rename={
+                "node": "Node",
+                "rank": "Rank",
+                "Value #A": "XID errors",
+                "Value #B": "Last XID",
+                "Value #C": "Uncorrected ECC",
+                "Value #D": "Remap pending",
+                "Value #E": "Remap failed",
+            },
+            thresholds=steps((1, "red")),
+        ),
+    )

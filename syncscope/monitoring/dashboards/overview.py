@@ -799,7 +799,11 @@ def _agent_records(cfg: Thresholds) -> Tile:
 
 def _exporters(cfg: Thresholds) -> list[Tile]:
     """The exporters' own health: scraped or down, collectors failing, collection time."""
-    exporter = cfg.selectors.exporter
+    listed = f"bottomk({MAX_SERIES}, max by (instance) (up{{{cfg.selectors.exporter}}}))"
+
+    def of_listed(expr: str) -> Any:
+        return q(f"{expr}\nand on (instance)\n  {listed}", instant=True, table_format=True)
+
     return [
         Tile(
             8,
@@ -807,17 +811,21 @@ def _exporters(cfg: Thresholds) -> list[Tile]:
             table_panel(
                 "Exporters",
                 "Scrape success of the syncscope exporters, down ones first (at most "
-                f"{MAX_SERIES} listed).",
+                f"{MAX_SERIES} listed), the ranks each holds (not stale) and whether its "
+                "diagnosis reads the job-wide view back (--prometheus-url) or only its node's.",
                 [
-                    q(
-                        f"bottomk({MAX_SERIES}, up{{{exporter}}})",
-                        instant=True,
-                        table_format=True,
-                    )
+                    q(listed, instant=True, table_format=True),
+                    of_listed(f"sum by (instance) ({M.EXPORTER_RANKS.name})"),
+                    of_listed(f"max by (instance) ({M.EXPORTER_JOB_WIDE_VIEW.name})"),
                 ],
                 hide=("Time", "__name__", "job"),
-                rename={"instance": "Exporter", "Value": "Scrape"},
-                sort=("Value", False),
+                rename={
+                    "instance": "Exporter",
+                    "Value #A": "Scrape",
+                    "Value #B": "Ranks",
+                    "Value #C": "Job-wide view",
+                },
+                sort=("Value #A", False),
                 mappings=value_map((0, "down", "red"), (1, "up", "green")),
                 thresholds=steps((1, "green"), base="red"),
             ),
