@@ -1186,6 +1186,8 @@ def summarise(m: Measured) -> dict[str, Any]:
     window_full = m.first_scrape + straggler_window()
     full = [t for t in times if t >= window_full]
     first_full = next((t for t in full if t in hit), None)
+    # from the first naming once the window is full on: whether it stays named
+    since = full[full.index(first_full) :] if first_full is not None else []
     processes = {
         name: {
             "rss_bytes": max((v for _, v in p.rss), default=float("nan")),
@@ -1246,12 +1248,7 @@ def summarise(m: Measured) -> dict[str, Any]:
             # 1: named at the first evaluation once the window is full
             "after_window_evaluations": full.index(first_full) + 1 if first_full else None,
             "window_full_share": sum(t in hit for t in full) / len(full) if full else None,
-            # from the first naming once the window is full on: whether it stays named
-            "named_since_share": (
-                sum(t in hit for t in since) / len(since)
-                if (since := [t for t in full if first_full is not None and t >= first_full])
-                else None
-            ),
+            "named_since_share": sum(t in hit for t in since) / len(since) if since else None,
             "by_evaluation": [(t, sorted(m.straggler_ranks[t])) for t in times],
         },
         "emulator": m.emulator,

@@ -233,8 +233,8 @@ def needs(expr: str, cfg: Thresholds) -> list[str]:
 
     gpu / gpu_fault / pacing / straggler / rejections: contract series that exist only with a
     GPU, where a GPU has had a fault, with the pacing controller on, while the exporter names a
-    straggler, or once it has rejected a record; alerts: ALERTS or ALERTS_FOR_STATE, only while an alert is pending or firing;
-    collectives: collectives other than DDP's gradient sync; link: the ranks' link facts
+    straggler, or once it has rejected a record; alerts: ALERTS or ALERTS_FOR_STATE, only while
+    an alert is pending or firing; collectives: collectives other than DDP's gradient sync; link: the ranks' link facts
     (agent/link.py); work: ranks whose samples or tokens are known; rapl: an exporter that
     reads its host's CPU package energy (a query reading energy of either source lists both);
     price: exporters given a GPU-hour's price; phase_sampling: ranks that time their phases
@@ -355,9 +355,9 @@ def evaluable_queries(
     ``range_`` for ``$__range`` (the time range the per-rank panels pick their ranks over).
     ``expected_data`` is true when every flag in ``needs`` is in ``have``: gpu, gpu_fault,
     pacing, straggler, rejections (series that exist only with a GPU, a GPU fault, the pacing
-    controller, a diagnosed straggler, or after a rejected record), alerts (ALERTS: only while an alert is
-    pending or firing), collectives (collectives other than DDP's gradient sync), link (the
-    ranks' link facts, agent/link.py).
+    controller, a diagnosed straggler, or after a rejected record), alerts (ALERTS: only while
+    an alert is pending or firing), collectives (collectives other than DDP's gradient sync),
+    link (the ranks' link facts, agent/link.py).
     """
     cfg = load_config() if cfg is None else cfg
     values = variable_values(

@@ -495,11 +495,11 @@ def _gpu_faults(cfg: Thresholds) -> Tile:
     """The GPUs with hardware faults over the time range: XID errors, uncorrected ECC errors,
     row remapping (the exporter's verdict names them as the infrastructure's)."""
 
-    def faulted(expr: str) -> Any:
+    def faulted(metric: str, counter: bool = False) -> Any:
+        """The ranks with the fault: a counter's that grew over the range, a gauge's present."""
+        selected = sel(cfg, metric, JOB, NODE, RANK)
+        expr = f"increase({selected}[{RANGE}]) > 0" if counter else selected
         return q(f"topk(20, max by ({BY_RANK}) ({expr}))", instant=True, table_format=True)
-
-    def grew(metric: str) -> str:
-        return f"increase({sel(cfg, metric, JOB, NODE, RANK)}[{RANGE}]) > 0"
 
     return Tile(
         24,
@@ -510,11 +510,11 @@ def _gpu_faults(cfg: Thresholds) -> Tile:
             "XID errors NVML delivered and the last code, uncorrected ECC errors, rows pending "
             "remap or failed to remap. Empty: none, or no GPU.",
             [
-                faulted(grew(M.GPU_XID_ERRORS_TOTAL.name)),
-                faulted(sel(cfg, M.GPU_LAST_XID.name, JOB, NODE, RANK)),
-                faulted(grew(M.GPU_ECC_UNCORRECTED_ERRORS_TOTAL.name)),
-                faulted(sel(cfg, M.GPU_ROW_REMAP_PENDING.name, JOB, NODE, RANK)),
-                faulted(sel(cfg, M.GPU_ROW_REMAP_FAILURE.name, JOB, NODE, RANK)),
+                faulted(M.GPU_XID_ERRORS_TOTAL.name, counter=True),
+                faulted(M.GPU_LAST_XID.name),
+                faulted(M.GPU_ECC_UNCORRECTED_ERRORS_TOTAL.name, counter=True),
+                faulted(M.GPU_ROW_REMAP_PENDING.name),
+                faulted(M.GPU_ROW_REMAP_FAILURE.name),
             ],
             hide=("Time", "__name__", "job"),
             rename={
