@@ -44,8 +44,10 @@ over that window after the first scrape, 5 min shipped), then measures:
               with the job's ranks (every rank's lead), the after cycle's with the node's
               ranks and groups only: the projection holds them at the measured job's size.
 
---straggler-window overrides the rules' windows.straggler (default: the shipped value) so that
-the lead comes sooner (the unit test: 1m); the read-back's queries do not change with it.
+--straggler-window overrides the rules' windows.straggler (default: the shipped value) and
+--engine-interval the engine's scrape and evaluation interval (default: the shipped 15 s), so
+that the lead comes sooner (the unit test: 20s and 5s); the read-back's queries do not change
+with either.
 
 Runs above 64 nodes must not overlap other benchmarks:
 Run: flock /tmp/syncscope-cpu.lock .venv/bin/python bench/bench_readback.py [--nodes 256]
@@ -351,11 +353,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with rule_overrides(overrides):
             if args.engine == "prometheus":
                 engine = PrometheusEngine(
-                    emulator.ports, os.path.join(workdir, "prom"), engine_cpus
+                    emulator.ports, os.path.join(workdir, "prom"), engine_cpus, args.engine_interval
                 )
             else:
                 engine = VictoriaMetricsEngine(
-                    emulator.ports, os.path.join(workdir, "vm"), engine_cpus, args.shards
+                    emulator.ports,
+                    os.path.join(workdir, "vm"),
+                    engine_cpus,
+                    args.shards,
+                    args.engine_interval,
                 )
         stack.callback(engine.stop)
         stack.enter_context(pinned(emulator_cpus))  # the emulator's threads and the readers
@@ -548,6 +554,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--straggler-window",
         default=None,
         help="override the rules' windows.straggler (e.g. 1m: the lead comes sooner)",
+    )
+    p.add_argument(
+        "--engine-interval",
+        default=None,
+        help="the engine scrapes and evaluates this often, e.g. 5s (default: shipped)",
     )
     p.add_argument("--wait-timeout", type=float, default=900.0, help="for the rules, seconds")
     p.add_argument("--step-s", type=float, default=1.0)

@@ -63,25 +63,43 @@ def emulated_targets(scrape: dict[str, Any], ports: Sequence[int]) -> None:
     ]
 
 
-def prometheus_config(ports: Sequence[int], rule_files: list[str]) -> tuple[str, float]:
+def at_interval(config: dict[str, Any], interval: str | None) -> None:
+    """Scrape (and evaluate, where the config does) every `interval` in place of the shipped
+    interval (None: keep it); the scrape timeout shortened to fit."""
+    if interval is None:
+        return
+    glob = config["global"]
+    glob["scrape_interval"] = interval
+    if duration_seconds(glob.get("scrape_timeout", interval)) > duration_seconds(interval):
+        glob["scrape_timeout"] = interval
+    if "evaluation_interval" in glob:
+        glob["evaluation_interval"] = interval
+
+
+def prometheus_config(
+    ports: Sequence[int], rule_files: list[str], interval: str | None = None
+) -> tuple[str, float]:
     """The shipped configuration (compose_config: its intervals, scrape job, honor_labels), one
-    target per emulated node, no Alertmanager; and its evaluation interval in seconds."""
+    target per emulated node, no Alertmanager; and its evaluation interval in seconds.
+    `interval`: scrape and evaluate that often instead (at_interval)."""
     config = yaml.safe_load(compose_config())
     config.pop("alerting", None)
     config["rule_files"] = rule_files
     (scrape,) = config["scrape_configs"]
     emulated_targets(scrape, ports)
+    at_interval(config, interval)
     evaluation = config["global"].get("evaluation_interval", config["global"]["scrape_interval"])
     return yaml.safe_dump(config, sort_keys=False), duration_seconds(evaluation)
 
 
-def vmagent_config(ports: Sequence[int]) -> str:
+def vmagent_config(ports: Sequence[int], interval: str | None = None) -> str:
     """The shards' shipped scrape config (victoriametrics.files: deploy/victoriametrics/
-    vmagent.yml, the same generator), one target per emulated node."""
+    vmagent.yml, the same generator), one target per emulated node; `interval`: at_interval."""
     shipped = victoriametrics.files(load_config())[victoriametrics.VMAGENT_PATH]
     config = yaml.safe_load(shipped)
     (scrape,) = config["scrape_configs"]
     emulated_targets(scrape, ports)
+    at_interval(config, interval)
     return yaml.safe_dump(config, sort_keys=False)
 
 
@@ -188,7 +206,7 @@ class Engine(Protocol):
     name: str
     url: str  # its Prometheus query API (Prometheus's own, VictoriaMetrics')
     rules_file: str
-    interval: float  # the evaluation interval shipped
+    interval: float  # the evaluation interval: shipped, or the one it was given
     storage: str  # the process holding the series
 
     def wait_ready(self, timeout: float) -> None: ...
@@ -200,15 +218,22 @@ class Engine(Protocol):
 
 
 class PrometheusEngine:
-    """One Prometheus with the shipped configuration and rules scraping every emulated node."""
+    """One Prometheus with the shipped configuration and rules scraping every emulated node
+    (`interval`: scraping and evaluating that often instead)."""
 
     name = "prometheus"
     storage = "prometheus"
 
-    def __init__(self, ports: Sequence[int], workdir: str, cpus: set[int] | None) -> None:
+    def __init__(
+        self,
+        ports: Sequence[int],
+        workdir: str,
+        cpus: set[int] | None,
+        interval: str | None = None,
+    ) -> None:
         os.makedirs(workdir, exist_ok=True)
         self.rules_file = str(write_rules(os.path.join(workdir, "rules")))  # no overrides
-        config, self.interval = prometheus_config(ports, [self.rules_file])
+        config, self.interval = prometheus_config(ports, [self.rules_file], interval)
         with pinned(cpus):
             self.prom = Prometheus(config, workdir)
         self.url = self.prom.url
@@ -276,15 +301,20 @@ class VictoriaMetricsEngine:
     storage = "victoria-metrics"
 
     def __init__(
-        self, ports: Sequence[int], workdir: str, cpus: set[int] | None, shards: int
+        self,
+        ports: Sequence[int],
+        workdir: str,
+        cpus: set[int] | None,
+        shards: int,
+        interval: str | None = None,
     ) -> None:
         os.makedirs(workdir, exist_ok=True)
         self.rules_file = str(engines.write_rules(os.path.join(workdir, "rules"), engine="vmalert"))
         own = ("-storageDataPath=", "-retentionPeriod=")  # the class sets its own
         vm_flags = [f for f in shipped_flags("victoria-metrics") if not f.startswith(own)]
-        evaluation = flag_value(shipped_flags("vmalert"), "-evaluationInterval")
+        evaluation = interval or flag_value(shipped_flags("vmalert"), "-evaluationInterval")
         self.interval = duration_seconds(evaluation)
-        scrape = vmagent_config(ports)
+        scrape = vmagent_config(ports, interval)
         self.servers: dict[str, Any] = {}
         with pinned(cpus):
             self.vm = VictoriaMetrics(workdir, query_flags=vm_flags)
