@@ -125,6 +125,27 @@ def after_cycle(reader: PrometheusReader) -> Cycle:
     return Cycle(queries, series, received, time.perf_counter() - t, ok)
 
 
+def per_query(
+    reader: PrometheusReader, pid: int, repeats: int, idle_s: float
+) -> dict[str, dict[str, float]]:
+    """Each query of the reader's cycle (PrometheusReader.queries_now) sent `repeats` times back
+    to back: its length, and the engine's CPU and wall time per query, the CPU less the
+    engine's idle rate measured over `idle_s` just before."""
+    queries = reader.queries_now()
+    cpu0 = cpu_seconds(pid)
+    time.sleep(idle_s)
+    idle_rate = (cpu_seconds(pid) - cpu0) / idle_s
+    out = {}
+    for name, promql in queries.items():
+        cpu1, t1 = cpu_seconds(pid), time.monotonic()
+        for _ in range(repeats):
+            reader.api.instant(promql)
+        wall = time.monotonic() - t1
+        cpu = cpu_seconds(pid) - cpu1 - idle_rate * wall
+        out[name] = {"chars": len(promql), "cpu_s": cpu / repeats, "wall_s": wall / repeats}
+    return out
+
+
 def ddp_groups(job: Job) -> frozenset[tuple[int, ...]]:
     """The process groups of a DDP job's ranks: the world, and per local rank the ranks of that
     local rank on every node (a data-parallel group across nodes)."""
@@ -413,6 +434,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 r for r in (reading.leads if reading else {}) if r // job.per_node == args.node
             ),
         }
+        if args.per_query:
+            say(f"  each query of a cycle x {args.per_query}")
+            out["per_query"] = per_query(
+                reader, pid, args.per_query, args.idle_s or 2 * engine.interval
+            )
         if args.readers or args.before_readers:
             # Readers of different nodes (node n's exporter reads for node n).
             picks = [n % job.nodes for n in range(args.node, args.node + max(args.readers, 1))]
@@ -519,6 +545,11 @@ def print_figures(out: dict[str, Any]) -> None:
                 else ""
             )
         )
+    for name, q in out.get("per_query", {}).items():
+        print(
+            f"query {name[:48]:48} {q['chars']:>7,} chars: engine CPU "
+            f"{q['cpu_s'] * 1e3:6.2f} ms, wall {q['wall_s'] * 1e3:6.2f} ms a query"
+        )
     print(
         f"\nprojection: {p['exporters']:,} exporters each reading every {p['interval_s']:g} s "
         f"({p['after']['cycles_per_s']:,.0f} cycles/s), per-cycle figures of this "
@@ -548,6 +579,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--idle-s", type=float, default=None, help="idle window (default 2 evaluation intervals)"
     )
     p.add_argument("--timeout", type=float, default=30.0, help="a query's timeout, seconds")
+    p.add_argument(
+        "--per-query", type=int, default=0, help="time each query of a cycle N times (0: not)"
+    )
     p.add_argument("--exporters", type=int, default=12_500, help="projection: exporters")
     p.add_argument("--interval-s", type=float, default=15.0, help="projection: their interval")
     p.add_argument(

@@ -311,18 +311,31 @@ class PrometheusReader:
             self.read_once()
             self._stop.wait(self.interval_s)
 
+    def _replies(self, queries: Mapping[str, str]) -> dict[str, list[dict[str, Any]]]:
+        """Each query's samples, by recorded name (the job-level query's by each sample's)."""
+        replies: dict[str, list[dict[str, Any]]] = {}
+        for key, promql in queries.items():
+            for sample in self.api.instant(promql):
+                name = key if key != "job" else sample["metric"].get("__name__", "")
+                replies.setdefault(name, []).append(sample)
+        return replies
+
+    def queries_now(self) -> dict[str, str]:
+        """The queries a cycle would send now, by what they return ("hop": the next hops,
+        found from the first queries' replies, which this sends)."""
+        wanted = self.wanted()
+        queries = cycle_queries(wanted)
+        hops = hop_query(wanted, parse(self._replies(queries), time.time()))
+        return {**queries, "hop": hops} if hops is not None else queries
+
     def read_once(self) -> bool:
         wanted = self.wanted()
         if not wanted:  # no job here: nothing to ask
             return True
         received = self.api.received_bytes
         try:
-            replies: dict[str, list[dict[str, Any]]] = {}
             queries = cycle_queries(wanted)
-            for key, promql in queries.items():
-                for sample in self.api.instant(promql):
-                    name = key if key != "job" else sample["metric"].get("__name__", "")
-                    replies.setdefault(name, []).append(sample)
+            replies = self._replies(queries)
             now = time.time()
             jobs = parse(replies, now)
             hops = hop_query(wanted, jobs)

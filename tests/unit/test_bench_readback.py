@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from syncscope.exporter.jobwide import Interest, cycle_queries
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 # The bench's own modules, loaded by name: bench_readback imports bench_scale and scale_engines.
@@ -69,6 +70,7 @@ def test_a_nodes_read_cycle_is_smaller_than_before_and_names_the_straggler(bench
             "--before-readers=2",
             "--before-cycles=2",
             "--idle-s=2",
+            "--per-query=3",
             "--wait-timeout=240",
         ]
     )
@@ -87,6 +89,10 @@ def test_a_nodes_read_cycle_is_smaller_than_before_and_names_the_straggler(bench
     assert out["interest"]["nodes"] == ["node0000"]
     for side in ("after_load", "before_load"):
         assert out[side]["failed"] == 0 and out[side]["cycles"] == out[side]["readers"] * 2
+    # each query of the cycle timed: the hop query (data-parallel groups reach every node)
+    first = cycle_queries({"j": Interest(frozenset({"n"}))})
+    assert set(out["per_query"]) == {*first, "hop"}
+    assert all(q["chars"] > 0 and q["wall_s"] > 0 for q in out["per_query"].values())
     assert out["projection"]["after"]["series_per_s"] == pytest.approx(
         12_500 / 15 * after["series"]
     )
