@@ -128,13 +128,12 @@ def after_cycle(reader: PrometheusReader) -> Cycle:
 def per_query(
     reader: PrometheusReader, pid: int, repeats: int, idle_s: float
 ) -> dict[str, dict[str, float]]:
-    """Each query of the reader's cycle (PrometheusReader.queries_now) sent `repeats` times back
-    to back: its length, and the engine's CPU and wall time per query, the CPU less the
+    """Each query of a fresh read cycle (PrometheusReader.last_queries) sent `repeats` times
+    back to back: its length, and the engine's CPU and wall time per query, the CPU less the
     engine's idle rate measured over `idle_s` just before."""
-    queries = reader.queries_now()
-    cpu0 = cpu_seconds(pid)
-    time.sleep(idle_s)
-    idle_rate = (cpu_seconds(pid) - cpu0) / idle_s
+    reader.read_once()
+    queries = reader.last_queries
+    idle_rate = idle_cores(pid, idle_s)
     out = {}
     for name, promql in queries.items():
         cpu1, t1 = cpu_seconds(pid), time.monotonic()
@@ -195,6 +194,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def idle_cores(pid: int, idle_s: float) -> float:
+    """The engine's CPU rate (cores) over the next `idle_s` seconds, while nobody reads."""
+    cpu0 = cpu_seconds(pid)
+    time.sleep(idle_s)
+    return (cpu_seconds(pid) - cpu0) / idle_s
+
+
 def storage_pid(engine: Engine) -> int:
     """The process that answers the queries: Prometheus, or VictoriaMetrics."""
     if isinstance(engine, PrometheusEngine):
@@ -242,9 +248,7 @@ def load(
 ) -> dict[str, Any]:
     """`readers` threads, thread i calling cycle(i) `cycles` times, started together; the
     engine's CPU over them less its idle rate just before (see the module's docstring)."""
-    cpu0 = cpu_seconds(pid)
-    time.sleep(idle_s)
-    idle_rate = (cpu_seconds(pid) - cpu0) / idle_s
+    idle_rate = idle_cores(pid, idle_s)
     done: list[list[Cycle]] = [[] for _ in range(readers)]
     start = threading.Barrier(readers + 1)
 

@@ -269,6 +269,8 @@ class PrometheusReader:
         self.failures = 0
         # The last cycle's queries, series and bytes returned (what its load on the engine is).
         self.last_cycle = (0, 0, 0)
+        # The last cycle's queries by what they return ("hop": the next hops, where sent).
+        self.last_queries: dict[str, str] = {}
         self._jobs: dict[str, JobWide] = {}
         self._held: dict[str, JobWide] = {}  # job -> the newest reading at its latest `as_of`
         # job -> its readings over the last `history_s` (and the one before), oldest first
@@ -311,31 +313,18 @@ class PrometheusReader:
             self.read_once()
             self._stop.wait(self.interval_s)
 
-    def _replies(self, queries: Mapping[str, str]) -> dict[str, list[dict[str, Any]]]:
-        """Each query's samples, by recorded name (the job-level query's by each sample's)."""
-        replies: dict[str, list[dict[str, Any]]] = {}
-        for key, promql in queries.items():
-            for sample in self.api.instant(promql):
-                name = key if key != "job" else sample["metric"].get("__name__", "")
-                replies.setdefault(name, []).append(sample)
-        return replies
-
-    def queries_now(self) -> dict[str, str]:
-        """The queries a cycle would send now, by what they return ("hop": the next hops,
-        found from the first queries' replies, which this sends)."""
-        wanted = self.wanted()
-        queries = cycle_queries(wanted)
-        hops = hop_query(wanted, parse(self._replies(queries), time.time()))
-        return {**queries, "hop": hops} if hops is not None else queries
-
     def read_once(self) -> bool:
         wanted = self.wanted()
         if not wanted:  # no job here: nothing to ask
             return True
         received = self.api.received_bytes
         try:
+            replies: dict[str, list[dict[str, Any]]] = {}
             queries = cycle_queries(wanted)
-            replies = self._replies(queries)
+            for key, promql in queries.items():
+                for sample in self.api.instant(promql):
+                    name = key if key != "job" else sample["metric"].get("__name__", "")
+                    replies.setdefault(name, []).append(sample)
             now = time.time()
             jobs = parse(replies, now)
             hops = hop_query(wanted, jobs)
@@ -352,8 +341,9 @@ class PrometheusReader:
             self.last_error = f"{type(exc).__name__}: {exc}"[:200]
             log.debug("syncscope: reading %s failed: %s", self.url, self.last_error)
             return False
+        self.last_queries = {**queries, "hop": hops} if hops is not None else queries
         self.last_cycle = (
-            len(queries) + (hops is not None),
+            len(self.last_queries),
             sum(len(samples) for samples in replies.values()),
             self.api.received_bytes - received,
         )

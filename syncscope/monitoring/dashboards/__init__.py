@@ -234,11 +234,11 @@ def needs(expr: str, cfg: Thresholds) -> list[str]:
     gpu / gpu_fault / pacing / straggler / rejections: contract series that exist only with a
     GPU, where a GPU has had a fault, with the pacing controller on, while the exporter names a
     straggler, or once it has rejected a record; alerts: ALERTS or ALERTS_FOR_STATE, only while
-    an alert is pending or firing; collectives: collectives other than DDP's gradient sync; link: the ranks' link facts
-    (agent/link.py); work: ranks whose samples or tokens are known; rapl: an exporter that
-    reads its host's CPU package energy (a query reading energy of either source lists both);
-    price: exporters given a GPU-hour's price; phase_sampling: ranks that time their phases
-    in 1 step of N > 1.
+    an alert is pending or firing; collectives: collectives other than DDP's gradient sync;
+    link: the ranks' link facts (agent/link.py); work: ranks whose samples or tokens are known;
+    rapl: an exporter that reads its host's CPU package energy (a query reading energy of
+    either source lists both); price: exporters given a GPU-hour's price; phase_sampling: ranks
+    that time their phases in 1 step of N > 1.
     """
     conditions = rules.series_conditions()
     deps = rule_dependencies(cfg)
