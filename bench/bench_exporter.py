@@ -32,7 +32,6 @@ import json
 import multiprocessing
 import os
 import random
-import socket
 import statistics
 import subprocess
 import threading
@@ -50,12 +49,6 @@ OPS = (
     ("all_gather", 1 << 20, 0.001),
     ("broadcast", 8.0, 0.0002),
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def batch(
@@ -436,7 +429,7 @@ def main() -> None:
         f"{ceiling_v1:,.0f} (wire 1): x{ceiling / ceiling_v1:.2f}"
     )
 
-    port = free_port()
+    port = servers.free_port()
     proc = start_exporter(port, server_cpu)
     try:
         r = bench_ingest(port, proc.pid, bodies, a.ingest_seconds)
@@ -456,7 +449,7 @@ def main() -> None:
         proc.terminate()
         proc.wait(10)
 
-    port = free_port()
+    port = servers.free_port()
     proc = start_exporter(port, server_cpu)
     try:
         r = bench_rss(port, proc.pid, bodies, a.records)

@@ -23,11 +23,44 @@ from typing import Any
 
 from syncscope.prometheus_api import PrometheusAPI
 
+# Ports free_port has handed out in this process: a port is free until its server binds it, so
+# two asked for before either server starts (a Prometheus and the exporters it will scrape)
+# could otherwise be the same one, and the second server's bind fails.
+_handed_out: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now and never handed out before by this process."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether process `pid` holds the TCP socket listening on `port` (Linux's /proc; True
+    where /proc cannot tell). A server's health answer alone does not say the server is the
+    one just started: another process may hold the port, and the new one's bind then fails."""
+    inodes = set()
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                for row in f.read().splitlines()[1:]:
+                    fields = row.split()
+                    local, state, inode = fields[1], fields[3], fields[9]
+                    if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # LISTEN
+                        inodes.add(f"socket:[{inode}]")
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return True
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+    return False
 
 
 def get_json(url: str, timeout: float = 2.0) -> Any:
@@ -36,7 +69,8 @@ def get_json(url: str, timeout: float = 2.0) -> Any:
 
 
 def start_exporter(port: int, extra: list[str] | None = None, **popen: Any) -> subprocess.Popen:
-    """Start the real exporter on 127.0.0.1:port and wait until it answers /healthz."""
+    """Start the real exporter on 127.0.0.1:port and wait until it answers /healthz from the
+    socket it holds."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -56,7 +90,8 @@ def start_exporter(port: int, extra: list[str] | None = None, **popen: Any) -> s
             raise RuntimeError(f"exporter exited with {proc.returncode}")
         with contextlib.suppress(OSError):
             get_json(f"http://127.0.0.1:{port}/healthz", timeout=0.5)
-            return proc
+            if listens(proc.pid, port):
+                return proc
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError("exporter did not come up within 20 s")
@@ -88,7 +123,7 @@ class _Server:
                 contextlib.suppress(OSError),
                 urllib.request.urlopen(self.url + self.ready_path, timeout=1) as r,
             ):  # noqa: S310
-                if r.status == 200:
+                if r.status == 200 and listens(self.proc.pid, self.port):
                     return
             time.sleep(0.2)
         raise RuntimeError(f"{self.name} not ready")
