@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from syncscope.wire import GROUP_FACT, MAX_LABEL_LEN, MAX_TOPOLOGY_TEXT
+from syncscope.wire import GROUP_FACT, GROUP_FIRST_FACT, MAX_LABEL_LEN, MAX_TOPOLOGY_TEXT
 
 if TYPE_CHECKING:
     from syncscope.agent.native import Native
@@ -128,13 +128,17 @@ class GroupLabels:
 
     def facts(self) -> dict[str, str]:
         """The groups this rank is in, as topology facts: "group.<label>" -> its ranks ("2,3"),
-        for the exporter to follow a wait to the rank waited for. Groups too large to list in
-        a topology value (MAX_TOPOLOGY_TEXT) are left out; so are all past MAX_GROUP_FACTS."""
+        for the exporter to follow a wait to the rank waited for; a group too large to list in
+        a topology value (MAX_TOPOLOGY_TEXT) as "group_first.<label>" -> its lowest rank, by
+        which the job-wide rules name its least blocked member. Groups past MAX_GROUP_FACTS
+        are left out."""
         out: dict[str, str] = {}
-        for label, ranks in self.members.items():
+        for label, ranks in list(self.members.items())[:MAX_GROUP_FACTS]:
             text = ",".join(map(str, ranks))
-            if len(text) <= MAX_TOPOLOGY_TEXT and len(out) < MAX_GROUP_FACTS:
+            if len(text) <= MAX_TOPOLOGY_TEXT:
                 out[GROUP_FACT + label] = text
+            else:
+                out[GROUP_FIRST_FACT + label] = str(min(ranks))
         return out
 
     def __call__(self, group: Any) -> str:

@@ -18,10 +18,10 @@ over that window after the first scrape, 5 min shipped), then measures:
               exporter would hold it (reader.last_cycle). The Interest: the node label values
               and process groups of its ranks as Store.interest() finds them in the node's
               store (the node emulated once more in this process, fed as the emulator feeds
-              it); the emulated ranks carry no group facts (wire.GROUP_FACT,
-              their topology is gpu_topology's, their collectives all in "default_pg"), so the
-              groups are the world group and one data-parallel group per local rank (the ranks
-              of that local rank on every node), as a DDP job's ranks would have them. The
+              it): the world group, where every emulated collective runs (bench_scale's
+              group_facts), read whole up to jobwide.SMALL_GROUP ranks and past that asked
+              for by its label and lowest rank (recorded.GROUP_NEXT_HOP); it holds the
+              straggler, so the small one needs no read. The
               after-reader must name the planted straggler (JobWide.straggler[0]): asserted.
   load        --readers K threads (default 64), each a PrometheusReader of a different emulated
               node, each --cycles C read cycles (default 5) back to back, started together;
@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -145,18 +146,9 @@ def per_query(
     return out
 
 
-def ddp_groups(job: Job) -> frozenset[tuple[int, ...]]:
-    """The process groups of a DDP job's ranks: the world, and per local rank the ranks of that
-    local rank on every node (a data-parallel group across nodes)."""
-    world = tuple(range(job.world_size))
-    per_local = (tuple(range(local, job.world_size, job.per_node)) for local in range(job.per_node))
-    return frozenset((world, *per_local))
-
-
-def interest_of(job: Job, node: int, feed_s: float, seed: int) -> tuple[Interest, str]:
-    """What node `node`'s exporter holds for the job, and where its parts came from: the
-    node's Store.interest() (the node emulated once more in this process, fed as the
-    emulator's, its server closed at once), the groups the DDP ones where its ranks name none."""
+def interest_of(job: Job, node: int, feed_s: float, seed: int) -> Interest:
+    """What node `node`'s exporter holds for the job: the node's Store.interest() (the node
+    emulated once more in this process, fed as the emulator's, its server closed at once)."""
     emulator = Emulator(job, feed_s, seed, nodes=[node])
     try:
         emulator.feed_all()
@@ -165,13 +157,7 @@ def interest_of(job: Job, node: int, feed_s: float, seed: int) -> tuple[Interest
         emulator.server.server_close()
     if held is None:
         raise RuntimeError(f"{hostname(node)}'s store holds no job {JOB}")
-    if held.groups:
-        return held, "Store.interest(): nodes and groups"
-    return (
-        Interest(held.nodes, ddp_groups(job)),
-        "nodes: Store.interest(); groups: none in the ranks' topology, so the world and one "
-        "data-parallel group per local rank",
-    )
+    return held
 
 
 def query_seconds(url: str) -> float | None:
@@ -407,13 +393,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pid = storage_pid(engine)
 
         # One node's cycle, before and after.
-        interest, source = interest_of(job, args.node, args.feed_s, args.seed)
+        interest = interest_of(job, args.node, args.feed_s, args.seed)
         out["interest"] = {
             "node": args.node,
             "nodes": sorted(interest.nodes),
             "groups": len(interest.groups),
             "group_sizes": sorted(len(g) for g in interest.groups),
-            "source": source,
+            "large": sorted(interest.large),
         }
         before = before_cycle(PrometheusAPI(engine.url, timeout=args.timeout))
         reader = reader_for(engine.url, interest, args.timeout)
@@ -434,6 +420,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "bytes_ratio": before.bytes / after.bytes if after.bytes else float("nan"),
             "straggler_named": named,
             "straggler_planted": job.straggler,
+            # the recorded next hop of each large group (recorded.GROUP_NEXT_HOP)
+            "hops": {g: dict(h) for g, h in reading.hops.items()} if reading else {},
             "local_leads": sorted(
                 r for r in (reading.leads if reading else {}) if r // job.per_node == args.node
             ),
@@ -449,7 +437,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # every node's ranks are in the same groups (the world, the data-parallel ones)
             readers = [
                 reader_for(
-                    engine.url, Interest(frozenset({hostname(n)}), interest.groups), args.timeout
+                    engine.url,
+                    dataclasses.replace(interest, nodes=frozenset({hostname(n)})),
+                    args.timeout,
                 )
                 for n in picks
             ]
@@ -521,8 +511,9 @@ def print_figures(out: dict[str, Any]) -> None:
         print(f"rules overridden: {out['overrides']}")
     i = out["interest"]
     print(
-        f"node {i['node']}'s interest: nodes {i['nodes']}, {i['groups']} groups of "
-        f"{sorted(set(i['group_sizes']))} ranks ({i['source']})"
+        f"node {i['node']}'s interest (Store.interest()): nodes {i['nodes']}, "
+        f"{i['groups']} groups read whole, of {sorted(set(i['group_sizes']))} ranks; "
+        f"{len(i['large'])} by label and lowest rank: {i['large']}"
     )
     print(f"{'one cycle, node ' + str(i['node']):34} {'queries':>8} {'series':>8} {'bytes':>11}")
     for label, c in (("before (7 unmatched)", b), ("after (PrometheusReader)", a)):

@@ -7,7 +7,8 @@ ranks through the real ingest path (app.parse_batch, then Store.ingest) with age
 wire schema 2: one job of nodes x ranks-per-node ranks (node n holds ranks n*R .. n*R+R-1,
 hostname nodeNNNN), stepping every --step-s seconds of wall time, each rank's steps ending a
 little apart, a DDP gradient sync every step, an all_reduce every other one, an all_gather or
-a broadcast every tenth, pacing state, a full GPU topology and the node's network link. Rank
+a broadcast every tenth (all in the world group), pacing state, a full GPU topology, the world
+group as the agent reports it and the node's network link. Rank
 nodes//2*R+3 is the planted straggler: it arrives at the gradient sync --lag-ms late, so its
 collectives are short (it waits for nobody) and every other rank's are longer by the lag.
 Every rank sends all the steps it completed once per --feed-s (the agent flushes every second;
@@ -146,6 +147,7 @@ from scale_engines import (
     pinned,
     samples,
 )
+from syncscope.agent.collectives import GroupLabels
 from syncscope.exporter.app import parse_batch
 from syncscope.exporter.collectors import StoreCollector
 from syncscope.exporter.pooling import SAMPLE_SLOTS, SAMPLE_STRIDES
@@ -333,6 +335,15 @@ def gpu_topology(node: int, local_rank: int, per_node: int) -> dict[str, Any]:
         "link_speed_bytes_per_second": LINK_BYTES_PER_S,
         "link_capacity_bytes_per_second": LINK_BYTES_PER_S,
     }
+
+
+def group_facts(job: Job) -> dict[str, str]:
+    """A rank's process groups as its agent reports them (GroupLabels.facts): the world
+    ("default_pg"), where every emulated collective runs; its ranks listed in a small job, its
+    lowest rank past a topology value's length (about 64 ranks)."""
+    labels = GroupLabels()
+    labels.members = {"default_pg": tuple(range(job.world_size))}
+    return labels.facts()
 
 
 def gpu_uuid_prefix(node: int) -> str:
@@ -533,7 +544,7 @@ class Emulator:
                     RankFeed(job, r, random.Random(seed * 1_000_003 + r), uptime_s=3600.0 + n)
                     for r in range(n * per, (n + 1) * per)
                 ],
-                [gpu_topology(n, local, per) for local in range(per)],
+                [{**gpu_topology(n, local, per), **group_facts(job)} for local in range(per)],
             )
             for n in fed
         }

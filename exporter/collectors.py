@@ -24,7 +24,7 @@ from syncscope.exporter.store import RATIO_BUCKETS, STEP_BUCKETS, RankView, Stor
 
 from syncscope import catalog as M
 from syncscope.catalog import STEP_WINDOW, MetricSpec
-from syncscope.wire import Phase
+from syncscope.wire import Phase, group_first
 
 
 # A family from its catalog spec; the assert catches a spec handed to the wrong kind.
@@ -171,7 +171,8 @@ def collect_collectives(view: StoreView) -> Iterable[Metric]:
         for c in r.collectives:
             by_group[c.group] = by_group.get(c.group, 0.0) + c.seconds
         for group, secs in sorted(by_group.items()):
-            per_rank.add_metric([*labels, group], secs)
+            first = group_first(r.topology, group)
+            per_rank.add_metric([*labels, group, "" if first is None else str(first)], secs)
     calls = counter(M.COLLECTIVE_CALLS_TOTAL)
     seconds = counter(M.COLLECTIVE_SECONDS_TOTAL)
     nbytes = counter(M.COLLECTIVE_BYTES_TOTAL)

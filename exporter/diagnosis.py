@@ -53,7 +53,7 @@ from syncscope.exporter.settings import DEFAULT_THRESHOLDS, Settings, Thresholds
 from syncscope.exporter.store import RankView, RecentStep, Store, StoreView
 
 from syncscope.catalog import STEP_WINDOW
-from syncscope.wire import Phase, group_ranks
+from syncscope.wire import Phase, group_first, group_ranks
 
 CAUSE_PHASES = (Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 COMPUTE_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
@@ -229,6 +229,7 @@ def wait_chain(
     min_wait_s: float,
     window: int = STEP_WINDOW,
     job_leads: Mapping[int, float] | None = None,
+    job_hops: Mapping[str, Mapping[int, int]] | None = None,
 ) -> tuple[Victim, ...]:
     """Each rank here (but the root) that waits at least `min_wait_s` per step (a paced rank's
     delay counted): the group it waits in most (its collectives' waits) and whom it waits for
@@ -241,7 +242,8 @@ def wait_chain(
     Prometheus) reaches past this node: a rank here that waits for a rank elsewhere waits as
     long as its node's peers, so its wait beyond them is nil; its job-wide lead is its wait,
     the group its collectives take longest in is where it waits, and members elsewhere are
-    compared by their leads.
+    compared by their leads. `job_hops` (group label -> {lowest rank: least blocked member},
+    from Prometheus) names whom a rank waits for in a group too large for its agent to list.
 
     Where that leads round in a circle (an interleaved pipeline's pair sends both ways, so each
     rank of it waits most in `pp`, for the other), the rank of the circle that waits longest in
@@ -276,9 +278,10 @@ def wait_chain(
                 spent[c.group] = spent.get(c.group, 0.0) + c.seconds_per_step
             group, wait = max(spent, key=spent.__getitem__), lead
             waits = {}
-        out[r.rank] = Victim(r.rank, group, _waits_for(r, group, root, blocked), wait)
+        hops = job_hops or {}
+        out[r.rank] = Victim(r.rank, group, _waits_for(r, group, root, blocked, hops), wait)
         others[r.rank] = [
-            Victim(r.rank, g, _waits_for(r, g, root, blocked), w)
+            Victim(r.rank, g, _waits_for(r, g, root, blocked, hops), w)
             for g, w in sorted(waits.items(), key=lambda kv: -kv[1])
             if g != group
         ]
@@ -286,14 +289,25 @@ def wait_chain(
     return tuple(out.values())
 
 
-def _waits_for(r: RankView, group: str, root: int, blocked: Mapping[int, float]) -> int | None:
+def _waits_for(
+    r: RankView,
+    group: str,
+    root: int,
+    blocked: Mapping[int, float],
+    hops: Mapping[str, Mapping[int, int]],
+) -> int | None:
     """Whom `r` waits for in `group`: the root where it is a member, else the member blocked
-    least (None: no member this exporter knows)."""
+    least; in a group its agent did not list, its least blocked member as the rules found it
+    (None: no member this exporter knows)."""
     members = group_members(r, group)
     if root in members:
         return root
     peers = [m for m in members if m != r.rank and m in blocked]
-    return min(peers, key=lambda m: blocked[m]) if peers else None
+    if peers:
+        return min(peers, key=lambda m: blocked[m])
+    first = None if members else group_first(r.topology, group)
+    hop = hops.get(group, {}).get(first) if first is not None else None
+    return hop if hop != r.rank else None
 
 
 def _break_circles(out: dict[int, Victim], others: Mapping[int, list[Victim]]) -> None:
@@ -672,11 +686,13 @@ def _victims(
     straggler: Straggler | None,
     t: Thresholds,
     job_leads: Mapping[int, float] | None = None,
+    job_hops: Mapping[str, Mapping[int, int]] | None = None,
 ) -> tuple[Victim, ...]:
     """The wait chain to a named straggler; a rank waits if it waits a quarter of the lateness."""
     if straggler is None:
         return ()
-    return wait_chain(live, straggler.rank, 0.25 * straggler.lateness_s, t.window, job_leads)
+    lateness = 0.25 * straggler.lateness_s
+    return wait_chain(live, straggler.rank, lateness, t.window, job_leads, job_hops)
 
 
 def _below_score(ratio: float, line: float, t: Thresholds) -> float:
@@ -823,5 +839,5 @@ def _job_wide(
         straggler=straggler,
         skew_s=skew,
         skew_line_s=threshold,
-        victims=_victims(live, straggler, t, job_wide.job_waits()),
+        victims=_victims(live, straggler, t, job_wide.job_waits(), job_wide.hops),
     )

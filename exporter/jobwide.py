@@ -69,6 +69,9 @@ class JobWide:
     # The rank the others wait for and how much later than the earliest rank of its stage it
     # arrives, the job's arrival skew (recorded.STRAGGLER_LAG); None: no rank has a lead yet.
     straggler: tuple[int, float] | None = None
+    # group label -> {its lowest rank: its least blocked member} (recorded.GROUP_NEXT_HOP), for
+    # the groups of the ranks here too large to read whole; their leads are among `leads`
+    hops: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
     # The job's readings before this one, oldest first, over the reader's history (each with
     # no history of its own): how long a rank has been the straggler, for the hold. The
     # diagnosis's input, not part of the view: /v1/state leaves it out.
@@ -91,7 +94,8 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
     step_mean: dict[str, float] = {}
     links: dict[str, tuple[str, float]] = {}
     stragglers: dict[str, tuple[int, float]] = {}
-    for name in (recorded.LEAD, recorded.STRAGGLER_LAG):
+    hops: dict[str, dict[str, dict[int, int]]] = {}
+    for name in (recorded.LEAD, recorded.GROUP_NEXT_HOP, recorded.STRAGGLER_LAG):
         for sample in replies.get(name, []):
             job, rank = sample["metric"].get("job"), sample["metric"].get("rank")
             value = _number(sample)
@@ -100,7 +104,12 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
             stage = sample["metric"].get("stage", "")
             if stage.isdigit():
                 stages.setdefault(job, {})[int(rank)] = int(stage)
-            if name == recorded.LEAD:
+            if name == recorded.GROUP_NEXT_HOP:
+                group, first = sample["metric"].get("group"), sample["metric"].get("group_first")
+                if not group or first is None or not first.isdigit():
+                    continue
+                hops.setdefault(job, {}).setdefault(group, {})[int(first)] = int(rank)
+            if name != recorded.STRAGGLER_LAG:
                 leads.setdefault(job, {})[int(rank)] = value
                 continue
             # The straggler's lead is 0 by construction; of ties, the lowest rank.
@@ -145,6 +154,7 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
             _waits(leads.get(job, {}), stages.get(job, {}), stage_least.get(job)),
             step_mean.get(job),
             stragglers.get(job),
+            hops.get(job, {}),
         )
         for job in set(leads) | set(transfer) | set(amplification)
     }
@@ -179,10 +189,12 @@ def _number(sample: dict[str, Any]) -> float | None:
 @dataclass(frozen=True)
 class Interest:
     """What the exporter needs read back for one job it holds: the nodes its ranks here run on
-    (the `node` label of their series) and the members of each group they collect in."""
+    (the `node` label of their series), the members of each group of at most SMALL_GROUP ranks
+    they collect in, and each larger group's (label, lowest rank): larger, or not listed."""
 
     nodes: frozenset[str]
     groups: frozenset[tuple[int, ...]] = frozenset()
+    large: frozenset[tuple[str, int]] = frozenset()
 
 
 # Series of one job each (or one per pipeline stage): read for the jobs held, in one query.
@@ -215,15 +227,21 @@ def cycle_queries(wanted: Mapping[str, Interest]) -> dict[str, str]:
     }
 
 
-# Groups of up to this many ranks are read whole for the next hop, larger ones reduced.
+# Groups of up to this many ranks are read whole for the next hop; for larger ones the rules
+# record the least blocked member (recorded.GROUP_NEXT_HOP).
 SMALL_GROUP = 16
 
 
 def hop_query(wanted: Mapping[str, Interest], known: Mapping[str, JobWide]) -> str | None:
-    """The wait chain's next hops: the least blocked member of each group of the ranks here
-    whose members' leads are not known already (members elsewhere) and that does not hold the
-    straggler (whom its members wait for); None where there is no such group. The query grows
-    with those groups' members, its reply with the number of groups."""
+    """The wait chain's next hops: every member of each small group of the ranks here whose
+    members' leads are not known already (members elsewhere) and that does not hold the
+    straggler (whom its members wait for), and each large group's least blocked member; None
+    where there is no such group. The query and its reply grow with the node's groups, not
+    with their members beyond SMALL_GROUP.
+
+    A small group is read whole: a pipeline's pp group spans stages, whose leads are over
+    different minima, so its least blocked member is found after their adjustment
+    (JobWide.waits); a large group's members share a stage."""
     terms = []
     for job, interest in sorted(wanted.items()):
         reading = known.get(job)
@@ -234,11 +252,15 @@ def hop_query(wanted: Mapping[str, Interest], known: Mapping[str, JobWide]) -> s
             if root in members or all(m in reading.leads for m in members):
                 continue
             ranks = json.dumps("|".join(str(m) for m in members))
-            leads = f"{recorded.LEAD}{{job={json.dumps(job)}, rank=~{ranks}}}"
-            # A small group's every member (a pipeline's pp group spans stages, whose leads
-            # are over different minima: the least blocked is found after their adjustment,
-            # JobWide.waits); a large one's least lead (its members share a stage).
-            terms.append(leads if len(members) <= SMALL_GROUP else f"bottomk(1, {leads})")
+            terms.append(f"{recorded.LEAD}{{job={json.dumps(job)}, rank=~{ranks}}}")
+        firsts: dict[str, list[int]] = {}
+        for label, first in interest.large:
+            firsts.setdefault(label, []).append(first)
+        for label, among in sorted(firsts.items()):
+            terms.append(
+                f"{recorded.GROUP_NEXT_HOP}{{job={json.dumps(job)}, group={json.dumps(label)}, "
+                f"group_first=~{_any_of(str(f) for f in among)}}}"
+            )
     return " or ".join(terms) or None
 
 
@@ -329,7 +351,9 @@ class PrometheusReader:
             jobs = parse(replies, now)
             hops = hop_query(wanted, jobs)
             if hops is not None:
-                replies[recorded.LEAD] = [*replies.get(recorded.LEAD, []), *self.api.instant(hops)]
+                for sample in self.api.instant(hops):
+                    name = sample["metric"].get("__name__", recorded.LEAD)
+                    replies.setdefault(name, []).append(sample)
                 jobs = parse(replies, now)
         except (
             OSError,

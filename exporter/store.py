@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from syncscope.exporter.findings import NOT_IN_JSON, OMIT_IF_NONE, Diagnosis
-from syncscope.exporter.jobwide import Interest, JobWide
+from syncscope.exporter.jobwide import SMALL_GROUP, Interest, JobWide
 from syncscope.exporter.pooling import JobPool, NodeInflation, Sample
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.throughput import Throughput, ThroughputView
@@ -33,6 +33,7 @@ from syncscope.wire import (
     EVENT_COMPILE,
     EVENT_STARTUP,
     GROUP_FACT,
+    GROUP_FIRST_FACT,
     MAX_LABEL_LEN,
     MAX_TOPOLOGY_ENTRIES,
     MAX_TOPOLOGY_TEXT,
@@ -44,6 +45,7 @@ from syncscope.wire import (
     EventSeconds,
     PacingState,
     StepSeconds,
+    group_first,
     group_ranks,
     pipeline_stage,
 )
@@ -819,21 +821,31 @@ class Store:
         return taken
 
     def interest(self) -> dict[str, Interest]:
-        """What the job-wide read-back needs for each job held here: its ranks' nodes and the
-        members of every group they collect in (their topology's GROUP_FACT entries)."""
+        """What the job-wide read-back needs for each job held here: its ranks' nodes, the
+        members of every small group they collect in and the (label, lowest rank) of every
+        larger one (their topology's GROUP_FACT and GROUP_FIRST_FACT entries)."""
         with self.lock:
             held = [(s.job, s.hostname, s.topology) for s in self.ranks.values()]
         nodes: dict[str, set[str]] = {}
         groups: dict[str, set[tuple[int, ...]]] = {}
+        large: dict[str, set[tuple[str, int]]] = {}
         for job, hostname, topology in held:
             nodes.setdefault(job, set()).add(hostname)
-            into = groups.setdefault(job, set())
+            small, big = groups.setdefault(job, set()), large.setdefault(job, set())
             for key in topology or {}:
-                if key.startswith(GROUP_FACT):
-                    members = group_ranks(topology, key[len(GROUP_FACT) :])
-                    if members:
-                        into.add(members)
-        return {job: Interest(frozenset(nodes[job]), frozenset(groups[job])) for job in nodes}
+                label = key.removeprefix(GROUP_FACT).removeprefix(GROUP_FIRST_FACT)
+                if label == key:
+                    continue
+                members = group_ranks(topology, label)
+                first = group_first(topology, label)
+                if members and len(members) <= SMALL_GROUP:
+                    small.add(members)
+                elif first is not None:
+                    big.add((label, first))
+        return {
+            job: Interest(frozenset(nodes[job]), frozenset(groups[job]), frozenset(large[job]))
+            for job in nodes
+        }
 
     # -- read side (callers hold no lock; this takes it) ------------------------------------------
     def view(self, diagnose: Diagnose, recent: int | None = None) -> StoreView:

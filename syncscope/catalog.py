@@ -184,8 +184,9 @@ RANK_COLLECTIVE_SECONDS_TOTAL = MetricSpec(
     "syncscope_rank_collective_seconds_total",
     "counter",
     "Collective time on this rank, issue to completion, every op, per process group (its "
-    "label: the mesh dimension it spans).",
-    (*RANK, "group"),
+    "label: the mesh dimension it spans; group_first: its lowest global rank, which tells "
+    "apart the groups of one label; empty where the agent did not report its ranks).",
+    (*RANK, "group", "group_first"),
     "always",
     "seconds",
 )

@@ -56,6 +56,10 @@ STAGE_SKEW = "job_stage:syncscope_phase_comm_exposed_seconds_per_step:max_minus_
 SKEW = "job:syncscope_phase_comm_exposed_seconds_per_step:max_minus_min"
 SKEW_RATIO = "job:syncscope_phase_comm_exposed_seconds_per_step:ratio_to_step_mean_max_minus_min"
 STRAGGLER_LAG = "job_rank:syncscope_straggler_lag_seconds:argmin_lead"
+# Job-wide, per process group (its label and lowest rank, group_first): the member with the
+# least lead and that lead, whom the group's ranks wait for (the wait chain's next hop). An
+# exporter reads one series per group its ranks are in, however many members the group has.
+GROUP_NEXT_HOP = "job_group:syncscope_phase_comm_exposed_seconds_per_step:bottomk_lead"
 STRAGGLER_RATIO = "job_rank:syncscope_straggler_lag_step:ratio"
 # Job-wide, per process group (its label: dp, tp, pp, shard, ...): the job's rank-time spent in
 # that group's collectives beyond the rank there that spends least: which group it loses time in.

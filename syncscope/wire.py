@@ -83,6 +83,10 @@ P2P_OPS = frozenset({"send", "recv"})
 # A topology entry "group.<label>" lists the global ranks of the rank's group of that label
 # ("2,3"): how the exporter follows a wait to the rank waited for.
 GROUP_FACT = "group."
+# A group too large to list names its lowest global rank instead ("group_first.<label>" ->
+# "0"): groups of one label are disjoint, so (label, lowest rank) is the group. The job-wide
+# rules find each such group's least blocked member (recorded.GROUP_NEXT_HOP) by it.
+GROUP_FIRST_FACT = "group_first."
 
 
 def group_ranks(topology: Mapping[str, Any] | None, group: str) -> tuple[int, ...]:
@@ -95,6 +99,16 @@ def group_ranks(topology: Mapping[str, Any] | None, group: str) -> tuple[int, ..
         return tuple(int(x) for x in text.split(",") if x)
     except ValueError:
         return ()
+
+
+def group_first(topology: Mapping[str, Any] | None, group: str) -> int | None:
+    """The lowest global rank of the rank's group labelled `group`: from its members where the
+    topology lists them, else its GROUP_FIRST_FACT entry; None where neither says."""
+    ranks = group_ranks(topology, group)
+    if ranks:
+        return min(ranks)
+    text = (topology or {}).get(GROUP_FIRST_FACT + group)
+    return int(text) if isinstance(text, str) and text.isdigit() else None
 
 
 def pipeline_stage(rank: int, group: str, topology: Mapping[str, Any] | None) -> int | None:

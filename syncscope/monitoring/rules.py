@@ -42,6 +42,7 @@ from syncscope.recorded import (  # the recorded series' names, declared there o
     GOODPUT,
     GPU_ENERGY_RATE,
     GROUP_ISSUE_TO_COMPLETION,
+    GROUP_NEXT_HOP,
     GROUP_WAIT,
     LEAD,
     LINK_CAPACITY,
@@ -225,6 +226,7 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
         SKEW_RATIO,
         STRAGGLER_LAG,
         STRAGGLER_RATIO,
+        GROUP_NEXT_HOP,
     ),
     "syncscope.transfer": (
         TRANSFER_SAMPLED,

@@ -283,3 +283,21 @@ def test_group_labels_count_groups_by_their_ranks():
         assert labels.group_count() == 3
     finally:
         coll._members = original
+
+
+def test_a_group_too_large_to_list_is_reported_by_its_lowest_rank():
+    """A group's ranks go in a topology fact while they fit a topology value; a larger group
+    (a data-parallel group across thousands of nodes) by its lowest rank, which with its label
+    names it for the job-wide rules (recorded.GROUP_NEXT_HOP)."""
+    from syncscope.agent.collectives import GroupLabels
+
+    from syncscope.wire import MAX_TOPOLOGY_TEXT, group_first, group_ranks
+
+    labels = GroupLabels()
+    labels.members = {"tp": (8, 9), "dp": tuple(range(3, 8 * 1000, 8))}
+    facts = labels.facts()
+    assert len(",".join(map(str, labels.members["dp"]))) > MAX_TOPOLOGY_TEXT
+    assert facts == {"group.tp": "8,9", "group_first.dp": "3"}
+    assert group_ranks(facts, "tp") == (8, 9) and group_first(facts, "tp") == 8
+    assert group_ranks(facts, "dp") == () and group_first(facts, "dp") == 3
+    assert group_first(facts, "pp") is None

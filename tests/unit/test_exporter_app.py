@@ -79,8 +79,9 @@ def test_ingest_then_scrape(client):
     assert sum(phases.values()) == pytest.approx(2.0)
     assert parse_samples(text, "syncscope_agent_records_dropped_total")
     assert parse_samples(text, "syncscope_rank_collective_seconds_total") == {
-        (("group", "default_pg"), *rank0): pytest.approx(0.1),
-        (("group", "default_pg"), *rank1): pytest.approx(0.1),
+        # no group facts in these batches: the group's lowest rank is not known (empty)
+        (("group", "default_pg"), ("group_first", ""), *rank0): pytest.approx(0.1),
+        (("group", "default_pg"), ("group_first", ""), *rank1): pytest.approx(0.1),
     }
     node = (("job", "j"), ("node", "h"))
     assert parse_samples(text, "syncscope_collective_bytes_total") == {

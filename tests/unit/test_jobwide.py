@@ -8,23 +8,25 @@ another exporter. The real Prometheus round trip is in tests/integration/test_mu
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import time
 from typing import Any
 
 import pytest
-from syncscope.exporter import jobwide
+from syncscope.exporter.app import parse_batch
 from syncscope.exporter.collectors import collect_diagnosis
 from syncscope.exporter.diagnosis import ModeVerdict, diagnose_job
 from syncscope.exporter.jobwide import Interest, JobWide, PrometheusReader, parse
 from syncscope.exporter.pooling import NodeInflation
 from syncscope.exporter.settings import Settings
-from syncscope.exporter.store import JobView, StoreView, with_job_transfer
+from syncscope.exporter.store import JobView, Store, StoreView, with_job_transfer
 
 from syncscope.lab.servers import free_port
 from syncscope.monitoring import rules
 from syncscope.thresholds import load_config
 from tests.unit.test_diagnosis import ranks_of
+from tests.unit.test_exporter_app import BATCH
 
 SETTINGS = Settings()
 
@@ -113,23 +115,37 @@ class Engine:
             return [sample(str(self.leads[r]), job="j", rank=str(r)) for r in range(4)]
         if promql.startswith("bottomk by (job)"):
             return [sample("0.9", job="j", node="n2")]
-        # The next hops: one term per group, each a selector of its members or their least.
+        # The next hops: one term per small group, a selector of its members, and one per label
+        # of the large groups, the rules' least blocked member of each (its lowest rank: i, the
+        # data-parallel group i, i+4, i+8, i+12).
         out = []
         for term in promql.split(" or "):
+            if term.startswith(rules.GROUP_NEXT_HOP):
+                assert 'group="dp"' in term, term
+                for first in term.split('group_first=~"')[1].split('"')[0].split("|"):
+                    least = min(range(int(first), 16, 4), key=self.leads.__getitem__)
+                    labels = {"job": "j", "group": "dp", "group_first": first, "rank": str(least)}
+                    out.append(
+                        {
+                            "metric": {"__name__": rules.GROUP_NEXT_HOP, **labels},
+                            "value": [1.0, str(self.leads[least])],
+                        }
+                    )
+                continue
             ranks = [int(r) for r in term.split('rank=~"')[1].split('"')[0].split("|")]
-            if term.startswith("bottomk"):
-                ranks = [min(ranks, key=self.leads.__getitem__)]
             out += [sample(str(self.leads[r]), job="j", rank=str(r)) for r in ranks]
         return out
 
 
-def test_a_read_asks_for_the_nodes_ranks_and_the_jobs_own_series_only(monkeypatch):
+def test_a_read_asks_for_the_nodes_ranks_and_the_jobs_own_series_only():
     """Node n0 holds ranks 0-3 of the 16-rank job: the reader asks for those four leads (job
     and node matchers), the job's series (the straggler among them), the slowest link, and the
     least blocked member of each group of its ranks that reaches other nodes and does not hold
     the straggler: the world (16 ranks, holds 13) and its tensor-parallel group (0-3, all
     here) need nothing; its data-parallel groups (i, i+4, i+8, i+12) do. Each is read whole
-    (a small group) or reduced to its least (a large one): the reply stays the node's size."""
+    (a small group) or, too large for that, is one recorded series: its least blocked member
+    (recorded.GROUP_NEXT_HOP), asked for by its label and lowest rank. Either way the reply
+    stays the node's size; the query's text does too for large groups."""
     engine = Engine()
     dp = frozenset(tuple(range(i, 16, 4)) for i in range(4))
     interest = Interest(frozenset({"n0"}), frozenset({tuple(range(16)), (0, 1, 2, 3)}) | dp)
@@ -144,14 +160,18 @@ def test_a_read_asks_for_the_nodes_ranks_and_the_jobs_own_series_only(monkeypatc
     assert hops.count(rules.LEAD) == 3 and "bottomk" not in hops, hops
     assert set(reading.leads) == {0, 1, 2, 3, 13} | {4, 8, 12, 6, 10, 14, 7, 11, 15}
     assert reader.last_cycle[:2] == (4, 4 + 2 + 1 + 12)
-    # Groups larger than SMALL_GROUP: their least member only
-    monkeypatch.setattr(jobwide, "SMALL_GROUP", 2)
+    # The same groups as the store holds them past SMALL_GROUP: by (label, lowest rank). Their
+    # membership is not known here, so the straggler's group is asked too (its hop: 13).
+    large = frozenset(("dp", i) for i in range(4))
+    reader.wanted = lambda: {"j": Interest(frozenset({"n0"}), frozenset({(0, 1, 2, 3)}), large)}
     engine.queries.clear()
     assert reader.read_once()
-    (hops,) = [q for q in engine.queries if "rank=~" in q]
-    assert hops.count("bottomk(1, ") == 3, hops
+    (hops,) = [q for q in engine.queries if rules.GROUP_NEXT_HOP in q]
+    assert "rank=~" not in hops and 'group_first=~"0|1|2|3"' in hops, hops
     later = reader.get("j")
-    assert later is not None and set(later.leads) == {0, 1, 2, 3, 13, 12, 14, 15}
+    assert later is not None and later.hops == {"dp": {0: 12, 1: 13, 2: 14, 3: 15}}
+    assert set(later.leads) == {0, 1, 2, 3, 13, 12, 14, 15}
+    assert reader.last_cycle[:2] == (4, 4 + 2 + 1 + 4)
 
 
 def test_a_reader_with_no_job_here_asks_nothing():
@@ -493,3 +513,34 @@ def test_an_exporter_that_holds_the_whole_job_names_its_straggler_without_the_ho
     mates = [r for r in ranks if r.rank in (slow, (slow + 1) % 4)]
     half = diagnose_job(mates, SETTINGS, job_wide=ruled(leads, 0.004, 0.5, time.time()))
     assert half.straggler is None and "must hold" in half.modes["straggler"].reason
+
+
+def test_the_store_asks_for_small_groups_whole_and_large_ones_by_label_and_lowest_rank():
+    """Store.interest(): a group of at most SMALL_GROUP ranks by its members; a larger one,
+    listed or reported by its lowest rank only, as (label, lowest rank)."""
+    store = Store(SETTINGS)
+    wide = ",".join(str(r) for r in range(1, 80, 4))  # 20 ranks: listed, but past SMALL_GROUP
+    topology = {"group.tp": "0,1", "group.dp": wide, "group_first.ep": "1", "gpu": "x"}
+    body = {**BATCH, "agent": {**BATCH["agent"], "rank": 1}, "topology": topology}
+    assert store.ingest(parse_batch(json.dumps(body).encode()))["accepted"]
+    (interest,) = store.interest().values()
+    assert interest.groups == {(0, 1)}
+    assert interest.large == {("dp", 1), ("ep", 1)}
+
+
+def test_a_victim_waits_for_the_rules_least_blocked_member_of_a_group_it_cannot_list():
+    """Ranks 0 and 1 wait in the world group, rank 3 (another node) the straggler. With the
+    group's ranks listed, the chain leads to rank 3 from them; with only its lowest rank known
+    (a group too large to list), from the rules' least blocked member (JobWide.hops)."""
+    listed = two_of_four("balanced")
+    leads = {0: 0.030, 1: 0.031, 2: 0.029, 3: 0.0}
+    unlisted = [dataclasses.replace(r, topology={"group_first.default_pg": "0"}) for r in listed]
+    for ranks, hops, expect in (
+        ([dataclasses.replace(r, topology={"group.default_pg": "0,1,2,3"}) for r in listed], {}, 3),
+        (unlisted, {"default_pg": {0: 3}}, 3),
+        (unlisted, {}, None),  # nothing says whom: no rank is made up
+    ):
+        job_wide = held(ruled(leads, 0.004, 0.45, time.time(), hops=hops))
+        out = diagnose_job(ranks, SETTINGS, job_wide=job_wide)
+        assert out.straggler is not None and out.straggler.rank == 3
+        assert {v.rank: v.waits_for for v in out.victims} == {0: expect, 1: expect}, out.victims

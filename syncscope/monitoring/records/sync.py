@@ -20,6 +20,7 @@ from syncscope.monitoring.records.base import record
 from syncscope.recorded import (
     COMM_EXPOSED_RATIO,
     GROUP_ISSUE_TO_COMPLETION,
+    GROUP_NEXT_HOP,
     GROUP_WAIT,
     LEAD,
     PHASE_RATE,
@@ -289,6 +290,26 @@ and on (job)
 """,
         ),
         record(STRAGGLER_RATIO, f"{STRAGGLER_LAG} / on (job) group_left () {STEP_MEAN}"),
+        # Each process group's least blocked member (its lead the least; of ties, whichever):
+        # whom its ranks wait for. Groups of one label are disjoint, so a group is its label
+        # and lowest rank (the exporter's group_first); its members are the ranks with a
+        # collective counter there. The lead's own labels (node, stage) come along from one
+        # series per rank (topk: a rank relaunched elsewhere within the window has two), so the
+        # join never matches many to many. Once an evaluation here, where every exporter
+        # would otherwise ask for the least of each of its groups' members by their ranks.
+        record(
+            GROUP_NEXT_HOP,
+            f"""
+bottomk by (job, group, group_first) (
+  1,
+    group by (job, rank, group, group_first) (
+      {sel(cfg, M.RANK_COLLECTIVE_SECONDS_TOTAL.name, 'group_first!=""')}
+    )
+  * on (job, rank) group_left (node, stage)
+    topk by (job, rank) (1, {LEAD})
+)
+""",
+        ),
     ]
 
 
