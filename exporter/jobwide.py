@@ -6,10 +6,11 @@ straggler and its lag, the job's transfer per step, its inflation, the amplifica
 mean step and the slowest link. Given `--prometheus-url`, the exporter reads back, every
 `--prometheus-interval` seconds on a thread of its own, what its diagnosis, page, /v1/state
 and the baselines it hands to agents need, and no more: the jobs it holds, the leads of its own
-node's ranks, the job-level series (the straggler among them), the slowest link, and the least
-blocked member of each group its ranks wait in (the wait chain's next hop). A cycle returns
-series in proportion to the node's ranks and jobs, not the job's size; the exporters' reads are
-spread over the interval. No gossip between exporters and no aggregator of our own: Prometheus
+node's ranks, the job-level series (the straggler and the slowest link among them), and the
+least blocked member of each group its ranks wait in (the wait chain's next hop). What reduces
+over a job's ranks or nodes is recorded by the rules once an evaluation, so a cycle's queries,
+replies and engine work grow with the node's ranks, groups and jobs, not the job's size; the
+exporters' reads are spread over the interval. No gossip between exporters and no aggregator of our own: Prometheus
 already is the job-wide engine.
 
 A reading older than three intervals is dropped: the exporter then says its view is node-local
@@ -124,7 +125,7 @@ def parse(replies: Mapping[str, list[dict[str, Any]]], now: float) -> dict[str, 
         )
         if job and (stage == "" or stage.isdigit()) and value is not None:
             stage_least.setdefault(job, {})[int(stage) if stage else None] = value
-    for sample in replies.get(recorded.LINK_CAPACITY_RATIO, []):
+    for sample in replies.get(recorded.SLOWEST_LINK, []):
         job, node, value = (
             sample["metric"].get("job"),
             sample["metric"].get("node"),
@@ -200,6 +201,7 @@ class Interest:
 # Series of one job each (or one per pipeline stage): read for the jobs held, in one query.
 JOB_LEVEL = (
     recorded.STRAGGLER_LAG,
+    recorded.SLOWEST_LINK,
     recorded.TRANSFER_PER_STEP,
     recorded.SYNC_AMPLIFICATION,
     recorded.TRANSFER_INFLATION,
@@ -215,15 +217,13 @@ def _any_of(values: Iterable[str]) -> str:
 
 def cycle_queries(wanted: Mapping[str, Interest]) -> dict[str, str]:
     """The read-back's first queries, by what they return (the recorded name where one), for
-    the jobs `wanted`: its node's ranks' leads, the jobs' own series, the slowest link."""
+    the jobs `wanted`: its node's ranks' leads, and the jobs' own series (the slowest link
+    among them)."""
     jobs = _any_of(wanted)
     nodes = _any_of({node for interest in wanted.values() for node in interest.nodes})
     return {
         recorded.LEAD: f"{recorded.LEAD}{{job=~{jobs}, node=~{nodes}}}",
         "job": f"{{__name__=~{_any_of(JOB_LEVEL)}, job=~{jobs}}}",
-        recorded.LINK_CAPACITY_RATIO: (
-            f"bottomk by (job) (1, {recorded.LINK_CAPACITY_RATIO}{{job=~{jobs}}})"
-        ),
     }
 
 
@@ -268,9 +268,9 @@ class PrometheusReader:
     """Polls Prometheus for the job-wide rules; `get(job)` is the latest fresh reading or None.
 
     `wanted` tells what the exporter holds now (job -> Interest); a cycle reads those jobs
-    only: three queries, and a fourth for the next hops where groups reach other nodes."""
+    only: two queries, and a third for the next hops where groups reach other nodes."""
 
-    QUERIES = 4  # the most a cycle sends
+    QUERIES = 3  # the most a cycle sends
 
     def __init__(
         self,

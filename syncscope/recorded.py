@@ -40,6 +40,9 @@ TRANSFER_INFLATION = "job:syncscope_collective_transfer_seconds_per_step:ratio_t
 DDP_BUS_BANDWIDTH = "job:syncscope_ddp_bus_bandwidth_bytes_per_second:ratio"
 LINK_CAPACITY = "job_node:syncscope_node_link_capacity_bytes_per_second:max"
 LINK_CAPACITY_RATIO = "job_node:syncscope_node_link_capacity_bytes_per_second:ratio_to_median"
+# The job's node whose link carries least against the median node's, and that ratio: one series
+# a job, what every exporter's read-back needs of the links.
+SLOWEST_LINK = "job_node:syncscope_node_link_capacity_bytes_per_second:bottomk_ratio_to_median"
 LINK_UTILIZATION = "job_node:syncscope_link_utilization_while_transferring:ratio"
 # Job-wide verdicts are judged over full windows only: the number of the job's ranks whose step
 # counter existed a straggler window ago, recorded only while that is every rank reporting.

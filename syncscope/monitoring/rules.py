@@ -63,6 +63,7 @@ from syncscope.recorded import (  # the recorded series' names, declared there o
     SAMPLES_RATE,
     SKEW,
     SKEW_RATIO,
+    SLOWEST_LINK,
     STAGE_SKEW,
     STEP_BUCKET_RATE,
     STEP_CV,
@@ -238,6 +239,7 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
         DDP_BUS_BANDWIDTH,
         LINK_CAPACITY,
         LINK_CAPACITY_RATIO,
+        SLOWEST_LINK,
         LINK_UTILIZATION,
     ),
     # Every intervals.slow_rules (1m shipped): what a person reads on a dashboard or an alert

@@ -72,7 +72,7 @@ def test_parse_groups_the_rules_by_job():
         rules.SYNC_AMPLIFICATION: [sample("0.4", job="a"), sample("+Inf", job="b")],
         rules.TRANSFER_INFLATION: [sample("1.25", job="a")],
         rules.STEP_MEAN: [sample("0.2", job="a")],
-        rules.LINK_CAPACITY_RATIO: [sample("0.5", job="a", node="n2")],
+        rules.SLOWEST_LINK: [sample("0.5", job="a", node="n2")],
     }
     jobs = parse(replies, now=100.0)
     assert jobs["a"] == JobWide(
@@ -109,12 +109,14 @@ class Engine:
                     "metric": {"__name__": rules.STRAGGLER_LAG, "job": "j", "rank": "13"},
                 },
                 {**sample("0.05", job="j"), "metric": {"__name__": rules.STEP_MEAN, "job": "j"}},
+                {
+                    **sample("0.9", job="j"),
+                    "metric": {"__name__": rules.SLOWEST_LINK, "job": "j", "node": "n2"},
+                },
             ]
         if promql.startswith(rules.LEAD) and "rank=~" not in promql:  # the node's ranks
             assert 'node=~"n0"' in promql and 'job=~"j"' in promql, promql
             return [sample(str(self.leads[r]), job="j", rank=str(r)) for r in range(4)]
-        if promql.startswith("bottomk by (job)"):
-            return [sample("0.9", job="j", node="n2")]
         # The next hops: one term per small group, a selector of its members, and one per label
         # of the large groups, the rules' least blocked member of each (its lowest rank: i, the
         # data-parallel group i, i+4, i+8, i+12).
@@ -139,8 +141,8 @@ class Engine:
 
 def test_a_read_asks_for_the_nodes_ranks_and_the_jobs_own_series_only():
     """Node n0 holds ranks 0-3 of the 16-rank job: the reader asks for those four leads (job
-    and node matchers), the job's series (the straggler among them), the slowest link, and the
-    least blocked member of each group of its ranks that reaches other nodes and does not hold
+    and node matchers), the job's series (the straggler and the slowest link among them), and
+    the least blocked member of each group of its ranks that reaches other nodes and does not hold
     the straggler: the world (16 ranks, holds 13) and its tensor-parallel group (0-3, all
     here) need nothing; its data-parallel groups (i, i+4, i+8, i+12) do. Each is read whole
     (a small group) or, too large for that, is one recorded series: its least blocked member
@@ -159,7 +161,7 @@ def test_a_read_asks_for_the_nodes_ranks_and_the_jobs_own_series_only():
     (hops,) = [q for q in engine.queries if "rank=~" in q]
     assert hops.count(rules.LEAD) == 3 and "bottomk" not in hops, hops
     assert set(reading.leads) == {0, 1, 2, 3, 13} | {4, 8, 12, 6, 10, 14, 7, 11, 15}
-    assert reader.last_cycle[:2] == (4, 4 + 2 + 1 + 12)
+    assert reader.last_cycle[:2] == (3, 4 + 3 + 12)
     # The same groups as the store holds them past SMALL_GROUP: by (label, lowest rank). Their
     # membership is not known here, so the straggler's group is asked too (its hop: 13).
     large = frozenset(("dp", i) for i in range(4))
@@ -171,7 +173,7 @@ def test_a_read_asks_for_the_nodes_ranks_and_the_jobs_own_series_only():
     later = reader.get("j")
     assert later is not None and later.hops == {"dp": {0: 12, 1: 13, 2: 14, 3: 15}}
     assert set(later.leads) == {0, 1, 2, 3, 13, 12, 14, 15}
-    assert reader.last_cycle[:2] == (4, 4 + 2 + 1 + 4)
+    assert reader.last_cycle[:2] == (3, 4 + 3 + 4)
 
 
 def test_a_reader_with_no_job_here_asks_nothing():

@@ -17,6 +17,7 @@ from syncscope.recorded import (
     LINK_CAPACITY_RATIO,
     LINK_UTILIZATION,
     SKEW_RATIO,
+    SLOWEST_LINK,
     STEPS_RATE,
     TRANSFER_INFLATION,
     TRANSFER_PER_CALL,
@@ -170,6 +171,8 @@ def _link_records(cfg: Thresholds) -> list[dict[str, Any]]:
   (quantile by (job) (0.5, {LINK_CAPACITY}) > 0)
 """,
         ),
+        # Once an evaluation, where every exporter's read-back would read every node's.
+        record(SLOWEST_LINK, f"bottomk by (job) (1, {LINK_CAPACITY_RATIO})"),
         record(
             LINK_UTILIZATION,
             f"""
