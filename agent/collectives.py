@@ -122,6 +122,9 @@ class GroupLabels:
         # Distinct process groups seen, by their ranks (a label where they are unknown): two
         # handles on the same ranks (DDP on the default group, a broadcast on it) are one.
         self.groups_seen: set[object] = set()
+        # facts() as of `members` (None: not yet, or a group was added since): the reporter
+        # asks every flush, and a group of thousands of ranks is joined and scanned once.
+        self._facts: dict[str, str] | None = None
 
     def group_count(self) -> int:
         return len(self.groups_seen)
@@ -132,14 +135,16 @@ class GroupLabels:
         a topology value (MAX_TOPOLOGY_TEXT) as "group_first.<label>" -> its lowest rank, by
         which the job-wide rules name its least blocked member. Groups past MAX_GROUP_FACTS
         are left out."""
-        out: dict[str, str] = {}
-        for label, ranks in list(self.members.items())[:MAX_GROUP_FACTS]:
-            text = ",".join(map(str, ranks))
-            if len(text) <= MAX_TOPOLOGY_TEXT:
-                out[GROUP_FACT + label] = text
-            else:
-                out[GROUP_FIRST_FACT + label] = str(min(ranks))
-        return out
+        if self._facts is None:
+            out: dict[str, str] = {}
+            for label, ranks in list(self.members.items())[:MAX_GROUP_FACTS]:
+                text = ",".join(map(str, ranks))
+                if len(text) <= MAX_TOPOLOGY_TEXT:
+                    out[GROUP_FACT + label] = text
+                else:
+                    out[GROUP_FIRST_FACT + label] = str(min(ranks))
+            self._facts = out
+        return dict(self._facts)
 
     def __call__(self, group: Any) -> str:
         if type(group) is _SCRIPT_OBJECT[0]:  # what a dispatcher kernel receives
@@ -153,6 +158,7 @@ class GroupLabels:
             members = _members(group)
             if members:
                 self.members[label] = members
+                self._facts = None
             self.groups_seen.add(members or label)
         return label
 

@@ -255,6 +255,7 @@ def wait_chain(
         blocked = {
             r.rank: _phase_means(r, window, exposed).get(Phase.COMM_EXPOSED, 0.0) for r in ranks
         }
+    hops = job_hops or {}
     out: dict[int, Victim] = {}
     others: dict[int, list[Victim]] = {}  # each victim's other groups, longest wait first
     for r in ranks:
@@ -278,7 +279,6 @@ def wait_chain(
                 spent[c.group] = spent.get(c.group, 0.0) + c.seconds_per_step
             group, wait = max(spent, key=spent.__getitem__), lead
             waits = {}
-        hops = job_hops or {}
         out[r.rank] = Victim(r.rank, group, _waits_for(r, group, root, blocked, hops), wait)
         others[r.rank] = [
             Victim(r.rank, g, _waits_for(r, g, root, blocked, hops), w)

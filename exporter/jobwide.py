@@ -10,8 +10,8 @@ node's ranks, the job-level series (the straggler and the slowest link among the
 least blocked member of each group its ranks wait in (the wait chain's next hop). What reduces
 over a job's ranks or nodes is recorded by the rules once an evaluation, so a cycle's queries,
 replies and engine work grow with the node's ranks, groups and jobs, not the job's size; the
-exporters' reads are spread over the interval. No gossip between exporters and no aggregator of our own: Prometheus
-already is the job-wide engine.
+exporters' reads are spread over the interval. No gossip between exporters and no aggregator
+of our own: Prometheus already is the job-wide engine.
 
 A reading older than three intervals is dropped: the exporter then says its view is node-local
 rather than show stale job-wide figures as current. Once a job's ranks here stop reporting (the
