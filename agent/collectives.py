@@ -78,6 +78,7 @@ C10D_OPS: dict[str, tuple[str, int, int | None]] = {
 SKIPPED_OP = "all_reduce"
 NOT_COLLECTIVES = frozenset({"check_for_nan"})  # c10d ops that move no data between ranks
 _OP_LABELS = [label for label, _group_at, _size_at in C10D_OPS.values()]  # by the C++ op index
+_SKIPPED_INDEXES = [i for i, label in enumerate(_OP_LABELS) if label == SKIPPED_OP]
 
 
 def nbytes(value: Any) -> int:
@@ -416,6 +417,7 @@ class _Kernels:
         if not self.active:
             self._install(interceptor.native)
         self.active = (*self.active, interceptor)
+        self._skip()
 
     def discard(self, interceptor: CollectiveInterceptor) -> None:
         if interceptor in self.active:
@@ -423,6 +425,18 @@ class _Kernels:
         self.active = tuple(i for i in self.active if i is not interceptor)
         if not self.active:
             self._uninstall()
+        else:
+            self._skip()
+
+    def _skip(self) -> None:
+        """Tell the C++ kernels which all-reduces every active interceptor leaves out (its
+        DDP's buckets: `completed` drops them), so that they are not timed at all."""
+        native = self.native
+        if native is None:
+            return
+        names = {i.skip_name for i in self.active}
+        common = [] if len(names) != 1 or "" in names else sorted(names)
+        native.skip(_SKIPPED_INDEXES, common)
 
     def poll(self) -> None:
         """Hand every record the C++ kernels completed to every active interceptor."""

@@ -27,7 +27,7 @@ log = logging.getLogger("syncscope.agent")
 
 SOURCE = Path(__file__).with_name("csrc") / "c10d_timing.cpp"
 NAME = "syncscope_c10d"
-ABI = 1  # csrc's kAbi: a library answering another is not loaded
+ABI = 2  # csrc's kAbi: a library answering another is not loaded
 ENV_DIR = "SYNCSCOPE_NATIVE_DIR"
 DRAIN_BATCH = 4096
 
@@ -92,6 +92,8 @@ class Native:
             ctypes.c_int64,
         ]
         lib.syncscope_group.restype = ctypes.c_int32
+        lib.syncscope_skip.argtypes = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int32]
+        lib.syncscope_skip.restype = None
         self.step = ctypes.c_int64.in_dll(lib, "syncscope_step")
         self._dropped = ctypes.c_int64.in_dll(lib, "syncscope_dropped")
         self._buffer = (_Record * DRAIN_BATCH)()
@@ -104,6 +106,17 @@ class Native:
 
     def uninstall(self) -> None:
         self._lib.syncscope_uninstall()
+
+    def skip(self, ops: list[int], groups: list[str]) -> None:
+        """Leave the ops numbered `ops` untimed inside autograd on the process groups named
+        `groups` (DDP's bucket all-reduces: never recorded, so never timed); replaces the
+        last call's. Names with a NUL in them are left out."""
+        names = [g.encode() for g in groups if "\0" not in g]
+        mask = 0
+        for op in ops:
+            if 0 <= op < 64:
+                mask |= 1 << op
+        self._lib.syncscope_skip(mask, b"".join(n + b"\0" for n in names), len(names))
 
     def drain(self) -> list[tuple[int, int, int, int, int, int, bool]]:
         """The records completed so far: (op, group, bytes, t0, t1, step, in_autograd)."""

@@ -6,7 +6,10 @@
 // issue and its completion with CLOCK_MONOTONIC (Python's time.perf_counter_ns). Completion is
 // the Work's future completing (gloo's thread runs the callback); a Work without a future
 // (gloo's emulated reduce_scatter, send, recv) is handed back wrapped, and completes at the end
-// of its first successful wait. Records wait in a bounded buffer that Python drains.
+// of its first successful wait. Records wait in a bounded buffer that Python drains. DDP's
+// gradient buckets (the ops Python names, issued inside autograd on the groups it names) are
+// redispatched untimed: the phase clock times DDP's sync, and timing them cost a tiny model's
+// step ~5 µs of its training thread (bench/bench_agent_overhead.py).
 //
 // Plain C entry points (ctypes): no pybind, no Python headers. Nothing here may throw into the
 // caller's collective: every step of syncscope's own is guarded, the op's errors pass through.
@@ -30,7 +33,7 @@
 
 namespace {
 
-constexpr int32_t kAbi = 1;
+constexpr int32_t kAbi = 2;
 constexpr size_t kMaxRecords = 65536;  // undrained records; past that, new ones are dropped
 constexpr int32_t kMaxGroups = 64;     // distinct process groups named; the rest are -1
 
@@ -57,6 +60,12 @@ std::unordered_map<std::string, int32_t> group_ids;  // by ProcessGroup name
 std::vector<std::pair<std::string, std::string>> groups;  // (name, description)
 std::unique_ptr<torch::Library> library;
 std::string last_error;
+
+// Left untimed inside autograd: the ops in skip_ops (a bit per op index) on the groups named
+// in skip_groups (replaced whole by syncscope_skip; read with atomic_load on the hot path).
+std::atomic<uint64_t> skip_ops{0};
+std::shared_ptr<const std::vector<std::string>> skip_groups =
+    std::make_shared<const std::vector<std::string>>();
 
 }  // namespace
 
@@ -95,6 +104,23 @@ int32_t group_of(const c10::IValue& value) {
   groups.emplace_back(name, pg->getGroupDesc());
   group_ids.emplace(name, id);
   return id;
+}
+
+bool skipped_group(const c10::IValue& value) {
+  if (!value.isCustomClass()) {
+    return false;
+  }
+  const auto names = std::atomic_load(&skip_groups);
+  if (names->empty()) {
+    return false;
+  }
+  const std::string& name = value.toCustomClass<c10d::ProcessGroup>()->getGroupName();
+  for (const std::string& skipped : *names) {
+    if (skipped == name) {
+      return true;
+    }
+  }
+  return false;
 }
 
 bool first_tensor_is_cpu(const c10::IValue& value) {
@@ -179,7 +205,10 @@ class Timed final : public c10::OperatorKernel {
     bool timed = false;
     try {
       const size_t base = stack->size() - handle.schema().arguments().size();
-      timed = first_tensor_is_cpu((*stack)[base]);
+      const bool skipped = op_ < 64 && (skip_ops.load(std::memory_order_relaxed) >> op_ & 1) != 0 &&
+          torch::autograd::get_current_graph_task_id() != -1 &&
+          skipped_group((*stack)[base + group_at_]);
+      timed = !skipped && first_tensor_is_cpu((*stack)[base]);
       if (timed) {
         record.group = group_of((*stack)[base + group_at_]);
         record.bytes = size_at_ >= 0 ? nbytes((*stack)[base + size_at_]) : 0;
@@ -265,9 +294,22 @@ int32_t syncscope_install(const char* name, int32_t op, int32_t group_at, int32_
   return -1;
 }
 
+// Leave untimed, inside autograd, ops whose index has its bit set in `ops` on the groups named
+// in `names` (NUL-separated, `count` of them): DDP's bucket all-reduces. Replaces the last call's.
+void syncscope_skip(uint64_t ops, const char* names, int32_t count) {
+  auto list = std::make_shared<std::vector<std::string>>();
+  for (int32_t i = 0; i < count; ++i) {
+    list->emplace_back(names);
+    names += list->back().size() + 1;
+  }
+  std::atomic_store(&skip_groups, std::shared_ptr<const std::vector<std::string>>(list));
+  skip_ops.store(ops, std::memory_order_relaxed);
+}
+
 // Remove every kernel installed (the dispatcher restores the backends' own), forget records.
 void syncscope_uninstall() {
   library.reset();
+  syncscope_skip(0, "", 0);
   std::lock_guard<std::mutex> guard(mu);
   records.clear();
 }
