@@ -13,14 +13,21 @@ Arms, instructions per step over the bare model's:
   forward wrapped on the instance, optimizer pre- and post-hooks, torch.autograd.backward
   wrapped, a post-accumulate-grad hook on two parameters, one of which queues an autograd
   callback (queue_callback) at the first of them in each backward; then
-  the agent as attach() installs it (no exporter), every step timed, 1 step in 16 timed, and
-  without reading the work from the batch (detect_work=False).
+  the agent as attach() installs it (no exporter: the phases of 1 step in 16 timed), with
+  every step timed (phase_every=1), and without reading the work from the batch
+  (detect_work=False).
 
 Counts are exact for one run, but two models built alike differ by a few thousand
 instructions a step (allocation, cache placement), so small differences between arms on
 models of their own are within that.
 
-Run: .venv/bin/python bench/bench_instructions.py [--layers 1] [--steps 64]
+`--cache-sim` also simulates the caches and adds each arm's estimated cycles (instructions plus
+10 per first-level and 100 per last-level miss, callgrind's estimate): the agent's code runs on
+caches the step's kernels have flushed, so its misses cost about as much as its instructions.
+`--keep DIR` keeps callgrind's dumps there (cg.PID.N-01 is arm N's training thread), for
+`callgrind_annotate --inclusive=yes` to say which functions an arm's instructions are in.
+
+Run: .venv/bin/python bench/bench_instructions.py [--layers 1] [--steps 64] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ ARMS = (
     "+ 2 gradient hooks",
     "+ queue_callback",
     "agent",
-    "agent, 1 step in 16 timed",
+    "agent, every step timed",
     "agent, detect_work=False",
 )
 LABELS: list[str] = []  # the child's arms measured so far
@@ -133,7 +140,7 @@ def child(layers: int, steps: int) -> None:
 
     agents: list[tuple[str, dict[str, Any]]] = [
         ("agent", {}),
-        ("agent, 1 step in 16 timed", {"phase_every": 16}),
+        ("agent, every step timed", {"phase_every": 1}),
         ("agent, detect_work=False", {"detect_work": False}),
     ]
     for label, options in agents:
@@ -147,10 +154,10 @@ def child(layers: int, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def totals(out_dir: str) -> dict[str, int]:
-    """{dump label: the main thread's instructions} from callgrind's dump files (thread 1 of
-    each, cg.PID.N-01), in the order they were dumped."""
-    found: dict[str, int] = {}
+def totals(out_dir: str) -> dict[str, tuple[int, int | None]]:
+    """{dump label: the main thread's (instructions, estimated cycles or None without the cache
+    simulation)} from callgrind's dump files (thread 1 of each, cg.PID.N-01), in dump order."""
+    found: dict[str, tuple[int, int | None]] = {}
     dumps = []
     for path in glob.glob(os.path.join(out_dir, "cg.*.*-01")):
         number = re.search(r"\.(\d+)-01$", path)
@@ -159,9 +166,18 @@ def totals(out_dir: str) -> dict[str, int]:
     for _, path in sorted(dumps):
         text = Path(path).read_text(errors="replace")
         label = re.search(r"^desc: Trigger: dump (.*)$", text, re.M)
-        total = re.search(r"^totals: (\d+)", text, re.M)
-        if label and total and label.group(1).startswith("arm"):
-            found[ARMS[int(label.group(1)[3:])]] = int(total.group(1))
+        events = re.search(r"^events: (.*)$", text, re.M)
+        total = re.search(r"^totals: ([\d ]+)$", text, re.M)
+        if not (label and events and total and label.group(1).startswith("arm")):
+            continue
+        counts = dict(zip(events.group(1).split(), map(int, total.group(1).split()), strict=True))
+        cycles = None
+        if "I1mr" in counts:
+            l1 = counts["I1mr"] + counts["D1mr"] + counts["D1mw"]
+            cycles = (
+                counts["Ir"] + 10 * l1 + 100 * (counts["ILmr"] + counts["DLmr"] + counts["DLmw"])
+            )
+        found[ARMS[int(label.group(1)[3:])]] = (counts["Ir"], cycles)
     return found
 
 
@@ -169,6 +185,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=1, help="Linear(16,16) layers (2 tensors each)")
     p.add_argument("--steps", type=int, default=64, help="measured steps per arm")
+    p.add_argument("--keep", metavar="DIR", help="keep callgrind's dumps in DIR")
+    p.add_argument(
+        "--cache-sim",
+        action="store_true",
+        help="simulate the caches too, and print estimated cycles (Ir + 10 L1 + 100 LL misses)",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -177,11 +199,14 @@ def main() -> None:
     missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
     if missing:
         sys.exit(f"bench_instructions.py needs {' and '.join(missing)} (the valgrind package)")
-    with tempfile.TemporaryDirectory(prefix="syncscope-callgrind-") as out_dir:
+    with tempfile.TemporaryDirectory(prefix="syncscope-callgrind-") as scratch:
+        out_dir = a.keep or scratch
+        os.makedirs(out_dir, exist_ok=True)
         cmd = [
             "valgrind",
             "--tool=callgrind",
             "--instr-atstart=no",
+            *(["--cache-sim=yes"] if a.cache_sim else []),
             "--separate-threads=yes",
             f"--callgrind-out-file={out_dir}/cg.%p",
             sys.executable,
@@ -198,25 +223,31 @@ def main() -> None:
     bare = found.get("bare")
     if bare is None:
         sys.exit(f"no dump of the bare arm among {sorted(found)}")
+    cycles = bare[1] is not None
 
-    def per_step(instructions: int) -> float:
-        return instructions / a.steps
+    def per_step(count: int, sign: str = "+") -> str:
+        return f"{count / a.steps / 1e3:{sign}9.1f} k"
 
     print(
-        f"DDP (gloo, 1 rank), {a.layers} Linear(16,16) layer(s): training-thread instructions "
-        f"per step under callgrind, {a.steps} steps an arm after {WARM_STEPS}"
+        f"DDP (gloo, 1 rank), {a.layers} Linear(16,16) layer(s): training-thread instructions"
+        + (" and estimated cycles" if cycles else "")
+        + f" per step under callgrind, {a.steps} steps an arm after {WARM_STEPS}"
     )
-    print(f"  {'bare model':40s} {per_step(bare) / 1e3:9.1f} k")
+    print(
+        f"  {'bare model':40s} {per_step(bare[0], '')}"
+        + (f"  {per_step(bare[1] or 0, '')} cycles" if cycles else "")
+    )
     previous = bare
     for label, total in found.items():
         if label == "bare":
             continue
-        step_cost = per_step(total - bare) / 1e3
+        line = f"  {label:40s} {per_step(total[0] - bare[0])}"
         if label.startswith("+"):
-            print(f"  {label:40s} {step_cost:+9.1f} k  ({per_step(total - previous) / 1e3:+.1f} k)")
+            line += f"  ({per_step(total[0] - previous[0]).strip()})"
             previous = total
-        else:
-            print(f"  {label:40s} {step_cost:+9.1f} k")
+        if cycles:
+            line += f"  {per_step((total[1] or 0) - (bare[1] or 0))} cycles"
+        print(line)
 
 
 if __name__ == "__main__":
