@@ -94,10 +94,11 @@ class _StepContext:
     def __exit__(self, *_exc: object) -> None:
         clock = self.clock
         try:
-            clock.end_step(time.perf_counter_ns())
+            t = time.perf_counter_ns()
+            clock.end_step(t)
             after = clock.after_step  # the transport's step hook, as optimizer_post calls it
-            if after is not None and clock.step % clock.after_every == 0:
-                after(clock.step)
+            if after is not None and t >= clock.after_at and clock.step % clock.after_every == 0:
+                clock.after_at = after(clock.step) or 0
         except BaseException as exc:  # noqa: BLE001
             clock.on_error(exc)
 

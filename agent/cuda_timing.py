@@ -124,6 +124,35 @@ class CudaPhaseClock(PhaseClock):
     output goes to private staging queues and reaches the reporter's through the resolver.
     """
 
+    __slots__ = (
+        "_due",
+        "_lock",
+        "_prev_end",
+        "_stop",
+        "_thread",
+        "capture_skips",
+        "chain_broken",
+        "cpu_steps",
+        "event_factory",
+        "events_created",
+        "free",
+        "gpu_delay_ns",
+        "gpu_shares",
+        "gpu_steps",
+        "marks",
+        "max_events",
+        "max_pending",
+        "out_collectives",
+        "out_steps",
+        "pending",
+        "poll_interval_s",
+        "query_errors",
+        "resolve_every",
+        "stream_of",
+        "thread_guard",
+        "timeline",
+    )
+
     def __init__(
         self,
         steps: deque,
@@ -182,7 +211,7 @@ class CudaPhaseClock(PhaseClock):
         self._lock = threading.Lock()  # the resolver thread vs. stop() at close
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.mark = self._mark  # an event at every boundary the CPU clock reads
+        self.mark = self._mark  # type: ignore[misc]  # PhaseClock's slot; at every boundary
 
     # -- training thread ------------------------------------------------------------------------
     def _mark(self, kind: int) -> None:
@@ -223,6 +252,9 @@ class CudaPhaseClock(PhaseClock):
     def _pace(self, comm_ns: int, step_ns: int) -> int:
         # The CPU's comm_ns is only DDP's enqueue here: sleep what the GPU's steps decided.
         return self.gpu_delay_ns
+
+    def _quiet_end(self, t: int, total: int) -> None:
+        self.end_step(t)  # a quiet step's end, here as a timed one's: below
 
     def end_step(self, t: int) -> None:
         step = self.step

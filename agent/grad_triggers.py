@@ -19,7 +19,8 @@ import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
-TRIGGERS = 2  # parameters whose gradients come first, hooked after learning
+TRIGGERS = 1  # the parameter whose gradient comes first, hooked after learning (each more
+# costs every backward a call into Python, ~3.4 k instructions, bench/bench_instructions.py)
 LEARN_WINDOW = 8  # the trainable parameters, counted from the last, the first learning watches
 RELEARN_LIMIT = 16
 

@@ -68,6 +68,61 @@ class PhaseClock:
     samples, tokens). `other` is derived later (total minus the rest) off the training thread.
     """
 
+    __slots__ = (
+        "acc",
+        "after_at",
+        "after_every",
+        "after_step",
+        "blocked",
+        "blocked_seen",
+        "bwd_deferred",
+        "bwd_depth",
+        "bwd_end",
+        "bwd_entry",
+        "bwd_pending",
+        "bwd_start",
+        "coll_max",
+        "collectives",
+        "ddp_bytes",
+        "ddp_group",
+        "ddp_model",
+        "detect_start",
+        "dropped",
+        "events",
+        "first_at",
+        "first_ddp_ns",
+        "first_step",
+        "fwd_since_bwd",
+        "fwd_start",
+        "grad_entry",
+        "idle_since",
+        "manual_steps",
+        "mark",
+        "on_error",
+        "on_first_step",
+        "opt_closure",
+        "opt_start",
+        "outside_ns",
+        "pacer",
+        "phase_every",
+        "process_started_ns",
+        "queue_callback",
+        "quiet",
+        "shares",
+        "step",
+        "step_counter",
+        "step_start",
+        "steps",
+        "steps_max",
+        "steps_open",
+        "sync_due",
+        "sync_ns",
+        "sync_share",
+        "syncs",
+        "triggers",
+        "work",
+    )
+
     def __init__(
         self,
         steps: deque,
@@ -131,8 +186,11 @@ class PhaseClock:
         # Set by the agent to its transport's step hook: called on the training thread with
         # the step count after every `after_every`-th step has ended, the same steps on every
         # rank (shm_ring.py pumps there; transport.py decides whether to wake its thread).
-        self.after_step: Callable[[int], None] | None = None
+        self.after_step: Callable[[int], int | None] | None = None
         self.after_every = 1
+        # It returns the step-end time (perf_counter ns) before which it has nothing to do,
+        # so that it is not called before then (transport.Reporter.at_step: its next tick).
+        self.after_at = 0
         # Called with each boundary's kind (FWD_PRE ... OPT_POST) right after the clock has
         # read it; STEP_END is the subclass's own (its end_step).
         self.mark: Callable[[int], None] | None = None
@@ -417,6 +475,12 @@ class PhaseClock:
     def optimizer_post(self, *_: Any) -> None:
         try:
             t = _now()
+            if self.quiet and not self.manual_steps:  # the common call when sampling
+                self._quiet_end(t, t - self.step_start)
+                after = self.after_step
+                if after is not None and t >= self.after_at and self.step % self.after_every == 0:
+                    self.after_at = after(self.step) or 0
+                return
             if self.opt_start:
                 blocked = self.blocked
                 waited = 0
@@ -432,8 +496,8 @@ class PhaseClock:
             else:
                 self.end_step(t)  # a subclass's too (CudaPhaseClock), before the transport
                 after = self.after_step
-                if after is not None and self.step % self.after_every == 0:
-                    after(self.step)
+                if after is not None and t >= self.after_at and self.step % self.after_every == 0:
+                    self.after_at = after(self.step) or 0
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
 
@@ -456,22 +520,14 @@ class PhaseClock:
 
     def end_step(self, t: int) -> None:
         total = t - self.step_start
-        if self.quiet:  # its phases from the last timed step's shares; its waits are not timed
-            if self.blocked is not None:
-                self.blocked_seen = self.blocked.ns
-            self._queue_row(t, total, estimate_phases(self.shares, total))
-            if self.sync_share is not None:
-                self._estimated_sync(int(self.sync_share * total))
-            # Nothing was added to `acc` (every hook returned at once) and there is no pacer.
-            self._next_step(t)
-            if not self.quiet:  # the next step is timed: no wait of it seen yet
-                self._forget_first_wait()
+        if self.quiet:
+            self._quiet_end(t, total)
             return
         blocked = self.blocked
         if blocked is not None and blocked.ns != self.blocked_seen:
             self.take_blocked(STEP_END)  # waits outside the timed phases (loss, clipping): `other`
         acc = self.acc
-        if self.phase_every > 1:
+        if self.phase_every > 1 and not self.first_step:  # the first step's are start-up's
             self.shares = phase_shares(acc, total)
             self.sync_share = self.sync_ns / total if self.syncs and total > 0 else None
         if self.syncs:
@@ -491,6 +547,56 @@ class PhaseClock:
             after = _now()
             self.acc[PACING] = after - t
             self.idle_since = after
+
+    def _quiet_end(self, t: int, total: int) -> None:
+        """A quiet step ends: its row with the last timed step's shares of its total as phases
+        (estimate_phases, inline), its estimated DDP sync, and the next step, in one frame:
+        nothing was added to `acc` (every hook returned at once), its waits are not timed, and
+        there is no pacer (a pacer times every step)."""
+        blocked = self.blocked
+        if blocked is not None:
+            self.blocked_seen = blocked.ns
+        step = self.step
+        steps = self.steps
+        samples, tokens = self.work.take()  # the dropped step's work must not count either
+        if len(steps) < self.steps_max:
+            if total > 0:
+                a, b, c, d, e, _ = self.shares  # type: ignore[misc]
+                steps.append(
+                    (
+                        step,
+                        t,
+                        total,
+                        int(a * total),
+                        int(b * total),
+                        int(c * total),
+                        int(d * total),
+                        int(e * total),
+                        0,
+                        samples,
+                        tokens,
+                    )
+                )
+            else:
+                steps.append((step, t, total, 0, 0, 0, 0, 0, 0, samples, tokens))
+        else:
+            self.dropped += 1
+        sync_share = self.sync_share
+        if sync_share is not None:
+            coll = self.collectives
+            if len(coll) < self.coll_max:
+                exposed = int(sync_share * total)
+                coll.append((DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, exposed, step))
+            else:
+                self.dropped += 1
+        step += 1  # _next_step, inline: a quiet step's successor is timed only at a multiple
+        self.step = step
+        if self.step_counter is not None:
+            self.step_counter.value = step
+        if step % self.phase_every == 0:
+            self.quiet = False
+            self._forget_first_wait()  # the next step is timed: no wait of it seen yet
+        self.step_start = self.idle_since = t
 
     def _queue_row(self, t: int, total: int, phases: list[int]) -> None:
         """The ending step's row: its end, total, `phases` and work (the work read either way)."""
@@ -515,14 +621,6 @@ class PhaseClock:
             self.quiet = False
         self.step_start = t
         self.idle_since = t
-
-    def _estimated_sync(self, ns: int) -> None:
-        """A quiet step's DDP sync record: an estimate, where its timed step had a sync."""
-        coll = self.collectives
-        if len(coll) < self.coll_max:
-            coll.append(self._sync_record(self.step, ns))
-        else:
-            self.dropped += 1
 
     def _sync_record(self, step: int, ns: int = 0) -> tuple:
         """DDP's sync in `step`, `ns` long, as the collectives queue holds it."""

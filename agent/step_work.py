@@ -81,8 +81,9 @@ class StepWork:
                 tokens = self.seen_tokens
         else:
             self.counted_tokens = UNKNOWN_WORK
-        if seen or self.unclear_samples:
-            self.forget_seen()
+        if seen or self.unclear_samples:  # forget_seen, inline: this runs every step
+            self.seen_batches = self.seen_samples = self.seen_tokens = 0
+            self.unclear_samples = self.unclear_tokens = False
         return samples, tokens
 
     def forget_seen(self) -> None:

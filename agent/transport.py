@@ -100,21 +100,21 @@ def split_batch(steps: list[tuple], colls: list[tuple], limit: int) -> list[tupl
 class Reporter:
     """Owns the daemon thread; `flush()` is also called once more at close.
 
-    When flushes happen: in synchronous training a pause on any rank delays every
-    rank, so a flush at each rank's own phase would, across a thousand ranks, put someone's
-    pause into nearly every step. The phase clock calls `at_step(step)` at every step end; it
-    wakes the thread at the first step boundary after each `flush_interval_s` tick of the wall
-    clock that is also a multiple of `align_every_steps`, or at any boundary once two ticks have
-    passed without one (steps longer than the grid). Ticks are absolute and step numbers agree
+    When flushes happen: in synchronous training a pause on any rank delays every rank, so a
+    flush at each rank's own phase would, across a thousand ranks, put someone's pause into
+    nearly every step. The phase clock calls `at_step(step)` at step ends from just before each
+    tick (when the last call said) until the step that flushes: the first step boundary after
+    each `flush_interval_s` tick of the wall clock that is also a multiple of
+    `align_every_steps`, or any boundary once two ticks have passed without one (steps longer
+    than the grid), where it wakes the thread. Ticks are absolute and step numbers agree
     across ranks, so the ranks flush in the same step, and a rank that once disagrees (a tick
     falling between ranks' step ends) agrees again at the next tick. With no step boundary for
     `IDLE_FLUSHES` intervals (before the first step, a hang, very long steps) the thread flushes
     on its own timer, so records still leave.
 
     Delivery is at most once: a batch that fails is counted as dropped and never resent, so a
-    request the exporter did process before the connection broke cannot be counted twice.
-    Accounting: every record drained from the queues ends up in `sent_records` or
-    `send_dropped` (`drained_records` = their sum once a flush is over).
+    request the exporter did process before the connection broke cannot be counted twice. Every
+    record drained ends in `sent_records` or `send_dropped` (their sum: `drained_records`).
 
     Two hooks, both called on this thread and only when set (the agent sets them when the local
     arrival estimate has a reader): `on_drained(steps, collectives, clock_offset_ns)` gets every
@@ -198,12 +198,14 @@ class Reporter:
     def dropped_total(self) -> int:
         return self.send_dropped + self.dropped_elsewhere()
 
-    def at_step(self, step: int) -> None:
-        """Training thread, at every step end: wake the thread if this is the boundary where
-        every rank flushes (see the class). Costs a clock read and a division."""
+    def at_step(self, step: int) -> int:
+        """Training thread, at a step end: wake the thread if this is the boundary where every
+        rank flushes (see the class). Returns the step-end time (time.perf_counter_ns) before
+        which the next call would do nothing, a little before the next tick, so that the phase
+        clock calls it only from then on (PhaseClock.after_at)."""
         now = self.wall_clock()
-        if now < self._quiet_until:  # within the last flush's tick: the common call
-            return
+        if now < self._quiet_until:  # within the last flush's tick
+            return self._perf_until(now)
         interval = self.flush_interval_s
         tick = int(now / interval)
         last = self._tick
@@ -214,6 +216,13 @@ class Reporter:
             self._tick = tick
             self._quiet_until = (tick + 1) * interval
             self._wake.set()
+        return self._perf_until(now)
+
+    def _perf_until(self, now: float) -> int:
+        """`_quiet_until` on the step clock, less a margin for the two clocks' drift (10 ms),
+        at most an interval ahead (a wall clock set back must not silence the steps)."""
+        ahead = min(self._quiet_until - now, self.flush_interval_s) - 0.01
+        return time.perf_counter_ns() + int(ahead * 1e9)
 
     def _run(self) -> None:
         idle_s = self.flush_interval_s * self.IDLE_FLUSHES

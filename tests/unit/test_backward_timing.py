@@ -192,11 +192,11 @@ def test_only_the_first_gradients_stay_hooked_and_a_missed_trigger_relearns():
     def switch(i, out):
         if i == 1:
             assert len(clock.triggers.hooks) == TRIGGERS  # learned on the first backward
-            assert {id(p) for p in model.b.parameters()} == set(clock.triggers.hooks)
+            assert set(clock.triggers.hooks) <= {id(p) for p in model.b.parameters()}
         if i == 2:
             model.use_b = False  # branch b (the triggers) gets no gradient from step 3 on
         if i == 6:  # relearned on step 4's backward
-            assert {id(p) for p in model.a.parameters()} == set(clock.triggers.hooks)
+            assert set(clock.triggers.hooks) <= {id(p) for p in model.a.parameters()}
         return out
 
     rows = train(model, clock, 7, torch.randn(4, 8), before_backward=switch)

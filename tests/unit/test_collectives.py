@@ -192,10 +192,11 @@ def test_uninstall_leaves_torch_as_it_was(gloo_world_of_one):
 
 
 def train(model: torch.nn.Module, steps: int, *shape: int) -> Any:
-    """attach() to `model` (no exporter, no flush), then `steps` training steps; the agent.
-    A model with a `blocked` attribute gets the agent's collectives.Blocked there."""
+    """attach() to `model` (no exporter, no flush, every step's phases timed), then `steps`
+    training steps; the agent. A model with a `blocked` attribute gets the agent's
+    collectives.Blocked there."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600)
+    agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600, phase_every=1)
     if hasattr(model, "blocked"):
         model.blocked = agent.patch.blocked
     try:

@@ -19,7 +19,13 @@ from tests.unit.test_cuda_timing import Loop  # noqa: E402
 
 EVERY = 4
 STEPS = 12
-TIMED = [s for s in range(STEPS) if s % EVERY == 0]
+# Every EVERY-th step, and step 1: the first step's phases are start-up's, so the steps after
+# it are timed until one gives the shares the quiet steps carry.
+TIMED = [0, 1, *range(EVERY, STEPS, EVERY)]
+
+
+def last_timed(step: int) -> int:
+    return max(t for t in TIMED if t <= step)
 
 
 class Sleepy(torch.nn.Module):
@@ -85,7 +91,7 @@ def test_only_every_nth_step_is_timed_and_the_others_carry_its_shares(
         phases = by_step[step][ROW_PHASES:ROW_WORK]
         assert phases[FORWARD] >= 10e6 and phases[0] >= 5e6, (step, phases)
     for step in set(range(STEPS)) - set(TIMED):
-        timed = by_step[step - step % EVERY]
+        timed = by_step[last_timed(step)]
         assert shares(by_step[step]) == pytest.approx(shares(timed), abs=1e-6), step
     # Step 6's slow forward is in its total, not in its (estimated) forward share; the next
     # timed step measures its own forward again.
@@ -100,7 +106,7 @@ def test_only_every_nth_step_is_timed_and_the_others_carry_its_shares(
     syncs = {c[4]: c[3] for c in colls if c[0] == DDP_GRAD_SYNC}
     assert sorted(syncs) == list(range(STEPS)), colls
     for step in set(range(STEPS)) - set(TIMED):
-        timed = step - step % EVERY
+        timed = last_timed(step)
         share = syncs[timed] / by_step[timed][2]
         assert syncs[step] == int(share * by_step[step][2]), (step, syncs)
     assert not [c for c in colls if c[0] == "all_reduce"], colls
@@ -152,7 +158,7 @@ def test_cuda_quiet_steps_record_one_event_and_carry_the_gpu_shares():
     for step in range(1, STEPS):
         assert sum(rows[step][ROW_PHASES:ROW_WORK]) <= rows[step][2]
         if step not in TIMED:
-            timed = rows[step - step % EVERY]
+            timed = rows[last_timed(step)]
             assert shares(rows[step]) == pytest.approx(shares(timed), abs=1e-6), step
     # the GPU's own phases on timed steps: 5 ms forward of a 24.5 ms step
     assert rows[4][ROW_PHASES + FORWARD] == pytest.approx(5e6)
@@ -181,7 +187,7 @@ def test_cuda_quiet_steps_that_go_out_on_cpu_carry_the_cpu_estimate():
     syncs = {c[4]: c[3] for c in loop.colls}
     assert sorted(syncs) == list(range(STEPS))
     for step in set(range(STEPS)) - set(TIMED):
-        timed = rows[step - step % EVERY]
+        timed = rows[last_timed(step)]
         assert sum(shares(timed)) > 0
         # µs-long CPU steps: the integer phases round to within a few parts in 10^4
         assert shares(rows[step]) == pytest.approx(shares(timed), abs=1e-3), step

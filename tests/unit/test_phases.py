@@ -138,11 +138,13 @@ def sleepy_hook(*_args) -> None:
 
 def run_with_hook(register, when: str, steps: int, after: int = 0, **settings) -> tuple:
     """A model with `register(model)` as its hook (before or after attach): `steps` steps, then
-    the hook removed and `after` steps more. (rows, the agent's errors, the model's forward
-    pre-hooks and hooks left after the last step)."""
+    the hook removed and `after` steps more; every step timed unless `settings` say otherwise.
+    (rows, the agent's errors, the model's forward pre-hooks and hooks left after the last
+    step)."""
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     handle = register(model) if when == "before" else None
+    settings = {"phase_every": 1, **settings}
     agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600, **settings)
     try:
         if handle is None:
