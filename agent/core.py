@@ -214,6 +214,7 @@ class Agent:
             events=self.queues.events,
             on_events=self.record.write_events if self.record is not None else None,
             before_drain=self.patch.poll if self.patch is not None else None,
+            finish_rows=self.clock.finish,
         )
 
     def _shm_transport(self, url: str) -> ShmTransport:
@@ -245,6 +246,7 @@ class Agent:
             topology=topology,
             capacity=self.config.ring_slots,
             before_drain=self.patch.poll if self.patch is not None else None,
+            finish_rows=self.clock.finish,
         )
 
     # -- public -------------------------------------------------------------------------------

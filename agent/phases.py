@@ -55,6 +55,10 @@ PACING = int(Phase.PACING)
 # phases start and where the work counts start (wire.StepRowWithWork).
 ROW_PHASES = 3
 ROW_WORK = 9
+# A quiet step's row as the clock queues it (phase sampling): (step, end_ns, total_ns, the last
+# timed step's phase shares, its DDP sync's share of its total or None, samples, tokens), made
+# a full row by PhaseClock.finish before it leaves the process.
+QUIET_ROW = 7
 # The boundaries, as a subclass's `mark` hears of them (CudaPhaseClock records a CUDA event at
 # each); on CPU `mark` is None and costs one attribute test per boundary.
 STEP_START, FWD_PRE, FWD_POST, BWD_START, BWD_END, COMM_END, OPT_PRE, OPT_POST, STEP_END = range(9)
@@ -549,10 +553,10 @@ class PhaseClock:
             self.idle_since = after
 
     def _quiet_end(self, t: int, total: int) -> None:
-        """A quiet step ends: its row with the last timed step's shares of its total as phases
-        (estimate_phases, inline), its estimated DDP sync, and the next step, in one frame:
-        nothing was added to `acc` (every hook returned at once), its waits are not timed, and
-        there is no pacer (a pacer times every step)."""
+        """A quiet step ends: its row queued as it is (QUIET_ROW: the last timed step's shares
+        and sync share in place of phases, which `finish` estimates off the training thread),
+        and the next step, in one frame: nothing was added to `acc` (every hook returned at
+        once), its waits are not timed, and there is no pacer (a pacer times every step)."""
         blocked = self.blocked
         if blocked is not None:
             self.blocked_seen = blocked.ns
@@ -560,35 +564,9 @@ class PhaseClock:
         steps = self.steps
         samples, tokens = self.work.take()  # the dropped step's work must not count either
         if len(steps) < self.steps_max:
-            if total > 0:
-                a, b, c, d, e, _ = self.shares  # type: ignore[misc]
-                steps.append(
-                    (
-                        step,
-                        t,
-                        total,
-                        int(a * total),
-                        int(b * total),
-                        int(c * total),
-                        int(d * total),
-                        int(e * total),
-                        0,
-                        samples,
-                        tokens,
-                    )
-                )
-            else:
-                steps.append((step, t, total, 0, 0, 0, 0, 0, 0, samples, tokens))
+            steps.append((step, t, total, self.shares, self.sync_share, samples, tokens))
         else:
             self.dropped += 1
-        sync_share = self.sync_share
-        if sync_share is not None:
-            coll = self.collectives
-            if len(coll) < self.coll_max:
-                exposed = int(sync_share * total)
-                coll.append((DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, exposed, step))
-            else:
-                self.dropped += 1
         step += 1  # _next_step, inline: a quiet step's successor is timed only at a multiple
         self.step = step
         if self.step_counter is not None:
@@ -597,6 +575,21 @@ class PhaseClock:
             self.quiet = False
             self._forget_first_wait()  # the next step is timed: no wait of it seen yet
         self.step_start = self.idle_since = t
+
+    def finish(self, rows: Any) -> list[tuple]:
+        """Make the quiet steps' rows among `rows` (drained: a list, or the deque the shm ring
+        pumps from) whole, in place: their phases are their timed step's shares of their own
+        totals (estimate_phases). Returns their DDP sync records, estimated alike (the timed
+        sync's share of the step), for the caller to send with them. Off the training thread
+        (the reporter's, before it sends), or at the shm ring's pump."""
+        syncs: list[tuple] = []
+        for i, row in enumerate(rows):
+            if len(row) == QUIET_ROW:
+                step, t, total, shares, sync_share, samples, tokens = row
+                rows[i] = (step, t, total, *estimate_phases(shares, total), samples, tokens)
+                if sync_share is not None:
+                    syncs.append(self._sync_record(step, int(sync_share * total)))
+        return syncs
 
     def _queue_row(self, t: int, total: int, phases: list[int]) -> None:
         """The ending step's row: its end, total, `phases` and work (the work read either way)."""

@@ -19,6 +19,7 @@ import logging
 import mmap
 import os
 import struct
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -215,6 +216,7 @@ class ShmTransport:
         capacity: int = DEFAULT_CAPACITY,
         events: deque | None = None,
         before_drain: Callable[[], None] | None = None,
+        finish_rows: Callable[[deque], list[tuple]] | None = None,
     ) -> None:
         directory = ring_dir(url)
         os.makedirs(directory, mode=0o770, exist_ok=True)
@@ -227,6 +229,8 @@ class ShmTransport:
         self.collectives = collectives
         self.events = events
         self.before_drain = before_drain  # moves records buffered elsewhere into the queues
+        self.finish_rows = finish_rows  # the clock's quiet rows made whole (PhaseClock.finish)
+        self._finish_dropped = 0  # their sync records a full collectives queue refused
         self.dropped_elsewhere = dropped_elsewhere
         self.errors = 0
         self.pumps = 0
@@ -260,7 +264,14 @@ class ShmTransport:
 
     @property
     def dropped_total(self) -> int:
-        return self._ring_dropped + self.dropped_elsewhere()
+        return self._ring_dropped + self._finish_dropped + self.dropped_elsewhere()
+
+    def _finished(self, syncs: list[tuple]) -> None:
+        """Queue the estimated sync records of the rows just made whole (tail drop, counted)."""
+        coll = self.collectives
+        room = (coll.maxlen or sys.maxsize) - len(coll)
+        coll.extend(syncs[:room])
+        self._finish_dropped += max(0, len(syncs) - max(0, room))
 
     def pump(self, _step: int = 0) -> None:
         ring = self.ring
@@ -272,6 +283,8 @@ class ShmTransport:
             if self.events:  # before the steps: a step's checkpoints come before its row
                 ring.take_events(self.events)
             if self.steps:
+                if self.finish_rows is not None:
+                    self._finished(self.finish_rows(self.steps))
                 ring.take_steps(self.steps)
             if self.collectives:
                 ring.take_collectives(self.collectives)

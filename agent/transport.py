@@ -148,6 +148,7 @@ class Reporter:
         events: deque | None = None,
         on_events: Callable[[list[tuple], int], None] | None = None,
         before_drain: Callable[[], None] | None = None,
+        finish_rows: Callable[[list], list[tuple]] | None = None,
     ) -> None:
         self.identity = identity
         self.url = url
@@ -165,6 +166,9 @@ class Reporter:
         self.events = events
         self.on_events = on_events
         self.before_drain = before_drain  # moves records buffered elsewhere into the queues
+        # makes the clock's quiet rows whole off the training thread (PhaseClock.finish); returns
+        # their estimated DDP sync records
+        self.finish_rows = finish_rows
         self.send_dropped = 0
         self.sent_records = 0
         self.sent_batches = 0
@@ -252,6 +256,8 @@ class Reporter:
             self.before_drain()
         raw_steps = drain(self.steps, MAX_STEPS_PER_BATCH)
         raw_colls = drain(self.collectives, MAX_COLLECTIVES_PER_BATCH)
+        if raw_steps and self.finish_rows is not None:
+            raw_colls += self.finish_rows(raw_steps)
         raw_events = drain(self.events, MAX_EVENTS_PER_BATCH) if self.events else []
         self._in_flight = len(raw_steps) + len(raw_colls) + len(raw_events)
         self.drained_records += self._in_flight

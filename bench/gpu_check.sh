@@ -29,7 +29,7 @@
 #               bench/bench_gpu_overhead.py, agent vs none, interleaved rounds in 2 fresh
 #               processes: a GPU-bound step of ≥ 50 ms (batch 48), a launch-bound one
 #               (2 layers, batch 2: 6 to 7 ms on an H200, whose host launches no faster), and that
-#               one again with phase sampling (phase_every=16: one step in 16 timed); the
+#               one again with every step's phases timed (phase_every=1; the default is 16); the
 #               launch-bound runs with each arm's training-thread CPU per step and a cProfile
 #               round of each arm (--profile), to name the code the cost comes from; each
 #               measuring process pinned to BENCH_CPUS (2-5 where there are ≥ 8), every step's
@@ -127,16 +127,14 @@ if [ "$(nproc)" -ge 8 ]; then PIN=(--cpus "${BENCH_CPUS:-2-5}"); fi
 overhead_launch() {
   section overhead-launch
   TAIL=4 run overhead-launch-bound 130 "$PY" -m bench.bench_gpu_overhead --processes 2 \
-    --rounds 5 --steps 250 --warmup 30 --layers 2 --batch 2 --no-fail --profile 100 \
+    --rounds 8 --steps 200 --warmup 30 --layers 2 --batch 2 --no-fail --profile 100 \
     "${PIN[@]}" --steps-out "$OUT/steps-launch-bound.json"
-  # again with phase sampling (one step in 16 timed, one event on the others): its cost with
-  # real events beside the first run's every-step clock (docs/gpu.md, "Phase sampling"). The
-  # parts-out run it replaces (--without events reader topology reporter) answered its
-  # question on 2026-11-27: the cost is in those parts.
-  TAIL=4 run overhead-launch-bound-sampled 130 "$PY" -m bench.bench_gpu_overhead \
+  # again with every step's phases timed (phase_every=1; attach's default times one step in
+  # 16, docs/gpu.md): what the sampling saves with real events.
+  TAIL=4 run overhead-launch-bound-every-step 130 "$PY" -m bench.bench_gpu_overhead \
     --processes 2 --rounds 5 --steps 250 --warmup 30 --layers 2 --batch 2 --no-fail \
-    --attach-option phase_every=16 --profile 100 \
-    "${PIN[@]}" --steps-out "$OUT/steps-launch-bound-sampled.json"
+    --attach-option phase_every=1 --profile 100 \
+    "${PIN[@]}" --steps-out "$OUT/steps-launch-bound-every-step.json"
   overhead_figures
 }
 

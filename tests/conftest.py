@@ -323,3 +323,11 @@ def chain_end(waits_for: dict[int, int | None], rank: int) -> int | None:
             return None
         at = nxt
     return at
+
+
+def step_rows(agent: Any) -> list[tuple]:
+    """The agent's queued step rows as its reporter sends them: quiet steps' rows made whole
+    (PhaseClock.finish; their estimated sync records are left out)."""
+    rows = list(agent.queues.steps)
+    agent.clock.finish(rows)
+    return rows

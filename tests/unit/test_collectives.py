@@ -27,6 +27,7 @@ from syncscope.agent.phases import COMM_END, FWD_POST  # noqa: E402
 from syncscope.agent.queues import RecordQueues  # noqa: E402
 
 from syncscope.wire import OPS, Phase  # noqa: E402
+from tests.conftest import step_rows  # noqa: E402
 
 
 def c10d_schemas() -> dict[str, object]:
@@ -311,7 +312,7 @@ def test_time_blocked_in_a_collective_inside_forward_is_exposed_communication(
             return self.lin(x)
 
     agent = train(Waits(), 5, 2, 4)
-    rows = list(agent.queues.steps)
+    rows = step_rows(agent)
     agent.close()
     assert len(rows) == 5
     for _step, _end, total, data, fwd, bwd, optim, comm, pacing, _samples, _tokens in rows:
@@ -363,7 +364,7 @@ def test_the_pacer_is_given_the_steps_first_wait(
                 agent.patch.waited(None, 0, after_backward_ms * 1_000_000, threading.get_ident())
             opt.step()
             opt.zero_grad()
-        rows = list(agent.queues.steps)
+        rows = step_rows(agent)
     finally:
         agent.close()
     assert len(calls) == 4
@@ -387,7 +388,7 @@ def test_waits_before_the_first_marked_step_are_in_no_step(gloo_world_of_one, mo
         assert agent.patch.blocked.ns > 0
         with agent.step():
             time.sleep(0.01)
-        ((_step, _end, total, *phases, _samples, _tokens),) = list(agent.queues.steps)
+        ((_step, _end, total, *phases, _samples, _tokens),) = step_rows(agent)
     finally:
         agent.close()
     assert phases[Phase.COMM_EXPOSED] == 0 and sum(phases) <= total, (phases, total)

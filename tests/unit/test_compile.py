@@ -12,6 +12,8 @@ torch = pytest.importorskip("torch")
 
 from syncscope.agent import attach  # noqa: E402
 
+from tests.conftest import step_rows  # noqa: E402
+
 
 class Block(torch.nn.Module):
     def __init__(self, width: int) -> None:
@@ -75,8 +77,8 @@ def captured(make, when: str | None, per_block: bool, steps: int = 3) -> tuple[l
             run(torch.randn(4, 8)).sum().backward()
             opt.step()
             opt.zero_grad()
-        forward = [row[4] for row in agent.queues.steps] if agent is not None else []
-        samples = [row[9] for row in agent.queues.steps] if agent is not None else []
+        forward = [row[4] for row in step_rows(agent)] if agent is not None else []
+        samples = [row[9] for row in step_rows(agent)] if agent is not None else []
     finally:
         if agent is not None:
             agent.close()

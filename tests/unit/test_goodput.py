@@ -31,7 +31,7 @@ from syncscope.exporter.state_file import StateFile  # noqa: E402
 from syncscope.exporter.store import Store  # noqa: E402
 
 from syncscope.wire import NO_STEP, PHASES  # noqa: E402
-from tests.conftest import parse_samples  # noqa: E402
+from tests.conftest import parse_samples, step_rows  # noqa: E402
 from tests.unit.test_reporter import Sink  # noqa: E402
 
 MS = 1_000_000
@@ -163,7 +163,7 @@ def test_time_checkpointing_in_a_step_moves_to_other_and_phases_still_add_up(age
         time.sleep(0.01)  # data loading
         torch.save(model.state_dict(), SlowFile())  # between the steps: would read as data
         train_step(model, opt)
-    rows = list(agent.queues.steps)[1:]
+    rows = step_rows(agent)[1:]
     assert len(rows) == 3
     for step, _end, total, data, fwd, bwd, optim, comm, pacing, *_work in rows:
         other = total - (data + fwd + bwd + optim + comm + pacing)
@@ -180,7 +180,7 @@ def test_a_checkpoint_in_the_optimizer_step_is_not_optimizer_time(agents):
     train_step(model, opt)
     # The user's hook runs after the agent's post-hook, in the next step: the first row is
     # clean and the second carries one save, out of its data wait.
-    first, second = list(agent.queues.steps)[:2]
+    first, second = step_rows(agent)[:2]
     assert first[6] < SLOW_S * 1e9 and second[3] < SLOW_S * 1e9
     assert second[2] - sum(second[3:9]) >= SLOW_S * 1e9
 
@@ -199,7 +199,7 @@ def test_startup_is_process_start_to_the_first_step_less_checkpoints_before_it(a
     with agent.step():
         model(torch.randn(2, 8)).sum().backward()
     (startup,) = events(agent, "startup")
-    first_start = agent.queues.steps[0][1] - agent.queues.steps[0][2]
+    first_start = step_rows(agent)[0][1] - step_rows(agent)[0][2]
     assert startup[1] == NO_STEP and startup[2] == first_start
     assert startup[3] == first_start - agent.clock.process_started_ns - load[3]
     started = agent.identity["process_started_unix_s"]

@@ -12,6 +12,8 @@ torch = pytest.importorskip("torch")
 
 from syncscope.agent import attach  # noqa: E402
 
+from tests.conftest import step_rows  # noqa: E402
+
 
 class Sleepy(torch.nn.Module):
     def __init__(self) -> None:
@@ -157,7 +159,7 @@ def run_with_hook(register, when: str, steps: int, after: int = 0, **settings) -
             opt.step()
             opt.zero_grad()
         left = (len(model._forward_pre_hooks), len(model._forward_hooks))
-        return list(agent.queues.steps), agent.stats["errors"], left
+        return step_rows(agent), agent.stats["errors"], left
     finally:
         agent.close()
     handle.remove()
@@ -234,7 +236,7 @@ def test_hooks_added_around_ours_after_attach_are_forward_time(monkeypatch):
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
             opt.zero_grad()
-        rows = [phases_of(r) for r in list(agent.queues.steps)[1:]]
+        rows = [phases_of(r) for r in step_rows(agent)[1:]]
         assert agent.stats["errors"] == 0
     finally:
         agent.close()

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 from torch.nn.modules.module import _global_forward_pre_hooks  # noqa: E402
 
 from syncscope.integrations.run import AutoAttach  # noqa: E402
+from tests.conftest import step_rows  # noqa: E402
 
 STEPS = 4
 FORWARD = 4  # a step row: (step, end, total, data, forward, ...)
@@ -77,7 +78,7 @@ def train(run: Any, optimizers: list[Any], runner: AutoAttach, no_grad: Any = No
             assert runner.agent is not None
             assert len(_global_forward_pre_hooks) == hooks - 1
     assert runner.agent is not None
-    return list(runner.agent.queues.steps)
+    return step_rows(runner.agent)
 
 
 def assert_forward_timed(rows: list[tuple]) -> None:

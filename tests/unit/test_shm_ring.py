@@ -7,6 +7,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import pytest
 from syncscope.agent.shm_ring import (
@@ -41,9 +42,13 @@ def coll_row(s: int) -> tuple:
     return ("ddp_grad_sync", "default_pg", 4096.0, 2 * MS, s)
 
 
-def transport(tmp_path: Path, capacity: int = 64) -> tuple[ShmTransport, deque, deque]:
-    steps: deque = deque(maxlen=1024)
-    colls: deque = deque(maxlen=4096)
+def transport(
+    tmp_path: Path, capacity: int = 64, clock: Any = None
+) -> tuple[ShmTransport, deque, deque]:
+    """A transport over fresh queues, or over `clock`'s (its quiet rows made whole at the
+    pump)."""
+    steps: deque = deque(maxlen=1024) if clock is None else clock.steps
+    colls: deque = deque(maxlen=4096) if clock is None else clock.collectives
     tr = ShmTransport(
         identity=dict(IDENTITY),
         url=f"shm://{tmp_path}",
@@ -51,6 +56,7 @@ def transport(tmp_path: Path, capacity: int = 64) -> tuple[ShmTransport, deque, 
         collectives=colls,
         dropped_elsewhere=lambda: 0,
         capacity=capacity,
+        finish_rows=None if clock is None else clock.finish,
     )
     return tr, steps, colls
 
@@ -77,6 +83,30 @@ def test_rows_round_trip_through_the_store(tmp_path: Path) -> None:
     tr.stop()
     assert poller.poll_once() == 0
     assert os.listdir(tmp_path) == []  # closed and drained: the reader removed the file
+
+
+def test_the_pump_sends_quiet_rows_whole_with_their_estimated_syncs(tmp_path: Path) -> None:
+    """A phase clock's quiet rows (phase sampling) leave through the ring as full rows, their
+    phases their timed step's shares of their own totals, and a DDP sync record estimated alike
+    (PhaseClock.finish, at the pump)."""
+    from syncscope.agent.phases import QUIET_ROW, PhaseClock
+
+    clock = PhaseClock(deque(maxlen=64), deque(maxlen=64), None, "default_pg", 4096.0, print)
+    tr, steps, _colls = transport(tmp_path, clock=clock)
+    end = time.perf_counter_ns()
+    shares = [0.1, 0.2, 0.3, 0.1, 0.2, 0.0]  # data, forward, backward, optimizer, comm, pacing
+    steps.append((0, end, 10 * MS, MS, 2 * MS, 3 * MS, MS, 2 * MS, 0, 4, -1))  # timed
+    steps.append((1, end + 20 * MS, 20 * MS, shares, 0.2, 4, -1))  # quiet, as queued
+    assert len(steps[1]) == QUIET_ROW
+    tr.pump()
+    reader = RingReader(tr.path)
+    rows, syncs, _events = reader.read(100)
+    assert [tuple(r[3:9]) for r in rows] == [
+        (MS, 2 * MS, 3 * MS, MS, 2 * MS, 0),
+        (2 * MS, 4 * MS, 6 * MS, 2 * MS, 4 * MS, 0),
+    ]
+    assert [(c[0], c[3], c[4]) for c in syncs] == [("ddp_grad_sync", 4 * MS, 1)]
+    tr.stop()
 
 
 def test_ring_wraps_around_many_times(tmp_path: Path) -> None:

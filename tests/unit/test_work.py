@@ -33,7 +33,7 @@ from syncscope.shm_layout import (  # noqa: E402
     VERSION,
     WRITE_SEQ_AT,
 )
-from tests.conftest import by_rank, parse_samples  # noqa: E402
+from tests.conftest import by_rank, parse_samples, step_rows  # noqa: E402
 
 UNKNOWN = (-1, -1)
 
@@ -87,7 +87,7 @@ def agents(monkeypatch):
 
 
 def work(agent) -> list[tuple[int, int]]:
-    return [tuple(row[9:]) for row in agent.queues.steps]
+    return [tuple(row[9:]) for row in step_rows(agent)]
 
 
 def step(opt, *losses) -> None:
@@ -172,7 +172,7 @@ def test_an_absurd_count_is_capped_where_the_exporter_would_refuse_the_batch(age
     agent.count(tokens=1)
     step(opt, lin(torch.randn(5, 6)))
     assert work(agent) == [(5, MAX_WORK)]
-    ingest = parse_batch(json.dumps(batch(0, [list(agent.queues.steps[0])])).encode())
+    ingest = parse_batch(json.dumps(batch(0, [list(step_rows(agent)[0])])).encode())
     assert ingest.steps[0][4:] == (5, MAX_WORK)
 
 
