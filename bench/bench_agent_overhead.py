@@ -24,11 +24,12 @@ Run: .venv/bin/python bench/bench_agent_overhead.py [--rounds 20] [--step-rounds
 
 --json FILE writes the tiny-model and 10 ms figures (and --guard's) as JSON.
 
-Regression guard (`--guard`, what `make test` runs through tests/unit/test_overhead_guard.py):
-the tiny model only, this tree's agent against none, many short interleaved arms; the training
-thread's CPU and the wall time per step, with minus without, as medians of per-round differences
-with 90 % bootstrap intervals. The guard fails when an interval's lower end is over its budget:
-over it by more than this machine's noise. `--plant-us N` adds a per-step hook that sleeps N µs
+Regression guard (`--guard`, what `make test` runs through
+tests/integration/test_overhead_guard.py): the tiny model only, this tree's agent against none,
+many short interleaved arms; the training thread's CPU and the wall time per step, with minus
+without, as medians of per-round differences with 90 % bootstrap intervals. The guard fails when
+an interval's lower end is over its budget, a share of the bare step's own figure
+(GUARD_BUDGET_SHARE): over it by more than this machine's noise, whatever its speed that day. `--plant-us N` adds a per-step hook that sleeps N µs
 to the agent's arms (a planted regression the guard must catch).
 
 Further modes (any of them skips the scenarios above unless asked for):
@@ -169,11 +170,13 @@ def run(
     return cpu / 1e3 / steps, proc / 1e3 / steps, wall / 1e3 / steps
 
 
-# The guard's lines, µs per step on the tiny model, and the target they are to come down to.
-# The agent does not meet the target on this project's 2-core machines yet (docs/evaluation.md:
-# +60 to +100 µs in 40-step arms), so the lines hold today's cost plus the noise of 40 rounds;
+# The guard's lines on the tiny model, as shares of the bare step's own thread CPU and wall time
+# (this machine's speed moves both alike from day to day), and the target they are to come down
+# to. The agent does not meet the target on this project's 2-core machines yet: six runs of
+# --guard 40 on 2026-12-04 read +24.2 to +32.7 µs of thread CPU on a ~250 µs bare step, the 90 %
+# intervals' lower ends +21.8 to +26.6 µs (9 to 11 %), so the lines hold that plus its noise;
 # tests/unit/test_hot_path_budget.py holds the Python a step runs to within a tenth of today's.
-GUARD_BUDGET_US = {"thread_cpu": 150.0, "wall": 150.0}
+GUARD_BUDGET_SHARE = {"thread_cpu": 0.16, "wall": 0.16}
 TARGET_US = 20.0
 
 
@@ -202,6 +205,7 @@ def guard(rounds: int, steps: int, exporter: str, plant_us: float) -> dict[str, 
     run(*models[None], x, y, 100, None, exporter)  # warm-up
     run(*models[planted], x, y, 50, planted, exporter)
     diffs: dict[str, list[float]] = {"thread_cpu": [], "wall": []}
+    bare: dict[str, list[float]] = {"thread_cpu": [], "wall": []}
     for i in range(rounds):
         arms: list[Any] = [None, planted] if i % 2 == 0 else [planted, None]
         out = {
@@ -210,14 +214,19 @@ def guard(rounds: int, steps: int, exporter: str, plant_us: float) -> dict[str, 
         with_it, without = out[id(planted)], out[id(None)]
         diffs["thread_cpu"].append(with_it[0] - without[0])
         diffs["wall"].append(with_it[2] - without[2])
+        bare["thread_cpu"].append(without[0])
+        bare["wall"].append(without[2])
     rng = random.Random(0)
     result: dict[str, Any] = {"rounds": rounds, "steps": steps, "plant_us": plant_us}
     for name, d in diffs.items():
         lo, hi = median_ci(d, rng)
-        budget = GUARD_BUDGET_US[name]
+        bare_us = statistics.median(bare[name])
+        budget = GUARD_BUDGET_SHARE[name] * bare_us
         result[name] = {
             "median_us": statistics.median(d),
             "ci90_us": [lo, hi],
+            "bare_us": bare_us,
+            "budget_share": GUARD_BUDGET_SHARE[name],
             "budget_us": budget,
             "target_us": TARGET_US,
             "over": lo > budget,
@@ -1271,7 +1280,8 @@ def main() -> None:
                 print(
                     f"guard, {name} per step: {g['median_us']:+.1f} µs (90 % CI "
                     f"{g['ci90_us'][0]:+.1f} .. {g['ci90_us'][1]:+.1f}), budget "
-                    f"{g['budget_us']:.0f} µs: {verdict}"
+                    f"{g['budget_us']:.0f} µs ({g['budget_share']:.0%} of the bare step's "
+                    f"{g['bare_us']:.0f} µs; target {g['target_us']:.0f} µs): {verdict}"
                 )
         if a.rounds > 0:
             res = scenario("tiny model (hooks dominate)", 16, 1, 4, a.rounds, a.steps, url, agents)

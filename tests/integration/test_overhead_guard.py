@@ -32,7 +32,10 @@ def run_guard(tmp_path: Path, plant_us: float = 0.0) -> dict:
     return json.loads(out.read_text())["guard"]
 
 
+# Alone (`make test` runs the quiet tests after the rest): a core another test file's jobs
+# share moves the timing the guard judges.
 @pytest.mark.slow
+@pytest.mark.quiet
 def test_the_agent_stays_within_its_budget_on_the_training_thread(tmp_path):
     guard = run_guard(tmp_path)
     for name in ("thread_cpu", "wall"):
@@ -40,11 +43,13 @@ def test_the_agent_stays_within_its_budget_on_the_training_thread(tmp_path):
         lo, hi = figure["ci90_us"]
         assert not figure["over"], (
             f"{name}: {figure['median_us']:+.1f} µs per step (90 % CI {lo:+.1f} .. {hi:+.1f}) "
-            f"is over the budget of {figure['budget_us']} µs"
+            f"is over the budget of {figure['budget_us']:.1f} µs "
+            f"({figure['budget_share']:.0%} of the bare step's {figure['bare_us']:.0f} µs)"
         )
 
 
 @pytest.mark.slow
+@pytest.mark.quiet
 def test_the_guard_catches_a_planted_100_us_sleep_per_step(tmp_path):
     guard = run_guard(tmp_path, plant_us=100)
     wall = guard["wall"]
