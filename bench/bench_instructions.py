@@ -24,7 +24,8 @@ models of their own are within that.
 `--cache-sim` also simulates the caches and adds each arm's estimated cycles (instructions plus
 10 per first-level and 100 per last-level miss, callgrind's estimate): the agent's code runs on
 caches the step's kernels have flushed, so its misses cost about as much as its instructions.
-`--keep DIR` keeps callgrind's dumps there (cg.PID.N-01 is arm N's training thread), for
+`--against REV` adds the agent as committed at REV (bench_agent_overhead.load_agent_at), with
+its own defaults, to compare before and after. `--keep DIR` keeps callgrind's dumps there (cg.PID.N-01 is arm N's training thread), for
 `callgrind_annotate --inclusive=yes` to say which functions an arm's instructions are in.
 
 Run: .venv/bin/python bench/bench_instructions.py [--layers 1] [--steps 64] [--keep DIR]
@@ -55,12 +56,14 @@ ARMS = (
     "agent",
     "agent, every step timed",
     "agent, detect_work=False",
+    "agent at REV",  # --against REV only: the agent as committed there, its defaults
 )
+AGAINST = ARMS[-1]
 LABELS: list[str] = []  # the child's arms measured so far
 WARM_STEPS = 40  # past the agent's first steps (trigger learning, the startup event)
 
 
-def child(layers: int, steps: int) -> None:
+def child(layers: int, steps: int, against: str | None) -> None:
     """Under callgrind: every arm's steps, each between a zero and a dump of the counters."""
     import time
 
@@ -150,6 +153,13 @@ def child(layers: int, steps: int) -> None:
         )
         measure(label, model, opt)
         agent.close()
+    if against:
+        from bench_agent_overhead import load_agent_at
+
+        model, opt = make(16, layers)
+        agent = load_agent_at(against).attach(model=model, optimizer=opt, exporter=None, job="b")
+        measure(AGAINST, model, opt)
+        agent.close()
     time.sleep(0.1)
     dist.destroy_process_group()
 
@@ -191,10 +201,11 @@ def main() -> None:
         action="store_true",
         help="simulate the caches too, and print estimated cycles (Ir + 10 L1 + 100 LL misses)",
     )
+    p.add_argument("--against", metavar="REV", help="also the agent as committed at REV")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        child(a.layers, a.steps)
+        child(a.layers, a.steps, a.against)
         return
     missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
     if missing:
@@ -216,6 +227,7 @@ def main() -> None:
             str(a.layers),
             "--steps",
             str(a.steps),
+            *(["--against", a.against] if a.against else []),
         ]
         env = dict(os.environ, PYTHONMALLOC="malloc", OMP_NUM_THREADS="1")
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -241,7 +253,8 @@ def main() -> None:
     for label, total in found.items():
         if label == "bare":
             continue
-        line = f"  {label:40s} {per_step(total[0] - bare[0])}"
+        shown = f"agent at {a.against}" if label == AGAINST else label
+        line = f"  {shown:40s} {per_step(total[0] - bare[0])}"
         if label.startswith("+"):
             line += f"  ({per_step(total[0] - previous[0]).strip()})"
             previous = total
