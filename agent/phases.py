@@ -565,8 +565,8 @@ class PhaseClock:
         samples, tokens = self.work.take()  # the dropped step's work must not count either
         if len(steps) < self.steps_max:
             steps.append((step, t, total, self.shares, self.sync_share, samples, tokens))
-        else:
-            self.dropped += 1
+        else:  # with the sync record `finish` would have made for it
+            self.dropped += 1 if self.sync_share is None else 2
         step += 1  # _next_step, inline: a quiet step's successor is timed only at a multiple
         self.step = step
         if self.step_counter is not None:

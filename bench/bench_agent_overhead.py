@@ -172,11 +172,12 @@ def run(
 
 # The guard's lines on the tiny model, as shares of the bare step's own thread CPU and wall time
 # (this machine's speed moves both alike from day to day), and the target they are to come down
-# to. The agent does not meet the target on this project's 2-core machines yet: six runs of
-# --guard 40 on 2026-12-04 read +24.2 to +32.7 µs of thread CPU on a ~250 µs bare step, the 90 %
-# intervals' lower ends +21.8 to +26.6 µs (9 to 11 %), so the lines hold that plus its noise;
+# to. The agent does not meet the target on this project's 2-core machines yet: five runs of
+# --guard 40 on 2026-12-04 (every step timed, attach()'s default) read +34.2 to +41.7 µs of
+# thread CPU on a ~255 µs bare step, the 90 % intervals' lower ends +29.5 to +40.9 µs (12 to
+# 16 %), so the lines hold that plus its noise (with phase_every=16: 9 to 11 %);
 # tests/unit/test_hot_path_budget.py holds the Python a step runs to within a tenth of today's.
-GUARD_BUDGET_SHARE = {"thread_cpu": 0.16, "wall": 0.16}
+GUARD_BUDGET_SHARE = {"thread_cpu": 0.24, "wall": 0.24}
 TARGET_US = 20.0
 
 

@@ -29,7 +29,7 @@
 #               bench/bench_gpu_overhead.py, agent vs none, interleaved rounds in 2 fresh
 #               processes: a GPU-bound step of ≥ 50 ms (batch 48), a launch-bound one
 #               (2 layers, batch 2: 6 to 7 ms on an H200, whose host launches no faster), and that
-#               one again with every step's phases timed (phase_every=1; the default is 16); the
+#               one again with phase sampling (phase_every=16: one step in 16 timed); the
 #               launch-bound runs with each arm's training-thread CPU per step and a cProfile
 #               round of each arm (--profile), to name the code the cost comes from; each
 #               measuring process pinned to BENCH_CPUS (2-5 where there are ≥ 8), every step's
@@ -129,12 +129,12 @@ overhead_launch() {
   TAIL=4 run overhead-launch-bound 130 "$PY" -m bench.bench_gpu_overhead --processes 2 \
     --rounds 8 --steps 200 --warmup 30 --layers 2 --batch 2 --no-fail --profile 100 \
     "${PIN[@]}" --steps-out "$OUT/steps-launch-bound.json"
-  # again with every step's phases timed (phase_every=1; attach's default times one step in
-  # 16, docs/gpu.md): what the sampling saves with real events.
-  TAIL=4 run overhead-launch-bound-every-step 130 "$PY" -m bench.bench_gpu_overhead \
+  # again with phase sampling (phase_every=16: one step in 16 timed, one event on the others;
+  # attach()'s default times every step, docs/gpu.md): what sampling saves with real events.
+  TAIL=4 run overhead-launch-bound-sampled 130 "$PY" -m bench.bench_gpu_overhead \
     --processes 2 --rounds 5 --steps 250 --warmup 30 --layers 2 --batch 2 --no-fail \
-    --attach-option phase_every=1 --profile 100 \
-    "${PIN[@]}" --steps-out "$OUT/steps-launch-bound-every-step.json"
+    --attach-option phase_every=16 --profile 100 \
+    "${PIN[@]}" --steps-out "$OUT/steps-launch-bound-sampled.json"
   overhead_figures
 }
 

@@ -274,8 +274,10 @@ def test_with_phase_sampling_the_slowed_rank_is_named_and_its_lead_is_true(tmp_p
     quiet = 0
     for steps in by_rank.values():
         for step, rec in steps.items():
-            timed = steps.get(step - step % every)
-            if step % every and timed is not None:
+            # the last timed step: a multiple of `every`, or step 1 (the first step's phases
+            # are start-up's, so the step after it is timed too)
+            timed = steps.get(step - step % every or 1)
+            if step % every and step != 1 and timed is not None:
                 quiet += 1
                 for phase, seconds in rec["phases"].items():
                     share, timed_share = (
