@@ -435,7 +435,7 @@ class _Kernels:
         if native is None:
             return
         names = {i.skip_name for i in self.active}
-        common = [] if len(names) != 1 or "" in names else sorted(names)
+        common = [] if len(names) != 1 or "" in names else list(names)
         native.skip(_SKIPPED_INDEXES, common)
 
     def poll(self) -> None:

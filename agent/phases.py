@@ -481,27 +481,24 @@ class PhaseClock:
             t = _now()
             if self.quiet and not self.manual_steps:  # the common call when sampling
                 self._quiet_end(t, t - self.step_start)
-                after = self.after_step
-                if after is not None and t >= self.after_at and self.step % self.after_every == 0:
-                    self.after_at = after(self.step) or 0
-                return
-            if self.opt_start:
-                blocked = self.blocked
-                waited = 0
-                if blocked is not None and blocked.ns != self.blocked_seen:
-                    waited = self.take_blocked(OPT_POST)
-                ns = t - self.opt_start - waited
-                if ns > 0:
-                    self.acc[OPTIMIZER] += ns
-                self.opt_start = 0
-            if self.manual_steps:  # the step ends later, at the `with agent.step()` exit
-                if self.mark is not None:
-                    self.mark(OPT_POST)
             else:
+                if self.opt_start:
+                    blocked = self.blocked
+                    waited = 0
+                    if blocked is not None and blocked.ns != self.blocked_seen:
+                        waited = self.take_blocked(OPT_POST)
+                    ns = t - self.opt_start - waited
+                    if ns > 0:
+                        self.acc[OPTIMIZER] += ns
+                    self.opt_start = 0
+                if self.manual_steps:  # the step ends later, at the `with agent.step()` exit
+                    if self.mark is not None:
+                        self.mark(OPT_POST)
+                    return
                 self.end_step(t)  # a subclass's too (CudaPhaseClock), before the transport
-                after = self.after_step
-                if after is not None and t >= self.after_at and self.step % self.after_every == 0:
-                    self.after_at = after(self.step) or 0
+            after = self.after_step
+            if after is not None and t >= self.after_at and self.step % self.after_every == 0:
+                self.after_at = after(self.step) or 0
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
 

@@ -205,14 +205,15 @@ class Timed final : public c10::OperatorKernel {
     bool timed = false;
     try {
       const size_t base = stack->size() - handle.schema().arguments().size();
-      const bool skipped = op_ < 64 && (skip_ops.load(std::memory_order_relaxed) >> op_ & 1) != 0 &&
-          torch::autograd::get_current_graph_task_id() != -1 &&
+      const bool in_autograd = torch::autograd::get_current_graph_task_id() != -1;
+      const bool skipped = in_autograd && op_ < 64 &&
+          (skip_ops.load(std::memory_order_relaxed) >> op_ & 1) != 0 &&
           skipped_group((*stack)[base + group_at_]);
       timed = !skipped && first_tensor_is_cpu((*stack)[base]);
       if (timed) {
         record.group = group_of((*stack)[base + group_at_]);
         record.bytes = size_at_ >= 0 ? nbytes((*stack)[base + size_at_]) : 0;
-        record.in_autograd = torch::autograd::get_current_graph_task_id() != -1;
+        record.in_autograd = in_autograd;
       }
     } catch (...) {
       timed = false;
