@@ -284,7 +284,10 @@ def test_with_phase_sampling_the_slowed_rank_is_named_and_its_lead_is_true(tmp_p
                         seconds / rec["step_s"],
                         timed["phases"][phase] / timed["step_s"],
                     )
-                    assert abs(share - timed_share) <= 1e-6, (step, phase, rec, timed)
+                    # each estimated phase is floored to whole ns and `other` takes the rest:
+                    # up to 6 ns off on a few-ms step (1.1e-6 of a 4.1 ms step seen)
+                    tolerance = 7e-9 / rec["step_s"]
+                    assert abs(share - timed_share) <= tolerance, (step, phase, rec, timed)
     assert quiet >= 3 * 4 * 64, quiet
     timed_only = {
         r: {k: v for k, v in steps.items() if k % every == 0} for r, steps in by_rank.items()
