@@ -7,8 +7,8 @@ on rank nodes//2*R+3, and its engines, scale_engines.py) runs the engine with th
 configuration and rules (--engine prometheus: one Prometheus pinned to the first CPU;
 --engine vm: vmagent shards, VictoriaMetrics, vmalert); this bench waits until the rules record
 recorded.LEAD for every rank and recorded.STRAGGLER_LAG for the job (polled every 2 s: the lead
-needs every rank's counters a straggler window old, WINDOW_FULL, so the first comes a little
-over that window after the first scrape, 5 min shipped), then measures:
+needs every rank to have started a straggler window ago, WINDOW_FULL, so the first comes a
+little over that window after the first scrape, 5 min shipped), then measures:
 
   one cycle   for one emulated node (--node, default the first), the series and bytes a read
               cycle returns: "before", the seven instant queries the reader sent until aa1b01e,

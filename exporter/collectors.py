@@ -134,13 +134,15 @@ def collect_work(view: StoreView) -> Iterable[Metric]:
 
 def collect_goodput(view: StoreView) -> Iterable[Metric]:
     """Per node and job, over its ranks and their incarnations: badput by category, productive
-    step time, the job's earliest process start (what the goodput rules divide by) and the
-    ranks' restarts."""
+    step time, the job's earliest process start (what the goodput rules divide by), its latest
+    rank's start (what the job-wide rules wait a window after) and the ranks' restarts."""
     badput = counter(M.NODE_BADPUT_SECONDS_TOTAL)
     productive = counter(M.NODE_PRODUCTIVE_SECONDS_TOTAL)
     started = gauge(M.JOB_STARTED_TIMESTAMP_SECONDS)
+    latest = gauge(M.RANKS_STARTED_TIMESTAMP_SECONDS)
     restarts = counter(M.NODE_RESTARTS_TOTAL)
     for labels, ranks in node_views(view):
+        latest.add_metric(labels, max(r.started_unix_s for r in ranks))
         restarts.add_metric(labels, sum(r.restarts for r in ranks))
         for category in M.BADPUT_CATEGORIES:
             badput.add_metric(
@@ -150,7 +152,7 @@ def collect_goodput(view: StoreView) -> Iterable[Metric]:
         starts = [r.process_started_unix_s for r in ranks if r.process_started_unix_s]
         if starts:
             started.add_metric(labels, min(starts))
-    return [badput, productive, started, restarts]
+    return [badput, productive, started, latest, restarts]
 
 
 def collect_price(view: StoreView) -> Iterable[Metric]:

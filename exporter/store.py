@@ -180,6 +180,9 @@ class RankView:
     # pacing and checkpoint time inside steps), badput seconds by category
     # (catalog.BADPUT_CATEGORIES) and the steps its restarts ran again.
     process_started_unix_s: float | None = None
+    # When its current incarnation started reporting (its attach, else its first report here):
+    # the job-wide rules judge a job once every rank's is a straggler window old.
+    started_unix_s: float = 0.0
     productive_s: float = 0.0
     badput_s: Mapping[str, float] = field(default_factory=dict)
     lost_steps: int = 0
@@ -575,10 +578,12 @@ class Store:
                 pool = self.pools[job] = self._new_pool()
             if state.incarnation != clean_label(a.incarnation):
                 self._new_incarnation(state, pool)
+                state.started_unix_s = 0.0
             state.local_rank, state.world_size = a.local_rank, a.world_size
             state.hostname, state.pid = clean_label(a.hostname), a.pid
             state.incarnation = clean_label(a.incarnation)
-            state.started_unix_s = a.started_unix_s
+            # The incarnation's attach; agents that do not say: its first report here.
+            state.started_unix_s = a.started_unix_s or state.started_unix_s or now
             state.phase_every = a.phase_every
             # Agents before goodput do not say when their process started: their attach, else
             # the first time this exporter heard of them.
@@ -1060,6 +1065,7 @@ def _rank_view(s: RankState, now: float, stale_after: float, keep: int | None) -
         hostname=s.hostname,
         pid=s.pid,
         incarnation=s.incarnation,
+        started_unix_s=s.started_unix_s,
         restarts=s.incarnations,
         last_report_unix_s=s.last_report_unix_s,
         stale=now - s.last_report_unix_s > stale_after,

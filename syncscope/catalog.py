@@ -504,6 +504,18 @@ JOB_STARTED_TIMESTAMP_SECONDS = MetricSpec(
     "always",
     "seconds",
 )
+# When the job-wide rules may judge a job (recorded.WINDOW_FULL): once every node's latest rank
+# started a straggler window ago. One series a node, where the rules once read every rank's
+# step counter twice (now and a window ago) for the same answer.
+RANKS_STARTED_TIMESTAMP_SECONDS = MetricSpec(
+    "syncscope_ranks_started_timestamp_seconds",
+    "gauge",
+    "Unix time the latest of the job's ranks on this node started reporting: its current "
+    "incarnation's attach (for agents that do not say, the exporter's first report of it).",
+    NODE,
+    "always",
+    "seconds",
+)
 # The host's CPU packages (exporter/energy.py): shared by every rank of the node.
 NODE_CPU_ENERGY_JOULES_TOTAL = MetricSpec(
     "syncscope_node_cpu_energy_joules_total",
@@ -657,6 +669,7 @@ SECTIONS = (
             NODE_BADPUT_SECONDS_TOTAL,
             NODE_PRODUCTIVE_SECONDS_TOTAL,
             JOB_STARTED_TIMESTAMP_SECONDS,
+            RANKS_STARTED_TIMESTAMP_SECONDS,
             NODE_RESTARTS_TOTAL,
             GPU_HOUR_PRICE,
         ),

@@ -44,9 +44,9 @@ LINK_CAPACITY_RATIO = "job_node:syncscope_node_link_capacity_bytes_per_second:ra
 # a job, what every exporter's read-back needs of the links.
 SLOWEST_LINK = "job_node:syncscope_node_link_capacity_bytes_per_second:bottomk_ratio_to_median"
 LINK_UTILIZATION = "job_node:syncscope_link_utilization_while_transferring:ratio"
-# Job-wide verdicts are judged over full windows only: the number of the job's ranks whose step
-# counter existed a straggler window ago, recorded only while that is every rank reporting.
-WINDOW_FULL = "job:syncscope_steps_total:count_full_window"
+# Job-wide verdicts are judged over full windows only: the job's nodes reporting, recorded only
+# while every node's latest rank started a straggler window ago.
+WINDOW_FULL = "job:syncscope_ranks_started_timestamp_seconds:count_full_window"
 SYNC_PER_STEP = "job_rank:syncscope_phase_comm_exposed_seconds_per_step:ratio"
 SYNC_PER_STEP_MIN = "job:syncscope_phase_comm_exposed_seconds_per_step:min"
 SYNC_PER_STEP_STAGE_MIN = "job_stage:syncscope_phase_comm_exposed_seconds_per_step:min"
@@ -140,4 +140,7 @@ DEPRECATED_ALIASES: dict[str, str] = {
     "job:syncscope_step_time_cv:avg_over_1d": STEP_CV_PER_DAY,
     "job:syncscope_rank_samples:avg_rate_avg_over_1d": SAMPLES_PER_GPU_PER_DAY,
     "job:syncscope_steps:rate_avg_over_1d": STEPS_RATE_PER_DAY,
+    # The gate reads each node's latest rank start, not every rank's counter
+    # (the old series counted ranks, the new one nodes).
+    "job:syncscope_steps_total:count_full_window": WINDOW_FULL,
 }

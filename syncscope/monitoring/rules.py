@@ -207,7 +207,6 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
     "syncscope.job": (
         WORLD_SIZE,
         RANKS_REPORTING,
-        WINDOW_FULL,
         STEPS_RATE,
         STEP_MEAN,
         STEP_BUCKET_RATE,
@@ -218,6 +217,7 @@ RECORDING_GROUPS: dict[str, tuple[str, ...]] = {
         PACING_ACTIVE,
     ),
     "syncscope.straggler": (
+        WINDOW_FULL,  # here, so that vmalert inlines it into the rates (records.sync)
         SYNC_PER_STEP,
         SYNC_PER_STEP_MIN,
         SYNC_PER_STEP_STAGE_MIN,

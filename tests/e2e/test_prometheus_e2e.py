@@ -102,10 +102,25 @@ def test_rules_alerts_and_every_dashboard_query_against_real_prometheus(
             lambda: prom.query('syncscope_straggler_cause{job="steady"}'), timeout=30, interval=1
         ), "the exporter never named the straggler's cause"
         have = {"pacing", "straggler", "collectives", "alerts"}
-        empty = []
-        for q in evaluable_queries(job="steady", rate_interval="10s", have=have):
-            if q["expected_data"] and not prom.query(q["promql"]):
-                empty.append(f"{q['dashboard']} / {q['panel']}: {q['promql']}")
+        queries = [
+            q
+            for q in evaluable_queries(job="steady", rate_interval="10s", have=have)
+            if q["expected_data"]
+        ]
+
+        def empty_queries() -> list[str]:
+            return [
+                f"{q['dashboard']} / {q['panel']}: {q['promql']}"
+                for q in queries
+                if not prom.query(q["promql"])
+            ]
+
+        # Each rule group evaluates on its own clock: a record of the slow group (contention)
+        # may come a few evaluations after the straggler's chain; give them the job's time.
+        empty = empty_queries()
+        if empty:
+            wait_until(lambda: not empty_queries(), timeout=15, interval=1)
+            empty = empty_queries()
         # gpu and rejections are not produced here; link depends on this machine's default
         # interface (the multi-node harness, which shapes its links, checks those queries)
         assert not empty, "dashboard queries with no data:\n" + "\n".join(empty)

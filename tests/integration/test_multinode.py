@@ -350,8 +350,8 @@ def run_across_nodes(tmp_path, job: str, args: list[str], clean: bool) -> dict[s
     `args`' slow rank slowed until it has those too. Per phase, every exporter's job state once
     a second and the rules' evaluations over the same time: {"clean": ..., "slowed": ...}.
 
-    The rules judge a job only once every rank has a full window of its own
-    (job:syncscope_steps_total:count_full_window): a phase is read from the first full window
+    The rules judge a job only once every rank has a full window of its own (recorded
+    WINDOW_FULL): a phase is read from the first full window
     after every rank's first scrape (`ready`) or after the first slowed step (rank 0 writes
     when), however long this machine took to start the job. The exporters, reading the rules
     back every 2 s, are sampled from that window on, once slowed after they have held what they

@@ -370,6 +370,29 @@ def counters(store: Store) -> dict[str, float]:
     return out
 
 
+def test_the_latest_rank_start_is_the_nodes_newest_incarnation():
+    """What the job-wide rules wait a straggler window after (recorded.WINDOW_FULL): per node,
+    when its latest rank started reporting, its current incarnation's attach (an agent that
+    does not say: its first report here). A relaunch moves it on; an earlier incarnation or
+    rank does not hold it back."""
+
+    def latest(store: Store) -> float:
+        return counters(store)["syncscope_ranks_started_timestamp_seconds"]
+
+    store = Store(Settings())
+    ingest(store, batch("a", 0, 3, rank=0, started=1000.0))  # attached at 1001
+    ingest(store, batch("a", 0, 3, rank=1, started=2000.0))
+    assert latest(store) == 2001.0
+    ingest(store, batch("b", 3, 3, rank=0, started=3000.0))  # rank 0 relaunched
+    assert latest(store) == 3001.0
+    before = time.time()
+    ingest(store, batch("c", 3, 3, rank=1))  # rank 1 relaunched, saying nothing
+    first_report = latest(store)
+    assert before <= first_report <= time.time()
+    ingest(store, batch("c", 6, 3, rank=1))  # the same incarnation, later: unchanged
+    assert latest(store) == first_report
+
+
 def test_a_restart_that_goes_back_to_its_checkpoint_is_lost_progress():
     store = Store(Settings())
     save = ("checkpoint_save", 21, 0, 40 * MS)  # in step 21: out of that step's productive
@@ -492,6 +515,7 @@ COUNTERS = (
     "syncscope_node_badput_seconds_total",
     "syncscope_node_productive_seconds_total",
     "syncscope_job_started_timestamp_seconds",
+    "syncscope_ranks_started_timestamp_seconds",
     "syncscope_agent_records_dropped_total",
     "syncscope_pacing_delay_seconds_total",
 )

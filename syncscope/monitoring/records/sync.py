@@ -43,7 +43,7 @@ from syncscope.recorded import (
     WINDOW_FULL,
     WORLD_SIZE,
 )
-from syncscope.thresholds import Thresholds
+from syncscope.thresholds import Thresholds, duration_seconds
 
 
 def records(cfg: Thresholds) -> list[dict[str, Any]]:
@@ -87,21 +87,24 @@ def records(cfg: Thresholds) -> list[dict[str, Any]]:
 
 
 def window_full(cfg: Thresholds) -> dict[str, Any]:
-    """The job's ranks, recorded only while every one of them has a full straggler window of
-    its own: its step counter existed a window ago. Before that a rank's rates cover the few
-    scrapes since its series appeared, with the job still settling: one node's ranks can read
-    more blocked than another's, and the straggler's condition would name a rank. The
-    straggler's chain, the amplification and SyncscopeStepTimeCVHigh are judged from here on,
-    all alike: the straggler, with the shortest for:, still comes first and inhibits the others
-    (judged from the same start, not the straggler a window later). Identity, not a count: a
-    relaunched rank elsewhere has a window of its own to fill."""
-    steps = sel(cfg, M.STEPS_TOTAL.name)
+    """The job's nodes reporting, recorded only while every rank of the job has a full straggler
+    window of its own: the latest rank to start on each node started a window ago. Before that
+    a rank's rates cover the few scrapes since it appeared, with the job still settling: one
+    node's ranks can read more blocked than another's, and the straggler's condition would
+    name a rank. The straggler's chain, the amplification and SyncscopeStepTimeCVHigh are
+    judged from here on, all alike: the straggler, with the shortest for:, still comes first
+    and inhibits the others (judged from the same start, not the straggler a window later).
+    Identity, not a count: a relaunched rank elsewhere has a window of its own to fill. One
+    series a node, no range: it sits first in the straggler group, and vmalert inlines it into
+    the rates there rather than reading it back an evaluation late."""
+    started = sel(cfg, M.RANKS_STARTED_TIMESTAMP_SECONDS.name)
+    window = f"{duration_seconds(cfg.windows.straggler):g}"
     return record(
         WINDOW_FULL,
         f"""
-  count by (job) ({steps})
-unless on (job)
-  {younger_than(steps, "job, node, rank", cfg.windows.straggler)}
+  count by (job) ({started})
+and on (job)
+  (max by (job) ({started}) <= time() - {window})
 """,
     )
 
@@ -269,19 +272,23 @@ and on (job)
             LEAD,
             f"{SYNC_PER_STEP} - on (job, stage) group_left () {SYNC_PER_STEP_STAGE_MIN}",
         ),
-        # The smallest lead of a stage is 0 by construction (x - x), so a stage's skew is its
-        # largest lead, the job's the largest of its stages'.
-        record(STAGE_SKEW, f"max by (job, stage) ({LEAD})"),
+        # A stage's skew is its largest lead, the job's the largest of its stages'. Read from
+        # the per-rank ratio, not from the leads: vmalert reads a per-rank record back an
+        # evaluation late, and the straggler would wait one more for the leads.
+        record(
+            STAGE_SKEW,
+            f"max by (job, stage) ({SYNC_PER_STEP}) - on (job, stage) {SYNC_PER_STEP_STAGE_MIN}",
+        ),
         record(SKEW, f"max by (job) ({STAGE_SKEW})"),
         record(SKEW_RATIO, f"{SKEW} / {STEP_MEAN}"),
-        # The straggler is the rank that arrives last, i.e. with the smallest lead, in the
-        # stage whose skew is the job's; its lag is how much later than the earliest rank of
-        # that stage it arrives, which is the job's skew.
+        # The straggler is the rank that arrives last, i.e. with the smallest lead (blocked
+        # least: its lead is 0), in the stage whose skew is the job's; its lag is how much
+        # later than the earliest rank of that stage it arrives, which is the job's skew.
         record(
             STRAGGLER_LAG,
             f"""
   0 * (
-      {LEAD} == 0
+      {SYNC_PER_STEP} == on (job, stage) group_left () {SYNC_PER_STEP_STAGE_MIN}
     and on (job, stage)
       ({STAGE_SKEW} == on (job) group_left () {SKEW})
   )
