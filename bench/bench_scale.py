@@ -45,7 +45,9 @@ Prometheus's own /metrics and /api/v1/rules every second:
   straggler      whether the straggler rule (rules.STRAGGLER_LAG) named exactly the planted
                  rank, first after how long from the first scrape, in seconds and in
                  evaluations of its group (rate() needs two scrapes of every rank), and in
-                 how many of the measured evaluations.
+                 how many of the measured evaluations; also at which evaluation once its
+                 window is full: of those that query a window past the first scrape or later
+                 (vmalert queries at its start rounded down to the group's interval).
   emulator       its own CPU (utime+stime over wall time, this bench's polling included; with
                  --workers, every worker's summed with this process's), of
                  which feeding (body, parse, ingest) and rendering; how late feeds ran; the
@@ -157,6 +159,7 @@ from syncscope.exporter.store import Store
 from syncscope.lab import render
 from syncscope.monitoring import dashboards, victoriametrics
 from syncscope.prometheus_api import PrometheusAPI, PrometheusError
+from syncscope.recorded import STRAGGLER_LAG
 from syncscope.thresholds import duration_seconds, load_config
 
 JOB = "scale"
@@ -862,6 +865,7 @@ class Measured:
     missed_before: dict[str, float]
     targets: dict[str, float]  # their series, worst scrape time and lowest up while measured
     straggler_ranks: dict[float, set[str]]  # evaluation time -> the ranks the rule named
+    query_times: dict[float, float]  # evaluation time -> the time its queries asked for
     emulator: dict[str, Any]
     rules_sha256: str
     panels: dict[str, Any] | None = None  # --panels: panel_series()
@@ -988,6 +992,8 @@ def measure(
         exprs = [pathlib.Path(path).read_text() for path in args.ab]
         ab = ab_queries(engine.url, exprs, args.ab_rounds)
         print_ab(engine.name, args.ab, ab)
+    named = engine.straggler_named(watch, first_scrape, end, intervals)
+    straggler_interval = intervals.get(watch.rule_group_of.get(STRAGGLER_LAG, ""), engine.interval)
     return Measured(
         engine.name,
         job,
@@ -999,7 +1005,8 @@ def measure(
         end,
         missed_before,
         targets,
-        engine.straggler_named(watch, first_scrape, end, intervals),
+        named,
+        {t: engine.query_time(t, straggler_interval) for t in named},
         emu,
         rules_sha,
         panels,
@@ -1193,9 +1200,10 @@ def summarise(m: Measured) -> dict[str, Any]:
     hit = [t for t in times if m.straggler_ranks[t] == {planted}]
     steady = [t for t in times if m.measure_from <= t <= m.end]
     first = hit[0] if hit else None
-    # Once the rate window is full: the evaluations from the first scrape + the window on.
+    # Once the rate window is full: the evaluations whose queries ask for the first scrape +
+    # the window or later (vmalert's ask for their start rounded down to the interval).
     window_full = m.first_scrape + straggler_window()
-    full = [t for t in times if t >= window_full]
+    full = [t for t in times if m.query_times.get(t, t) >= window_full]
     first_full = next((t for t in full if t in hit), None)
     # from the first naming once the window is full on: whether it stays named
     since = full[full.index(first_full) :] if first_full is not None else []

@@ -215,6 +215,7 @@ class Engine(Protocol):
     def straggler_named(
         self, watch: Watch, first_scrape: float, end: float, intervals: dict[str, float]
     ) -> dict[float, set[str]]: ...
+    def query_time(self, started: float, interval: float) -> float: ...
 
 
 class PrometheusEngine:
@@ -286,6 +287,10 @@ class PrometheusEngine:
             f"max by (rank) ({STRAGGLER_LAG})", after[0], end, intervals[group]
         )
         return {t: {key.removeprefix("rank=") for key in series} for t, series in found.items()}
+
+    def query_time(self, started: float, interval: float) -> float:
+        """The time an evaluation that started at `started` queries at: its start."""
+        return started
 
 
 class VictoriaMetricsEngine:
@@ -400,6 +405,12 @@ class VictoriaMetricsEngine:
         time.sleep(max(0.0, end + interval + VMALERT_FLUSH_S + 1 - time.time()))
         stored = self.vm.export(STRAGGLER_LAG, first_scrape, end + 60)
         return named_by_evaluation(evaluations, stored)
+
+    def query_time(self, started: float, interval: float) -> float:
+        """The time an evaluation that started at `started` queries at: vmalert rounds it down
+        to the group's interval (-datasource.queryTimeAlignment), so an evaluation that starts
+        just after a window is full may still read a window that is not."""
+        return started - started % interval
 
 
 def new_iterations(
