@@ -50,11 +50,19 @@ VMALERT_UNSUPPORTED_FIELDS = {
 # `job_rank:`), whose expression, inlined, would be recomputed over every rank in each later
 # rule as well. Every later rule reads those back as stored, and computes from them alone what
 # it compares: one stored sample, normally an evaluation late.
+# Read back, such a record could be partly this evaluation's: vmalert remote-writes a record
+# of thousands of series in batches as it goes, so a later rule of the same evaluation could
+# find some ranks' new samples and not others', and even see more of them land between two
+# selectors of one query, which then compares two evaluations again (a straggler's lag that
+# named nobody once in eight evaluations at 1,024 × 8). So the rules that read it back are
+# evaluated before it: they read the previous evaluation's samples, complete (vmalert flushes
+# within 5 s), every time.
 SAME_GROUP_RECORDS = (
     "vmalert reads a record of the same group from VictoriaMetrics, an evaluation late: bare "
     "references to such records are inlined as their expressions, except a record that takes "
-    "a range of scraped series or has a series per rank, which later rules read back as "
-    "stored, so the records after it in its group lag an evaluation behind Prometheus's"
+    "a range of scraped series or has a series per rank, which the rules that read it read "
+    "back as stored, evaluated before it so that they read the previous evaluation's whole; "
+    "the records that read it lag an evaluation behind Prometheus's"
 )
 
 DIFFERENCES = {**VMALERT_UNSUPPORTED_FIELDS, "same_group_records": SAME_GROUP_RECORDS}
@@ -100,7 +108,27 @@ def _same_group_for_vmalert(
             and not per_rank(rule["record"])
         ):
             defined[rule["record"]] = f"({expr.strip()})"
-    return out
+    return _readers_first(out)
+
+
+def _readers_first(group_rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The group's rules, each rule that still reads a record of the group (read back as
+    stored) placed before that record; otherwise in their order."""
+    records = {r["record"]: i for i, r in enumerate(group_rules) if "record" in r}
+    # before[j]: the rules that must be evaluated before rule j (those that read its record)
+    before: list[set[int]] = [set() for _ in group_rules]
+    for i, rule in enumerate(group_rules):
+        for name in rules.metric_names(str(rule["expr"])):
+            j = records.get(name)
+            if j is not None and j != i:
+                before[j].add(i)
+    order: list[int] = []
+    while len(order) < len(group_rules):
+        ready = next(
+            i for i in range(len(group_rules)) if i not in order and before[i] <= set(order)
+        )  # StopIteration: a cycle of read-backs, which no group has
+        order.append(ready)
+    return [group_rules[i] for i in order]
 
 
 def rule_groups(cfg: Thresholds, engine: str = "prometheus") -> dict[str, Any]:

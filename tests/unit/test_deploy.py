@@ -413,11 +413,13 @@ def test_observability_doc_covers_what_was_and_was_not_run():
 
 def test_vmalert_rules_read_back_only_the_per_rank_rates_of_their_own_group():
     """vmalert reads a record back from VictoriaMetrics an evaluation late: within a group, a
-    rule may name bare a record an earlier rule of that group makes only where that record
-    takes a range of scraped series (the per-rank rates) or has a series per rank (the leads):
-    too costly to recompute in every later rule; the others are inlined. The Prometheus file keeps them all. Over a range (`x[10m]`)
-    or with a selector a rule reads the stored series on both engines, and another group's
-    record too."""
+    rule may name a record of that group only where that record takes a range of scraped
+    series (the per-rank rates) or has a series per rank (the leads): too costly to recompute
+    in every rule that reads it; the others are inlined. Such a rule is evaluated before the
+    record, so that it reads the previous evaluation's samples whole, never some of this
+    one's. The Prometheus file keeps every reference, each after the record it reads. Over a
+    range (`x[10m]`) or with a selector a rule reads the stored series on both engines, and
+    another group's record too."""
     from syncscope.monitoring import engines
 
     cfg = load_config()
@@ -427,23 +429,25 @@ def test_vmalert_rules_read_back_only_the_per_rank_rates_of_their_own_group():
         groups = engines.rule_groups(cfg, engine)["groups"]
         recorded = {r["record"] for g in groups for r in g["rules"] if "record" in r}
         for group in groups:
-            earlier: dict[str, str] = {}
-            for rule in group["rules"]:
+            exprs = {r["record"]: r["expr"] for r in group["rules"] if "record" in r}
+            for i, rule in enumerate(group["rules"]):
                 named = [
                     n
-                    for n in earlier
-                    if re.search(rf"(?<![\w:]){re.escape(n)}(?![\w:{{\[])", rule["expr"])
+                    for n in exprs
+                    if n != rule.get("record")
+                    and re.search(rf"(?<![\w:]){re.escape(n)}(?![\w:{{\[])", rule["expr"])
                 ]
+                later = {r["record"] for r in group["rules"][i + 1 :] if "record" in r}
                 if engine == "vmalert":
                     costly = [
-                        n for n in named if "rate(syncscope_" in earlier[n] or engines.per_rank(n)
+                        n for n in named if "rate(syncscope_" in exprs[n] or engines.per_rank(n)
                     ]
                     assert named == costly, (group["name"], rule.get("record"), named)
+                    assert set(named) <= later, (group["name"], rule.get("record"), named)
                     read_back |= set(named)
                 else:
-                    found_inlined |= bool(named)
+                    found_inlined |= bool(set(named) - later)
                 if "record" in rule:
-                    earlier[rule["record"]] = rule["expr"]
                     assert engines.ranges_scraped_series(rule["expr"], recorded) == bool(
                         re.search(r"_over_time\(syncscope_|rate\(syncscope_", rule["expr"])
                     ), rule["expr"]
