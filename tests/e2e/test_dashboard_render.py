@@ -201,8 +201,10 @@ def synthetic_metrics(now: float, started: float, ranks: int) -> str:
                 lines.append(f"{spec.name}_sum{{{text}}} {elapsed}")
                 lines.append(f"{spec.name}_count{{{text}}} {elapsed * 10}")
                 continue
-            elif "timestamp" in spec.name or "start_time" in spec.name:
-                value = now if "timestamp" in spec.name else started
+            elif "start" in spec.name:  # a process's, the job's, its latest rank's start
+                value = started
+            elif "timestamp" in spec.name:
+                value = now
             elif spec.name == M.WORLD_SIZE.name:
                 value = ranks
             else:
