@@ -354,7 +354,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t = time.perf_counter()
         # The emulator in processes of its own: this one's threads are the readers only (the
         # feeder sharing their interpreter held them off for seconds a cycle).
-        emulator = EmulatorPool(job, args.feed_s, args.seed, args.workers)
+        emulator = EmulatorPool(job, args.feed_s, args.seed, args.workers, args.replicate)
         stack.callback(emulator.close)
         emulator.feed_all()
         say(f"{job.nodes} x {job.per_node} ranks fed once in {time.perf_counter() - t:.1f} s")
@@ -595,6 +595,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lag-ms", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=20)
     p.add_argument("--workers", type=int, default=1, help="emulator processes (forked)")
+    p.add_argument(
+        "--replicate",
+        action="store_true",
+        help="feed only node 0 and the straggler's node; every other node serves node 0's "
+        "exposition with its own identity (bench_scale --replicate: sizes one core cannot feed)",
+    )
     p.add_argument("--engine", choices=("prometheus", "vm"), default="prometheus")
     p.add_argument("--shards", type=int, default=2, help="vm: vmagent shards")
     p.add_argument("--no-pin", dest="pin", action="store_false")
