@@ -578,7 +578,6 @@ class Store:
                 pool = self.pools[job] = self._new_pool()
             if state.incarnation != clean_label(a.incarnation):
                 self._new_incarnation(state, pool)
-                state.started_unix_s = 0.0
             state.local_rank, state.world_size = a.local_rank, a.world_size
             state.hostname, state.pid = clean_label(a.hostname), a.pid
             state.incarnation = clean_label(a.incarnation)
@@ -645,6 +644,7 @@ class Store:
                 state.later_steps_s / state.later_steps if state.later_steps else state.first_step_s
             )
         state.first_step = state.max_step = state.warm_step = -1
+        state.started_unix_s = 0.0  # the new incarnation's attach, set as it reports
         state.settled_steps = 0
         state.first_step_s = state.later_steps_s = 0.0
         state.later_steps = 0

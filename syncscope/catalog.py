@@ -505,8 +505,7 @@ JOB_STARTED_TIMESTAMP_SECONDS = MetricSpec(
     "seconds",
 )
 # When the job-wide rules may judge a job (recorded.WINDOW_FULL): once every node's latest rank
-# started a straggler window ago. One series a node, where the rules once read every rank's
-# step counter twice (now and a window ago) for the same answer.
+# started a straggler window ago. One series a node, so that the gate reads no per-rank series.
 RANKS_STARTED_TIMESTAMP_SECONDS = MetricSpec(
     "syncscope_ranks_started_timestamp_seconds",
     "gauge",

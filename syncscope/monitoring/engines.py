@@ -54,7 +54,7 @@ VMALERT_UNSUPPORTED_FIELDS = {
 # of thousands of series in batches as it goes, so a later rule of the same evaluation could
 # find some ranks' new samples and not others', and even see more of them land between two
 # selectors of one query, which then compares two evaluations again (a straggler's lag that
-# named nobody once in eight evaluations at 1,024 × 8). So the rules that read it back are
+# named nobody). So the rules that read it back are
 # evaluated before it: they read the previous evaluation's samples, complete (vmalert flushes
 # within 5 s), every time.
 SAME_GROUP_RECORDS = (
@@ -122,13 +122,13 @@ def _readers_first(group_rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
             j = records.get(name)
             if j is not None and j != i:
                 before[j].add(i)
-    order: list[int] = []
-    while len(order) < len(group_rules):
+    placed: dict[int, None] = {}  # in order
+    while len(placed) < len(group_rules):
         ready = next(
-            i for i in range(len(group_rules)) if i not in order and before[i] <= set(order)
+            i for i in range(len(group_rules)) if i not in placed and before[i] <= placed.keys()
         )  # StopIteration: a cycle of read-backs, which no group has
-        order.append(ready)
-    return [group_rules[i] for i in order]
+        placed[ready] = None
+    return [group_rules[i] for i in placed]
 
 
 def rule_groups(cfg: Thresholds, engine: str = "prometheus") -> dict[str, Any]:
