@@ -39,6 +39,7 @@ from typing import Any
 
 from syncscope.exporter.store import (
     RATIO_BUCKETS,
+    RESUME_MARKS,
     STEP_BUCKETS,
     CollectiveTotals,
     RankState,
@@ -108,6 +109,8 @@ def rank_totals(s: RankState) -> dict[str, Any]:
     out["badput_s"] = dict(s.badput_s)
     out["phase_every"] = s.phase_every
     out["checkpoint_pending"] = {str(k): v for k, v in s.checkpoint_pending.items()}
+    out["previous_max_step"] = s.previous_max_step
+    out["resume_marks"] = {str(k): v for k, v in s.resume_marks.items()}
     out["collectives"] = [
         [op, group, t.calls, t.seconds, t.bytes, t.wait_seconds]
         for (op, group), t in s.collectives.items()
@@ -166,6 +169,14 @@ def rank_from_totals(data: Any) -> RankState:
         if not isinstance(pending, Mapping):
             raise BadStateFile("checkpoint_pending is not an object")
         s.checkpoint_pending = {int(k): _number(v, "checkpoint") for k, v in pending.items()}
+        # Files written before resume marks were kept: a restart's lost steps at the mean.
+        s.previous_max_step = _number(
+            data.get("previous_max_step", -1), "previous_max_step", int, least=-1
+        )
+        marks = data.get("resume_marks", {})
+        if not isinstance(marks, Mapping) or len(marks) > RESUME_MARKS:
+            raise BadStateFile(f"resume_marks: not an object of at most {RESUME_MARKS} steps")
+        s.resume_marks = {int(k): _number(v, "resume mark") for k, v in marks.items()}
         for row in data["collectives"]:
             op, group, calls, seconds, nbytes, wait = row
             if not isinstance(op, str) or not isinstance(group, str):

@@ -435,6 +435,12 @@ class RankState:
     # their productive time.
     high_step: int = -1
     previous_step_s: float = 0.0
+    # The latest incarnation with steps: its highest step, and its productive seconds so far
+    # (productive_s) before each step a restart may resume at (its first step, each step a
+    # checkpoint fell in and the one after; the latest RESUME_MARKS): what the steps a restart
+    # runs again took the first time, exactly, where it resumes at one of them.
+    previous_max_step: int = -1
+    resume_marks: dict[int, float] = field(default_factory=dict)
     first_step: int = -1
     max_step: int = -1
     first_step_s: float = 0.0
@@ -640,6 +646,7 @@ class Store:
                 state.pacing_engagements_before += state.pacing.engagements
         if state.max_step >= 0:  # what the steps of a restart that go back are measured by
             state.high_step = max(state.high_step, state.max_step)
+            state.previous_max_step = state.max_step
             state.previous_step_s = (
                 state.later_steps_s / state.later_steps if state.later_steps else state.first_step_s
             )
@@ -751,16 +758,24 @@ class Store:
         checkpoint = state.checkpoint_pending.pop(step, 0.0)
         waiting = phases[_DATA] + phases[_COMM] + phases[_PACING]
         own = max(0.0, d - waiting - checkpoint)
-        state.productive_s += own
+        before = state.productive_s
+        state.productive_s = before + own
+        marks = state.resume_marks
         if state.first_step < 0:
             state.first_step, state.first_step_s = step, own
             if 0 <= step <= state.high_step:
                 lost = state.high_step - step + 1
                 state.lost_steps += lost
-                state.badput_s[LOST_PROGRESS] += lost * state.previous_step_s
+                state.badput_s[LOST_PROGRESS] += _lost_seconds(state, step, before)
+            marks.clear()  # the earlier incarnation's: a later restart goes back into this one
+            marks[step] = before
         else:
             state.later_steps += 1
             state.later_steps_s += own
+        if checkpoint:  # a restart resumes at this step or the next
+            marks[step], marks[step + 1] = before, before + own
+            while len(marks) > RESUME_MARKS:
+                del marks[min(marks)]
         if step > state.max_step:
             state.max_step = step
 
@@ -982,6 +997,20 @@ LEAD_STEPS = 64
 # Steps whose in-step checkpoint time a rank keeps until their row comes.
 MAX_PENDING_CHECKPOINTS = 64
 _DATA, _COMM, _PACING = (PHASES.index(p) for p in ("data", "comm_exposed", "pacing"))
+RESUME_MARKS = 16  # RankState.resume_marks kept: the steps of the latest 8 checkpoints
+
+
+def _lost_seconds(state: RankState, step: int, before: float) -> float:
+    """The productive seconds of the steps from `step` to the highest any earlier incarnation
+    reported, which a restart at `step` runs again, given the productive seconds `before` it:
+    as the latest incarnation with steps took them where it marked `step` (resume_marks), the
+    rest at that incarnation's mean productive step (a job's steps speed up and slow down over
+    an incarnation: its mean is not what the last steps before a kill took)."""
+    start = state.resume_marks.get(step)
+    if start is None or state.previous_max_step < step:
+        return (state.high_step - step + 1) * state.previous_step_s
+    rest = state.high_step - state.previous_max_step
+    return max(0.0, before - start) + rest * state.previous_step_s
 
 
 def _per_step(c: Mapping[str, Any], steps: int) -> Mapping[str, Any]:

@@ -464,8 +464,9 @@ NODE_BADPUT_SECONDS_TOTAL = MetricSpec(
     "Rank-seconds the node's ranks lost, by category: startup (process start to the first "
     "step, less checkpoint loads before it), checkpoint_save and checkpoint_load (torch.save, "
     "torch.load, torch.distributed.checkpoint and agent.checkpoint() on the training thread), "
-    "lost_progress (steps a restart ran again, times the previous incarnation's mean "
-    "productive step time).",
+    "lost_progress (the productive time the steps a restart ran again took before; at the "
+    "previous incarnation's mean productive step where it resumed at a step that was neither "
+    "a checkpoint's nor an incarnation's first).",
     (*NODE, "category"),
     "always",
     "seconds",

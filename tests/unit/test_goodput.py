@@ -324,15 +324,17 @@ def test_the_inert_agent_times_nothing(monkeypatch):
 
 
 # -- the events' way to the exporter -------------------------------------------------------------
-def batch(inc: str, first: int, n: int, *, events=(), rank: int = 0, started: float = 0.0):
-    """Steps first..first+n-1 of 100 ms: data 10, forward 20, backward 30, optimizer 5,
-    exposed communication 15, pacing 5, other 15 (productive: 70 ms)."""
+def batch(
+    inc: str, first: int, n: int, *, events=(), rank: int = 0, started: float = 0.0, ms: int = 100
+):
+    """Steps first..first+n-1 of `ms` (100) ms: data 10, forward 20, backward 30, optimizer 5,
+    exposed communication 15, pacing 5, other the rest (productive: `ms` − 30 ms)."""
     base = 1_700_000_000 * 10**9
     steps = [
         [
             k,
             base + k * 100 * MS,
-            100 * MS,
+            ms * MS,
             10 * MS,
             20 * MS,
             30 * MS,
@@ -413,6 +415,34 @@ def test_a_restart_that_goes_back_to_its_checkpoint_is_lost_progress():
     # A restart that goes forward (a later checkpoint than any step reported) loses nothing.
     ingest(store, batch("c", 40, 5))
     assert counters(store)["lost_progress"] == pytest.approx(c["lost_progress"])
+
+
+@pytest.mark.parametrize("exporter_restarts", [False, True])
+def test_steps_run_again_cost_what_they_took_before(tmp_path, exporter_restarts):
+    """A job whose steps sped up (150 ms, then 100 ms after a checkpoint in step 20) restarts
+    from that checkpoint: the ten steps it runs again cost their own productive time, not the
+    incarnation's mean, across a restart of the exporter (its state file) too. Restarted from
+    the same checkpoint once more after 5 steps of 150 ms: those 5 as they ran, the 5 beyond
+    them that only the first incarnation ran at the latest incarnation's mean."""
+    store = Store(Settings())
+    save = ("checkpoint_save", 20, 0, 40 * MS)  # in step 20: out of that step's productive
+    ingest(store, batch("a", 0, 20, ms=150))
+    ingest(store, batch("a", 20, 10, events=[save]))
+    if exporter_restarts:
+        path = str(tmp_path / "state.json")
+        assert StateFile(path, store).save()
+        store = Store(Settings())
+        assert StateFile(path, store).load() == 1
+    load = ("checkpoint_load", 20, 0, 60 * MS)
+    ingest(store, batch("b", 20, 5, events=[load], ms=150))
+    # Steps 20..29 as incarnation a ran them: 70 ms less the save's 40, then 9 x 70 ms.
+    assert counters(store)["lost_progress"] == pytest.approx(0.03 + 9 * 0.07)
+    ingest(store, batch("c", 20, 3, events=[load]))
+    # b's steps 20..24: 120 ms less the load's 60, then 4 x 120; 25..29 at b's mean (its first
+    # step left out): 120 ms.
+    assert counters(store)["lost_progress"] == pytest.approx(0.66 + 0.06 + 4 * 0.12 + 5 * 0.12)
+    (rank,) = snapshot(store).jobs["g"].ranks
+    assert rank.lost_steps == 20 and rank.restarts == 2
 
 
 def test_unknown_event_kinds_are_ignored_and_version_1_batches_carry_events_too():
