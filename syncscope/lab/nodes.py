@@ -170,6 +170,7 @@ class EmulatedNodes:
         workdir: str | None = None,
         exporter_ports: Sequence[int] | None = None,
         exporter_args: Sequence[str] = (),
+        node_exporter_args: Sequence[Sequence[str]] = (),
         hostnames: bool = True,
     ) -> None:
         if nodes < 1 or ranks_per_node < 1:
@@ -181,6 +182,8 @@ class EmulatedNodes:
         self.hostnames = hostnames
         self._link_mbit = dict(link_mbit or {})
         self._exporter_args = list(exporter_args)
+        # node i's exporter's own arguments after the common ones (none where not given)
+        self._node_exporter_args = [list(args) for args in node_exporter_args]
         self._own_workdir = workdir is None
         self.workdir = workdir or ""  # a temporary one is made on entry
         self.name = f"{NAME_PREFIX}{os.getpid()}-{next(self._instances)}"
@@ -250,9 +253,10 @@ class EmulatedNodes:
         for node in self.nodes:
             log = os.path.join(self.workdir, f"exporter{node.index}.log")
             with open(log, "ab") as out:
+                own = self._node_exporter_args[node.index : node.index + 1] or [[]]
                 node.exporter = start_exporter(
                     node.exporter_port,
-                    ["--ingest-socket", node.socket_path, *self._exporter_args],
+                    ["--ingest-socket", node.socket_path, *self._exporter_args, *own[0]],
                     stdout=out,
                     stderr=subprocess.STDOUT,
                 )

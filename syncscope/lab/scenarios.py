@@ -3,16 +3,17 @@ a throttled node's link, and a competing flow between nodes for part of a run.
 
 Each runs one gloo job on 2 emulated nodes × 2 ranks (syncscope.lab.nodes) whose exporters read
 the job-wide view back from a real Prometheus with syncscope's rules (or VictoriaMetrics with
-vmalert), and returns what the rules, the exporters and the dashboards said, evaluation by
-evaluation where it matters. Needs root, iproute2 (with tc) and Prometheus (or VictoriaMetrics);
+vmalert, or both at once), and returns what the rules, the exporters and the dashboards said,
+evaluation by evaluation where it matters. Needs root, iproute2 (with tc) and Prometheus (or VictoriaMetrics);
 entering raises syncscope.lab.nodes.NodesUnavailable where the kernel refuses.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from syncscope.lab.nodes import EmulatedNodes
@@ -36,41 +37,65 @@ EVEN_LINKS_MBIT = {0: 200.0, 1: 200.0}
 ENGINES = ("prometheus", "vm")
 
 
+Store = Prometheus | VMStack
+
+
 @contextlib.contextmanager
 def job_wide_nodes(
     workdir: str, alertmanager: str | None = None, engine: str = "prometheus", **kw: Any
-) -> Iterator[tuple[EmulatedNodes, Prometheus | VMStack]]:
+) -> Iterator[tuple[EmulatedNodes, Store]]:
     """2 emulated nodes × 2 ranks whose exporters read the job-wide view back (--prometheus-url)
     from the `engine` that scrapes them with syncscope's rules: a real Prometheus, or two
     vmagent shards into VictoriaMetrics with vmalert (servers.VMStack); its alerts go to
     `alertmanager`, host:port, when given."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine {engine!r}: one of {ENGINES}")
-    port = free_port()
+    with job_wide_nodes_on(workdir, {engine: alertmanager}, **kw) as (cluster, stores):
+        yield cluster, stores[engine]
+
+
+@contextlib.contextmanager
+def job_wide_nodes_on(
+    workdir: str, engines: Mapping[str, str | None], **kw: Any
+) -> Iterator[tuple[EmulatedNodes, dict[str, Store]]]:
+    """`job_wide_nodes` scraped by every engine in `engines` at once (each with its
+    Alertmanager, host:port, or None), each in a folder of its own under `workdir` where there
+    are several: node i's exporter reads the job-wide view back from the i-th of them, in turn,
+    so that one job exercises every engine's rules and read-back."""
+    names = list(engines)
+    if not names or any(name not in ENGINES for name in names):
+        raise ValueError(f"engines {names}: some of {ENGINES}")
+    ports = {name: free_port() for name in names}
+    dirs = {name: os.path.join(workdir, name) if len(names) > 1 else workdir for name in names}
+    for folder in dirs.values():
+        os.makedirs(folder, exist_ok=True)
     readback = [
-        "--prometheus-url",
-        f"http://127.0.0.1:{port}",
-        "--prometheus-interval",
-        "2",
-        *exporter_overrides(),
+        [
+            "--prometheus-url",
+            f"http://127.0.0.1:{ports[names[node % len(names)]]}",
+            "--prometheus-interval",
+            "2",
+            *exporter_overrides(),
+        ]
+        for node in range(2)
     ]
     with contextlib.ExitStack() as stack:
-        vm = VMStack(workdir, port=port) if engine == "vm" else None
+        vm = VMStack(dirs["vm"], port=ports["vm"]) if "vm" in names else None
         if vm is not None:
             stack.callback(vm.stop)
         cluster = stack.enter_context(
-            EmulatedNodes(2, 2, workdir=workdir, exporter_args=readback, **kw)
+            EmulatedNodes(2, 2, workdir=workdir, node_exporter_args=readback, **kw)
         )
-        store: Prometheus | VMStack
-        if vm is not None:
-            vm.evaluate(cluster.exporter_ports, alertmanager=alertmanager)
-            store = vm
-        else:
-            config = local_config(cluster.exporter_ports, workdir, alertmanager=alertmanager)
-            store = Prometheus(config, workdir, port=port)
-            stack.callback(store.stop)
-            store.wait_ready()
-        yield cluster, store
+        stores: dict[str, Store] = {}
+        for name in names:
+            if vm is not None and name == "vm":
+                vm.evaluate(cluster.exporter_ports, alertmanager=engines[name])
+                stores[name] = vm
+                continue
+            config = local_config(cluster.exporter_ports, dirs[name], alertmanager=engines[name])
+            prom = Prometheus(config, dirs[name], port=ports[name])
+            stack.callback(prom.stop)
+            prom.wait_ready()
+            stores[name] = prom
+        yield cluster, stores
 
 
 def modes(state: dict[str, Any], job: str) -> dict[str, Any]:
@@ -133,7 +158,18 @@ def slow_link(
     workdir: str, job: str, duration: float = 30.0, engine: str = "prometheus"
 ) -> dict[str, Any]:
     """Node 1's link shaped to a quarter of node 0's (400 and 100 Mbit/s, tbf at both ends)."""
-    with job_wide_nodes(workdir, engine=engine, link_mbit={0: 400, 1: 100}) as (cluster, prom):
+    return slow_link_on(workdir, job, duration, (engine,))[engine]
+
+
+def slow_link_on(
+    workdir: str, job: str, duration: float = 30.0, engines: Sequence[str] = ENGINES
+) -> dict[str, dict[str, Any]]:
+    """`slow_link` judged by each of `engines` at once (job_wide_nodes_on), per engine."""
+    link_mbit = {0: 400, 1: 100}
+    with job_wide_nodes_on(workdir, dict.fromkeys(engines), link_mbit=link_mbit) as (
+        cluster,
+        stores,
+    ):
         started = time.time()
         sampled: dict[int, list[Any]] = {}
         with cluster.running(["--duration", str(duration)], job) as ranks:
@@ -142,30 +178,54 @@ def slow_link(
         time.sleep(3)  # the engine has written every evaluation made while the job ran
         states = cluster.states()
         end = time.time()
-        sel = f'{{job="{job}"}}'
-        # Judged while the job ran: once it has ended there is no traffic to judge a link by,
-        # and the engine's last evaluations may not be written yet (vmalert's remote write).
-        slow = prom.query_range(
-            f"{R.LINK_CAPACITY_RATIO}{sel} < {SLOW_LINK_LINE}", started + WARM_UP_S, ended
-        )
-        # A page is a firing alert; the first seconds are gloo connecting over the slowed
-        # link, as for the slow-link check above.
-        straggler_alerts = prom.query_range(
-            f'ALERTS{{alertname="SyncscopeStraggler",alertstate="firing",job="{job}"}}',
-            started + WARM_UP_S,
-            end,
-        )
-        utilisation = {
-            r["metric"]["node"]: float(r["value"][1])
-            for r in prom.query(f"{R.LINK_UTILIZATION}{sel}", at=end - 4)
-        }
-        empty = [
-            f"{q['panel']}: {q['promql']}"
-            for q in evaluable_queries(job=job, rate_interval="10s", have={"link"})
-            if q["dashboard"] == FABRIC_UID
-            and q["expected_data"]
-            and not prom.query(q["promql"], at=end - 4)
+        exporters = [
+            {
+                "slow_link": modes(s, job).get("slow_link"),
+                "fabric_contention": modes(s, job).get("fabric_contention"),
+                "straggler": s["jobs"][job]["diagnosis"]["straggler"],
+                "verdict": s["jobs"][job]["diagnosis"].get("verdict"),
+            }
+            for s in states
         ]
+        shared = {
+            "straggler_samples": straggler_shares(sampled),
+            "straggler_nearest": nearest_verdicts(sampled, started),
+            "exporters": exporters,
+        }
+        return {
+            name: {**_slow_link_rules(store, job, started, ended, end), **shared}
+            for name, store in stores.items()
+        }
+
+
+def _slow_link_rules(
+    store: Store, job: str, started: float, ended: float, end: float
+) -> dict[str, Any]:
+    """What one engine's rules and the fabric dashboard said of a `slow_link` run."""
+    sel = f'{{job="{job}"}}'
+    # Judged while the job ran: once it has ended there is no traffic to judge a link by,
+    # and the engine's last evaluations may not be written yet (vmalert's remote write).
+    slow = store.query_range(
+        f"{R.LINK_CAPACITY_RATIO}{sel} < {SLOW_LINK_LINE}", started + WARM_UP_S, ended
+    )
+    # A page is a firing alert; the first seconds are gloo connecting over the slowed
+    # link, as for the slow-link check above.
+    straggler_alerts = store.query_range(
+        f'ALERTS{{alertname="SyncscopeStraggler",alertstate="firing",job="{job}"}}',
+        started + WARM_UP_S,
+        end,
+    )
+    utilisation = {
+        r["metric"]["node"]: float(r["value"][1])
+        for r in store.query(f"{R.LINK_UTILIZATION}{sel}", at=end - 4)
+    }
+    empty = [
+        f"{q['panel']}: {q['promql']}"
+        for q in evaluable_queries(job=job, rate_interval="10s", have={"link"})
+        if q["dashboard"] == FABRIC_UID
+        and q["expected_data"]
+        and not store.query(q["promql"], at=end - 4)
+    ]
     expected = {f"job={job},node=node1"}
     named = sum(1 for found in slow.values() if set(found) == expected)
     return {
@@ -177,17 +237,6 @@ def slow_link(
         ],
         "utilisation": utilisation,
         "straggler_alerts": sorted({k for v in straggler_alerts.values() for k in v}),
-        "straggler_samples": straggler_shares(sampled),
-        "straggler_nearest": nearest_verdicts(sampled, started),
-        "exporters": [
-            {
-                "slow_link": modes(s, job).get("slow_link"),
-                "fabric_contention": modes(s, job).get("fabric_contention"),
-                "straggler": s["jobs"][job]["diagnosis"]["straggler"],
-                "verdict": s["jobs"][job]["diagnosis"].get("verdict"),
-            }
-            for s in states
-        ],
         "empty_fabric_panels": empty,
     }
 

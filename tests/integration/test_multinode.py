@@ -1,11 +1,12 @@
 """One real gloo job across emulated nodes (network namespaces joined by veth links), one
 exporter per node: the harness itself, a remote straggler beside the pooled per-step truth,
 and the step-time-CV alert travelling the rules → a real Alertmanager → a webhook. The remote
-straggler, the slow link and the CV alert run on both rule engines: one Prometheus, and two
-vmagent shards into VictoriaMetrics with vmalert.
+straggler, the slow link and the CV alert are judged by both rule engines, one Prometheus and
+two vmagent shards into VictoriaMetrics with vmalert, scraping one job at once (node 0's
+exporter reads the job-wide view back from the first, node 1's from the second).
 
 Needs root and iproute2 (skipped with the kernel's or the permissions' reason otherwise); one
-run per scenario, about three minutes in all on a 2-core machine.
+run per scenario, judged by every test that needs it.
 """
 
 from __future__ import annotations
@@ -171,35 +172,58 @@ def test_one_gloo_job_spans_two_emulated_nodes_and_leaves_nothing_behind(tmp_pat
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")], "a process outlived it"
 
 
-@engines
-@needs_alertmanager
-def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(engine, tmp_path):
-    """Rank 3 (node 1) slowed 45 ms: the job-wide rules and every exporter reading them back
-    (--prometheus-url) name it; leads and amplification agree with the truth pooled per step
-    from all four ranks' records; the job overview's triage table, run as Grafana would, has it
-    on its first row with its node, cause and cost; one notification reaches the chat receiver.
-    On VictoriaMetrics, each exporter is also scraped by exactly one of the two shards."""
+def installed_engines() -> tuple[str, ...]:
+    """The rule engines scripts/setup installed here, of scenarios.ENGINES."""
+    have = {
+        "prometheus": shutil.which("prometheus") is not None,
+        "vm": all(shutil.which(b) for b in VM_BINARIES),
+    }
+    return tuple(engine for engine in scenarios.ENGINES if have[engine])
+
+
+@pytest.fixture(scope="module")
+def on_every_engine(tmp_path_factory: pytest.TempPathFactory) -> RunOnce:
+    """`on_every_engine(name)`: the scenario run once, judged by every installed rule engine at
+    once (scenarios.job_wide_nodes_on; node i's exporter reads back from the i-th): its results
+    per engine, started by the first test that asks."""
+
+    def run(name: str) -> dict[str, Any]:
+        tmp, engines = tmp_path_factory.mktemp(name), installed_engines()
+        if name == "throttled":
+            return scenario(scenarios.slow_link_on, str(tmp), name, 30.0, engines)
+        return scenario(remote_straggler, tmp, engines)
+
+    return RunOnce(run)
+
+
+def remote_straggler(tmp_path, engines: tuple[str, ...]) -> dict[str, Any]:
+    """Rank 3 (node 1) slowed 45 ms, judged by each of `engines` with the shipped Alertmanager
+    route: per engine, the truth over its rules' window beside its rules and the exporters,
+    the triage table, the alerts that fired and what reached the webhook."""
     job = "remote-straggler"
-    am_dir = tmp_path / "alertmanager"
-    am_dir.mkdir()
+    out: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         # The shipped route and inhibitions: what a team's chat and pager would receive. Its
-        # group_wait (30 s) is two of the shipped 15 s evaluations: here two of 1 s.
-        hook = Webhook()
-        stack.callback(hook.stop)
-        am = Alertmanager(
-            hook.url, str(am_dir), config=shipped_alertmanager_config(hook.url, "2s", "1s")
-        )
-        stack.callback(am.stop)
-        am.wait_ready()
+        # group_wait (30 s) is two of the shipped 15 s evaluations: here two of 1 s. One
+        # Alertmanager per engine: each engine's notifications are its own.
+        hooks: dict[str, Webhook] = {}
+        managers: dict[str, str | None] = {}
+        for engine in engines:
+            hooks[engine] = hook = Webhook()
+            stack.callback(hook.stop)
+            am_dir = tmp_path / f"alertmanager-{engine}"
+            am_dir.mkdir()
+            am = Alertmanager(
+                hook.url, str(am_dir), config=shipped_alertmanager_config(hook.url, "2s", "1s")
+            )
+            stack.callback(am.stop)
+            am.wait_ready()
+            managers[engine] = am.address
         # Links shaped alike: a transfer the CPUs' scheduling swings across the contention
         # line would page (it did, once in CI) for what is no fabric at all.
-        cluster, prom = stack.enter_context(
-            job_wide_nodes(
-                tmp_path,
-                alertmanager=am.address,
-                engine=engine,
-                link_mbit=scenarios.EVEN_LINKS_MBIT,
+        cluster, stores = stack.enter_context(
+            scenarios.job_wide_nodes_on(
+                str(tmp_path), managers, link_mbit=scenarios.EVEN_LINKS_MBIT
             )
         )
         started = time.time()
@@ -211,29 +235,62 @@ def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(eng
         # back (2 s); the truth covers the steps the rules' windows saw.
         time.sleep(4)
         window = local_window_s()
-        truth = cluster.truth(SKIP_STEPS, window, rule_window_steps(prom, job, f"{window:g}s"))
-        comparison = compare(prom, cluster.states(), truth, job)
-        # The checked-in dashboard's triage row at the time the rules are read above.
-        assert truth.at_unix_s is not None
-        ctx = render.Context.for_job(
-            prom.url, job, start=started, end=truth.at_unix_s, rate_interval=f"{window:g}s"
-        )
-        overview = render.load_dashboard(D.OVERVIEW_UID)
-        late = next(p for p in overview["panels"] if p["title"] == "Late ranks")
-        frame = render.panel_table(late, ctx)
-        triage_html = render.render_html(overview, render.row_panels(overview, "Triage"), ctx)[0]
-        time.sleep(4)  # the last evaluation's alerts through group_wait (2 s)
-        fired = prom.query_range(f'ALERTS{{job="{job}",alertstate="firing"}}', started, time.time())
-        notified = [
-            (to, n) for to, n in list(hook.notifications) if n["groupLabels"] == {"job": job}
-        ]
-        if isinstance(prom, VMStack):
-            # Two shards without cluster mode would each scrape both exporters.
-            by_shard = prom.scraped_by_shard()
-            targets = {f"127.0.0.1:{p}" for p in cluster.exporter_ports}
-            assert sum(len(s) for s in by_shard) == 2 and set().union(*by_shard) == targets, (
-                by_shard
+        states = cluster.states()
+        for engine, prom in stores.items():
+            truth = cluster.truth(SKIP_STEPS, window, rule_window_steps(prom, job, f"{window:g}s"))
+            # The checked-in dashboard's triage row at the time the rules are read.
+            assert truth.at_unix_s is not None
+            ctx = render.Context.for_job(
+                prom.url, job, start=started, end=truth.at_unix_s, rate_interval=f"{window:g}s"
             )
+            overview = render.load_dashboard(D.OVERVIEW_UID)
+            late = next(p for p in overview["panels"] if p["title"] == "Late ranks")
+            out[engine] = {
+                "truth": truth,
+                "comparison": compare(prom, states, truth, job),
+                "frame": render.panel_table(late, ctx),
+                "triage_html": render.render_html(
+                    overview, render.row_panels(overview, "Triage"), ctx
+                )[0],
+            }
+        time.sleep(4)  # the last evaluation's alerts through group_wait (2 s)
+        for engine, prom in stores.items():
+            out[engine]["fired"] = prom.query_range(
+                f'ALERTS{{job="{job}",alertstate="firing"}}', started, time.time()
+            )
+            out[engine]["notified"] = [
+                (to, n)
+                for to, n in list(hooks[engine].notifications)
+                if n["groupLabels"] == {"job": job}
+            ]
+            if isinstance(prom, VMStack):
+                # Two shards without cluster mode would each scrape both exporters.
+                out[engine]["by_shard"] = prom.scraped_by_shard()
+        out["targets"] = {f"127.0.0.1:{p}" for p in cluster.exporter_ports}
+    return out
+
+
+@engines
+@needs_alertmanager
+def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(
+    engine, on_every_engine, tmp_path
+):
+    """Rank 3 (node 1) slowed 45 ms: the job-wide rules and every exporter reading them back
+    (--prometheus-url) name it; leads and amplification agree with the truth pooled per step
+    from all four ranks' records; the job overview's triage table, run as Grafana would, has it
+    on its first row with its node, cause and cost; one notification reaches the chat receiver.
+    On VictoriaMetrics, each exporter is also scraped by exactly one of the two shards. One job
+    judged by both engines at once (node 0's exporter reads Prometheus back, node 1's
+    VictoriaMetrics)."""
+    run = on_every_engine("remote-straggler")
+    mine = run[engine]
+    truth, comparison, frame = mine["truth"], mine["comparison"], mine["frame"]
+    fired, notified = mine["fired"], mine["notified"]
+    if engine == "vm":
+        by_shard = mine["by_shard"]
+        assert sum(len(s) for s in by_shard) == 2 and set().union(*by_shard) == run["targets"], (
+            by_shard
+        )
     print("\n" + format_comparison(comparison))
     assert truth.straggler == 3
     assert all(truth.mean_wait_s[r] >= 0.020 for r in (0, 1, 2)), truth.mean_wait_s
@@ -282,7 +339,7 @@ def test_remote_straggler_is_named_job_wide_and_leads_match_the_pooled_truth(eng
     # ... though the rules fired more for this job: the inhibitions did the work.
     assert "SyncscopeSyncAmplification" in firing, firing
     if render.can_screenshot():
-        render.screenshot(triage_html, tmp_path / render.TRIAGE_FILE)
+        render.screenshot(mine["triage_html"], tmp_path / render.TRIAGE_FILE)
         assert (tmp_path / render.TRIAGE_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -569,12 +626,13 @@ def assert_no_straggler_verdicts(out: dict[str, Any]) -> None:
 
 
 @engines
-def test_a_throttled_node_is_the_slow_link_and_no_rank_a_straggler(engine, tmp_path):
+def test_a_throttled_node_is_the_slow_link_and_no_rank_a_straggler(engine, on_every_engine):
     """Node 1's link shaped to a quarter of node 0's (tbf, both ends): the rule names node 1 the
     slow link in nearly every evaluation, both exporters say so, nobody is a straggler and
     nothing is contention (the link was slow from the start), the decision verdict is
-    infrastructure naming node 1's link, and every fabric panel has data."""
-    out = scenario(scenarios.slow_link, str(tmp_path), "throttled", 30.0, engine)
+    infrastructure naming node 1's link, and every fabric panel has data. One job judged by
+    both engines at once."""
+    out = on_every_engine("throttled")[engine]
     print(f"\n{out}")
     assert out["evaluations"] >= 10, out
     assert out["utilisation"]["node1"] > 2 * out["utilisation"]["node0"], out
@@ -609,38 +667,43 @@ def test_a_competing_flow_is_contention_only_while_it_runs(tmp_path):
         assert node["straggler"] is None, node
 
 
-@engines
-@needs_alertmanager
-def test_cv_alert_fires_and_resolves_through_a_real_alertmanager(engine, tmp_path):
-    job = "jitter-then-steady"
-    alert = "SyncscopeStepTimeCVHigh"
-    am_dir, prom_dir = tmp_path / "alertmanager", tmp_path / "prometheus"
-    am_dir.mkdir()
-    prom_dir.mkdir()
+def cv_alert(tmp_path, engines: tuple[str, ...]) -> dict[str, Any]:
+    """A jittery, then steady 2-rank job on one node, its CV alert judged by each of `engines`
+    at once, each with an Alertmanager and a webhook of its own: per engine, the first firing
+    and the first resolved notification (None where none came), and the recorded CV."""
+    job, alert = "jitter-then-steady", "SyncscopeStepTimeCVHigh"
+    out: dict[str, Any] = {"job": job, "alert": alert}
     with contextlib.ExitStack() as stack:
-        hook = Webhook()
-        stack.callback(hook.stop)
         # Ranks silent for 5 s are forgotten: should the noisy steady phase keep the CV up,
         # the alert still resolves once the job has ended.
         cluster = stack.enter_context(
             emulated(1, 2, exporter_args=["--stale-after", "3", "--expire-after", "5"])
         )
-        am = Alertmanager(hook.url, str(am_dir))
-        stack.callback(am.stop)
-        am.wait_ready()
         overrides = {f"alerts.{alert}.levels.0.threshold": 0.5, f"alerts.{alert}.for": "2s"}
-        prom: Prometheus | VMStack
-        if engine == "vm":
-            prom = VMStack(str(prom_dir))
-            stack.callback(prom.stop)
-            prom.evaluate(cluster.exporter_ports, overrides, alertmanager=am.address)
-        else:
-            config = local_config(
-                cluster.exporter_ports, str(prom_dir), overrides, alertmanager=am.address
-            )
-            prom = Prometheus(config, str(prom_dir))
-            stack.callback(prom.stop)
-            prom.wait_ready()
+        hooks: dict[str, Webhook] = {}
+        stores: dict[str, Prometheus | VMStack] = {}
+        for engine in engines:
+            hooks[engine] = hook = Webhook()
+            stack.callback(hook.stop)
+            am_dir, prom_dir = tmp_path / f"alertmanager-{engine}", tmp_path / engine
+            am_dir.mkdir()
+            prom_dir.mkdir()
+            am = Alertmanager(hook.url, str(am_dir))
+            stack.callback(am.stop)
+            am.wait_ready()
+            if engine == "vm":
+                vm = VMStack(str(prom_dir))
+                stack.callback(vm.stop)
+                vm.evaluate(cluster.exporter_ports, overrides, alertmanager=am.address)
+                stores[engine] = vm
+            else:
+                config = local_config(
+                    cluster.exporter_ports, str(prom_dir), overrides, alertmanager=am.address
+                )
+                prom = Prometheus(config, str(prom_dir))
+                stack.callback(prom.stop)
+                prom.wait_ready()
+                stores[engine] = prom
         # 20 s of stalls (150 ms on 30 % of a rank's steps), then steady: the exporter's
         # 100-step CV window drains and the alert resolves, usually while the job still runs.
         jittery = ["--jitter-prob", "0.3", "--jitter-ms", "150", "--jitter-until", "20"]
@@ -652,12 +715,44 @@ def test_cv_alert_fires_and_resolves_through_a_real_alertmanager(engine, tmp_pat
             stderr=log,
             record=False,
         )
-        fired = wait_until(lambda: hook.alerts(alert, "firing"), timeout=60, interval=1)
-        assert fired, f"no firing {alert} reached the webhook: {hook.notifications}"
-        labels, annotations = fired[0]["labels"], fired[0]["annotations"]
-        assert labels["job"] == job and labels["severity"]
-        assert annotations["runbook_url"].endswith("#alert-name-syncscopesteptimecvhigh")
-        resolved = wait_until(lambda: hook.alerts(alert, "resolved"), timeout=75, interval=1)
-        assert resolved, f"{alert} never resolved: {prom.query('job:syncscope_step_time_cv:max')}"
-        assert resolved[0]["labels"]["job"] == job
-        assert wait_all(ranks, 60) == [0, 0], (tmp_path / "ranks.log").read_text()[-4000:]
+
+        def firsts(state: str) -> Any:
+            seen = {e: hook.alerts(alert, state) for e, hook in hooks.items()}
+            return seen if all(seen.values()) else None
+
+        wait_until(lambda: firsts("firing"), timeout=60, interval=1)
+        wait_until(lambda: firsts("resolved"), timeout=75, interval=1)
+        for engine, store in stores.items():
+            out[engine] = {
+                "fired": (hooks[engine].alerts(alert, "firing") or [None])[0],
+                "resolved": (hooks[engine].alerts(alert, "resolved") or [None])[0],
+                "notifications": list(hooks[engine].notifications),
+                "cv": store.query("job:syncscope_step_time_cv:max"),
+            }
+        out["exit_codes"] = wait_all(ranks, 60)
+        out["log"] = (tmp_path / "ranks.log").read_text()[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def cv_alert_run(tmp_path_factory: pytest.TempPathFactory) -> RunOnce:
+    """`cv_alert_run(None)`: `cv_alert` on every installed engine, run by the first test."""
+    return RunOnce(lambda _: cv_alert(tmp_path_factory.mktemp("cv"), installed_engines()))
+
+
+@engines
+@needs_alertmanager
+def test_cv_alert_fires_and_resolves_through_a_real_alertmanager(engine, cv_alert_run):
+    """Step-time CV over 0.5 for 2 s (20 s of 150 ms stalls): the alert reaches a webhook
+    through a real Alertmanager with its labels and runbook, and resolves once the steps are
+    steady (or the ranks are gone). One job judged by both engines at once."""
+    run = cv_alert_run(None)
+    job, alert, mine = run["job"], run["alert"], run[engine]
+    fired = mine["fired"]
+    assert fired, f"no firing {alert} reached the webhook: {mine['notifications']}"
+    labels, annotations = fired["labels"], fired["annotations"]
+    assert labels["job"] == job and labels["severity"]
+    assert annotations["runbook_url"].endswith("#alert-name-syncscopesteptimecvhigh")
+    assert mine["resolved"], f"{alert} never resolved: {mine['cv']}"
+    assert mine["resolved"]["labels"]["job"] == job
+    assert run["exit_codes"] == [0, 0], run["log"]
