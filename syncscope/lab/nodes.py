@@ -253,10 +253,15 @@ class EmulatedNodes:
         for node in self.nodes:
             log = os.path.join(self.workdir, f"exporter{node.index}.log")
             with open(log, "ab") as out:
-                own = self._node_exporter_args[node.index : node.index + 1] or [[]]
+                own = self._node_exporter_args
                 node.exporter = start_exporter(
                     node.exporter_port,
-                    ["--ingest-socket", node.socket_path, *self._exporter_args, *own[0]],
+                    [
+                        "--ingest-socket",
+                        node.socket_path,
+                        *self._exporter_args,
+                        *(own[node.index] if node.index < len(own) else ()),
+                    ],
                     stdout=out,
                     stderr=subprocess.STDOUT,
                 )

@@ -4,8 +4,8 @@ a throttled node's link, and a competing flow between nodes for part of a run.
 Each runs one gloo job on 2 emulated nodes × 2 ranks (syncscope.lab.nodes) whose exporters read
 the job-wide view back from a real Prometheus with syncscope's rules (or VictoriaMetrics with
 vmalert, or both at once), and returns what the rules, the exporters and the dashboards said,
-evaluation by evaluation where it matters. Needs root, iproute2 (with tc) and Prometheus (or VictoriaMetrics);
-entering raises syncscope.lab.nodes.NodesUnavailable where the kernel refuses.
+evaluation by evaluation where it matters. Needs root, iproute2 (with tc) and Prometheus (or
+VictoriaMetrics); entering raises syncscope.lab.nodes.NodesUnavailable where the kernel refuses.
 """
 
 from __future__ import annotations
@@ -78,24 +78,46 @@ def job_wide_nodes_on(
         for node in range(2)
     ]
     with contextlib.ExitStack() as stack:
-        vm = VMStack(dirs["vm"], port=ports["vm"]) if "vm" in names else None
-        if vm is not None:
-            stack.callback(vm.stop)
         cluster = stack.enter_context(
             EmulatedNodes(2, 2, workdir=workdir, node_exporter_args=readback, **kw)
         )
-        stores: dict[str, Store] = {}
-        for name in names:
-            if vm is not None and name == "vm":
-                vm.evaluate(cluster.exporter_ports, alertmanager=engines[name])
-                stores[name] = vm
-                continue
-            config = local_config(cluster.exporter_ports, dirs[name], alertmanager=engines[name])
-            prom = Prometheus(config, dirs[name], port=ports[name])
-            stack.callback(prom.stop)
-            prom.wait_ready()
-            stores[name] = prom
+        stores = {
+            name: start_engine(
+                stack,
+                name,
+                dirs[name],
+                cluster.exporter_ports,
+                port=ports[name],
+                alertmanager=engines[name],
+            )
+            for name in names
+        }
         yield cluster, stores
+
+
+def start_engine(
+    stack: contextlib.ExitStack,
+    engine: str,
+    workdir: str,
+    exporter_ports: Sequence[int],
+    *,
+    port: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    alertmanager: str | None = None,
+) -> Store:
+    """`engine` scraping the exporters on 127.0.0.1 at `exporter_ports` with syncscope's rules
+    (local_config's short windows, then `overrides`), ready, stopped when `stack` closes; its
+    alerts go to `alertmanager`, host:port, when given."""
+    if engine == "vm":
+        vm = VMStack(workdir, port=port)
+        stack.callback(vm.stop)
+        vm.evaluate(exporter_ports, overrides, alertmanager=alertmanager)
+        return vm
+    config = local_config(exporter_ports, workdir, overrides, alertmanager=alertmanager)
+    prom = Prometheus(config, workdir, port=port)
+    stack.callback(prom.stop)
+    prom.wait_ready()
+    return prom
 
 
 def modes(state: dict[str, Any], job: str) -> dict[str, Any]:

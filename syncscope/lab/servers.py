@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from syncscope.prometheus_api import PrometheusAPI
@@ -500,7 +500,7 @@ class VMStack(_Queries):
     def evaluate(
         self,
         exporter_ports: Sequence[int],
-        overrides: dict[str, Any] | None = None,
+        overrides: Mapping[str, Any] | None = None,
         alertmanager: str | None = None,
         shards: int = 2,
     ) -> None:

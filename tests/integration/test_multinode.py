@@ -16,7 +16,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -32,7 +32,6 @@ from syncscope.monitoring import dashboards as D
 from syncscope.monitoring import rules as R
 from syncscope.monitoring.prometheus_config import (
     exporter_overrides,
-    local_config,
     local_window_s,
 )
 from syncscope.thresholds import load_config, required
@@ -52,30 +51,24 @@ pytestmark = [
     pytest.mark.quiet,
     pytest.mark.skipif(not torch_available(), reason="torch is not installed"),
 ]
-needs_prometheus = pytest.mark.skipif(
-    shutil.which("prometheus") is None,
-    reason="prometheus not installed (scripts/setup test installs it)",
-)
 VM_BINARIES = ("victoria-metrics", "vmagent", "vmalert")
+# The rule engines scripts/setup installed here, and why one is skipped where it is not.
+INSTALLED = {
+    "prometheus": shutil.which("prometheus") is not None,
+    "vm": all(shutil.which(b) for b in VM_BINARIES),
+}
+MISSING = {
+    "prometheus": "prometheus not installed (scripts/setup test installs it)",
+    "vm": "VictoriaMetrics, vmagent or vmalert not installed (scripts/setup test)",
+}
+needs_prometheus = pytest.mark.skipif(not INSTALLED["prometheus"], reason=MISSING["prometheus"])
 # Each scenario that checks the job-wide rules end to end runs on both engines: one Prometheus,
 # and vmagent shards into VictoriaMetrics with vmalert (docs/victoriametrics.md).
 engines = pytest.mark.parametrize(
     "engine",
     [
-        pytest.param(
-            "prometheus",
-            marks=pytest.mark.skipif(
-                shutil.which("prometheus") is None,
-                reason="prometheus not installed (scripts/setup test installs it)",
-            ),
-        ),
-        pytest.param(
-            "vm",
-            marks=pytest.mark.skipif(
-                any(shutil.which(b) is None for b in VM_BINARIES),
-                reason="VictoriaMetrics, vmagent or vmalert not installed (scripts/setup test)",
-            ),
-        ),
+        pytest.param(e, marks=pytest.mark.skipif(not INSTALLED[e], reason=MISSING[e]))
+        for e in scenarios.ENGINES
     ],
 )
 needs_alertmanager = pytest.mark.skipif(
@@ -174,11 +167,30 @@ def test_one_gloo_job_spans_two_emulated_nodes_and_leaves_nothing_behind(tmp_pat
 
 def installed_engines() -> tuple[str, ...]:
     """The rule engines scripts/setup installed here, of scenarios.ENGINES."""
-    have = {
-        "prometheus": shutil.which("prometheus") is not None,
-        "vm": all(shutil.which(b) for b in VM_BINARIES),
-    }
-    return tuple(engine for engine in scenarios.ENGINES if have[engine])
+    return tuple(engine for engine in scenarios.ENGINES if INSTALLED[engine])
+
+
+def alertmanagers(
+    stack: contextlib.ExitStack,
+    tmp_path,
+    engines: tuple[str, ...],
+    config: Callable[[str], str] | None = None,
+) -> tuple[dict[str, Webhook], dict[str, str | None]]:
+    """A webhook and a real Alertmanager sending to it (with `config(webhook_url)` where given)
+    per engine, stopped with `stack`, so that each engine's notifications are its own: the
+    hooks and the Alertmanagers' addresses, by engine."""
+    hooks: dict[str, Webhook] = {}
+    addresses: dict[str, str | None] = {}
+    for engine in engines:
+        hooks[engine] = hook = Webhook()
+        stack.callback(hook.stop)
+        am_dir = tmp_path / f"alertmanager-{engine}"
+        am_dir.mkdir()
+        am = Alertmanager(hook.url, str(am_dir), config=config(hook.url) if config else None)
+        stack.callback(am.stop)
+        am.wait_ready()
+        addresses[engine] = am.address
+    return hooks, addresses
 
 
 @pytest.fixture(scope="module")
@@ -204,21 +216,13 @@ def remote_straggler(tmp_path, engines: tuple[str, ...]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         # The shipped route and inhibitions: what a team's chat and pager would receive. Its
-        # group_wait (30 s) is two of the shipped 15 s evaluations: here two of 1 s. One
-        # Alertmanager per engine: each engine's notifications are its own.
-        hooks: dict[str, Webhook] = {}
-        managers: dict[str, str | None] = {}
-        for engine in engines:
-            hooks[engine] = hook = Webhook()
-            stack.callback(hook.stop)
-            am_dir = tmp_path / f"alertmanager-{engine}"
-            am_dir.mkdir()
-            am = Alertmanager(
-                hook.url, str(am_dir), config=shipped_alertmanager_config(hook.url, "2s", "1s")
-            )
-            stack.callback(am.stop)
-            am.wait_ready()
-            managers[engine] = am.address
+        # group_wait (30 s) is two of the shipped 15 s evaluations: here two of 1 s.
+        hooks, managers = alertmanagers(
+            stack,
+            tmp_path,
+            engines,
+            config=lambda url: shipped_alertmanager_config(url, "2s", "1s"),
+        )
         # Links shaped alike: a transfer the CPUs' scheduling swings across the contention
         # line would page (it did, once in CI) for what is no fabric at all.
         cluster, stores = stack.enter_context(
@@ -680,30 +684,18 @@ def cv_alert(tmp_path, engines: tuple[str, ...]) -> dict[str, Any]:
             emulated(1, 2, exporter_args=["--stale-after", "3", "--expire-after", "5"])
         )
         overrides = {f"alerts.{alert}.levels.0.threshold": 0.5, f"alerts.{alert}.for": "2s"}
-        hooks: dict[str, Webhook] = {}
+        hooks, managers = alertmanagers(stack, tmp_path, engines)
         stores: dict[str, Prometheus | VMStack] = {}
         for engine in engines:
-            hooks[engine] = hook = Webhook()
-            stack.callback(hook.stop)
-            am_dir, prom_dir = tmp_path / f"alertmanager-{engine}", tmp_path / engine
-            am_dir.mkdir()
-            prom_dir.mkdir()
-            am = Alertmanager(hook.url, str(am_dir))
-            stack.callback(am.stop)
-            am.wait_ready()
-            if engine == "vm":
-                vm = VMStack(str(prom_dir))
-                stack.callback(vm.stop)
-                vm.evaluate(cluster.exporter_ports, overrides, alertmanager=am.address)
-                stores[engine] = vm
-            else:
-                config = local_config(
-                    cluster.exporter_ports, str(prom_dir), overrides, alertmanager=am.address
-                )
-                prom = Prometheus(config, str(prom_dir))
-                stack.callback(prom.stop)
-                prom.wait_ready()
-                stores[engine] = prom
+            (tmp_path / engine).mkdir()
+            stores[engine] = scenarios.start_engine(
+                stack,
+                engine,
+                str(tmp_path / engine),
+                cluster.exporter_ports,
+                overrides=overrides,
+                alertmanager=managers[engine],
+            )
         # 20 s of stalls (150 ms on 30 % of a rank's steps), then steady: the exporter's
         # 100-step CV window drains and the alert resolves, usually while the job still runs.
         jittery = ["--jitter-prob", "0.3", "--jitter-ms", "150", "--jitter-until", "20"]
