@@ -44,9 +44,11 @@ class Thresholds:
     min_aligned_steps: int  # fewer steps reported by every rank: per-step rules abstain
     # The rules' windows where the exporter keeps its own baselines (the thresholds file's
     # "windows"): the node-local contention baseline and its recent transfer (the rate
-    # window), and how long a rank's best sustained throughput stays its baseline.
+    # window), the shortest block of a rank's throughput (the rate window), and how long its
+    # best sustained throughput stays its baseline (the trend window).
     contention_baseline_s: float
     contention_recent_s: float
+    throughput_block_s: float
     throughput_horizon_s: float
     window: int = STEP_WINDOW  # most recent steps compared
     # The node-local contention verdict's hold, SyncscopeFabricContention's for: a recent
@@ -84,6 +86,7 @@ class Thresholds:
         )
         section["contention_baseline_s"] = duration_seconds(windows.contention_baseline)
         section["contention_recent_s"] = duration_seconds(windows.rate)
+        section["throughput_block_s"] = duration_seconds(windows.rate)
         section["throughput_horizon_s"] = duration_seconds(windows.trend)
         names = [f.name for f in fields(cls) if f.name != "window"]
         return cls(**{name: section[name] for name in names})

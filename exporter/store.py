@@ -708,6 +708,7 @@ class Store:
             state.window = deque(state.window, maxlen=self.settings.step_window)
             state.work = deque(state.work, maxlen=self.settings.step_window)
             state.recent = deque(state.recent, maxlen=self.settings.recent_steps)
+        t = self.settings.thresholds
         for step, d, end_unix_s, values, samples, tokens in rows:
             if state.first_step < 0:  # the incarnation's first step: compiling, lazy init
                 self._warm_up(state, step)
@@ -735,7 +736,7 @@ class Store:
                     state.tokens_total = (state.tokens_total or 0) + tokens
                 state.work.append((d, samples, tokens))
             state.throughput.add(
-                d, samples, end_unix_s, self.settings.thresholds.throughput_horizon_s
+                d, samples, end_unix_s, t.throughput_horizon_s, t.throughput_block_s
             )
             pool.add_step(state.rank, step, d, values)
 

@@ -1,9 +1,11 @@
 """Each rank's throughput per GPU against its own best sustained level: what the decision
 verdict (exporter/verdict.py) compares to say a job slows down when no failure mode is named.
 
-A rank's steps are cut into blocks of BLOCK_STEPS, the diagnosis window's length. A block's rate
-is per second of step time (time between steps — a restart, a hang — is not in it): samples
-where at least half its steps said how many, else steps. The first block after each (re)start
+A rank's steps are cut into blocks of BLOCK_STEPS, the diagnosis window's length, and at least
+the thresholds' rate window of step time: at 10 ms steps, 100 steps are a second, and a
+neighbour's burst or a pause of a few seconds would fill every block the verdict reads. A
+block's rate is per second of step time (time between steps — a restart, a hang — is not in
+it): samples where at least half its steps said how many, else steps. The first block after each (re)start
 of the rank is warm-up (compilation, autotuning, a cold data loader) and is left out. Then
 
   current   the median of the last CURRENT_BLOCKS blocks' rates: a fall most of them show, not
@@ -58,15 +60,18 @@ class Throughput:
     work_seconds: float = 0.0
     samples: int = 0
 
-    def add(self, seconds: float, samples: int, end_unix_s: float, horizon_s: float) -> None:
-        """One step of `seconds`; `samples` < 0 where the step did not say."""
+    def add(
+        self, seconds: float, samples: int, end_unix_s: float, horizon_s: float, block_s: float
+    ) -> None:
+        """One step of `seconds`; `samples` < 0 where the step did not say. A block closes at
+        BLOCK_STEPS steps once it holds `block_s` of step time."""
         self.steps += 1
         self.seconds += seconds
         if samples >= 0:
             self.work_steps += 1
             self.work_seconds += seconds
             self.samples += samples
-        if self.steps >= BLOCK_STEPS:
+        if self.steps >= BLOCK_STEPS and self.seconds >= block_s:
             self._close(end_unix_s, horizon_s)
 
     def _close(self, at: float, horizon_s: float) -> None:

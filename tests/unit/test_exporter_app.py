@@ -480,8 +480,8 @@ def test_the_exporters_set_is_parsed_into_settings_and_a_typo_stops_it_at_start(
 
 
 def test_the_exporters_set_moves_the_windows_of_its_own_baselines():
-    """The node-local contention baseline and the throughput baseline's horizon are the rules'
-    windows: `--set windows.*` moves them in the exporter as in the rules."""
+    """The node-local contention baseline, the throughput's shortest block and its baseline's
+    horizon are the rules' windows: `--set windows.*` moves them in the exporter as in the rules."""
     from syncscope.exporter.__main__ import build_parser, settings_from_args
     from syncscope.exporter.store import Store
 
@@ -489,7 +489,7 @@ def test_the_exporters_set_moves_the_windows_of_its_own_baselines():
     settings = settings_from_args(build_parser().parse_args([*args, "--set", "windows.trend=3d"]))
     t = settings.thresholds
     assert (t.contention_baseline_s, t.contention_recent_s) == (7200.0, 30.0)
-    assert t.throughput_horizon_s == 3 * 86400.0
+    assert (t.throughput_block_s, t.throughput_horizon_s) == (30.0, 3 * 86400.0)
     store = Store(settings)
     with TestClient(create_app(settings, store)) as c:
         assert c.post("/v1/ingest", json=BATCH_V2).status_code == 200

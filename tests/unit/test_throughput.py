@@ -1,6 +1,7 @@
 """Each rank's throughput per GPU against its own best sustained level (exporter/throughput.py):
-blocks of steps, warm-up left out, one fast block never the baseline, and the baseline through
-the store, into the decision verdict, and across an exporter restart (the state file)."""
+blocks of steps and of at least the rate window, warm-up left out, one fast block never the
+baseline, and the baseline through the store, into the decision verdict, and across an exporter
+restart (the state file)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,25 @@ T0 = 1_700_000_000.0
 
 def feed(t: Throughput, rates: list[float], samples: int = 32, at: float = T0) -> float:
     """One block per rate: BLOCK_STEPS steps of `samples` each at that many samples (or steps,
-    where they say none) per second; returns the time after them."""
+    where they say none) per second; returns the time after them. Blocks of steps alone: no
+    shortest block."""
     for rate in rates:
         for _ in range(BLOCK_STEPS):
             d = max(samples, 1) / rate
             at += d
-            t.add(d, samples, at, DAY)
+            t.add(d, samples, at, DAY, 0.0)
     return at
+
+
+def test_a_block_holds_at_least_the_rate_window_of_step_time() -> None:
+    t = Throughput()
+    at = T0
+    for _ in range(4999):  # 59.988 s of 12 ms steps: 49 blocks' steps, not a minute
+        at += 0.012
+        t.add(0.012, 32, at, DAY, 60.0)
+    assert t.blocks == 0
+    t.add(0.012, 32, at + 0.012, DAY, 60.0)
+    assert t.blocks == 1
 
 
 def test_warm_up_is_left_out_and_a_baseline_needs_sustained_blocks() -> None:
@@ -131,9 +144,9 @@ def test_a_fall_through_the_store_is_the_verdict_and_survives_an_exporter_restar
     tmp_path,
 ) -> None:
     store = Store(Settings())
-    at = run(store, 0, 1 + SUSTAINED_BLOCKS, step_ms=100)  # 320 samples/s per GPU
+    at = run(store, 0, 1 + SUSTAINED_BLOCKS, step_ms=600)  # blocks of 60 s: 53.3 samples/s
     job = snapshot(store).jobs["t"]
-    level = pytest.approx(320.0)
+    level = pytest.approx(32 / 0.6)
     assert [r.throughput for r in job.ranks] == [ThroughputView("samples", level, level)] * 2
     assert job.diagnosis.verdict is None  # steady
 
@@ -142,33 +155,44 @@ def test_a_fall_through_the_store_is_the_verdict_and_survives_an_exporter_restar
     after = Store(Settings())
     assert StateFile(path, after).load() == 2
     # the same processes go on, 25 % slower: the baseline came through the restart
-    run(after, at, 3, step_ms=133)
+    run(after, at, 3, step_ms=798)
     job = snapshot(after).jobs["t"]
     (view,) = {r.throughput for r in job.ranks}
-    assert view is not None and view.baseline_per_s == pytest.approx(320.0)
-    assert view.current_per_s == pytest.approx(32 / 0.133)
+    assert view is not None and view.baseline_per_s == pytest.approx(32 / 0.6)
+    assert view.current_per_s == pytest.approx(32 / 0.798)
     v = job.diagnosis.verdict
     assert v is not None and (v.verdict, v.hardware) == ("coupling", "unknown")  # CPU ranks
     assert v.coupling == {"throughput_drop": pytest.approx(0.248, abs=1e-3)}
     assert v.reason.startswith(
         "structural coupling: throughput per GPU 75% of the job's own baseline "
-        "(241 vs 320 samples/s per GPU"
+        "(40.1 vs 53.3 samples/s per GPU"
     )
+
+
+def test_seconds_of_fast_then_slow_short_steps_are_no_fall() -> None:
+    """A 12 s run of 12 ms steps whose last 4 s run a third slower (a neighbour took the CPU):
+    100-step blocks would read it as a 25 % fall; blocks of the rate window read no level."""
+    store = Store(Settings())
+    at = run(store, 0, 7, step_ms=12)
+    run(store, at, 3, step_ms=16)
+    job = snapshot(store).jobs["t"]
+    assert [r.throughput for r in job.ranks] == [None, None]
+    assert job.diagnosis.verdict is None
 
 
 def test_a_restarted_rank_is_not_a_fall_while_it_warms_up() -> None:
     store = Store(Settings())
-    at = run(store, 0, 1 + SUSTAINED_BLOCKS, step_ms=100)
-    run(store, at, 2, step_ms=400, inc="b")  # restarted: slow first steps, then one block
+    at = run(store, 0, 1 + SUSTAINED_BLOCKS, step_ms=600)
+    run(store, at, 2, step_ms=2400, inc="b")  # restarted: slow first steps, then one block
     job = snapshot(store).jobs["t"]
     views = [r.throughput for r in job.ranks]
-    assert views == [ThroughputView("samples", None, pytest.approx(320.0))] * 2
+    assert views == [ThroughputView("samples", None, pytest.approx(32 / 0.6))] * 2
     assert job.diagnosis.verdict is None
 
 
 def test_a_state_file_from_before_the_baseline_loads_without_one(tmp_path) -> None:
     store = Store(Settings())
-    run(store, 0, 1 + SUSTAINED_BLOCKS, step_ms=100)
+    run(store, 0, 1 + SUSTAINED_BLOCKS, step_ms=600)
     path = tmp_path / "state.json"
     StateFile(str(path), store).save()
     data = json.loads(path.read_text())
