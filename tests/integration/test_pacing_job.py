@@ -1,25 +1,26 @@
-"""Issue 4 on real 4-rank gloo jobs: pacing stays off when balanced, paces only early ranks
+"""Pacing on real 4-rank gloo jobs: it stays off when balanced, paces only early ranks
 behind a steady straggler, and its kill file turns it off within one step."""
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
+from typing import Any
 
 import pytest
 
-from tests.conftest import by_rank, parse_samples, wait_until
+from tests.conftest import Exporter, Job, by_rank, parse_samples, wait_until
 
 # quiet: the controller judges each step's waits, which a starved core moves (pyproject.toml).
 pytestmark = [pytest.mark.slow, pytest.mark.quiet]
 SLOW_RANK = 1
 WARM_UP = 64  # steps before the exporter's first answer sets the transfer baselines
 ENGAGED_AFTER = 32  # steps for the delay to rise to its level (rise 0.25 per step)
+PACED_S = 14  # seconds paced before the kill file: the later half of them at the level
 
 
-def records(tmp_path, world=4):
+def records(tmp_path, world=4) -> dict[int, list[dict[str, Any]]]:
     out = {}
     for rank in range(world):
         with open(tmp_path / f"rec-{rank}.jsonl") as f:
@@ -55,17 +56,53 @@ def test_balanced_job_never_engages(exporter, job_factory, tmp_path):
     assert total_delay <= 0.01 * sum(r["step_s"] for r in rows), total_delay
 
 
-def test_steady_straggler_early_ranks_paced_straggler_never(exporter, job_factory, tmp_path):
-    job = job_factory(
-        4,
-        ["--duration", "30", "--slow-rank", str(SLOW_RANK), "--slow-ms", "30", "--pacing"],
-        exporter.url,
-        SYNCSCOPE_RECORD=str(tmp_path / "rec-{rank}.jsonl"),
-    )
-    active = wait_until(lambda: early_ranks_paced(exporter), timeout=25)
+@pytest.fixture(scope="module")
+def straggler_then_kill_file(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One job, rank SLOW_RANK 30 ms late every step, pacing asked for: every early rank engaged,
+    paced for PACED_S, then the kill file. Its ranks' records, the exporter's scrape as the
+    file appeared, the pacing state once all early ranks had engaged, and when the file
+    appeared."""
+    tmp = tmp_path_factory.mktemp("pacing")
+    kill = tmp / "kill"
+    exporter = Exporter()
+    try:
+        job = Job(
+            4,
+            ["--duration", "40", "--slow-rank", str(SLOW_RANK), "--slow-ms", "30", "--pacing"],
+            exporter.url,
+            str(tmp),
+            SYNCSCOPE_RECORD=str(tmp / "rec-{rank}.jsonl"),
+            SYNCSCOPE_PACING_KILL_FILE=str(kill),
+        )
+        try:
+            # every early rank must have engaged before the file appears, or "paced before the
+            # kill" below is asserted of a rank that had not yet seen a window of waits (CI run
+            # of 160989b: two ranks active, the third not, and its records rightly held no delay)
+            active = wait_until(lambda: early_ranks_paced(exporter), timeout=25)
+            if active:
+                time.sleep(PACED_S)
+            text = exporter.metrics_text()
+            kill.touch()
+            killed_at = time.time()
+            job.wait()
+        finally:
+            job.kill()
+    finally:
+        exporter.stop()
+    return {
+        "active": active,
+        "metrics_at_kill": text,
+        "killed_at": killed_at,
+        "records": records(tmp),
+        "kill_file_kept": kill.exists(),
+    }
+
+
+def test_steady_straggler_early_ranks_paced_straggler_never(straggler_then_kill_file):
+    run = straggler_then_kill_file
+    active = run["active"]
     assert active and active[SLOW_RANK] == 0.0, active
-    job.wait()
-    text = exporter.metrics_text()
+    text = run["metrics_at_kill"]
     delay = by_rank(parse_samples(text, "syncscope_pacing_delay_seconds_total"))
     assert delay[SLOW_RANK] == 0.0
     assert all(delay[r] > 0 for r in range(4) if r != SLOW_RANK), delay
@@ -74,14 +111,17 @@ def test_steady_straggler_early_ranks_paced_straggler_never(exporter, job_factor
         for r, v in by_rank(parse_samples(text, "syncscope_pacing_engagements_total")).items()
         if r != SLOW_RANK
     )
-    rows = records(tmp_path)
-    for rank, steps in rows.items():
+    for rank, every in run["records"].items():
         if rank == SLOW_RANK:
-            assert all(s["phases"]["pacing"] == 0.0 for s in steps)
+            assert all(s["phases"]["pacing"] == 0.0 for s in every)
             continue
+        steps = [s for s in every if s["end_unix_s"] <= run["killed_at"]]
         first_paced = next(i for i, s in enumerate(steps) if s["phases"]["pacing"] > 0)
         assert first_paced >= 8, "engaged before it could have seen a window of waits"
-        before, after = steps[3:first_paced], steps[len(steps) // 2 :]
+        # after: the later half of the steps before the kill, the delay at its level by then
+        before = steps[3:first_paced]
+        after = steps[max(len(steps) // 2, first_paced + ENGAGED_AFTER) :]
+        assert len(after) >= 2 * ENGAGED_AFTER, (rank, first_paced, len(steps))
         paced = statistics.mean(s["phases"]["pacing"] for s in after)
         # exposed communication is measured directly (no baseline involved): the time an early
         # rank spends waiting in DDP's all-reduce falls by about the delay it now sleeps instead
@@ -94,25 +134,11 @@ def test_steady_straggler_early_ranks_paced_straggler_never(exporter, job_factor
         assert step_after <= 1.15 * step_before, (rank, step_before, step_after)
 
 
-def test_kill_file_stops_pacing_within_one_step(exporter, job_factory, tmp_path):
-    kill = tmp_path / "kill"
-    job = job_factory(
-        4,
-        ["--duration", "30", "--slow-rank", str(SLOW_RANK), "--slow-ms", "30", "--pacing"],
-        exporter.url,
-        SYNCSCOPE_RECORD=str(tmp_path / "rec-{rank}.jsonl"),
-        SYNCSCOPE_PACING_KILL_FILE=str(kill),
-    )
-    # every early rank must have engaged before the file appears, or "paced before the kill"
-    # below is asserted of a rank that had not yet seen a window of waits (CI run of 160989b:
-    # two ranks active, the third not, and its records rightly held no delay)
-    active = wait_until(lambda: early_ranks_paced(exporter), timeout=25)
-    assert active and active[SLOW_RANK] == 0.0, active
-    time.sleep(2)
-    kill.touch()
-    killed_at = time.time()
-    job.wait()
-    for rank, steps in records(tmp_path).items():
+def test_kill_file_stops_pacing_within_one_step(straggler_then_kill_file):
+    run = straggler_then_kill_file
+    assert run["active"], "the early ranks never all engaged"
+    killed_at = run["killed_at"]
+    for rank, steps in run["records"].items():
         if rank == SLOW_RANK:
             continue
         after = [s for s in steps if s.get("end_unix_s", 0) > killed_at]
@@ -123,7 +149,7 @@ def test_kill_file_stops_pacing_within_one_step(exporter, job_factory, tmp_path)
         ]
         before = [s for s in steps if s.get("end_unix_s", 0) <= killed_at]
         assert any(s["phases"]["pacing"] > 0 for s in before)
-    assert os.path.exists(kill)
+    assert run["kill_file_kept"]
 
 
 def test_multi_group_job_paces_only_below_the_first_wait_and_nobody_waits_longer(
