@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from syncscope.lab.launch import fork_ranks, launch, wait_all
+from syncscope.lab.nodes import EmulatedNodes, NodesUnavailable
 from syncscope.lab.servers import free_port, start_exporter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +32,20 @@ def torch_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@contextmanager
+def emulated(nodes: int, ranks_per_node: int, **kw: Any) -> Iterator[EmulatedNodes]:
+    """syncscope.lab.nodes.EmulatedNodes, skipped with the kernel's reason where refused."""
+    cluster = EmulatedNodes(nodes, ranks_per_node, **kw)
+    try:
+        cluster.__enter__()
+    except NodesUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        yield cluster
+    finally:
+        cluster.close()
 
 
 def cuda_available() -> bool:
