@@ -18,6 +18,7 @@ SLOW_RANK = 1
 WARM_UP = 64  # steps before the exporter's first answer sets the transfer baselines
 ENGAGED_AFTER = 32  # steps for the delay to rise to its level (rise 0.25 per step)
 PACED_S = 14  # seconds paced before the kill file: the later half of them at the level
+AFTER_KILL_S = 5  # and run after it: ~80 steps of ~60 ms
 
 
 def records(tmp_path, world=4) -> dict[int, list[dict[str, Any]]]:
@@ -59,16 +60,22 @@ def test_balanced_job_never_engages(exporter, job_factory, tmp_path):
 @pytest.fixture(scope="module")
 def straggler_then_kill_file(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One job, rank SLOW_RANK 30 ms late every step, pacing asked for: every early rank engaged,
-    paced for PACED_S, then the kill file. Its ranks' records, the exporter's scrape as the
-    file appeared, the pacing state once all early ranks had engaged, and when the file
+    paced for PACED_S, then the kill file, and the job stopped AFTER_KILL_S later (through
+    its control folder, however long engaging took). Its ranks' records, the exporter's scrape
+    as the file appeared, the pacing state once all early ranks had engaged, and when the file
     appeared."""
     tmp = tmp_path_factory.mktemp("pacing")
-    kill = tmp / "kill"
+    kill, control = tmp / "kill", tmp / "control"
+    control.mkdir()
+    (control / "slow").touch()  # slowed from the first step
     exporter = Exporter()
     try:
         job = Job(
             4,
-            ["--duration", "40", "--slow-rank", str(SLOW_RANK), "--slow-ms", "30", "--pacing"],
+            [
+                *("--duration", "60", "--control", str(control), "--pacing"),
+                *("--slow-rank", str(SLOW_RANK), "--slow-ms", "30"),
+            ],
             exporter.url,
             str(tmp),
             SYNCSCOPE_RECORD=str(tmp / "rec-{rank}.jsonl"),
@@ -84,6 +91,8 @@ def straggler_then_kill_file(tmp_path_factory: pytest.TempPathFactory) -> dict[s
             text = exporter.metrics_text()
             kill.touch()
             killed_at = time.time()
+            time.sleep(AFTER_KILL_S)
+            (control / "stop").touch()
             job.wait()
         finally:
             job.kill()
