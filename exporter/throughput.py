@@ -5,8 +5,9 @@ A rank's steps are cut into blocks of BLOCK_STEPS, the diagnosis window's length
 the thresholds' rate window of step time: at 10 ms steps, 100 steps are a second, and a
 neighbour's burst or a pause of a few seconds would fill every block the verdict reads. A
 block's rate is per second of step time (time between steps — a restart, a hang — is not in
-it): samples where at least half its steps said how many, else steps. The first block after each (re)start
-of the rank is warm-up (compilation, autotuning, a cold data loader) and is left out. Then
+it): samples where at least half its steps said how many, else steps. The first block after
+each (re)start of the rank is warm-up (compilation, autotuning, a cold data loader) and is left
+out. Then
 
   current   the median of the last CURRENT_BLOCKS blocks' rates: a fall most of them show, not
             one block that holds a checkpoint;
