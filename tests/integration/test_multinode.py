@@ -648,8 +648,8 @@ def cv_alert(tmp_path, engines: tuple[str, ...]) -> dict[str, Any]:
         wait_until(lambda: firsts("resolved"), timeout=75, interval=1)
         for engine, store in stores.items():
             out[engine] = {
-                "fired": (hooks[engine].alerts(alert, "firing") or [None])[0],
-                "resolved": (hooks[engine].alerts(alert, "resolved") or [None])[0],
+                "fired": next(iter(hooks[engine].alerts(alert, "firing")), None),
+                "resolved": next(iter(hooks[engine].alerts(alert, "resolved")), None),
                 "notifications": list(hooks[engine].notifications),
                 "cv": store.query("job:syncscope_step_time_cv:max"),
             }
