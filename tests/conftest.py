@@ -34,6 +34,9 @@ def torch_available() -> bool:
     return True
 
 
+SKIP_STEPS = 10  # warm-up steps left out of an emulated job's truth (gloo connecting, allocations)
+
+
 @contextmanager
 def emulated(nodes: int, ranks_per_node: int, **kw: Any) -> Iterator[EmulatedNodes]:
     """syncscope.lab.nodes.EmulatedNodes, skipped with the kernel's reason where refused."""

@@ -250,18 +250,14 @@ class EmulatedNodes:
                 self.set_link_rate(node.index, self._link_mbit[node.index])
 
     def _start_exporters(self) -> None:
+        own = self._node_exporter_args
         for node in self.nodes:
+            extra = own[node.index] if node.index < len(own) else ()
             log = os.path.join(self.workdir, f"exporter{node.index}.log")
             with open(log, "ab") as out:
-                own = self._node_exporter_args
                 node.exporter = start_exporter(
                     node.exporter_port,
-                    [
-                        "--ingest-socket",
-                        node.socket_path,
-                        *self._exporter_args,
-                        *(own[node.index] if node.index < len(own) else ()),
-                    ],
+                    ["--ingest-socket", node.socket_path, *self._exporter_args, *extra],
                     stdout=out,
                     stderr=subprocess.STDOUT,
                 )

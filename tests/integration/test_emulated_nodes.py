@@ -14,13 +14,12 @@ import subprocess
 import pytest
 
 from syncscope.lab.nodes import NodesUnavailable, iproute, list_netns
-from tests.conftest import emulated, torch_available, wait_until
+from tests.conftest import SKIP_STEPS, emulated, torch_available, wait_until
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not torch_available(), reason="torch is not installed"),
 ]
-SKIP_STEPS = 10  # warm-up steps left out of the truth (gloo connecting, first allocations)
 
 
 def dead_pid() -> int:

@@ -36,6 +36,7 @@ from syncscope.monitoring.prometheus_config import (
 )
 from syncscope.thresholds import load_config, required
 from tests.conftest import (
+    SKIP_STEPS,
     RunOnce,
     Webhook,
     chain_end,
@@ -76,7 +77,6 @@ needs_alertmanager = pytest.mark.skipif(
     shutil.which("prometheus-alertmanager") is None and shutil.which("alertmanager") is None,
     reason="prometheus-alertmanager not installed (scripts/setup test installs it)",
 )
-SKIP_STEPS = 10  # warm-up steps left out of the truth (gloo connecting, first allocations)
 
 
 @contextlib.contextmanager
