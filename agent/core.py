@@ -34,6 +34,7 @@ from syncscope.agent.transport import Reporter
 from syncscope.wire import MAX_LABEL_LEN, MAX_WORK
 
 if TYPE_CHECKING:
+    from syncscope.agent.native import Native
     from syncscope.agent.nccl_trace import FlightRecorderReader, StepTimeline
     from syncscope.agent.pacing import PacingController
     from syncscope.agent.topology import TopologySampler
@@ -173,7 +174,7 @@ class Agent:
             counter = self.clock.step_counter = self.patch.step_counter
             if counter is not None:
                 counter.value = self.clock.step
-        self.hooks = instrument(self.clock, model, optimizer)
+        self.hooks = instrument(self.clock, model, optimizer, self._native_backward(torch))
         try:
             checkpointing.install(self.checkpoints)
         except Exception as exc:  # noqa: BLE001 - no checkpoint time, everything else stands
@@ -432,6 +433,14 @@ class Agent:
             skip_while=lambda: clock.bwd_pending or clock.bwd_depth > 0,
             native=self.config.native_collectives,
         )
+
+    def _native_backward(self, torch: Any) -> Native | None:
+        """The C++ library for the backward's trigger, where it is built and asked for."""
+        if torch is None or not self.config.native_backward:
+            return None
+        from syncscope.agent import native
+
+        return native.load(torch)
 
     def _enable_pacing(self, arrival: LocalArrival) -> PacingController:
         """Pacing (paper §5.3, agent/pacing.py) at the step boundary (agent/step_pacing.py)."""

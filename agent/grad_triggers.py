@@ -11,13 +11,23 @@ parameter tensor for good. A backward after a forward in which none fires (condi
 or the window's parameters unused) learns again over twice the window; after RELEARN_LIMIT such
 misses (gradients assigned, as FSDP does, or another model's backward) the fallback is a hook
 on the forward output: dearer, but it needs no parameter.
+
+Native mode, where syncscope's C++ library is loaded (native.py) and the window's parameters
+are plain tensors: C++ hooks on the window's parameters, no learning and no Python in the
+backward at all (csrc/backward_trigger.cpp). The backward wrapper arms the trigger, the first
+watched gradient queues the callback, and the wrapper reads when it ran (PhaseClock
+.backward_returned). A backward in which none of them fires leaves native mode for the Python
+hooks above, learning as from the start.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
+
+log = logging.getLogger("syncscope.agent")
 
 TRIGGERS = 1  # the parameter whose gradient comes first, hooked after learning (each more
 # costs every backward a call into Python, ~3.4 k instructions, bench/bench_instructions.py)
@@ -29,7 +39,18 @@ class GradTriggers:
     """The gradient hooks that tell the phase clock a backward started (`on_grad(param)`;
     param None from the forward output's hook)."""
 
-    __slots__ = ("hooks", "learned", "misses", "on_grad", "output_hooks", "params", "watched")
+    __slots__ = (
+        "hooks",
+        "learned",
+        "misses",
+        "native",
+        "native_hooks",
+        "native_paused",
+        "on_grad",
+        "output_hooks",
+        "params",
+        "watched",
+    )
 
     def __init__(self, on_grad: Callable[[Any], None]) -> None:
         self.on_grad = on_grad
@@ -42,11 +63,65 @@ class GradTriggers:
         self.misses = 0  # backwards after a forward in which no trigger fired
         # The fallback (see the module docstring): a hook on the forward output, every step.
         self.output_hooks = False
+        # Native mode: the loaded library (native.Native), else None; its hooks, as
+        # (parameter, handle); whether a nested backward has disarmed the trigger (pause).
+        self.native: Any = None
+        self.native_hooks: list[tuple[Any, int]] = []
+        self.native_paused = False
 
-    def watch(self, params: Iterable[Any]) -> None:
-        """Learn which of `params` (a model's trainable parameters) get their gradients first."""
+    def watch(self, params: Iterable[Any], native: Any = None) -> None:
+        """Trigger on the gradients of `params` (a model's trainable parameters): in native
+        mode where `native` (the loaded native.Native) can hook them, else by learning which
+        of them come first."""
         self.params = list(params)
-        self.learn()
+        if native is None or not self._watch_natively(native):
+            self.learn()
+
+    def _watch_natively(self, native: Any) -> bool:
+        import torch
+
+        plain = (torch.Tensor, torch.nn.Parameter)  # a subclass (DTensor) dispatches elsewhere
+        window = [p for p in self.params[-LEARN_WINDOW:] if p.is_leaf]
+        if not window or any(type(p) not in plain for p in window):
+            return False
+        try:
+            ops = native.trigger_ops(torch)
+            for p in window:
+                self.native_hooks.append((p, int(ops.watch_grad(p))))
+        except Exception as exc:  # noqa: BLE001 - the Python hooks serve instead
+            log.warning("syncscope: the C++ backward trigger is unavailable (%s); Python's", exc)
+            self._drop_native(native)
+            return False
+        self.native = native
+        self.learned = None
+        return True
+
+    def _drop_native(self, native: Any) -> None:
+        """Remove the C++ hooks (each leaves an empty C++ slot, nothing that calls Python)."""
+        hooks, self.native_hooks = self.native_hooks, []
+        self.native = None
+        self.native_paused = False
+        if hooks:
+            import torch
+
+            for param, handle in hooks:
+                with contextlib.suppress(Exception):
+                    native.trigger_ops(torch).unwatch_grad(param, handle)
+
+    def pause(self) -> None:
+        """A nested backward (a reentrant checkpoint's) starts inside the armed one: its
+        gradients must not queue the callback into its own graph task, which ends first."""
+        native = self.native
+        if native is not None and native.bwd_armed.value:
+            native.bwd_armed.value = 0
+            self.native_paused = True
+
+    def resume(self) -> None:
+        """Back in the outer backward: armed again if the nested one disarmed it."""
+        if self.native_paused:
+            self.native_paused = False
+            if self.native is not None:
+                self.native.bwd_armed.value = 1
 
     def learn(self) -> None:
         """Watch the last LEARN_WINDOW parameters (twice as many as the last time, when learning
@@ -70,8 +145,11 @@ class GradTriggers:
     def missed(self) -> None:
         """The model ran forward, then a backward in which no hooked parameter got a gradient:
         conditional compute skipped the triggers (learn again), or no parameter hook can see
-        this model's gradients at all (fall back to hooking the output)."""
+        this model's gradients at all (fall back to hooking the output). In native mode: the
+        Python hooks from now on, learning from the start."""
         self.misses += 1
+        if self.native is not None:
+            self._drop_native(self.native)
         if self.misses <= RELEARN_LIMIT and self.params:
             self.learn()
         else:
@@ -89,7 +167,9 @@ class GradTriggers:
         self.on_grad(None)
 
     def drop(self, keep: Iterable[Any] = ()) -> None:
-        """Remove every parameter hook but those of `keep`."""
+        """Remove every parameter hook but the Python ones of `keep` (all C++ ones)."""
+        if self.native is not None:
+            self._drop_native(self.native)
         kept = {id(p) for p in keep}
         for key in [k for k in self.hooks if k not in kept]:
             with contextlib.suppress(Exception):

@@ -1,5 +1,6 @@
-"""The C++ dispatcher kernel that times c10d ops (csrc/c10d_timing.cpp): built once per torch
-version and source, loaded into the training process with ctypes.
+"""syncscope's C++ library: the dispatcher kernel that times c10d ops (csrc/c10d_timing.cpp) and
+the backward phase's gradient trigger (csrc/backward_trigger.cpp, grad_triggers.py's native
+mode); built once per torch version and source, loaded into the training process with ctypes.
 
 The Python kernel (collectives.py) costs ~35 µs per collective, which an FSDP2 job issuing
 tens per step pays on its training thread; the C++ one ~4 µs (docs/parallelism.md). Building
@@ -25,9 +26,10 @@ from typing import Any
 
 log = logging.getLogger("syncscope.agent")
 
-SOURCE = Path(__file__).with_name("csrc") / "c10d_timing.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "c10d_timing.cpp", CSRC / "backward_trigger.cpp")
 NAME = "syncscope_c10d"
-ABI = 2  # csrc's kAbi: a library answering another is not loaded
+ABI = 3  # csrc's kAbi: a library answering another is not loaded
 ENV_DIR = "SYNCSCOPE_NATIVE_DIR"
 DRAIN_BATCH = 4096
 
@@ -46,7 +48,7 @@ class _Record(ctypes.Structure):
 
 
 def build_dir(torch_version: str) -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
     base = os.environ.get(ENV_DIR) or str(Path.home() / ".cache" / "syncscope" / "native")
     return Path(base) / f"torch-{torch_version}-{digest}"
 
@@ -64,7 +66,7 @@ def build(verbose: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=NAME,
-        sources=[str(SOURCE)],
+        sources=[str(source) for source in SOURCES],
         build_directory=str(out),
         is_python_module=False,
         extra_cflags=["-O2"],
@@ -94,7 +96,14 @@ class Native:
         lib.syncscope_group.restype = ctypes.c_int32
         lib.syncscope_skip.argtypes = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int32]
         lib.syncscope_skip.restype = None
+        lib.syncscope_trigger_install.restype = ctypes.c_int32
+        lib.syncscope_trigger_error.restype = ctypes.c_char_p
         self.step = ctypes.c_int64.in_dll(lib, "syncscope_step")
+        # The backward trigger's state (csrc/backward_trigger.cpp): armed by the backward
+        # wrapper, and when the callback the first watched gradient queued last ran (ns).
+        self.bwd_armed = ctypes.c_int64.in_dll(lib, "syncscope_bwd_armed")
+        self.bwd_done = ctypes.c_int64.in_dll(lib, "syncscope_bwd_done")
+        self._trigger_ops: Any = None
         self._dropped = ctypes.c_int64.in_dll(lib, "syncscope_dropped")
         self._buffer = (_Record * DRAIN_BATCH)()
 
@@ -103,6 +112,15 @@ class Native:
         size = -1 if size_at is None else size_at
         if self._lib.syncscope_install(name.encode(), op, group_at, size) != 0:
             raise RuntimeError(self._lib.syncscope_error().decode(errors="replace"))
+
+    def trigger_ops(self, torch: Any) -> Any:
+        """torch.ops.syncscope with the trigger's ops defined (watch_grad(param) -> hook,
+        unwatch_grad(param, hook)); raises RuntimeError with the dispatcher's reason."""
+        if self._trigger_ops is None:
+            if self._lib.syncscope_trigger_install() != 0:
+                raise RuntimeError(self._lib.syncscope_trigger_error().decode(errors="replace"))
+            self._trigger_ops = torch.ops.syncscope
+        return self._trigger_ops
 
     def uninstall(self) -> None:
         self._lib.syncscope_uninstall()

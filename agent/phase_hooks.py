@@ -44,9 +44,12 @@ class Instrumented:
         self.clock.triggers.drop()
 
 
-def instrument(clock: PhaseClock, model: Any = None, optimizer: Any = None) -> Instrumented:
+def instrument(
+    clock: PhaseClock, model: Any = None, optimizer: Any = None, native: Any = None
+) -> Instrumented:
     """Hook `model` (forward, parameter gradients, torch.autograd.backward) and `optimizer` for
-    `clock`.
+    `clock`; the gradients in C++ where `native` (the loaded native.Native) is given and the
+    clock marks no boundary (CudaPhaseClock records an event at callback A, in Python).
 
     `model`: a module, or a list of them (a pipeline rank's stages, each called apart): every
     one's forward is the forward phase; the batch is read from the first one's inputs only (the
@@ -64,7 +67,10 @@ def instrument(clock: PhaseClock, model: Any = None, optimizer: Any = None) -> I
     if parts and clock.queue_callback is not None:
         # The last trainable parameters are watched until the first backward shows which
         # gradients come first (grad_triggers.py).
-        clock.triggers.watch(p for m in parts for p in m.parameters() if p.requires_grad)
+        clock.triggers.watch(
+            (p for m in parts for p in m.parameters() if p.requires_grad),
+            native if clock.mark is None else None,
+        )
         install_backward(clock)
     if optimizer is not None:
         handles.append(optimizer.register_step_pre_hook(clock.optimizer_pre))
@@ -376,11 +382,16 @@ def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable
                 depth = c.bwd_depth = c.bwd_depth + 1
                 if depth == 1 and not c.quiet:
                     c.bwd_entry = t
+                    native = c.triggers.native
+                    if native is not None:  # the C++ trigger (grad_triggers.py): armed
+                        native.bwd_armed.value = 1
                     blocked = c.blocked
                     if blocked is not None and blocked.ns != c.blocked_seen:
                         c.take_blocked(BWD_START)  # waits before backward are not it
                     if c.mark is not None:
                         c.mark(BWD_START)  # on the caller's stream, before any backward kernel
+                elif depth == 2:
+                    c.triggers.pause()  # a reentrant checkpoint's backward, inside the outer
             except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
                 c.on_error(exc)
         try:
@@ -390,6 +401,8 @@ def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable
                 if c.quiet:  # nothing learnt or missed in a step whose phases are not timed
                     if c.bwd_depth > 0:
                         c.bwd_depth -= 1
+                elif c.bwd_depth == 1 and c.triggers.native is not None:
+                    c.backward_returned()
                 elif c.bwd_depth == 1 and not c.fwd_since_bwd and not c.bwd_deferred:
                     c.bwd_depth = c.bwd_entry = 0  # the outermost backward; a trigger fired
                     if c.sync_due:  # callback B's work, at the engine's return

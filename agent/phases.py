@@ -290,6 +290,8 @@ class PhaseClock:
         (the outermost backward, a trigger fired) does not apply."""
         try:
             depth = self.bwd_depth = self.bwd_depth - 1
+            if depth == 1:
+                self.triggers.resume()  # native mode: armed again for the outer backward
             if depth == 1 and self.bwd_deferred:
                 # Back from a nested (reentrant checkpoint) backward into the outer one's
                 # graph task: A queued now runs after the outer backward's autograd work.
@@ -337,6 +339,41 @@ class PhaseClock:
             learned = triggers.learned
             if learned is not None and len(learned) < TRIGGERS and param is not None:
                 learned.append(param)
+        except BaseException as exc:  # noqa: BLE001
+            self.on_error(exc)
+
+    def backward_returned(self) -> None:
+        """The outermost backward returned, the C++ trigger armed at its entry (grad_triggers.py,
+        native mode): grad_ready's and callback A's work, A at the moment the C++ callback ran,
+        then B's. Waits for collectives in it count as before A: in a DDP backward only DDP's
+        finalize runs after A, and it waits in C++, not through the training thread's Work.wait."""
+        try:
+            native = self.triggers.native
+            done = native.bwd_done.value
+            if done == self.bwd_end:  # no watched gradient came (missed: Python's hooks next)
+                native.bwd_armed.value = 0
+                self.backward_exit()
+                return
+            self.bwd_depth = 0
+            self.fwd_since_bwd = False
+            blocked = self.blocked
+            waited = 0
+            if blocked is not None and blocked.ns != self.blocked_seen:
+                waited = self.take_blocked(BWD_END)
+            ns = done - self.bwd_entry - waited
+            if ns > 0:
+                self.acc[BACKWARD] += ns
+            self.bwd_entry = 0
+            self.bwd_end = done
+            if self.ddp_group is not None and getattr(
+                self.ddp_model, "require_backward_grad_sync", True
+            ):
+                self._gradients_reduced()
+            else:
+                self.idle_since = done
+                if self.opt_closure:  # the closure ends: the update after it is the optimizer's
+                    self.opt_closure = False
+                    self.opt_start = done
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
 

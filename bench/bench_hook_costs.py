@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from syncscope.agent import native
 from syncscope.agent.cuda_timing import CudaPhaseClock
 from syncscope.agent.phase_hooks import instrument, wrap_forward
 from syncscope.agent.phases import PhaseClock
@@ -134,13 +135,13 @@ def main() -> None:
             p.register_post_accumulate_grad_hook(noop).remove()
         return []
 
-    def agent_clock(rig: Rig, every: int = 1) -> list:
+    def agent_clock(rig: Rig, every: int = 1, trigger: Any = None) -> list:
         queue = torch.autograd.Variable._execution_engine.queue_callback
         clock = PhaseClock(
             deque(maxlen=8192), deque(maxlen=32768), queue, "g", 1.0, noop, ddp_model=rig.model
         )
         clock.phase_every = every
-        return [instrument(clock, rig.model, rig.opt)]
+        return [instrument(clock, rig.model, rig.opt, trigger)]
 
     def cuda_clock(rig: Rig, every: int = 1) -> list:
         queue = torch.autograd.Variable._execution_engine.queue_callback
@@ -172,10 +173,14 @@ def main() -> None:
         "post-accumulate-grad hook, once": param_hook,
         "the same, removed, on all 4 params": param_hook_removed,
         "agent PhaseClock, everything": agent_clock,
+        "PhaseClock, C++ backward trigger": lambda rig: agent_clock(rig, trigger=built),
         "CudaPhaseClock, CUDA stubbed": cuda_clock,
         "PhaseClock, phases 1 step in 16": lambda rig: agent_clock(rig, 16),
         "CudaPhaseClock, stubbed, 1 in 16": lambda rig: cuda_clock(rig, 16),
     }
+    built = native.load(torch)
+    if built is None:
+        del mechanisms["PhaseClock, C++ backward trigger"]
     bare = Rig()
     rigs = {name: Rig() for name in mechanisms}
     events: dict[str, float] = {}

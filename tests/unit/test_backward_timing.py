@@ -2,7 +2,9 @@
 
 Each test puts a known sleep where one boundary mechanism could get it wrong: before the first
 parameter gradient, inside a reentrant checkpoint, in a branch that stops receiving gradients,
-and under DDP's no_sync(). All on one CPU process (a gloo group of one where DDP is needed).
+and under DDP's no_sync(). Those that both trigger modes serve run with the Python gradient
+hooks and with the C++ ones (`trigger`). All on one CPU process (a gloo group of one where DDP
+is needed).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from syncscope.agent import native as native_library  # noqa: E402
 from syncscope.agent.grad_triggers import LEARN_WINDOW, RELEARN_LIMIT, TRIGGERS  # noqa: E402
 from syncscope.agent.phase_hooks import instrument  # noqa: E402
 from syncscope.agent.phases import BACKWARD, COMM, FORWARD, ROW_WORK, PhaseClock  # noqa: E402
@@ -48,6 +51,17 @@ class Sleeper(torch.nn.Module):
         return SleepInBackward.apply(x, self.ms)
 
 
+@pytest.fixture(params=["python", "c++"])
+def trigger(request):
+    """What `instrument` is given for the backward's trigger: None (Python's gradient hooks),
+    or the loaded C++ library (which `scripts/setup` builds: its absence fails here)."""
+    if request.param == "python":
+        return None
+    built = native_library.load(torch)
+    assert built is not None, "no C++ library for this torch: python -m syncscope.agent.native"
+    return built
+
+
 def clock_for(model, errors, ddp_group=None, ddp_model=None):
     clock = PhaseClock(
         deque(maxlen=1000), deque(maxlen=1000), QUEUE, ddp_group, 64.0, errors.append, ddp_model
@@ -55,9 +69,9 @@ def clock_for(model, errors, ddp_group=None, ddp_model=None):
     return clock
 
 
-def train(model, clock, steps, x, opt=None, before_backward=None):
+def train(model, clock, steps, x, opt=None, before_backward=None, native=None):
     opt = opt or torch.optim.SGD(model.parameters(), lr=0.01)
-    hooks = instrument(clock, model, opt)
+    hooks = instrument(clock, model, opt, native)
     try:
         for i in range(steps):
             opt.zero_grad()
@@ -71,14 +85,21 @@ def train(model, clock, steps, x, opt=None, before_backward=None):
     return list(clock.steps)
 
 
-def test_backward_starts_before_the_first_parameter_gradient():
+def test_backward_starts_before_the_first_parameter_gradient(trigger):
     # The sleeping layer is the model's last, like a language model's output projection whose
     # input-gradient kernels run before any parameter has a gradient.
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), Sleeper(8.0))
     errors: list = []
     clock = clock_for(model, errors)
-    rows = train(model, clock, 5, torch.randn(4, 8))
+    native = []  # whether the C++ trigger served each step
+
+    def seen(_i, out):
+        native.append(clock.triggers.native is not None)
+        return out
+
+    rows = train(model, clock, 5, torch.randn(4, 8), before_backward=seen, native=trigger)
     assert errors == []
+    assert native == [trigger is not None] * 5
     for row in rows[1:]:
         assert row[3 + BACKWARD] >= 8 * MS
         assert sum(row[3:9]) <= row[2]  # the phases, not the work counts after them
@@ -146,7 +167,7 @@ def test_every_stage_of_a_pipeline_rank_is_timed_and_its_batch_read_once():
         assert row[ROW_WORK] == 8  # the batch, once
 
 
-def test_reentrant_checkpoint_backward_is_timed_to_the_outer_end():
+def test_reentrant_checkpoint_backward_is_timed_to_the_outer_end(trigger):
     # Trigger parameters live inside the checkpointed tail (their gradients come first, in the
     # nested backward); the outer backward then runs the sleeping head. Callback A must run at
     # the end of the outer backward, so the head's sleep is backward time.
@@ -166,9 +187,16 @@ def test_reentrant_checkpoint_backward_is_timed_to_the_outer_end():
     errors: list = []
     clock = clock_for(model, errors)
     x = torch.randn(4, 8, requires_grad=True)  # reentrant checkpoint needs a grad path in
-    rows = train(model, clock, 5, x)
+    native = []  # whether the C++ trigger served each step (a miss would end it)
+
+    def seen(_i, out):
+        native.append(clock.triggers.native is not None)
+        return out
+
+    rows = train(model, clock, 5, x, before_backward=seen, native=trigger)
     assert errors == []
     assert clock.bwd_depth == 0 and not clock.bwd_deferred
+    assert native == [trigger is not None] * 5
     for row in rows[1:]:
         assert row[3 + BACKWARD] >= 8 * MS
 
@@ -253,7 +281,7 @@ def test_learning_hooks_only_the_last_parameters_and_widens_after_a_miss():
     assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[1:3])
 
 
-def test_gradients_that_bypass_accumulation_fall_back_to_the_output_hook():
+def test_gradients_that_bypass_accumulation_fall_back_to_the_output_hook(trigger):
     # FSDP-style: the parameter's gradient is assigned in backward, never accumulated, so no
     # post-accumulate-grad hook fires; after RELEARN_LIMIT misses the output hook takes over.
     class Assigned(torch.autograd.Function):
@@ -282,14 +310,15 @@ def test_gradients_that_bypass_accumulation_fall_back_to_the_output_hook():
     errors: list = []
     clock = clock_for(model, errors)
     x = torch.randn(4, 8, requires_grad=True)
-    rows = train(model, clock, RELEARN_LIMIT + 4, x)
+    rows = train(model, clock, RELEARN_LIMIT + 4, x, native=trigger)
     assert errors == []
     assert clock.triggers.output_hooks and clock.triggers.misses == RELEARN_LIMIT + 1
+    assert clock.triggers.native is None
     assert all(row[3 + BACKWARD] == 0 for row in rows[: RELEARN_LIMIT + 1])
     assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[RELEARN_LIMIT + 2 :])
 
 
-def test_a_split_backward_by_autograd_grad_is_backward_time():
+def test_a_split_backward_by_autograd_grad_is_backward_time(trigger):
     # A zero-bubble pipeline schedule (ZB-V, DualPipeV) computes a micro-batch's input
     # gradients, then later its weight gradients, each by torch.autograd.grad and assigns the
     # weights' .grad itself: no parameter hook fires and no callback ends a backward. Both
@@ -312,7 +341,7 @@ def test_a_split_backward_by_autograd_grad_is_backward_time():
     errors: list = []
     clock = clock_for(model, errors)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    hooks = instrument(clock, model, opt)
+    hooks = instrument(clock, model, opt, trigger)
     weights = list(model.parameters())
     try:
         for _ in range(5):
@@ -353,14 +382,14 @@ def test_uninstrument_puts_torch_and_the_model_back():
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
 
 
-def test_no_sync_micro_steps_have_no_exposed_comm_and_no_sync_record(gloo_world_of_one):
+def test_no_sync_micro_steps_have_no_exposed_comm_and_no_sync_record(gloo_world_of_one, trigger):
     import contextlib
 
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
     errors: list = []
     clock = clock_for(model, errors, ddp_group="default_pg", ddp_model=model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    hooks = instrument(clock, model, opt)
+    hooks = instrument(clock, model, opt, trigger)
     x = torch.randn(4, 8)
     try:
         for _ in range(6):
@@ -377,3 +406,94 @@ def test_no_sync_micro_steps_have_no_exposed_comm_and_no_sync_record(gloo_world_
     assert len(syncs) == 6  # one per step, not one per micro-step
     assert [c[4] for c in syncs] == list(range(6))
     assert all(row[3 + COMM] > 0 for row in clock.steps)
+
+
+def test_the_cpp_trigger_times_a_ddp_backward_and_its_sync_like_python(gloo_world_of_one):
+    # The same DDP model and the same sleeps, Python's hooks then the C++ trigger: backward holds
+    # the sleep before the first gradient, the exposed sync is recorded once a step, and no
+    # Python gradient hook is ever registered in C++ mode.
+    built = native_library.load(torch)
+    assert built is not None, "no C++ library for this torch: python -m syncscope.agent.native"
+    rows = {}
+    for mode, given in (("python", None), ("c++", built)):
+        model = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), Sleeper(6.0))
+        )
+        errors: list = []
+        clock = clock_for(model, errors, ddp_group="default_pg", ddp_model=model)
+        rows[mode] = train(model, clock, 6, torch.randn(4, 8), native=given)
+        assert errors == []
+        syncs = [c for c in clock.collectives if c[0] == DDP_GRAD_SYNC]
+        assert [c[4] for c in syncs] == list(range(6)), mode
+        if given is not None:
+            assert clock.triggers.native is None  # removed with the other hooks
+            assert all(p._post_accumulate_grad_hooks is None for p in model.parameters())
+    for mode, got in rows.items():
+        for row in got[1:]:
+            assert 6 * MS <= row[3 + BACKWARD] < row[2], (mode, row)
+            assert row[3 + COMM] > 0, (mode, row)
+
+
+def test_a_cpp_trigger_that_never_fires_hands_over_to_python_learning():
+    # Native mode watches the last LEARN_WINDOW parameters; from step 3 on they get no gradient.
+    # That backward's trigger misses, the Python hooks take over and learn as from the start
+    # (windows of 8, 16, then 32, which reach the used half), and the steps after it are timed.
+    built = native_library.load(torch)
+    assert built is not None, "no C++ library for this torch: python -m syncscope.agent.native"
+    layers = 3 * LEARN_WINDOW
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)])
+    skip_tail = {"on": False}
+
+    def forward(x):
+        for layer in model[: layers // 2 if skip_tail["on"] else layers]:
+            x = layer(x)
+        return SleepInBackward.apply(x, 4.0)
+
+    model.forward = forward  # type: ignore[method-assign]
+    errors: list = []
+    clock = clock_for(model, errors)
+
+    def switch(i, out):
+        if i == 1:
+            assert clock.triggers.native is not None and not clock.triggers.hooks
+        if i == 2:
+            skip_tail["on"] = True
+        return out
+
+    rows = train(model, clock, 12, torch.randn(2, 4), before_backward=switch, native=built)
+    assert errors == []
+    assert clock.triggers.native is None and clock.triggers.misses == 3
+    assert [row[3 + BACKWARD] == 0 for row in rows[2:6]] == [False, True, True, True]
+    assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[6:])
+
+
+def test_parameters_of_a_tensor_subclass_keep_the_python_hooks():
+    # A subclass (DTensor's parameters) would take the C++ op to its own dispatch: Python's.
+    class Tagged(torch.nn.Parameter):
+        pass
+
+    built = native_library.load(torch)
+    assert built is not None, "no C++ library for this torch: python -m syncscope.agent.native"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Sleeper(4.0))
+    model[0].bias = Tagged(torch.zeros(8))
+    errors: list = []
+    clock = clock_for(model, errors)
+    rows = train(model, clock, 4, torch.randn(4, 8), native=built)
+    assert errors == []
+    assert clock.triggers.native is None and clock.triggers.misses == 0
+    assert all(row[3 + BACKWARD] >= 4 * MS for row in rows[1:])
+
+
+def test_removed_cpp_hooks_no_longer_fire():
+    built = native_library.load(torch)
+    assert built is not None, "no C++ library for this torch: python -m syncscope.agent.native"
+    model = torch.nn.Linear(4, 1)
+    clock = clock_for(model, [])
+    train(model, clock, 2, torch.randn(2, 4), native=built)  # removes the hooks at the end
+    before = built.bwd_done.value
+    built.bwd_armed.value = 1
+    try:
+        model(torch.randn(2, 4)).sum().backward()  # torch's own backward: nothing wrapped now
+        assert built.bwd_armed.value == 1 and built.bwd_done.value == before
+    finally:
+        built.bwd_armed.value = 0
