@@ -57,8 +57,8 @@ class AgentConfig:
     patch_collectives: bool = True
     # Time c10d ops with the C++ kernel where it is built (agent/native.py), else in Python
     native_collectives: bool = True
-    # Trigger the backward phase from C++ gradient hooks where that library is built (about 8 µs
-    # a step less than Python's hooks on a CPU step: agent/grad_triggers.py), else in Python
+    # Trigger the backward phase from C++ gradient hooks where that library is built, no entry
+    # into Python from the autograd engine (agent/grad_triggers.py), else from Python's hooks
     native_backward: bool = True
     # The work this rank does per step (syncscope_rank_samples_total, _tokens_total). Unset,
     # it is read from the model's inputs (agent/step_work.py) where they say it unambiguously;

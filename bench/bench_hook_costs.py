@@ -10,7 +10,11 @@ rounds, on a tiny DDP model (gloo, one process) so the hooks are visible. Mechan
   ... removed        one registered and removed on each of the 4 parameters: torch keeps the
                      tensor's C++ hook, called every backward on an empty dict (why the agent
                      learns its trigger parameters from a few of them, agent/grad_triggers.py)
-  agent clock        the agent's whole PhaseClock (forward, backward, optimizer, callbacks)
+  agent clock        the agent's whole PhaseClock (forward, backward, optimizer, callbacks),
+                     built up: its forward wrapper only, then its optimizer hooks (the step's
+                     end) too, then everything (the backward wrapper, the gradient trigger and
+                     the engine callbacks: Python's), then with the C++ backward trigger
+                     (agent/grad_triggers.py's native mode, where the library is built)
   CUDA clock         the CUDA path's CudaPhaseClock with its resolver thread, CUDA stubbed:
                      events that cost nothing (a real Event.record is ~2.2 µs on an H100), so
                      the figure is the agent's own Python per step on a GPU job (issue 33);
@@ -135,13 +139,17 @@ def main() -> None:
             p.register_post_accumulate_grad_hook(noop).remove()
         return []
 
-    def agent_clock(rig: Rig, every: int = 1, trigger: Any = None) -> list:
-        queue = torch.autograd.Variable._execution_engine.queue_callback
+    def agent_clock(
+        rig: Rig, every: int = 1, trigger: Any = None, backward: bool = True, step: bool = True
+    ) -> list:
+        """The PhaseClock's hooks: all of them, or without the backward's (a clock that cannot
+        queue engine callbacks gets none) or the optimizer's."""
+        queue = torch.autograd.Variable._execution_engine.queue_callback if backward else None
         clock = PhaseClock(
             deque(maxlen=8192), deque(maxlen=32768), queue, "g", 1.0, noop, ddp_model=rig.model
         )
         clock.phase_every = every
-        return [instrument(clock, rig.model, rig.opt, trigger)]
+        return [instrument(clock, rig.model, rig.opt if step else None, trigger)]
 
     def cuda_clock(rig: Rig, every: int = 1) -> list:
         queue = torch.autograd.Variable._execution_engine.queue_callback
@@ -172,6 +180,10 @@ def main() -> None:
         "output grad_fn hook, every step": output_hook,
         "post-accumulate-grad hook, once": param_hook,
         "the same, removed, on all 4 params": param_hook_removed,
+        "PhaseClock: forward wrapper only": lambda rig: agent_clock(
+            rig, backward=False, step=False
+        ),
+        "... and optimizer hooks": lambda rig: agent_clock(rig, backward=False),
         "agent PhaseClock, everything": agent_clock,
         "PhaseClock, C++ backward trigger": lambda rig: agent_clock(rig, trigger=built),
         "CudaPhaseClock, CUDA stubbed": cuda_clock,
