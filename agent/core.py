@@ -435,8 +435,9 @@ class Agent:
         )
 
     def _native_backward(self, torch: Any) -> Native | None:
-        """The C++ library for the backward's trigger, where it is built and asked for."""
-        if torch is None or not self.config.native_backward:
+        """The C++ library for the backward's trigger, where it is built and asked for (not for
+        CudaPhaseClock, which marks callback A with a CUDA event from Python)."""
+        if torch is None or not self.config.native_backward or self.clock.mark is not None:
             return None
         from syncscope.agent import native
 

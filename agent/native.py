@@ -175,9 +175,9 @@ def load(torch: Any) -> Native | None:
         if not path.is_file():
             # What a plain `pip install` gets until the kernel is built: said at attach, once.
             log.warning(
-                "syncscope: no C++ collective kernel for torch %s at %s; timing collectives "
-                "in Python (several times dearer per collective). Build it once per torch: "
-                "python -m syncscope.agent.native",
+                "syncscope: no C++ library for torch %s at %s; timing collectives in Python "
+                "(several times dearer per collective) and the backward phase from Python's "
+                "gradient hooks. Build it once per torch: python -m syncscope.agent.native",
                 torch.__version__,
                 path,
             )
@@ -187,7 +187,7 @@ def load(torch: Any) -> Native | None:
                 raise RuntimeError(f"ABI {lib.syncscope_abi()}, expected {ABI}")
             native = Native(lib)
     except Exception as exc:  # noqa: BLE001 - the Python kernel serves instead
-        log.warning("syncscope: the C++ collective kernel did not load (%s); using Python", exc)
+        log.warning("syncscope: the C++ library did not load (%s); using Python", exc)
         native = None
     _loaded.append(native)
     return native

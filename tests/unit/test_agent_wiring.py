@@ -120,3 +120,37 @@ def test_a_closed_agent_holds_neither_the_model_nor_its_parameters(gloo_world_of
     # the exit hook kept a closed agent, its clock the DDP model (its process group, gloo's
     # threads) and parameters, until the interpreter exited
     assert [ref() for ref in alive] == [None, None, None]
+
+
+@pytest.mark.parametrize("native_backward", [True, False])
+def test_a_cpu_job_triggers_its_backward_from_cpp_unless_told_not_to(
+    gloo_world_of_one, native_backward
+):
+    """attach() on CPU gives the clock the C++ library (which `scripts/setup` builds) for the
+    backward's trigger; `native_backward=False` keeps Python's gradient hooks. Either way every
+    step has a backward and DDP's exposed sync."""
+    from syncscope.agent.phases import BACKWARD, COMM, ROW_PHASES
+
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = attach(
+        model=model,
+        optimizer=opt,
+        exporter=None,
+        flush_interval_s=3600,
+        native_backward=native_backward,
+    )
+    try:
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+        triggers = agent.clock.triggers  # type: ignore[attr-defined]
+        assert (triggers.native is not None) == native_backward
+        assert bool(triggers.hooks) != native_backward  # Python's hooks only without it
+        rows = list(agent.clock.steps)  # type: ignore[attr-defined]
+        assert len(rows) == 4
+        for row in rows:
+            assert row[ROW_PHASES + BACKWARD] > 0 and row[ROW_PHASES + COMM] > 0, row
+    finally:
+        agent.close()

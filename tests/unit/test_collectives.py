@@ -429,7 +429,7 @@ def test_without_a_built_library_the_python_kernel_serves_and_says_why(tmp_path)
         timeout=120,
         check=True,
     ).stdout
-    assert f"no C++ collective kernel for torch {torch.__version__} at {tmp_path}" in out, out
+    assert f"no C++ library for torch {torch.__version__} at {tmp_path}" in out, out
     assert "KERNEL python [('all_reduce', 'default_pg', 16)]" in out, out
 
 
