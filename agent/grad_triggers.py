@@ -17,7 +17,8 @@ are plain tensors: C++ hooks on the window's parameters, no learning and no Pyth
 backward at all (csrc/backward_trigger.cpp). The backward wrapper arms the trigger, the first
 watched gradient queues the callback, and the wrapper reads when it ran (PhaseClock
 .backward_returned). A backward in which none of them fires leaves native mode for the Python
-hooks above, learning as from the start.
+hooks above, learning as from the start. The trigger's state is the process's one: one
+GradTriggers at a time holds it, the last to watch (an earlier one goes over to Python's).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ TRIGGERS = 1  # the parameter whose gradient comes first, hooked after learning 
 # costs every backward a call into Python, ~3.4 k instructions, bench/bench_instructions.py)
 LEARN_WINDOW = 8  # the trainable parameters, counted from the last, the first learning watches
 RELEARN_LIMIT = 16
+_native_owner: list[Any] = []  # the GradTriggers in native mode, if any (one per process)
 
 
 class GradTriggers:
@@ -84,6 +86,9 @@ class GradTriggers:
         window = [p for p in self.params[-LEARN_WINDOW:] if p.is_leaf]
         if not window or any(type(p) not in plain for p in window):
             return False
+        for earlier in list(_native_owner):  # the state is the process's one: theirs goes over
+            earlier._drop_native(earlier.native)
+            earlier.learn()
         try:
             ops = native.trigger_ops(torch)
             for p in window:
@@ -94,6 +99,7 @@ class GradTriggers:
             return False
         self.native = native
         self.learned = None
+        _native_owner.append(self)
         return True
 
     def _drop_native(self, native: Any) -> None:
@@ -101,6 +107,8 @@ class GradTriggers:
         hooks, self.native_hooks = self.native_hooks, []
         self.native = None
         self.native_paused = False
+        if self in _native_owner:
+            _native_owner.remove(self)
         if hooks:
             import torch
 

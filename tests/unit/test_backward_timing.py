@@ -497,3 +497,23 @@ def test_removed_cpp_hooks_no_longer_fire():
         assert built.bwd_armed.value == 1 and built.bwd_done.value == before
     finally:
         built.bwd_armed.value = 0
+
+
+def test_one_clock_at_a_time_holds_the_cpp_trigger():
+    # Its state is the process's one: two clocks on it would both read the other's backward.
+    # The last to watch holds it; the earlier one learns in Python from then on.
+    built = native_library.load(torch)
+    assert built is not None, "no C++ library for this torch: python -m syncscope.agent.native"
+    first, second = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    one, two = clock_for(first, []), clock_for(second, [])
+    hooks = [instrument(one, first, None, built)]
+    try:
+        assert one.triggers.native is built and not one.triggers.hooks
+        hooks.append(instrument(two, second, None, built))
+        assert two.triggers.native is built
+        assert one.triggers.native is None and one.triggers.hooks  # learning in Python
+        first(torch.randn(2, 4)).sum().backward()  # the first model's backward, timed by one
+        assert one.acc[BACKWARD] > 0 and two.acc[BACKWARD] == 0
+    finally:
+        for h in hooks:
+            h.remove()
