@@ -26,8 +26,9 @@ class AgentConfig:
     # reading a shared-memory ring, no thread: agent/shm_ring.py); None: keep records local only
     exporter: str | None = None
     job: str = "default"
-    # "default": phases + DDP's exposed communication from autograd callbacks (about 15 µs a
-    # step). "buckets": also time every DDP bucket through a comm hook (80–200 µs per bucket).
+    # "default": phases + DDP's exposed communication from autograd callbacks (tens of µs a
+    # step: docs/evaluation.md). "buckets": also time every DDP bucket through a comm hook
+    # (80–200 µs per bucket).
     detail: str = "default"
     pacing: bool = False
     pacing_kill_file: str | None = None  # pacing stops while this file exists
