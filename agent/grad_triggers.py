@@ -87,34 +87,35 @@ class GradTriggers:
         if not window or any(type(p) not in plain for p in window):
             return False
         for earlier in list(_native_owner):  # the state is the process's one: theirs goes over
-            earlier._drop_native(earlier.native)
+            earlier._drop_native()
             earlier.learn()
+        self.native = native
         try:
             ops = native.trigger_ops(torch)
             for p in window:
                 self.native_hooks.append((p, int(ops.watch_grad(p))))
         except Exception as exc:  # noqa: BLE001 - the Python hooks serve instead
             log.warning("syncscope: the C++ backward trigger is unavailable (%s); Python's", exc)
-            self._drop_native(native)
+            self._drop_native()
             return False
-        self.native = native
         self.learned = None
         _native_owner.append(self)
         return True
 
-    def _drop_native(self, native: Any) -> None:
-        """Remove the C++ hooks (each leaves an empty C++ slot, nothing that calls Python)."""
-        hooks, self.native_hooks = self.native_hooks, []
-        self.native = None
-        self.native_paused = False
+    def _drop_native(self) -> None:
+        """Leave native mode (none: nothing to do), removing the C++ hooks (each leaves an empty
+        C++ slot, nothing that calls Python)."""
+        native, hooks = self.native, self.native_hooks
+        self.native, self.native_hooks, self.native_paused = None, [], False
         if self in _native_owner:
             _native_owner.remove(self)
         if hooks:
             import torch
 
+            ops = native.trigger_ops(torch)
             for param, handle in hooks:
                 with contextlib.suppress(Exception):
-                    native.trigger_ops(torch).unwatch_grad(param, handle)
+                    ops.unwatch_grad(param, handle)
 
     def pause(self) -> None:
         """A nested backward (a reentrant checkpoint's) starts inside the armed one: its
@@ -156,8 +157,7 @@ class GradTriggers:
         this model's gradients at all (fall back to hooking the output). In native mode: the
         Python hooks from now on, learning from the start."""
         self.misses += 1
-        if self.native is not None:
-            self._drop_native(self.native)
+        self._drop_native()
         if self.misses <= RELEARN_LIMIT and self.params:
             self.learn()
         else:
@@ -176,8 +176,7 @@ class GradTriggers:
 
     def drop(self, keep: Iterable[Any] = ()) -> None:
         """Remove every parameter hook but the Python ones of `keep` (all C++ ones)."""
-        if self.native is not None:
-            self._drop_native(self.native)
+        self._drop_native()
         kept = {id(p) for p in keep}
         for key in [k for k in self.hooks if k not in kept]:
             with contextlib.suppress(Exception):

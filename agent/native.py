@@ -27,7 +27,7 @@ from typing import Any
 log = logging.getLogger("syncscope.agent")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "c10d_timing.cpp", CSRC / "backward_trigger.cpp")
+SOURCES = (CSRC / "c10d_timing.cpp", CSRC / "backward_trigger.cpp")  # they include clock.h
 NAME = "syncscope_c10d"
 ABI = 3  # csrc's kAbi: a library answering another is not loaded
 ENV_DIR = "SYNCSCOPE_NATIVE_DIR"
@@ -48,7 +48,8 @@ class _Record(ctypes.Structure):
 
 
 def build_dir(torch_version: str) -> Path:
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
+    files = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))  # what the build reads
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
     base = os.environ.get(ENV_DIR) or str(Path.home() / ".cache" / "syncscope" / "native")
     return Path(base) / f"torch-{torch_version}-{digest}"
 

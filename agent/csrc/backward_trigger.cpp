@@ -16,19 +16,14 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/library.h>
 
+#include "clock.h"
+
 #include <atomic>
-#include <ctime>
 #include <memory>
 #include <optional>
 #include <string>
 
 namespace {
-
-int64_t stamp_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
-}
 
 std::unique_ptr<torch::Library> trigger_library;
 std::string trigger_error;
@@ -51,7 +46,7 @@ void on_gradient() {
   }
   try {
     torch::autograd::Engine::get_default_engine().queue_callback(
-        [] { syncscope_bwd_done.store(stamp_ns(), std::memory_order_relaxed); });
+        [] { syncscope_bwd_done.store(syncscope::now_ns(), std::memory_order_relaxed); });
   } catch (...) {
     // Outside a graph task (a hook fired by hand): nothing queued, nothing stamped.
   }

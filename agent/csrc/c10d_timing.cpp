@@ -21,9 +21,10 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/library.h>
 
+#include "clock.h"
+
 #include <atomic>
 #include <cstring>
-#include <ctime>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -48,11 +49,7 @@ struct Record {  // mirrored by agent/native.py's _Record
   int32_t pad;
 };
 
-int64_t now_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
-}
+using syncscope::now_ns;
 
 std::mutex mu;  // guards everything below
 std::vector<Record> records;
