@@ -8,17 +8,18 @@ FSDP2 across them). torchtitan's `Trainer` does not run on CPU (it picks CUDA an
 tokenizer and a Hugging Face dataset), so the script trains in its own loop (random tokens,
 AdamW); the CPU patches it needs are in its `cpu_patches()` and listed in docs/attach.md.
 Each job runs once with `attach(model=..., optimizer=...)` in the script and once unmodified
-under `python -m syncscope.integrations.run`, slowed (a forward pre-hook on one rank's first
-transformer block sleeps 100 ms) and clean. The ranks are forked from one process that has
-imported torchtitan (tests/fixtures/torchtitan_launch.py): four imports of it on two cores took
-a minute.
-Each job trains until the test has seen enough of it (tests/fixtures/stop.py), so a fast or a
-slow machine gives the same number of samples.
+under `python -m syncscope.integrations.run`: clean, then slowed (a forward pre-hook on one
+rank's first transformer block sleeps 100 ms), one job judged by both tests. The ranks are forked
+from one process that has imported torchtitan (tests/fixtures/torchtitan_launch.py): four imports
+of it on two cores took a minute.
+The test steers the job (tests/fixtures/asks.py): slowed once it has enough clean samples,
+stopped once it has enough slowed ones, so a fast or a slow machine gives the same number of
+samples.
 
 The exporter names nobody until every rank delivered a settled window of 100 steps
 (`warming_up` in /v1/state): slowed, the slowed rank must be named in >= 95 % of the samples
-after that, with cause forward; clean, no sample from the first report on may name a
-straggler, put any mode at its verdict line or give a decision verdict. Four ranks share two
+whose every rank's window lies after the first slowed step, with cause forward; clean, no sample
+from the first report to the ask may name a straggler, put any mode at its verdict line or give a decision verdict. Four ranks share two
 cores with whatever else the machine runs, and the spikes that costs are real (seen: 15 % of
 step time lost to spikes on a clean FSDP2 run); runtime_jitter and sync_amplification are a
 verdict only once they have held for their alerts' for: (10 min), as spikes that a busy
@@ -33,13 +34,15 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, wait_until
-from tests.fixtures import stop
+from syncscope.catalog import STEP_WINDOW
+from tests.conftest import ROOT, Exporter, RunOnce
+from tests.fixtures import asks
 
 pytestmark = [
     pytest.mark.slow,
@@ -55,24 +58,34 @@ WORLD = 4
 # collectives of the forward and so arrives late at the dp ones too: a victim, not the root.
 SLOWED = {"fsdp2": 2, "dp_tp": 3}
 SLOW_MS = 100
-# A job runs until the test has MIN_SAMPLES samples after the exporter's warm-up (its settled
-# window is 100 steps), then stops within tests/fixtures/stop.py's CHECK_EVERY steps; STEPS caps
-# a job whose exporter never settles (seen: 70-150 ms a step here, so under 90 s).
-STEPS = 600
+# A job runs clean until the test has MIN_SAMPLES samples after the exporter's warm-up (its
+# settled window is 100 steps), slowed until it has as many of windows wholly slowed, then stops
+# within tests/fixtures/asks.py's CHECK_EVERY steps; STEPS caps a job whose exporter never
+# settles (seen: 70-150 ms a clean step here, ~250 slowed).
+STEPS = 900
 MIN_SAMPLES = 5
 SAMPLE_EVERY_S = 0.5
 
 
-def run_job(
-    exporter: Any, tmp_path: Path, job: str, parallel: str, runner: bool, slow_rank: int | None
-) -> tuple[list[dict[str, Any]], float]:
-    """Run the 4-rank torchtitan job; return every state of it /v1/state gave while it ran (from
-    its first report on) and the job's wall time."""
+@dataclass
+class Phased:
+    """One job's states as /v1/state gave them: clean (from its first report to the ask to slow
+    it), slowed (every rank's window after its first slowed step), its last state, and its wall
+    time."""
+
+    clean: list[dict[str, Any]] = field(default_factory=list)
+    slowed: list[dict[str, Any]] = field(default_factory=list)
+    final: dict[str, Any] = field(default_factory=dict)
+    wall: float = 0.0
+
+
+def run_job(tmp_path: Path, job: str, parallel: str, runner: bool, slow_rank: int) -> Phased:
+    """Run the 4-rank torchtitan job into an exporter of its own, clean, then slowed."""
     script = ["--parallel", parallel, "--steps", str(STEPS)]
-    if slow_rank is not None:
-        script += ["--slow-rank", str(slow_rank), "--slow-ms", str(SLOW_MS)]
+    script += ["--slow-rank", str(slow_rank), "--slow-ms", str(SLOW_MS)]
     if not runner:
         script.append("--attach")
+    exporter = Exporter()
     env = dict(os.environ)
     env.pop("SYNCSCOPE_DISABLE", None)
     env.update(
@@ -87,35 +100,46 @@ def run_job(
         OMP_NUM_THREADS="1",
         TMPDIR=str(tmp_path),
     )
-    env[stop.ENV] = str(tmp_path)
+    env[asks.ENV] = str(tmp_path)
     command = [sys.executable, "-m", "tests.fixtures.torchtitan_launch", "--world", str(WORLD)]
     command += ["--runner"] if runner else []
     log_path = tmp_path / f"{job}.log"
+    out = Phased()
     started = time.monotonic()
     with open(log_path, "w+b") as log:
         proc = subprocess.Popen(
             [*command, "--", *script], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
         )
-        samples = []
         try:
             while proc.poll() is None:
                 time.sleep(SAMPLE_EVERY_S)
                 state = exporter.state()["jobs"].get(job)
-                if state and state["ranks"]:
-                    samples.append(state)
-                if len(settled(samples)) >= MIN_SAMPLES:
-                    stop.ask(tmp_path)
+                if not (state and state["ranks"]):
+                    continue
+                if not (tmp_path / "slow").exists():
+                    out.clean.append(state)
+                    if len(settled(out.clean)) >= MIN_SAMPLES:
+                        asks.ask(tmp_path, "slow")
+                    continue
+                onset = asks.agreed_step(tmp_path, "slow")
+                first = min(r["steps_total"] for r in state["ranks"]) - STEP_WINDOW
+                if onset is not None and first >= onset and settled([state]):
+                    out.slowed.append(state)
+                    if len(out.slowed) >= MIN_SAMPLES:
+                        asks.ask(tmp_path, "stop")
             proc.wait(timeout=240)
+            out.final = exporter.state()["jobs"].get(job) or {}
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        wall = time.monotonic() - started
+            exporter.stop()
+        out.wall = time.monotonic() - started
         log.seek(0)
         output = log.read().decode(errors="replace")
     assert proc.returncode == 0, f"the job failed:\n{output[-6000:]}"
     assert_trained_together(output, WORLD)
-    return samples, wall
+    return out
 
 
 def assert_trained_together(output: str, world: int) -> int:
@@ -140,10 +164,10 @@ def assert_named(after: list[dict[str, Any]], slowed: int) -> None:
     assert {n["cause"] for n in right} == {"forward"}, {n["cause_reason"] for n in right}
 
 
-def assert_measured(exporter: Any, job: str) -> None:
+def assert_measured(final: dict[str, Any]) -> None:
     """Every rank's forward and backward were timed: the agent found torchtitan's model."""
-    state = wait_until(lambda: exporter.state()["jobs"].get(job), timeout=10)
-    for r in state["ranks"]:
+    assert final["ranks"], final
+    for r in final["ranks"]:
         phases = r["phase_seconds_total"]
         assert phases["forward"] > 0 and phases["backward"] > 0, (r["rank"], phases)
 
@@ -152,32 +176,40 @@ VIAS = ["attach", "runner"]
 PARALLELS = ["fsdp2", "dp_tp"]
 
 
+@pytest.fixture(scope="module")
+def titan(tmp_path_factory: pytest.TempPathFactory) -> RunOnce:
+    """`titan((parallel, via))`: the job, clean then slowed, started by the first test asking."""
+
+    def run(key: tuple[str, str]) -> Phased:
+        parallel, via = key
+        tmp = tmp_path_factory.mktemp(f"titan-{parallel}-{via}")
+        out = run_job(tmp, f"titan-{parallel}-{via}", parallel, via == "runner", SLOWED[parallel])
+        print(
+            f"titan-{parallel}-{via}: {out.wall:.1f} s wall, {len(out.clean)} clean samples "
+            f"({len(settled(out.clean))} after warm-up), {len(out.slowed)} slowed"
+        )
+        return out
+
+    return RunOnce(run)
+
+
 @pytest.mark.parametrize("via", VIAS)
 @pytest.mark.parametrize("parallel", PARALLELS)
 def test_torchtitan_slowed_rank_is_named_with_cause_forward(
-    parallel: str, via: str, exporter: Any, tmp_path: Path
+    parallel: str, via: str, titan: RunOnce
 ) -> None:
-    job = f"titan-{parallel}-{via}-slowed"
-    slowed = SLOWED[parallel]
-    samples, wall = run_job(exporter, tmp_path, job, parallel, via == "runner", slowed)
-    after = settled(samples)
-    print(f"{job}: {wall:.1f} s wall, {len(samples)} samples, {len(after)} after warm-up")
-    assert_measured(exporter, job)
-    assert_named(after, slowed)
+    run = titan((parallel, via))
+    assert_measured(run.final)
+    assert_named(run.slowed, SLOWED[parallel])
 
 
 @pytest.mark.parametrize("via", VIAS)
 @pytest.mark.parametrize("parallel", PARALLELS)
-def test_torchtitan_clean_run_gets_no_verdict(
-    parallel: str, via: str, exporter: Any, tmp_path: Path
-) -> None:
-    job = f"titan-{parallel}-{via}-clean"
-    samples, wall = run_job(exporter, tmp_path, job, parallel, via == "runner", None)
-    after = settled(samples)
-    print(f"{job}: {wall:.1f} s wall, {len(samples)} samples, {len(after)} after warm-up")
-    assert_measured(exporter, job)
-    assert len(after) >= MIN_SAMPLES, f"only {len(after)} of {len(samples)} samples after warm-up"
-    assert_no_verdict(job, samples)
+def test_torchtitan_clean_run_gets_no_verdict(parallel: str, via: str, titan: RunOnce) -> None:
+    run = titan((parallel, via))
+    after = settled(run.clean)
+    assert len(after) >= MIN_SAMPLES, f"only {len(after)} of {len(run.clean)} samples after warm-up"
+    assert_no_verdict(f"titan-{parallel}-{via}", run.clean)
 
 
 def assert_no_verdict(job: str, samples: list[dict[str, Any]]) -> None:

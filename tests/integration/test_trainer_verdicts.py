@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures import stop
+from tests.fixtures import asks
 
 # Private helpers of the older tiers, imported rather than copied: the rank launcher (a real
 # gloo job, one process per rank, the script or the runner in front of it), the wait for a
@@ -48,7 +48,7 @@ WORLD = 2
 SLOW_RANK = 1
 SLOW_MS = 40
 # A job trains until the test has MIN_SAMPLES samples after the exporter's settled window of
-# 100 steps (tests/fixtures/stop.py, a callback in each script); STEPS caps a job whose exporter
+# 100 steps (tests/fixtures/asks.py, a callback in each script); STEPS caps a job whose exporter
 # never settles. Seen on an idle 2-core machine (ms per step): Lightning ~8 clean, ~50 slowed;
 # the Trainer ~14 clean, ~60 slowed; about 10 s of each job is the ranks' start.
 STEPS = {
@@ -86,10 +86,10 @@ if rank == int(os.environ.get("TEST_SLOW_RANK", "-1")):
     model.net[0].register_forward_pre_hook(lambda *_: time.sleep(delay))
 n = 16 * world * (steps + 8)  # one epoch: no epoch boundary inside the run
 data = DataLoader(TensorDataset(torch.randn(n, 32), torch.randn(n, 1)), batch_size=16)
-from tests.fixtures.stop import Stopper
+from tests.fixtures.asks import Asked
 
 class StopWhenAsked(pl.Callback):  # the test says when it has seen enough
-    stopper = Stopper(rank)
+    stopper = Asked(rank, "stop")
     def on_train_batch_end(self, trainer, *_):
         if self.stopper(trainer.global_step):
             trainer.should_stop = True
@@ -129,10 +129,10 @@ args = TrainingArguments(output_dir=os.environ["TEST_OUT"], max_steps=steps,
                          logging_strategy="no", use_cpu=True, disable_tqdm=True,
                          dataloader_num_workers=0)
 from transformers import TrainerCallback
-from tests.fixtures.stop import Stopper
+from tests.fixtures.asks import Asked
 
 class StopWhenAsked(TrainerCallback):  # the test says when it has seen enough
-    stopper = Stopper(rank)
+    stopper = Asked(rank, "stop")
     def on_step_end(self, args, state, control, **_):
         if self.stopper(state.global_step):
             control.should_training_stop = True
@@ -182,7 +182,7 @@ def run_job(
         "SYNCSCOPE_JOB": job,
         "TEST_STEPS": str(steps),
         "TEST_OUT": str(tmp_path / "out"),
-        stop.ENV: str(tmp_path),
+        asks.ENV: str(tmp_path),
         "MASTER_PORT": "1",  # never used (the process group exists); stops a port search
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -208,7 +208,7 @@ def run_job(
         if state and state["ranks"]:
             samples.append(state)
         if len(settled(samples, WORLD)) >= MIN_SAMPLES:
-            stop.ask(tmp_path)
+            asks.ask(tmp_path, "stop")
     wall = time.monotonic() - started
     if "error" in result:
         raise result["error"]
