@@ -24,6 +24,7 @@ from syncscope.lab.nodes import EmulatedNodes, NodesUnavailable
 from syncscope.lab.servers import free_port, start_exporter
 
 ROOT = Path(__file__).resolve().parents[1]
+UNIT = ROOT / "tests" / "unit"
 
 
 def torch_available() -> bool:
@@ -64,10 +65,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip_gpu = pytest.mark.skip(
         reason="needs a CUDA GPU; none on this machine (run on the device machine)"
     )
-    if not cuda_available():
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip_gpu)
+    gpu = cuda_available()
+    for item in items:
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(skip_gpu)
+        # A unit test runs no training job whose timing it judges: all of them run beside
+        # the quiet ones (pyproject.toml's markers).
+        if Path(item.path).is_relative_to(UNIT):
+            item.add_marker(pytest.mark.background)
+        if "quiet" in item.keywords and "background" in item.keywords:
+            raise pytest.UsageError(f"{item.nodeid}: quiet and background exclude each other")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -214,6 +214,7 @@ def synthetic_metrics(now: float, started: float, ranks: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+@pytest.mark.background
 def test_no_panel_query_returns_more_than_30_series_at_scale(tmp_path: Path) -> None:
     """Every query of both dashboards, with no rank selected, against SCALE_RANKS ranks (256
     here; SYNCSCOPE_SCALE_RANKS=1024 for the issue's figure): at most D.MAX_SERIES series."""

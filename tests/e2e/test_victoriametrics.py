@@ -40,10 +40,13 @@ BASE = 1_767_225_600.0  # 2026-01-01T00:00:00Z: a fixed past time, a multiple of
 HOUR = 3600.0
 TOLERANCE = 1e-6
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("victoria-metrics") is None or shutil.which("vmalert") is None,
-    reason="victoria-metrics / vmalert not installed (scripts/setup test installs them)",
-)
+pytestmark = [
+    pytest.mark.background,
+    pytest.mark.skipif(
+        shutil.which("victoria-metrics") is None or shutil.which("vmalert") is None,
+        reason="victoria-metrics / vmalert not installed (scripts/setup test installs them)",
+    ),
+]
 
 _NO_STALE_MARKERS = (
     "vmalert 1.79 writes no staleness marker when a recorded series or an alert ends, so "

@@ -365,7 +365,6 @@ def run_across_nodes(tmp_path, job: str, args: list[str], clean: bool) -> dict[s
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        warm = started + scenarios.WARM_UP_S + 5
         ready = onset = 0.0
         samples: list[tuple[int, Any]] = []
         while all(r.poll() is None for r in ranks):
@@ -378,7 +377,7 @@ def run_across_nodes(tmp_path, job: str, args: list[str], clean: bool) -> dict[s
             slowing = (control / "slow").exists()
             if not ready or (slowing and not onset):
                 continue
-            since = max(warm, ready + window, onset + window if slowing else 0.0)
+            since = max(ready + window, onset + window if slowing else 0.0)
             if time.time() < since + 3 + (hold_s if slowing else 0.0):
                 continue
             # An exporter whose diagnosis is warming up (a settled window of its ranks' steps

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.background]
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
 import importlib.util, json, sys
