@@ -34,6 +34,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,33 @@ class Phased:
     wall: float = 0.0
 
 
+def sample_phases(
+    running: Callable[[], bool], exporter: Exporter, job: str, folder: Path, world: int
+) -> Phased:
+    """The job's states while `running()`, every SAMPLE_EVERY_S: clean until MIN_SAMPLES after
+    the exporter's warm-up, when the job is asked to slow its rank (tests/fixtures/asks.py, in
+    `folder`); slowed from when every rank's window lies after the first slowed step, until
+    MIN_SAMPLES of those, when it is asked to stop. States between are neither phase's."""
+    out = Phased()
+    while running():
+        time.sleep(SAMPLE_EVERY_S)
+        state = exporter.state()["jobs"].get(job)
+        if not (state and state["ranks"]):
+            continue
+        if not (folder / "slow").exists():
+            out.clean.append(state)
+            if len(settled(out.clean, world)) >= MIN_SAMPLES:
+                asks.ask(folder, "slow")
+            continue
+        onset = asks.agreed_step(folder, "slow")
+        first = min(r["steps_total"] for r in state["ranks"]) - STEP_WINDOW
+        if onset is not None and first >= onset and settled([state], world):
+            out.slowed.append(state)
+            if len(out.slowed) >= MIN_SAMPLES:
+                asks.ask(folder, "stop")
+    return out
+
+
 def run_job(tmp_path: Path, job: str, parallel: str, runner: bool, slow_rank: int) -> Phased:
     """Run the 4-rank torchtitan job into an exporter of its own, clean, then slowed."""
     script = ["--parallel", parallel, "--steps", str(STEPS)]
@@ -104,29 +132,13 @@ def run_job(tmp_path: Path, job: str, parallel: str, runner: bool, slow_rank: in
     command = [sys.executable, "-m", "tests.fixtures.torchtitan_launch", "--world", str(WORLD)]
     command += ["--runner"] if runner else []
     log_path = tmp_path / f"{job}.log"
-    out = Phased()
     started = time.monotonic()
     with open(log_path, "w+b") as log:
         proc = subprocess.Popen(
             [*command, "--", *script], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
         )
         try:
-            while proc.poll() is None:
-                time.sleep(SAMPLE_EVERY_S)
-                state = exporter.state()["jobs"].get(job)
-                if not (state and state["ranks"]):
-                    continue
-                if not (tmp_path / "slow").exists():
-                    out.clean.append(state)
-                    if len(settled(out.clean)) >= MIN_SAMPLES:
-                        asks.ask(tmp_path, "slow")
-                    continue
-                onset = asks.agreed_step(tmp_path, "slow")
-                first = min(r["steps_total"] for r in state["ranks"]) - STEP_WINDOW
-                if onset is not None and first >= onset and settled([state]):
-                    out.slowed.append(state)
-                    if len(out.slowed) >= MIN_SAMPLES:
-                        asks.ask(tmp_path, "stop")
+            out = sample_phases(lambda: proc.poll() is None, exporter, job, tmp_path, WORLD)
             proc.wait(timeout=240)
             out.final = exporter.state()["jobs"].get(job) or {}
         finally:

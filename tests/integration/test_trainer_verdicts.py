@@ -1,15 +1,17 @@
 """Real trainers' verdicts: PyTorch Lightning and the Hugging Face `Trainer`, each on two CPU
-ranks of gloo DDP on 127.0.0.1 into a real exporter, slowed and clean, each through its
-syncscope callback and unmodified under `python -m syncscope.integrations.run`.
+ranks of gloo DDP on 127.0.0.1 into a real exporter, each through its syncscope callback and
+unmodified under `python -m syncscope.integrations.run`: one job each, clean, then slowed.
 
 test_integrations.py checks that each callback measures a real run; this tier checks what the
-exporter concludes from it, as test_real_trainers.py does for torchtitan. Slowed: a forward
-pre-hook on rank 1's first layer (the Lightning module's first Linear, GPT-2's first block),
-set up by the training script from TEST_SLOW_RANK / TEST_SLOW_MS, sleeps 40 ms every step.
-The exporter names nobody until every rank delivered a settled window of 100 steps
-(`warming_up` in /v1/state); after that the slowed rank must be named in >= 95 % of the
-samples, with cause forward. Clean: no sample from the first report on may name a straggler,
-put any mode at its verdict line or give a decision verdict (see test_real_trainers.py).
+exporter concludes from it, as test_real_trainers.py does for torchtitan (and with its
+sampling: clean, then slowed from the step the test asks for). Slowed: a forward pre-hook on
+rank 1's first layer (the Lightning module's first Linear, GPT-2's first block), set up by the
+training script from TEST_SLOW_RANK / TEST_SLOW_MS, sleeps 40 ms every step from the step every
+rank agreed on. The exporter names nobody until every rank delivered a settled window of 100
+steps (`warming_up` in /v1/state); once every rank's window lies after the first slowed step,
+the slowed rank must be named in >= 95 % of the samples, with cause forward. Clean: no sample
+from the first report to the ask may name a straggler, put any mode at its verdict line or give
+a decision verdict (see test_real_trainers.py).
 
 The scripts the runner runs contain no syncscope code: it must find the model under the
 trainer itself (the DDP wrapper Lightning's strategy / accelerate made), and time its phases
@@ -26,19 +28,21 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import Exporter, RunOnce
 from tests.fixtures import asks
 
 # Private helpers of the older tiers, imported rather than copied: the rank launcher (a real
 # gloo job, one process per rank, the script or the runner in front of it), the wait for a
 # job's final report, the check that forward, backward and DDP's gradient sync were measured;
-# and test_real_trainers.py's sampling cadence and checks.
+# and test_real_trainers.py's phased sampling and checks.
 from tests.integration.test_integrations import _assert_measured, _installed, _job, _run_ranks
 from tests.integration.test_real_trainers import (
     MIN_SAMPLES,
-    SAMPLE_EVERY_S,
+    Phased,
     assert_named,
     assert_no_verdict,
     assert_trained_together,
+    sample_phases,
     settled,
 )
 
@@ -47,14 +51,11 @@ pytestmark = pytest.mark.slow
 WORLD = 2
 SLOW_RANK = 1
 SLOW_MS = 40
-# A job trains until the test has MIN_SAMPLES samples after the exporter's settled window of
-# 100 steps (tests/fixtures/asks.py, a callback in each script); STEPS caps a job whose exporter
-# never settles. Seen on an idle 2-core machine (ms per step): Lightning ~8 clean, ~50 slowed;
-# the Trainer ~14 clean, ~60 slowed; about 10 s of each job is the ranks' start.
-STEPS = {
-    "lightning": {"slowed": 600, "clean": 2000},
-    "huggingface": {"slowed": 600, "clean": 1500},
-}
+# A job trains until the test has MIN_SAMPLES samples of each phase (tests/fixtures/asks.py, a
+# callback in each script); STEPS caps a job whose exporter never settles. Seen on an idle
+# 2-core machine (ms per step): Lightning ~8 clean, ~50 slowed; the Trainer ~14 clean, ~60
+# slowed; about 10 s of each job is the ranks' start.
+STEPS = {"lightning": 2000, "huggingface": 1500}
 
 LIGHTNING = """
 import os, time
@@ -81,17 +82,21 @@ class Tiny(pl.LightningModule):
 
 torch.manual_seed(0)
 model = Tiny()
+from tests.fixtures.asks import Asked
+slow, stop, slowing = Asked(rank, "slow"), Asked(rank, "stop"), [False]
 if rank == int(os.environ.get("TEST_SLOW_RANK", "-1")):
     delay = float(os.environ["TEST_SLOW_MS"]) / 1000
-    model.net[0].register_forward_pre_hook(lambda *_: time.sleep(delay))
+    def pause(*_):
+        if slowing[0]:
+            time.sleep(delay)
+    model.net[0].register_forward_pre_hook(pause)
 n = 16 * world * (steps + 8)  # one epoch: no epoch boundary inside the run
 data = DataLoader(TensorDataset(torch.randn(n, 32), torch.randn(n, 1)), batch_size=16)
-from tests.fixtures.asks import Asked
 
-class StopWhenAsked(pl.Callback):  # the test says when it has seen enough
-    stopper = Asked(rank, "stop")
+class StopWhenAsked(pl.Callback):  # the test slows a rank, then says when it has seen enough
     def on_train_batch_end(self, trainer, *_):
-        if self.stopper(trainer.global_step):
+        slowing[0] = slow(trainer.global_step)
+        if stop(trainer.global_step):
             trainer.should_stop = True
 
 callbacks = [StopWhenAsked()]  # CALLBACK
@@ -121,20 +126,24 @@ class Tokens(torch.utils.data.Dataset):
 
 # A config-only model: nothing is downloaded.
 model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+from tests.fixtures.asks import Asked
+slow, stop, slowing = Asked(rank, "slow"), Asked(rank, "stop"), [False]
 if rank == int(os.environ.get("TEST_SLOW_RANK", "-1")):
     delay = float(os.environ["TEST_SLOW_MS"]) / 1000
-    model.transformer.h[0].register_forward_pre_hook(lambda *_: time.sleep(delay))
+    def pause(*_):
+        if slowing[0]:
+            time.sleep(delay)
+    model.transformer.h[0].register_forward_pre_hook(pause)
 args = TrainingArguments(output_dir=os.environ["TEST_OUT"], max_steps=steps,
                          per_device_train_batch_size=8, report_to=[], save_strategy="no",
                          logging_strategy="no", use_cpu=True, disable_tqdm=True,
                          dataloader_num_workers=0)
 from transformers import TrainerCallback
-from tests.fixtures.asks import Asked
 
-class StopWhenAsked(TrainerCallback):  # the test says when it has seen enough
-    stopper = Asked(rank, "stop")
+class StopWhenAsked(TrainerCallback):  # the test slows a rank, then says when it has seen enough
     def on_step_end(self, args, state, control, **_):
-        if self.stopper(state.global_step):
+        slowing[0] = slow(state.global_step)
+        if stop(state.global_step):
             control.should_training_stop = True
 
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[StopWhenAsked()])
@@ -169,26 +178,22 @@ def script_for(trainer: str, via: str) -> str:
     return script
 
 
-def run_job(
-    exporter: Any, tmp_path: Path, trainer: str, via: str, slowed: bool
-) -> tuple[str, int, list[dict[str, Any]], float]:
-    """Run the 2-rank job; return its name, its steps, every state of it /v1/state gave while
-    it ran (from its first report on) and its wall time."""
-    kind = "slowed" if slowed else "clean"
-    job = f"{trainer}-{via}-{kind}"
-    steps = STEPS[trainer][kind]
+def run_job(exporter: Any, tmp_path: Path, trainer: str, via: str) -> tuple[str, int, Phased]:
+    """Run the 2-rank job, clean, then slowed; return its name, its steps and its phases."""
+    job = f"{trainer}-{via}"
+    steps = STEPS[trainer]
     env = {
         "SYNCSCOPE_EXPORTER": exporter.url,
         "SYNCSCOPE_JOB": job,
         "TEST_STEPS": str(steps),
         "TEST_OUT": str(tmp_path / "out"),
+        "TEST_SLOW_RANK": str(SLOW_RANK),
+        "TEST_SLOW_MS": str(SLOW_MS),
         asks.ENV: str(tmp_path),
         "MASTER_PORT": "1",  # never used (the process group exists); stops a port search
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
-    if slowed:
-        env.update(TEST_SLOW_RANK=str(SLOW_RANK), TEST_SLOW_MS=str(SLOW_MS))
     script = script_for(trainer, via)
     result: dict[str, Any] = {}
 
@@ -201,22 +206,16 @@ def run_job(
     started = time.monotonic()
     thread = threading.Thread(target=ranks, daemon=True)
     thread.start()
-    samples = []
-    while thread.is_alive():
-        thread.join(SAMPLE_EVERY_S)
-        state = exporter.state()["jobs"].get(job)
-        if state and state["ranks"]:
-            samples.append(state)
-        if len(settled(samples, WORLD)) >= MIN_SAMPLES:
-            asks.ask(tmp_path, "stop")
-    wall = time.monotonic() - started
+    phases = sample_phases(thread.is_alive, exporter, job, tmp_path, WORLD)
+    thread.join()
+    phases.wall = time.monotonic() - started
     if "error" in result:
         raise result["error"]
     trained = assert_trained_together("".join(result["outputs"]), WORLD)
-    return job, trained, samples, wall
+    return job, trained, phases
 
 
-def summary(exporter: Any, job: str, steps: int, wall: float, samples: list[Any]) -> Any:
+def summary(exporter: Any, job: str, steps: int, phases: Phased) -> Any:
     """The job's final report (every rank's steps in), with one line printed about the run."""
     final = _job(exporter, job, WORLD, steps - 1)
     per_rank = []
@@ -224,9 +223,9 @@ def summary(exporter: Any, job: str, steps: int, wall: float, samples: list[Any]
         n = max(1, r["steps_total"])
         ms = {k: round(v / n * 1e3, 1) for k, v in r["phase_seconds_total"].items() if v}
         per_rank.append(f"rank {r['rank']}: {r['steps_total']} steps, ms/step {ms}")
-    after = settled(samples, WORLD)
     print(
-        f"{job}: {wall:.1f} s wall, {len(samples)} samples, {len(after)} after warm-up; "
+        f"{job}: {phases.wall:.1f} s wall, {len(phases.clean)} clean samples "
+        f"({len(settled(phases.clean, WORLD))} after warm-up), {len(phases.slowed)} slowed; "
         + "; ".join(per_rank)
     )
     return final
@@ -260,26 +259,38 @@ TRAINERS = [
 VIAS = ["callback", "runner"]
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> RunOnce:
+    """`trained((trainer, via))`: the job, clean then slowed, into an exporter of its own,
+    started by the first test asking: its phases, its final report and its steps."""
+
+    def run(key: tuple[str, str]) -> tuple[Phased, dict[str, Any], int]:
+        trainer, via = key
+        exporter = Exporter()
+        try:
+            tmp = tmp_path_factory.mktemp(f"{trainer}-{via}")
+            job, steps, phases = run_job(exporter, tmp, trainer, via)
+            return phases, summary(exporter, job, steps, phases), steps
+        finally:
+            exporter.stop()
+
+    return RunOnce(run)
+
+
 @pytest.mark.parametrize("via", VIAS)
 @pytest.mark.parametrize("trainer", TRAINERS)
-def test_slowed_rank_is_named_with_cause_forward(
-    trainer: str, via: str, exporter: Any, tmp_path: Path
-) -> None:
-    job, steps, samples, wall = run_job(exporter, tmp_path, trainer, via, slowed=True)
-    final = summary(exporter, job, steps, wall, samples)
-    after = settled(samples, WORLD)
-    named = [s["diagnosis"]["straggler"] for s in after]
-    print(f"{job}: named {[n and (n['rank'], n['cause']) for n in named]}")
-    assert_named(after, SLOW_RANK)
+def test_slowed_rank_is_named_with_cause_forward(trainer: str, via: str, trained: RunOnce) -> None:
+    phases, final, steps = trained((trainer, via))
+    named = [s["diagnosis"]["straggler"] for s in phases.slowed]
+    print(f"{trainer}-{via}: named {[n and (n['rank'], n['cause']) for n in named]}")
+    assert_named(phases.slowed, SLOW_RANK)
     assert_measured(final, steps, trainer, via)
 
 
 @pytest.mark.parametrize("via", VIAS)
 @pytest.mark.parametrize("trainer", TRAINERS)
-def test_clean_run_gets_no_verdict(trainer: str, via: str, exporter: Any, tmp_path: Path) -> None:
-    job, steps, samples, wall = run_job(exporter, tmp_path, trainer, via, slowed=False)
-    final = summary(exporter, job, steps, wall, samples)
-    after = settled(samples, WORLD)
-    assert len(after) >= MIN_SAMPLES, f"only {len(after)} of {len(samples)} samples after warm-up"
-    assert_no_verdict(job, samples)
-    assert_measured(final, steps, trainer, via)
+def test_clean_run_gets_no_verdict(trainer: str, via: str, trained: RunOnce) -> None:
+    phases, _final, _steps = trained((trainer, via))
+    after = settled(phases.clean, WORLD)
+    assert len(after) >= MIN_SAMPLES, f"only {len(after)} of {len(phases.clean)} after warm-up"
+    assert_no_verdict(f"{trainer}-{via}", phases.clean)
