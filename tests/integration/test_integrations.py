@@ -20,6 +20,10 @@ import pytest
 from syncscope.lab.launch import launch, wait_all
 from tests.conftest import wait_until
 
+# What each adapter measures (phases that add up, sync calls, counts) holds at any speed: these
+# run beside the quiet tests, at idle priority.
+pytestmark = pytest.mark.background
+
 # A training script that knows nothing about syncscope: plain DDP.
 PLAIN_DDP = """
 import os, sys
