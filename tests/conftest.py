@@ -71,7 +71,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         # A unit test runs no training job whose timing it judges: all of them run beside
         # the quiet ones (pyproject.toml's markers).
-        if Path(item.path).is_relative_to(UNIT):
+        if item.path.is_relative_to(UNIT):
             item.add_marker(pytest.mark.background)
         if "quiet" in item.keywords and "background" in item.keywords:
             raise pytest.UsageError(f"{item.nodeid}: quiet and background exclude each other")

@@ -211,8 +211,8 @@ def run_job(exporter: Any, tmp_path: Path, trainer: str, via: str) -> tuple[str,
     phases.wall = time.monotonic() - started
     if "error" in result:
         raise result["error"]
-    trained = assert_trained_together("".join(result["outputs"]), WORLD)
-    return job, trained, phases
+    ran = assert_trained_together("".join(result["outputs"]), WORLD)
+    return job, ran, phases
 
 
 def summary(exporter: Any, job: str, steps: int, phases: Phased) -> Any:
