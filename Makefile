@@ -18,9 +18,11 @@ IDLE := $(shell chrt --idle 0 true >/dev/null 2>&1 && echo "chrt --idle 0" || ec
 # The machine's cores are the limit, so `make test` fills them in two phases:
 #  1. the tests marked quiet, one at a time: they judge timing a starved core moves (lateness
 #     across emulated nodes, link shares, the pacing controller), and leave about half of the
-#     cores idle while their jobs wait for rule windows. Beside them, at idle priority, mypy
-#     and the tests marked background (every unit test, and others that judge no job's
-#     timing): they take only what the quiet tests leave, so the quiet jobs run as if alone.
+#     cores idle while their jobs wait for rule windows. Beside them, at idle priority, one
+#     after another: mypy, the tests marked background (every unit test, and others that judge
+#     no job's timing), then those marked relative (verdicts that compare a job's ranks with
+#     each other), two files at a time. They take only what the quiet tests leave, so the
+#     quiet jobs run as if alone.
 #  2. the rest, two files at a time (pytest-xdist; each file's jobs stay on one worker).
 # Every phase runs even when another failed; the target fails if any did.
 test:
@@ -29,13 +31,16 @@ test:
 	@log=$$(mktemp); \
 	$(IDLE) sh -c 'rc=0; .venv/bin/mypy agent exporter sim syncscope bench || rc=1; \
 		.venv/bin/pytest -q -p no:cacheprovider --durations=10 -m background || rc=1; \
+		.venv/bin/pytest -q -p no:cacheprovider --durations=10 -n 2 --dist loadfile \
+			-m relative || rc=1; \
 		exit $$rc' >"$$log" 2>&1 & \
 	background=$$!; \
 	.venv/bin/pytest -q --durations=15 -m quiet; quiet=$$?; \
 	wait $$background; idle=$$?; \
-	echo "== beside them, at idle priority ($(IDLE)): mypy and the tests marked background"; \
+	echo "== beside them, at idle priority ($(IDLE)): mypy, the background and relative tests"; \
 	cat "$$log"; rm -f "$$log"; \
-	.venv/bin/pytest -q --durations=30 -n 2 --dist loadfile -m "not quiet and not background"; \
+	.venv/bin/pytest -q --durations=30 -n 2 --dist loadfile \
+		-m "not quiet and not background and not relative"; \
 	rest=$$?; \
 	[ $$quiet -eq 0 ] && [ $$idle -eq 0 ] && [ $$rest -eq 0 ]
 

@@ -73,8 +73,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # the quiet ones (pyproject.toml's markers).
         if item.path.is_relative_to(UNIT):
             item.add_marker(pytest.mark.background)
-        if "quiet" in item.keywords and "background" in item.keywords:
-            raise pytest.UsageError(f"{item.nodeid}: quiet and background exclude each other")
+        tiers = [tier for tier in ("quiet", "background", "relative") if tier in item.keywords]
+        if len(tiers) > 1:
+            raise pytest.UsageError(f"{item.nodeid}: {' and '.join(tiers)} exclude each other")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -47,7 +47,8 @@ from tests.conftest import (
 )
 
 # quiet: these jobs judge lateness and link shares on ranks that share this machine's cores;
-# `make test` runs them after the rest, alone (see the marker in pyproject.toml).
+# `make test` runs them one at a time, with only idle-priority work beside them (see the marker
+# in pyproject.toml).
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.quiet,

@@ -31,8 +31,11 @@ from tests.conftest import (
     wait_until,
 )
 
+# relative: the verdicts compare the job's ranks with each other and with its own recorded
+# truth, so `make test` runs them at idle priority beside the quiet tests (pyproject.toml).
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.relative,
     pytest.mark.skipif(not torch_available(), reason="torch is not installed"),
 ]
 WORKLOADS = {

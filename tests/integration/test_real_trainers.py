@@ -45,8 +45,11 @@ from syncscope.catalog import STEP_WINDOW
 from tests.conftest import ROOT, Exporter, RunOnce
 from tests.fixtures import asks
 
+# relative: the verdicts compare the job's ranks with each other and with its own recorded
+# truth, so `make test` runs them at idle priority beside the quiet tests (pyproject.toml).
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.relative,
     pytest.mark.skipif(
         importlib.util.find_spec("torch") is None or importlib.util.find_spec("torchtitan") is None,
         reason="torchtitan not installed (optional extra: syncscope[torchtitan]; "

@@ -46,7 +46,9 @@ from tests.integration.test_real_trainers import (
     settled,
 )
 
-pytestmark = pytest.mark.slow
+# relative: the verdicts compare the job's ranks with each other and with its own recorded
+# truth, so `make test` runs them at idle priority beside the quiet tests (pyproject.toml).
+pytestmark = [pytest.mark.slow, pytest.mark.relative]
 
 WORLD = 2
 SLOW_RANK = 1
