@@ -33,7 +33,14 @@ from collections.abc import Callable
 from typing import Any
 
 from syncscope.agent.grad_triggers import TRIGGERS, GradTriggers
-from syncscope.agent.step_work import StepWork
+from syncscope.agent.step_sink import (
+    QUIET_ROW,
+    ROW_PHASES,
+    ROW_WORK,
+    StepSink,
+    estimate_phases,
+    phase_shares,
+)
 
 from syncscope.wire import (
     DDP_GRAD_SYNC,
@@ -43,6 +50,18 @@ from syncscope.wire import (
     Phase,
 )
 
+__all__ = [
+    "QUIET_ROW",
+    "ROW_PHASES",
+    "ROW_WORK",
+    "BackwardPhases",
+    "PhaseClock",
+    "StepState",
+    "estimate_phases",
+    "phase_shares",
+    "restored_step",
+]
+
 # Positions in the per-step accumulator, as plain ints: indexing a list with an IntEnum member
 # costs an __index__ call on the hot path. `other` is not accumulated (see PhaseClock).
 DATA = int(Phase.DATA)
@@ -51,98 +70,53 @@ BACKWARD = int(Phase.BACKWARD)
 OPTIMIZER = int(Phase.OPTIMIZER)
 COMM = int(Phase.COMM_EXPOSED)
 PACING = int(Phase.PACING)
-# A step row is (step, end_ns, total_ns, *accumulated phases, samples, tokens): where the
-# phases start and where the work counts start (wire.StepRowWithWork).
-ROW_PHASES = 3
-ROW_WORK = 9
-# A quiet step's row as the clock queues it (phase sampling): (step, end_ns, total_ns, the last
-# timed step's phase shares, its DDP sync's share of its total or None, samples, tokens), made
-# a full row by PhaseClock.finish before it leaves the process.
-QUIET_ROW = 7
 # The boundaries, as a subclass's `mark` hears of them (CudaPhaseClock records a CUDA event at
 # each); on CPU `mark` is None and costs one attribute test per boundary.
 STEP_START, FWD_PRE, FWD_POST, BWD_START, BWD_END, COMM_END, OPT_PRE, OPT_POST, STEP_END = range(9)
 _now = time.perf_counter_ns
 
 
-class PhaseClock:
-    """Accumulates per-phase nanoseconds for the current step and emits one tuple per step.
-
-    Emitted tuple: (step, end_ns, total_ns, data, forward, backward, optimizer, comm, pacing,
-    samples, tokens). `other` is derived later (total minus the rest) off the training thread.
-    """
+# The clock is one object in layers, each reading only its own state and the layers' below:
+# StepSink (step_sink.py: the queues), StepState (the step's accumulator, where the clock
+# stands, the step's waits), BackwardPhases (backward and DDP's exposed sync), PhaseClock
+# (forward, the optimizer and the step's boundaries). One object, so that a hook's read of any
+# of it stays one attribute lookup on the training thread.
+class StepState(StepSink):
+    """The current step: its per-phase nanoseconds (`acc`), its number, where the clock stands
+    in it (the starts of the open phases), and its waits for collectives: the time the
+    training thread was blocked (moved from the phase it interrupted to `comm`) and the step's
+    first synchronising wait, which the pacer answers."""
 
     __slots__ = (
         "acc",
-        "after_at",
-        "after_every",
-        "after_step",
         "blocked",
         "blocked_seen",
-        "bwd_deferred",
-        "bwd_depth",
-        "bwd_end",
-        "bwd_entry",
-        "bwd_pending",
-        "bwd_start",
-        "coll_max",
-        "collectives",
-        "ddp_bytes",
-        "ddp_group",
-        "ddp_model",
-        "detect_start",
-        "dropped",
-        "events",
         "first_at",
         "first_ddp_ns",
-        "first_step",
-        "fwd_since_bwd",
         "fwd_start",
-        "grad_entry",
         "idle_since",
-        "manual_steps",
         "mark",
         "on_error",
-        "on_first_step",
         "opt_closure",
         "opt_start",
-        "outside_ns",
         "pacer",
-        "phase_every",
-        "process_started_ns",
-        "queue_callback",
         "quiet",
-        "shares",
         "step",
         "step_counter",
         "step_start",
-        "steps",
-        "steps_max",
-        "steps_open",
-        "sync_due",
         "sync_ns",
-        "sync_share",
         "syncs",
-        "triggers",
-        "work",
     )
 
     def __init__(
         self,
         steps: deque,
         collectives: deque,
-        queue_callback: Callable[[Callable[[], None]], None] | None,
         ddp_group: str | None,
         ddp_bytes: float,
         on_error: Callable[[BaseException], None],
-        ddp_model: Any = None,
     ) -> None:
-        self.steps = steps
-        self.collectives = collectives
-        self.queue_callback = queue_callback
-        self.ddp_group = ddp_group  # None when the model does not synchronise gradients
-        self.ddp_bytes = ddp_bytes
-        self.ddp_model = ddp_model  # its require_backward_grad_sync is False under no_sync()
+        super().__init__(steps, collectives, ddp_group, ddp_bytes)
         self.on_error = on_error
         self.acc = [0, 0, 0, 0, 0, 0]  # ns per phase, DATA .. PACING
         self.step = 0
@@ -152,49 +126,14 @@ class PhaseClock:
         self.step_start = t
         self.idle_since = t
         self.fwd_start = 0
-        self.bwd_start = 0
-        self.bwd_end = 0
         self.opt_start = 0
         # A forward ran inside optimizer.step(closure) (Lightning's automatic optimization):
         # the closure's forward, backward and sync are theirs, the update after it the
         # optimizer's (from the closure's end).
         self.opt_closure = False
-        self.bwd_pending = False
-        # DDP's sync is measured when the wrapped backward returns (set by callback A)
-        self.sync_due = False
-        self.manual_steps = False
-        # Backward bookkeeping (see the module docstring).
-        self.bwd_depth = 0  # nesting of wrapped backward calls (reentrant checkpoint)
-        self.bwd_entry = 0  # when the outermost wrapped backward was entered; 0 outside one
-        self.bwd_deferred = False  # the trigger fired in a nested backward: queue A on return
-        self.grad_entry = 0  # when a split backward's torch.autograd.grad was entered; 0: none
-        self.fwd_since_bwd = False  # a forward ran and no trigger has fired since
-        # The parameter gradients whose hooks start backward (phase_hooks.instrument sets
-        # them to watch the model's).
-        self.triggers = GradTriggers(self.grad_ready)
-        # Tail drop: a full queue refuses the new record and counts it. (Appending to a full
-        # deque(maxlen) would evict the oldest instead, and "was it full?" checked before the
-        # append races with the reporter's drain, so the count could be off.)
-        self.dropped = 0
-        self.steps_max = steps.maxlen or sys.maxsize
-        self.coll_max = collectives.maxlen or sys.maxsize
-        # Set by the agent when pacing is on (step_pacing.StepPacer.pace): called at each step
-        # end with the step's exposed communication, its duration, its first synchronising
-        # wait (ns; -1: none) and the boundary that saw it; returns the delay (ns) to insert
-        # before the next iteration.
-        self.pacer: Callable[..., int] | None = None
-        # DDP's exposed sync of this step when it was the step's first wait (ns), else -1; the
-        # boundary that first saw a wait of this step (COMM_END: DDP's), else -1.
-        self.first_ddp_ns = -1
-        self.first_at = -1
-        # Set by the agent to its transport's step hook: called on the training thread with
-        # the step count after every `after_every`-th step has ended, the same steps on every
-        # rank (shm_ring.py pumps there; transport.py decides whether to wake its thread).
-        self.after_step: Callable[[int], int | None] | None = None
-        self.after_every = 1
-        # It returns the step-end time (perf_counter ns) before which it has nothing to do,
-        # so that it is not called before then (transport.Reporter.at_step: its next tick).
-        self.after_at = 0
+        # Phase sampling (module docstring): `quiet` while the current step's phases are not
+        # timed.
+        self.quiet = False
         # Called with each boundary's kind (FWD_PRE ... OPT_POST) right after the clock has
         # read it; STEP_END is the subclass's own (its end_step).
         self.mark: Callable[[int], None] | None = None
@@ -203,34 +142,19 @@ class PhaseClock:
         # accrued since the last boundary moves from the phase that just ended to `comm`.
         self.blocked: Any = None
         self.blocked_seen = 0
-        # The step's work (samples, tokens), as it is counted
-        self.work = StepWork()
-        # Events (startup, checkpoints: wire.EventRow), set by the agent to its events queue.
-        self.events: deque | None = None
-        # Steps are open from instrument(optimizer) on (a step runs from one post-hook to the
-        # next, the first from here), else from the first `with agent.step()`: a checkpoint
-        # before that is in no step, and not part of the startup either.
-        self.steps_open = False
-        self.outside_ns = 0  # checkpoint time in no step before the first step
-        self.first_step = True  # the first step's end queues the startup event
-        # When the process started, on this clock (perf_counter ns); None: not known.
-        self.process_started_ns: int | None = None
-        # The optimizer whose restored state says the first step's number (Adam's "step"),
-        # read once at the first optimizer step; None: the number was given, or no optimizer.
-        self.detect_start: Any = None
-        self.on_first_step: Callable[[], None] | None = None  # the agent's, after the first step
-        # Phase sampling (module docstring): set by the agent; `quiet` while the current step's
-        # phases are not timed, `shares` the last timed step's phases over its total.
-        self.phase_every = 1
-        self.quiet = False
-        self.shares: list[float] | None = None
-        # DDP's exposed sync recorded this step (ns) and how many; the last timed step's as a
-        # share of its total (None: it had none), for the quiet steps' estimated records.
+        # DDP's exposed sync of this step when it was the step's first wait (ns), else -1; the
+        # boundary that first saw a wait of this step (COMM_END: DDP's), else -1.
+        self.first_ddp_ns = -1
+        self.first_at = -1
+        # Set by the agent when pacing is on (step_pacing.StepPacer.pace): called at each step
+        # end with the step's exposed communication, its duration, its first synchronising
+        # wait (ns; -1: none) and the boundary that saw it; returns the delay (ns) to insert
+        # before the next iteration.
+        self.pacer: Callable[..., int] | None = None
+        # DDP's exposed sync recorded this step (ns) and how many.
         self.sync_ns = 0
         self.syncs = 0
-        self.sync_share: float | None = None
 
-    # -- wiring (phase_hooks.instrument puts the hooks on) --------------------------------------
     def start(self) -> None:
         """Nothing to start on CPU (CudaPhaseClock starts its resolver thread here)."""
 
@@ -253,38 +177,73 @@ class PhaseClock:
                 self.first_at = boundary
         return waited
 
-    # -- forward ------------------------------------------------------------------------------
-    def forward_began(self) -> None:
-        """The forward phase starts (ForwardHooks' pre-hook): what the forward wrapper does
-        inline on entry when the module has no hooks."""
-        t = _now()
-        waited = self.take_blocked(FWD_PRE)
-        idle = self.idle_since
-        if idle:
-            self.acc[DATA] += max(0, t - idle - waited)
-            self.idle_since = 0
-        if self.opt_start:  # inside optimizer.step(closure)
-            self.opt_start = 0
-            self.opt_closure = True
-        self.fwd_start = t
-        if self.mark is not None:
-            self.mark(FWD_PRE)
+    def _forget_first_wait(self) -> None:
+        """A new step: no wait of it seen yet, by DDP's sync or on the training thread."""
+        self.first_ddp_ns = self.first_at = -1
+        if self.blocked is not None:
+            self.blocked.first_ns = -1
 
-    def forward_ended(self, out: Any) -> None:
-        """The forward phase ends with output `out` (ForwardHooks' post-hook): what the forward
-        wrapper does inline on return when the module has no hooks."""
-        t = _now()
-        if self.fwd_start:
-            waited = self.take_blocked(FWD_POST)
-            self.acc[FORWARD] += max(0, t - self.fwd_start - waited)
-            self.fwd_start = 0
-        self.fwd_since_bwd = True
-        if self.triggers.output_hooks and not self.bwd_pending:
-            self.triggers.hook_output(out)
-        if self.mark is not None:
-            self.mark(FWD_POST)
+    def _pace(self, comm_ns: int, step_ns: int) -> int:
+        """With a pacer: the delay (ns) to insert before the next step, its answer to this
+        step's first synchronising wait: DDP's sync, or the first wait for a collective on the
+        training thread, whichever came first, and the boundary that saw it (COMM_END: DDP's;
+        STEP_END also for a wait inside a checkpoint). CudaPhaseClock answers from the GPU."""
+        if self.first_ddp_ns >= 0:
+            first, at = self.first_ddp_ns, COMM_END
+        else:
+            blocked = self.blocked
+            first = blocked.first_ns if blocked is not None else -1
+            at = self.first_at if self.first_at >= 0 else STEP_END
+        return self.pacer(comm_ns, step_ns, first, at)  # type: ignore[misc]
 
-    # -- backward -----------------------------------------------------------------------------
+
+class BackwardPhases(StepState):
+    """Backward and DDP's exposed sync (see the module docstring): the hooks of
+    phase_hooks.py, autograd's callbacks and the C++ trigger report here."""
+
+    __slots__ = (
+        "bwd_deferred",
+        "bwd_depth",
+        "bwd_end",
+        "bwd_entry",
+        "bwd_pending",
+        "bwd_start",
+        "ddp_model",
+        "fwd_since_bwd",
+        "grad_entry",
+        "queue_callback",
+        "sync_due",
+        "triggers",
+    )
+
+    def __init__(
+        self,
+        steps: deque,
+        collectives: deque,
+        ddp_group: str | None,
+        ddp_bytes: float,
+        on_error: Callable[[BaseException], None],
+        queue_callback: Callable[[Callable[[], None]], None] | None,
+        ddp_model: Any,
+    ) -> None:
+        super().__init__(steps, collectives, ddp_group, ddp_bytes, on_error)
+        self.queue_callback = queue_callback
+        self.ddp_model = ddp_model  # its require_backward_grad_sync is False under no_sync()
+        self.bwd_start = 0
+        self.bwd_end = 0
+        self.bwd_pending = False
+        # DDP's sync is measured when the wrapped backward returns (set by callback A)
+        self.sync_due = False
+        # Backward bookkeeping (see the module docstring).
+        self.bwd_depth = 0  # nesting of wrapped backward calls (reentrant checkpoint)
+        self.bwd_entry = 0  # when the outermost wrapped backward was entered; 0 outside one
+        self.bwd_deferred = False  # the trigger fired in a nested backward: queue A on return
+        self.grad_entry = 0  # when a split backward's torch.autograd.grad was entered; 0: none
+        self.fwd_since_bwd = False  # a forward ran and no trigger has fired since
+        # The parameter gradients whose hooks start backward (phase_hooks.instrument sets
+        # them to watch the model's).
+        self.triggers = GradTriggers(self.grad_ready)
+
     def backward_exit(self) -> None:
         """What the torch.autograd.backward wrapper calls on return when its inline common case
         (the outermost backward, a trigger fired) does not apply."""
@@ -446,6 +405,102 @@ class PhaseClock:
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
 
+
+class PhaseClock(BackwardPhases):
+    """Accumulates per-phase nanoseconds for the current step and emits one tuple per step.
+
+    Emitted tuple: (step, end_ns, total_ns, data, forward, backward, optimizer, comm, pacing,
+    samples, tokens). `other` is derived later (total minus the rest) off the training thread.
+    """
+
+    __slots__ = (
+        "after_at",
+        "after_every",
+        "after_step",
+        "detect_start",
+        "first_step",
+        "manual_steps",
+        "on_first_step",
+        "outside_ns",
+        "phase_every",
+        "process_started_ns",
+        "shares",
+        "steps_open",
+        "sync_share",
+    )
+
+    def __init__(
+        self,
+        steps: deque,
+        collectives: deque,
+        queue_callback: Callable[[Callable[[], None]], None] | None,
+        ddp_group: str | None,
+        ddp_bytes: float,
+        on_error: Callable[[BaseException], None],
+        ddp_model: Any = None,
+    ) -> None:
+        super().__init__(
+            steps, collectives, ddp_group, ddp_bytes, on_error, queue_callback, ddp_model
+        )
+        self.manual_steps = False
+        # Set by the agent to its transport's step hook: called on the training thread with
+        # the step count after every `after_every`-th step has ended, the same steps on every
+        # rank (shm_ring.py pumps there; transport.py decides whether to wake its thread).
+        self.after_step: Callable[[int], int | None] | None = None
+        self.after_every = 1
+        # It returns the step-end time (perf_counter ns) before which it has nothing to do,
+        # so that it is not called before then (transport.Reporter.at_step: its next tick).
+        self.after_at = 0
+        # Steps are open from instrument(optimizer) on (a step runs from one post-hook to the
+        # next, the first from here), else from the first `with agent.step()`: a checkpoint
+        # before that is in no step, and not part of the startup either.
+        self.steps_open = False
+        self.outside_ns = 0  # checkpoint time in no step before the first step
+        self.first_step = True  # the first step's end queues the startup event
+        # When the process started, on this clock (perf_counter ns); None: not known.
+        self.process_started_ns: int | None = None
+        # The optimizer whose restored state says the first step's number (Adam's "step"),
+        # read once at the first optimizer step; None: the number was given, or no optimizer.
+        self.detect_start: Any = None
+        self.on_first_step: Callable[[], None] | None = None  # the agent's, after the first step
+        # Phase sampling (module docstring): set by the agent; `shares` the last timed step's
+        # phases over its total, `sync_share` its DDP sync's (None: it had none), for the
+        # quiet steps' estimated records.
+        self.phase_every = 1
+        self.shares: list[float] | None = None
+        self.sync_share: float | None = None
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward_began(self) -> None:
+        """The forward phase starts (ForwardHooks' pre-hook): what the forward wrapper does
+        inline on entry when the module has no hooks."""
+        t = _now()
+        waited = self.take_blocked(FWD_PRE)
+        idle = self.idle_since
+        if idle:
+            self.acc[DATA] += max(0, t - idle - waited)
+            self.idle_since = 0
+        if self.opt_start:  # inside optimizer.step(closure)
+            self.opt_start = 0
+            self.opt_closure = True
+        self.fwd_start = t
+        if self.mark is not None:
+            self.mark(FWD_PRE)
+
+    def forward_ended(self, out: Any) -> None:
+        """The forward phase ends with output `out` (ForwardHooks' post-hook): what the forward
+        wrapper does inline on return when the module has no hooks."""
+        t = _now()
+        if self.fwd_start:
+            waited = self.take_blocked(FWD_POST)
+            self.acc[FORWARD] += max(0, t - self.fwd_start - waited)
+            self.fwd_start = 0
+        self.fwd_since_bwd = True
+        if self.triggers.output_hooks and not self.bwd_pending:
+            self.triggers.hook_output(out)
+        if self.mark is not None:
+            self.mark(FWD_POST)
+
     # -- checkpoints and the step count ---------------------------------------------------------
     def checkpoint_done(self, kind: str, end: int, duration: int, waited: int) -> None:
         """A checkpoint call on the training thread ended at `end` after `duration` ns, `waited`
@@ -472,15 +527,6 @@ class PhaseClock:
         """A torch.compile compilation ended at `end` after `duration` ns, on any thread
         (agent/compiles.py): one event, in the step it fell in."""
         self._event(EVENT_COMPILE, self.step if self.steps_open else NO_STEP, end, duration)
-
-    def _event(self, kind: str, step: int, end: int, duration: int) -> None:
-        events = self.events
-        if events is None:
-            return
-        if len(events) < (events.maxlen or sys.maxsize):
-            events.append((kind, step, end, max(0, duration)))
-        else:
-            self.dropped += 1
 
     def _first_step_done(self, start: int) -> None:
         """The first step has ended; it started at `start`: queue the startup event."""
@@ -570,7 +616,7 @@ class PhaseClock:
             self.sync_share = self.sync_ns / total if self.syncs and total > 0 else None
         if self.syncs:
             self.sync_ns = self.syncs = 0
-        self._queue_row(t, total, acc)
+        self._queue_row(self.step, t, total, acc)
         self._next_step(t)
         self.acc = [0, 0, 0, 0, 0, 0]
         if self.first_step:
@@ -610,32 +656,6 @@ class PhaseClock:
             self._forget_first_wait()  # the next step is timed: no wait of it seen yet
         self.step_start = self.idle_since = t
 
-    def finish(self, rows: Any) -> list[tuple]:
-        """Make the quiet steps' rows among `rows` (drained: a list, or the deque the shm ring
-        pumps from) whole, in place: their phases are their timed step's shares of their own
-        totals (estimate_phases). Returns their DDP sync records, estimated alike (the timed
-        sync's share of the step), for the caller to send with them. Off the training thread
-        (the reporter's, before it sends), or at the shm ring's pump."""
-        syncs: list[tuple] = []
-        for i, row in enumerate(rows):
-            if len(row) == QUIET_ROW:
-                step, t, total, shares, sync_share, samples, tokens = row
-                rows[i] = (step, t, total, *estimate_phases(shares, total), samples, tokens)
-                if sync_share is not None:
-                    syncs.append(self._sync_record(step, int(sync_share * total)))
-        return syncs
-
-    def _queue_row(self, t: int, total: int, phases: list[int]) -> None:
-        """The ending step's row: its end, total, `phases` and work (the work read either way)."""
-        steps = self.steps
-        if len(steps) < self.steps_max:
-            samples, tokens = self.work.take()
-            a, b, c, d, e, f = phases
-            steps.append((self.step, t, total, a, b, c, d, e, f, samples, tokens))
-        else:
-            self.work.take()  # the dropped step's work must not count in the next one
-            self.dropped += 1
-
     def _next_step(self, t: int) -> None:
         """The next step starts at `t`: its number, and whether its phases are timed."""
         step = self.step = self.step + 1
@@ -648,55 +668,6 @@ class PhaseClock:
             self.quiet = False
         self.step_start = t
         self.idle_since = t
-
-    def _sync_record(self, step: int, ns: int = 0) -> tuple:
-        """DDP's sync in `step`, `ns` long, as the collectives queue holds it."""
-        return (DDP_GRAD_SYNC, self.ddp_group, self.ddp_bytes, ns, step)
-
-    def _forget_first_wait(self) -> None:
-        """A new step: no wait of it seen yet, by DDP's sync or on the training thread."""
-        self.first_ddp_ns = self.first_at = -1
-        if self.blocked is not None:
-            self.blocked.first_ns = -1
-
-    def _pace(self, comm_ns: int, step_ns: int) -> int:
-        """With a pacer: the delay (ns) to insert before the next step, its answer to this
-        step's first synchronising wait: DDP's sync, or the first wait for a collective on the
-        training thread, whichever came first, and the boundary that saw it (COMM_END: DDP's;
-        STEP_END also for a wait inside a checkpoint). CudaPhaseClock answers from the GPU."""
-        if self.first_ddp_ns >= 0:
-            first, at = self.first_ddp_ns, COMM_END
-        else:
-            blocked = self.blocked
-            first = blocked.first_ns if blocked is not None else -1
-            at = self.first_at if self.first_at >= 0 else STEP_END
-        return self.pacer(comm_ns, step_ns, first, at)  # type: ignore[misc]
-
-
-def phase_shares(phases: list[int], total: int) -> list[float]:
-    """A timed step's phases (DATA .. PACING) as shares of its total; pacing's share is 0 (a
-    quiet step has no pacer)."""
-    if total <= 0:
-        return [0.0] * len(phases)
-    shares = [max(0, ns) / total for ns in phases]
-    shares[PACING] = 0.0
-    return shares
-
-
-def estimate_phases(shares: list[float] | None, total: int) -> list[int]:
-    """A quiet step's phases: the last timed step's shares of its own total (they add up to at
-    most the total; the rest is `other`, as on a timed step)."""
-    if shares is None or total <= 0:
-        return [0, 0, 0, 0, 0, 0]
-    a, b, c, d, e, f = shares  # unrolled: a comprehension is a frame of its own, every step
-    return [
-        int(a * total),
-        int(b * total),
-        int(c * total),
-        int(d * total),
-        int(e * total),
-        int(f * total),
-    ]
 
 
 def restored_step(optimizer: Any) -> int:

@@ -525,13 +525,39 @@ def _diagnose(
     enough = len(aligned) >= t.min_aligned_steps
     signal = _sync_signal(aligned) if enough else "wait_s"
     modes: dict[str, tuple[float, str]] = {}
-    straggler: Straggler | None = None
-    skew: float | None = None
-    threshold: float | None = None
-
-    # Who arrived last, per step: the rank that spent the least time at the sync, among the
-    # ranks of its pipeline stage (every rank where the job is no pipeline).
     stages = {r.rank: r.pipeline_stage or 0 for r in live}
+    arrivals = _arrivals(aligned, signal, stages)
+    straggler, skew, threshold = _straggler_mode(
+        modes, live, stages, step, arrivals, len(aligned) if enough else None, settings, t
+    )
+    _sync_modes(modes, shares, live, aligned, step, arrivals, straggler, signal, node_transfer, t)
+    _jitter_mode(modes, shares, live, t)
+    _locality_mode(modes, live)
+    verdicts = {
+        m: ModeVerdict(round(s, 4), s >= t.verdict_score, why) for m, (s, why) in modes.items()
+    }
+    victims = _victims(live, straggler, t)
+    return Diagnosis(
+        verdicts, straggler, skew, len(aligned), victims=victims, skew_line_s=threshold
+    ), shares
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arrivals:
+    """Per aligned step: who arrived last (per rank, the steps it alone was last in its
+    pipeline stage), the transfer (the least time any rank spent at the sync) and the mean
+    idle time at the sync over that transfer."""
+
+    last_counts: dict[int, int]
+    transfers: list[float]
+    idles: list[float]
+
+
+def _arrivals(
+    aligned: list[dict[int, RecentStep]], signal: str, stages: dict[int, int]
+) -> _Arrivals:
+    """Who arrived last, per step: the rank that spent the least time at the sync, among the
+    ranks of its pipeline stage (every rank where the job is no pipeline)."""
     last_counts: dict[int, int] = {}
     transfers: list[float] = []
     idles: list[float] = []
@@ -549,40 +575,74 @@ def _diagnose(
         # sum/len, not statistics.mean: this runs per step per scrape, and mean's exact
         # fractions cost ~1.5 ms a scrape (bench/bench_exporter.py)
         idles.append(sum(b - floors[stages[r]] for r, b in sync.items()) / len(sync))
+    return _Arrivals(last_counts, transfers, idles)
 
+
+def _straggler_mode(
+    modes: dict[str, tuple[float, str]],
+    live: list[RankView],
+    stages: dict[int, int],
+    step: float,
+    arrivals: _Arrivals,
+    aligned: int | None,
+    settings: Settings,
+    t: Thresholds,
+) -> tuple[Straggler | None, float | None, float | None]:
+    """The straggler mode into `modes`: the stage's root by arrival lead, named once its skew
+    is over the line and it is persistently last (`aligned`: the steps aligned, None: too few
+    to tell). Returns the straggler (None: nobody), the skew and the line."""
     here = {r.rank: r for r in live}
     root = stage_root(
         {r.rank: r.arrival_lead_s for r in live if r.arrival_lead_s is not None}, stages
     )
-    if root is not None and step > 0:
-        slow, skew = here[root[0]], root[1]
-        threshold = straggler_line(t, settings.skew_threshold_s, step)
-        score = min(1.0, skew / step)
-        peers_in_stage = sum(1 for r in live if stages[r.rank] == stages[slow.rank])
-        need = max(t.last_arrival_share, 1.5 / peers_in_stage)
-        share = last_counts.get(slow.rank, 0) / len(aligned) if enough else None
-        if skew <= threshold:
-            modes["straggler"] = (
-                min(score, t.verdict_score - 0.01),
-                f"arrival skew {skew * 1e3:.1f} ms is below {threshold * 1e3:.1f} ms",
-            )
-        elif share is not None and share < need:
-            modes["straggler"] = (
-                min(score, t.verdict_score - 0.01),
-                f"arrival skew {skew * 1e3:.1f} ms, but no rank is persistently last "
-                f"(rank {slow.rank} in {share:.0%} of steps): the last arrival rotates",
-            )
-        else:
-            peers = [r for r in live if r is not slow and r.arrival_lead_s is not None]
-            cause, why = straggler_cause(slow, peers, t)
-            straggler = Straggler(slow.rank, cause, why, skew, share)
-            often = f", last in {share:.0%} of steps" if share is not None else ""
-            modes["straggler"] = (
-                max(score, t.verdict_score),
-                f"rank {slow.rank} arrives {skew * 1e3:.1f} ms after the earliest peer"
-                f"{_of_stage(slow.pipeline_stage)}{often}",
-            )
+    if root is None or step <= 0:
+        return None, None, None
+    slow, skew = here[root[0]], root[1]
+    threshold = straggler_line(t, settings.skew_threshold_s, step)
+    score = min(1.0, skew / step)
+    peers_in_stage = sum(1 for r in live if stages[r.rank] == stages[slow.rank])
+    need = max(t.last_arrival_share, 1.5 / peers_in_stage)
+    share = arrivals.last_counts.get(slow.rank, 0) / aligned if aligned is not None else None
+    if skew <= threshold:
+        modes["straggler"] = (
+            min(score, t.verdict_score - 0.01),
+            f"arrival skew {skew * 1e3:.1f} ms is below {threshold * 1e3:.1f} ms",
+        )
+        return None, skew, threshold
+    if share is not None and share < need:
+        modes["straggler"] = (
+            min(score, t.verdict_score - 0.01),
+            f"arrival skew {skew * 1e3:.1f} ms, but no rank is persistently last "
+            f"(rank {slow.rank} in {share:.0%} of steps): the last arrival rotates",
+        )
+        return None, skew, threshold
+    peers = [r for r in live if r is not slow and r.arrival_lead_s is not None]
+    cause, why = straggler_cause(slow, peers, t)
+    often = f", last in {share:.0%} of steps" if share is not None else ""
+    modes["straggler"] = (
+        max(score, t.verdict_score),
+        f"rank {slow.rank} arrives {skew * 1e3:.1f} ms after the earliest peer"
+        f"{_of_stage(slow.pipeline_stage)}{often}",
+    )
+    return Straggler(slow.rank, cause, why, skew, share), skew, threshold
 
+
+def _sync_modes(
+    modes: dict[str, tuple[float, str]],
+    shares: dict[str, float],
+    live: list[RankView],
+    aligned: list[dict[int, RecentStep]],
+    step: float,
+    arrivals: _Arrivals,
+    straggler: Straggler | None,
+    signal: str,
+    node_transfer: NodeInflation | None,
+    t: Thresholds,
+) -> None:
+    """Synchronization amplification (idle at the sync, its share of step time into `shares`)
+    and, where the ranks' exposed communication is the signal, fabric contention into
+    `modes`: from the aligned steps, else estimated from the ranks' mean waits."""
+    enough = len(aligned) >= t.min_aligned_steps
     mean_step = (
         statistics.mean(
             statistics.median(rec.step_s for rec in by_rank.values()) for by_rank in aligned
@@ -591,7 +651,7 @@ def _diagnose(
         else step
     )
     if enough and mean_step > 0:
-        idle = statistics.mean(idles) / mean_step
+        idle = statistics.mean(arrivals.idles) / mean_step
         shares["sync_amplification"] = idle
         blame = f", mostly for rank {straggler.rank}" if straggler is not None else ""
         modes["sync_amplification"] = (
@@ -610,7 +670,7 @@ def _diagnose(
                 )
                 modes["fabric_contention"] = (v.score, v.reason)
             else:
-                share = statistics.mean(transfers) / mean_step
+                share = statistics.mean(arrivals.transfers) / mean_step
                 modes["fabric_contention"] = (
                     0.0,
                     f"no baseline yet for the transfer (after the last rank arrives; "
@@ -626,38 +686,43 @@ def _diagnose(
                 f"ranks wait for peers {idle:.0%} of each step (estimated)",
             )
 
+
+def _jitter_mode(
+    modes: dict[str, tuple[float, str]],
+    shares: dict[str, float],
+    live: list[RankView],
+    t: Thresholds,
+) -> None:
+    """Runtime jitter: the typical rank's share of step time lost to spikes in its own work."""
     spikes = [(s, r) for r in live if (s := _spike_share(r, t.window)) is not None]
-    if spikes:
-        typical = statistics.median(s for s, _ in spikes)
-        worst, worst_rank = max(spikes, key=lambda x: x[0])
-        cvs = [r.step_time_cv for r in live if r.step_time_cv is not None]
-        cv = f"; step-time CV {statistics.median(cvs):.2f}" if cvs else ""
-        shares["runtime_jitter"] = typical
-        modes["runtime_jitter"] = (
-            min(1.0, typical / t.spike_share_full),
-            f"ranks lose {typical:.0%} of step time to irregular spikes in their own work "
-            f"(worst: rank {worst_rank.rank}, {worst:.0%}){cv}",
-        )
+    if not spikes:
+        return
+    typical = statistics.median(s for s, _ in spikes)
+    worst, worst_rank = max(spikes, key=lambda x: x[0])
+    cvs = [r.step_time_cv for r in live if r.step_time_cv is not None]
+    cv = f"; step-time CV {statistics.median(cvs):.2f}" if cvs else ""
+    shares["runtime_jitter"] = typical
+    modes["runtime_jitter"] = (
+        min(1.0, typical / t.spike_share_full),
+        f"ranks lose {typical:.0%} of step time to irregular spikes in their own work "
+        f"(worst: rank {worst_rank.rank}, {worst:.0%}){cv}",
+    )
 
-    # Only ranks that report a GPU: a CPU rank's topology holds its network link alone.
+
+def _locality_mode(modes: dict[str, tuple[float, str]], live: list[RankView]) -> None:
+    """Locality, over the ranks that report a GPU (a CPU rank's topology holds its network
+    link alone)."""
     gpus = [r for r in live if has_gpu(r.topology)]
-    if gpus:
-        faults = [(r.rank, locality_fault(r.topology)) for r in gpus]
-        faults = [(rank, f) for rank, f in faults if f]
-        if faults:
-            more = f" (+{len(faults) - 1} more ranks)" if len(faults) > 1 else ""
-            reason = f"rank {faults[0][0]}: {faults[0][1]}{more}"
-        else:
-            reason = _no_locality_fault(gpus)
-        modes["locality"] = (1.0 if faults else 0.0, reason)
-
-    verdicts = {
-        m: ModeVerdict(round(s, 4), s >= t.verdict_score, why) for m, (s, why) in modes.items()
-    }
-    victims = _victims(live, straggler, t)
-    return Diagnosis(
-        verdicts, straggler, skew, len(aligned), victims=victims, skew_line_s=threshold
-    ), shares
+    if not gpus:
+        return
+    faults = [(r.rank, locality_fault(r.topology)) for r in gpus]
+    faults = [(rank, f) for rank, f in faults if f]
+    if faults:
+        more = f" (+{len(faults) - 1} more ranks)" if len(faults) > 1 else ""
+        reason = f"rank {faults[0][0]}: {faults[0][1]}{more}"
+    else:
+        reason = _no_locality_fault(gpus)
+    modes["locality"] = (1.0 if faults else 0.0, reason)
 
 
 def _no_locality_fault(gpus: Sequence[RankView]) -> str:

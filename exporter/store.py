@@ -583,7 +583,7 @@ class Store:
             if pool is None:
                 pool = self.pools[job] = self._new_pool()
             if state.incarnation != clean_label(a.incarnation):
-                self._new_incarnation(state, pool)
+                new_incarnation(state, pool, self.settings)
             state.local_rank, state.world_size = a.local_rank, a.world_size
             state.hostname, state.pid = clean_label(a.hostname), a.pid
             state.incarnation = clean_label(a.incarnation)
@@ -612,9 +612,9 @@ class Store:
                     clean_label(k): clean_label(v, MAX_TOPOLOGY_TEXT) if isinstance(v, str) else v
                     for k, v in list(batch.topology.items())[:MAX_TOPOLOGY_ENTRIES]
                 }
-            self._collectives(state, pool, ingest.collectives)
-            self._events(state, ingest.events)  # before the steps: a step's checkpoints first
-            self._steps(state, pool, ingest.steps)
+            fold_collectives(state, pool, ingest.collectives, self.settings, self.rejected)
+            fold_events(state, ingest.events)  # before the steps: a step's checkpoints first
+            fold_steps(state, pool, ingest.steps, self.settings)
             self._pool(job, pool, now)
             _mark(state, pool.pooled_steps_total)
             self.ingested_records += (
@@ -635,150 +635,6 @@ class Store:
             recent_window_s=t.contention_recent_s,
             contention_line=t.contention_inflation,
         )
-
-    def _new_incarnation(self, state: RankState, pool: JobPool) -> None:
-        # A restarted rank: keep the counters (they only grow), reset what describes "now".
-        if state.incarnation:
-            state.incarnations += 1
-            state.dropped_before += state.dropped_current
-            if state.pacing:
-                state.pacing_delay_before += state.pacing.total_delay_s
-                state.pacing_engagements_before += state.pacing.engagements
-        if state.max_step >= 0:  # what the steps of a restart that go back are measured by
-            state.high_step = max(state.high_step, state.max_step)
-            state.previous_max_step = state.max_step
-            state.previous_step_s = (
-                state.later_steps_s / state.later_steps if state.later_steps else state.first_step_s
-            )
-        state.first_step = state.max_step = state.warm_step = -1
-        state.started_unix_s = 0.0  # the new incarnation's attach, set as it reports
-        state.settled_steps = 0
-        state.first_step_s = state.later_steps_s = 0.0
-        state.later_steps = 0
-        state.checkpoint_pending = {}  # steps the old incarnation never finished
-        state.dropped_current = 0
-        state.pacing = None
-        state.window = deque(maxlen=self.settings.step_window)
-        state.work = deque(maxlen=self.settings.step_window)
-        state.recent = deque(maxlen=self.settings.recent_steps)
-        state.marks.clear()
-        state.throughput.restart()
-        pool.forget(state.rank)
-
-    def _collectives(self, state: RankState, pool: JobPool, rows: list[CollectiveSeconds]) -> None:
-        for op, group, nbytes, duration, step in rows:
-            op = op if op in OPS else "other"
-            group = clean_label(group)
-            totals = state.collectives.get((op, group))
-            if totals is None:
-                if len(state.collectives) >= self.settings.max_series_per_rank:
-                    self.rejected["too_many_series"] = self.rejected.get("too_many_series", 0) + 1
-                    continue
-                totals = state.collectives[(op, group)] = CollectiveTotals()
-            totals.calls += 1
-            totals.seconds += duration
-            totals.bytes += nbytes
-            if op in P2P_OPS and state.stage is None:
-                state.stage = pipeline_stage(state.rank, group, state.topology)
-                if state.stage is not None:
-                    pool.set_stage(state.rank, state.stage)
-            # Its wait is added when the step is pooled with the other ranks' (exporter.pooling).
-            pool.add_collective(
-                state.rank, collective_key(op, group, nbytes), step, duration, totals
-            )
-
-    def _events(self, state: RankState, rows: list[EventSeconds]) -> None:
-        """Startup and checkpoint time: badput by category; a checkpoint inside a step also
-        waits for that step's row, to be taken out of its productive time. A checkpoint load
-        or a compile: the rank's steps up to its step are warm-up."""
-        badput, pending = state.badput_s, state.checkpoint_pending
-        for kind, step, _end_unix_s, duration in rows:
-            if step >= 0 and kind in (EVENT_CHECKPOINT_LOAD, EVENT_COMPILE):
-                self._warm_up(state, step)  # the steps after a load or a compile settle anew
-            if kind not in badput or kind == LOST_PROGRESS:
-                continue  # not badput (a compile), or a kind this exporter does not know
-            badput[kind] += duration
-            if step >= 0 and kind != EVENT_STARTUP:
-                pending[step] = pending.get(step, 0.0) + duration
-                if len(pending) > MAX_PENDING_CHECKPOINTS:  # rows that never came
-                    del pending[min(pending)]
-
-    def _steps(self, state: RankState, pool: JobPool, rows: list[StepSeconds]) -> None:
-        if not state.window.maxlen:
-            state.window = deque(state.window, maxlen=self.settings.step_window)
-            state.work = deque(state.work, maxlen=self.settings.step_window)
-            state.recent = deque(state.recent, maxlen=self.settings.recent_steps)
-        t = self.settings.thresholds
-        for step, d, end_unix_s, values, samples, tokens in rows:
-            if state.first_step < 0:  # the incarnation's first step: compiling, lazy init
-                self._warm_up(state, step)
-            warm = step <= state.warm_step
-            if not warm:
-                state.settled_steps += 1
-            state.steps_total += 1
-            state.step_seconds_sum += d
-            state.step_bucket_counts[bisect.bisect_left(STEP_BUCKETS, d)] += 1
-            if state.steps_total % RATIO_MEDIAN_EVERY == 0 and len(state.window) >= 8:
-                state.median_s = statistics.median(state.window)  # amortised: 1 in 16 steps
-            if state.median_s > 0:
-                ratio = d / state.median_s
-                state.ratio_bucket_counts[bisect.bisect_left(RATIO_BUCKETS, ratio)] += 1
-                state.ratio_sum += ratio
-            for i, v in enumerate(values):
-                state.phase_seconds[i] += v
-            self._life(state, step, d, values)
-            if not warm:  # a compile's step would lift the CV for a whole window
-                state.window.append(d)
-            if samples >= 0 or tokens >= 0:  # work a step did not report is not zero work
-                if samples >= 0:
-                    state.samples_total = (state.samples_total or 0) + samples
-                if tokens >= 0:
-                    state.tokens_total = (state.tokens_total or 0) + tokens
-                state.work.append((d, samples, tokens))
-            state.throughput.add(
-                d, samples, end_unix_s, t.throughput_horizon_s, t.throughput_block_s
-            )
-            pool.add_step(state.rank, step, d, values)
-
-    @staticmethod
-    def _warm_up(state: RankState, step: int) -> None:
-        """Mark `step` and those before it in this incarnation as warm-up (its first step, in
-        which a torch.compile, lazy init and the data loader's start fall; a step a checkpoint
-        load fell in): the rank's settled steps count again from the next one."""
-        if step >= state.warm_step:
-            state.warm_step = step
-            state.settled_steps = 0
-
-    @staticmethod
-    def _life(state: RankState, step: int, d: float, phases: tuple[float, ...]) -> None:
-        """One step row in the rank's life: productive time, and at an incarnation's first
-        step the steps it runs again (step numbers that continue across restarts go back to
-        the checkpoint it resumed from: lost progress). A lost step costs its productive time:
-        its data wait, exposed communication and pacing are already badput of their own, and
-        counted again they would take goodput below zero on a data-bound job."""
-        checkpoint = state.checkpoint_pending.pop(step, 0.0)
-        waiting = phases[_DATA] + phases[_COMM] + phases[_PACING]
-        own = max(0.0, d - waiting - checkpoint)
-        before = state.productive_s
-        state.productive_s = before + own
-        marks = state.resume_marks
-        if state.first_step < 0:
-            state.first_step, state.first_step_s = step, own
-            if 0 <= step <= state.high_step:
-                lost = state.high_step - step + 1
-                state.lost_steps += lost
-                state.badput_s[LOST_PROGRESS] += _lost_seconds(state, step, before)
-            marks.clear()  # the earlier incarnation's: a later restart goes back into this one
-            marks[step] = before
-        else:
-            state.later_steps += 1
-            state.later_steps_s += own
-        if checkpoint:  # a restart resumes at this step or the next
-            marks[step], marks[step + 1] = before, before + own
-            while len(marks) > RESUME_MARKS:
-                del marks[min(marks)]
-        if step > state.max_step:
-            state.max_step = step
 
     def _pool(self, job: str, pool: JobPool, now: float) -> None:
         """Pool the steps every live rank of the job has delivered into the ranks' recent steps.
@@ -962,6 +818,164 @@ class Store:
         diagnosis = diagnose(ranks, job_wide, node, last[2] if last is not None else None)
         self._diagnosed[job] = (key, job_wide, diagnosis)
         return diagnosis
+
+
+# What one batch does to one rank's state (Store.ingest, under its lock).
+
+
+def new_incarnation(state: RankState, pool: JobPool, settings: Settings) -> None:
+    """A restarted rank: keep the counters (they only grow), reset what describes "now"."""
+    if state.incarnation:
+        state.incarnations += 1
+        state.dropped_before += state.dropped_current
+        if state.pacing:
+            state.pacing_delay_before += state.pacing.total_delay_s
+            state.pacing_engagements_before += state.pacing.engagements
+    if state.max_step >= 0:  # what the steps of a restart that go back are measured by
+        state.high_step = max(state.high_step, state.max_step)
+        state.previous_max_step = state.max_step
+        state.previous_step_s = (
+            state.later_steps_s / state.later_steps if state.later_steps else state.first_step_s
+        )
+    state.first_step = state.max_step = state.warm_step = -1
+    state.started_unix_s = 0.0  # the new incarnation's attach, set as it reports
+    state.settled_steps = 0
+    state.first_step_s = state.later_steps_s = 0.0
+    state.later_steps = 0
+    state.checkpoint_pending = {}  # steps the old incarnation never finished
+    state.dropped_current = 0
+    state.pacing = None
+    state.window = deque(maxlen=settings.step_window)
+    state.work = deque(maxlen=settings.step_window)
+    state.recent = deque(maxlen=settings.recent_steps)
+    state.marks.clear()
+    state.throughput.restart()
+    pool.forget(state.rank)
+
+
+def fold_collectives(
+    state: RankState,
+    pool: JobPool,
+    rows: list[CollectiveSeconds],
+    settings: Settings,
+    rejected: dict[str, int],
+) -> None:
+    """A batch's collective records into the rank's totals and its job's pool (a series
+    beyond max_series_per_rank is refused and counted in `rejected`)."""
+    for op, group, nbytes, duration, step in rows:
+        op = op if op in OPS else "other"
+        group = clean_label(group)
+        totals = state.collectives.get((op, group))
+        if totals is None:
+            if len(state.collectives) >= settings.max_series_per_rank:
+                rejected["too_many_series"] = rejected.get("too_many_series", 0) + 1
+                continue
+            totals = state.collectives[(op, group)] = CollectiveTotals()
+        totals.calls += 1
+        totals.seconds += duration
+        totals.bytes += nbytes
+        if op in P2P_OPS and state.stage is None:
+            state.stage = pipeline_stage(state.rank, group, state.topology)
+            if state.stage is not None:
+                pool.set_stage(state.rank, state.stage)
+        # Its wait is added when the step is pooled with the other ranks' (exporter.pooling).
+        pool.add_collective(state.rank, collective_key(op, group, nbytes), step, duration, totals)
+
+
+def fold_events(state: RankState, rows: list[EventSeconds]) -> None:
+    """Startup and checkpoint time: badput by category; a checkpoint inside a step also
+    waits for that step's row, to be taken out of its productive time. A checkpoint load
+    or a compile: the rank's steps up to its step are warm-up."""
+    badput, pending = state.badput_s, state.checkpoint_pending
+    for kind, step, _end_unix_s, duration in rows:
+        if step >= 0 and kind in (EVENT_CHECKPOINT_LOAD, EVENT_COMPILE):
+            warm_up(state, step)  # the steps after a load or a compile settle anew
+        if kind not in badput or kind == LOST_PROGRESS:
+            continue  # not badput (a compile), or a kind this exporter does not know
+        badput[kind] += duration
+        if step >= 0 and kind != EVENT_STARTUP:
+            pending[step] = pending.get(step, 0.0) + duration
+            if len(pending) > MAX_PENDING_CHECKPOINTS:  # rows that never came
+                del pending[min(pending)]
+
+
+def fold_steps(
+    state: RankState, pool: JobPool, rows: list[StepSeconds], settings: Settings
+) -> None:
+    """A batch's step rows into the rank's totals, windows, goodput and its job's pool."""
+    if not state.window.maxlen:
+        state.window = deque(state.window, maxlen=settings.step_window)
+        state.work = deque(state.work, maxlen=settings.step_window)
+        state.recent = deque(state.recent, maxlen=settings.recent_steps)
+    t = settings.thresholds
+    for step, d, end_unix_s, values, samples, tokens in rows:
+        if state.first_step < 0:  # the incarnation's first step: compiling, lazy init
+            warm_up(state, step)
+        warm = step <= state.warm_step
+        if not warm:
+            state.settled_steps += 1
+        state.steps_total += 1
+        state.step_seconds_sum += d
+        state.step_bucket_counts[bisect.bisect_left(STEP_BUCKETS, d)] += 1
+        if state.steps_total % RATIO_MEDIAN_EVERY == 0 and len(state.window) >= 8:
+            state.median_s = statistics.median(state.window)  # amortised: 1 in 16 steps
+        if state.median_s > 0:
+            ratio = d / state.median_s
+            state.ratio_bucket_counts[bisect.bisect_left(RATIO_BUCKETS, ratio)] += 1
+            state.ratio_sum += ratio
+        for i, v in enumerate(values):
+            state.phase_seconds[i] += v
+        life(state, step, d, values)
+        if not warm:  # a compile's step would lift the CV for a whole window
+            state.window.append(d)
+        if samples >= 0 or tokens >= 0:  # work a step did not report is not zero work
+            if samples >= 0:
+                state.samples_total = (state.samples_total or 0) + samples
+            if tokens >= 0:
+                state.tokens_total = (state.tokens_total or 0) + tokens
+            state.work.append((d, samples, tokens))
+        state.throughput.add(d, samples, end_unix_s, t.throughput_horizon_s, t.throughput_block_s)
+        pool.add_step(state.rank, step, d, values)
+
+
+def warm_up(state: RankState, step: int) -> None:
+    """Mark `step` and those before it in this incarnation as warm-up (its first step, in
+    which a torch.compile, lazy init and the data loader's start fall; a step a checkpoint
+    load fell in): the rank's settled steps count again from the next one."""
+    if step >= state.warm_step:
+        state.warm_step = step
+        state.settled_steps = 0
+
+
+def life(state: RankState, step: int, d: float, phases: tuple[float, ...]) -> None:
+    """One step row in the rank's life: productive time, and at an incarnation's first
+    step the steps it runs again (step numbers that continue across restarts go back to
+    the checkpoint it resumed from: lost progress). A lost step costs its productive time:
+    its data wait, exposed communication and pacing are already badput of their own, and
+    counted again they would take goodput below zero on a data-bound job."""
+    checkpoint = state.checkpoint_pending.pop(step, 0.0)
+    waiting = phases[_DATA] + phases[_COMM] + phases[_PACING]
+    own = max(0.0, d - waiting - checkpoint)
+    before = state.productive_s
+    state.productive_s = before + own
+    marks = state.resume_marks
+    if state.first_step < 0:
+        state.first_step, state.first_step_s = step, own
+        if 0 <= step <= state.high_step:
+            lost = state.high_step - step + 1
+            state.lost_steps += lost
+            state.badput_s[LOST_PROGRESS] += _lost_seconds(state, step, before)
+        marks.clear()  # the earlier incarnation's: a later restart goes back into this one
+        marks[step] = before
+    else:
+        state.later_steps += 1
+        state.later_steps_s += own
+    if checkpoint:  # a restart resumes at this step or the next
+        marks[step], marks[step + 1] = before, before + own
+        while len(marks) > RESUME_MARKS:
+            del marks[min(marks)]
+    if step > state.max_step:
+        state.max_step = step
 
 
 def with_job_transfer(
