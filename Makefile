@@ -28,7 +28,7 @@ IDLE := $(shell chrt --idle 0 true >/dev/null 2>&1 && echo "chrt --idle 0" || ec
 test:
 	scripts/setup test
 	.venv/bin/ruff check .
-	@log=$$(mktemp); \
+	@log=$$(mktemp); start=$$(date +%s); \
 	$(IDLE) sh -c 'rc=0; .venv/bin/mypy agent exporter sim syncscope bench || rc=1; \
 		.venv/bin/pytest -q -p no:cacheprovider --durations=10 -m background || rc=1; \
 		.venv/bin/pytest -q -p no:cacheprovider --durations=10 -n 2 --dist loadfile \
@@ -36,12 +36,13 @@ test:
 		exit $$rc' >"$$log" 2>&1 & \
 	background=$$!; \
 	.venv/bin/pytest -q --durations=15 -m quiet; quiet=$$?; \
-	wait $$background; idle=$$?; \
+	wait $$background; idle=$$?; phase1=$$(( $$(date +%s) - start )); \
 	echo "== beside them, at idle priority ($(IDLE)): mypy, the background and relative tests"; \
 	cat "$$log"; rm -f "$$log"; \
 	.venv/bin/pytest -q --durations=30 -n 2 --dist loadfile \
 		-m "not quiet and not background and not relative"; \
 	rest=$$?; \
+	echo "== phase 1: $$phase1 s; phases 1 and 2: $$(( $$(date +%s) - start )) s"; \
 	[ $$quiet -eq 0 ] && [ $$idle -eq 0 ] && [ $$rest -eq 0 ]
 
 # Between edits: ruff, then the unit tests not marked slow (the slow ones start real
