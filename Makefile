@@ -19,10 +19,10 @@ IDLE := $(shell chrt --idle 0 true >/dev/null 2>&1 && echo "chrt --idle 0" || ec
 #  1. the tests marked quiet, one at a time: they judge timing a starved core moves (lateness
 #     across emulated nodes, link shares, the pacing controller), and leave about half of the
 #     cores idle while their jobs wait for rule windows. Beside them, at idle priority, one
-#     after another: mypy, the tests marked background (every unit test, and others that judge
-#     no job's timing), then those marked relative (verdicts that compare a job's ranks with
-#     each other), two files at a time. They take only what the quiet tests leave, so the
-#     quiet jobs run as if alone.
+#     after another: mypy, the tests marked background (every unit test but those marked
+#     clock, and others that judge no job's timing), then those marked relative (verdicts that
+#     compare a job's ranks with each other), two files at a time. They take only what the
+#     quiet tests leave, so the quiet jobs run as if alone.
 #  2. the rest, two files at a time (pytest-xdist; each file's jobs stay on one worker).
 # Every phase runs even when another failed; the target fails if any did.
 test:

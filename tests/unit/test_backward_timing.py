@@ -22,6 +22,9 @@ from syncscope.agent.phases import BACKWARD, COMM, FORWARD, ROW_WORK, PhaseClock
 
 from syncscope.wire import DDP_GRAD_SYNC  # noqa: E402
 
+# clock: phases judged against sleeps on the real clock (pyproject.toml's markers).
+pytestmark = pytest.mark.clock
+
 MS = 1_000_000
 QUEUE = torch.autograd.Variable._execution_engine.queue_callback
 

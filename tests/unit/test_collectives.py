@@ -29,6 +29,9 @@ from syncscope.agent.queues import RecordQueues  # noqa: E402
 from syncscope.wire import OPS, Phase  # noqa: E402
 from tests.conftest import step_rows  # noqa: E402
 
+# clock: phases judged against sleeps on the real clock (pyproject.toml's markers).
+pytestmark = pytest.mark.clock
+
 
 def c10d_schemas() -> dict[str, object]:
     # The dispatcher's registry is the one list of what torch can run as a c10d op; torch has

@@ -20,6 +20,9 @@ from syncscope.agent.phases import ROW_WORK
 
 from syncscope.wire import DDP_GRAD_SYNC
 
+# clock: phases judged against sleeps on the real clock (pyproject.toml's markers).
+pytestmark = pytest.mark.clock
+
 MS = 1_000_000  # ns
 
 

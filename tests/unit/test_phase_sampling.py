@@ -17,6 +17,9 @@ from syncscope.agent.phases import FORWARD, ROW_PHASES, ROW_WORK  # noqa: E402
 from syncscope.wire import DDP_GRAD_SYNC, AgentInfo  # noqa: E402
 from tests.unit.test_cuda_timing import Loop  # noqa: E402
 
+# clock: phases judged against sleeps on the real clock (pyproject.toml's markers).
+pytestmark = pytest.mark.clock
+
 EVERY = 4
 STEPS = 12
 # Every EVERY-th step, and step 1: the first step's phases are start-up's, so the steps after

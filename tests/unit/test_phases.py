@@ -14,6 +14,9 @@ from syncscope.agent import attach  # noqa: E402
 
 from tests.conftest import step_rows  # noqa: E402
 
+# clock: phases judged against sleeps on the real clock (pyproject.toml's markers).
+pytestmark = pytest.mark.clock
+
 
 class Sleepy(torch.nn.Module):
     def __init__(self) -> None:

@@ -18,6 +18,9 @@ from syncscope.exporter.app import parse_batch
 from syncscope.wire import SCHEMA_VERSION, PacingState
 from tests.conftest import make_reporter
 
+# clock: phases judged against sleeps on the real clock (pyproject.toml's markers).
+pytestmark = pytest.mark.clock
+
 MS = 1_000_000
 
 

@@ -20,6 +20,9 @@ from torch.nn.modules.module import _global_forward_pre_hooks  # noqa: E402
 from syncscope.integrations.run import AutoAttach  # noqa: E402
 from tests.conftest import step_rows  # noqa: E402
 
+# clock: phases judged against sleeps on the real clock (pyproject.toml's markers).
+pytestmark = pytest.mark.clock
+
 STEPS = 4
 FORWARD = 4  # a step row: (step, end, total, data, forward, ...)
 
