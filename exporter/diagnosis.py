@@ -530,7 +530,9 @@ def _diagnose(
     straggler, skew, threshold = _straggler_mode(
         modes, live, stages, step, arrivals, len(aligned) if enough else None, settings, t
     )
-    _sync_modes(modes, shares, live, aligned, step, arrivals, straggler, signal, node_transfer, t)
+    _sync_modes(
+        modes, shares, live, aligned, enough, step, arrivals, straggler, signal, node_transfer, t
+    )
     _jitter_mode(modes, shares, live, t)
     _locality_mode(modes, live)
     verdicts = {
@@ -632,6 +634,7 @@ def _sync_modes(
     shares: dict[str, float],
     live: list[RankView],
     aligned: list[dict[int, RecentStep]],
+    enough: bool,
     step: float,
     arrivals: _Arrivals,
     straggler: Straggler | None,
@@ -641,8 +644,8 @@ def _sync_modes(
 ) -> None:
     """Synchronization amplification (idle at the sync, its share of step time into `shares`)
     and, where the ranks' exposed communication is the signal, fabric contention into
-    `modes`: from the aligned steps, else estimated from the ranks' mean waits."""
-    enough = len(aligned) >= t.min_aligned_steps
+    `modes`: from the aligned steps where there are `enough`, else estimated from the ranks'
+    mean waits."""
     mean_step = (
         statistics.mean(
             statistics.median(rec.step_s for rec in by_rank.values()) for by_rank in aligned

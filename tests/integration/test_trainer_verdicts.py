@@ -60,7 +60,7 @@ SLOW_MS = 40
 STEPS = {"lightning": 2000, "huggingface": 1500}
 
 LIGHTNING = """
-import os, time
+import os
 import torch, torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -84,20 +84,16 @@ class Tiny(pl.LightningModule):
 
 torch.manual_seed(0)
 model = Tiny()
-from tests.fixtures.asks import Asked
-slow, stop, slowing = Asked(rank, "slow"), Asked(rank, "stop"), [False]
+from tests.fixtures.asks import Asked, Slowed
+slowed, stop = Slowed(rank, float(os.environ.get("TEST_SLOW_MS", "0"))), Asked(rank, "stop")
 if rank == int(os.environ.get("TEST_SLOW_RANK", "-1")):
-    delay = float(os.environ["TEST_SLOW_MS"]) / 1000
-    def pause(*_):
-        if slowing[0]:
-            time.sleep(delay)
-    model.net[0].register_forward_pre_hook(pause)
+    model.net[0].register_forward_pre_hook(slowed.pause)
 n = 16 * world * (steps + 8)  # one epoch: no epoch boundary inside the run
 data = DataLoader(TensorDataset(torch.randn(n, 32), torch.randn(n, 1)), batch_size=16)
 
 class StopWhenAsked(pl.Callback):  # the test slows a rank, then says when it has seen enough
     def on_train_batch_end(self, trainer, *_):
-        slowing[0] = slow(trainer.global_step)
+        slowed.at(trainer.global_step)
         if stop(trainer.global_step):
             trainer.should_stop = True
 
@@ -110,7 +106,7 @@ print("trained", trainer.global_step, "steps", flush=True)
 """
 
 HUGGINGFACE = """
-import os, time
+import os
 import torch, torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -128,14 +124,10 @@ class Tokens(torch.utils.data.Dataset):
 
 # A config-only model: nothing is downloaded.
 model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
-from tests.fixtures.asks import Asked
-slow, stop, slowing = Asked(rank, "slow"), Asked(rank, "stop"), [False]
+from tests.fixtures.asks import Asked, Slowed
+slowed, stop = Slowed(rank, float(os.environ.get("TEST_SLOW_MS", "0"))), Asked(rank, "stop")
 if rank == int(os.environ.get("TEST_SLOW_RANK", "-1")):
-    delay = float(os.environ["TEST_SLOW_MS"]) / 1000
-    def pause(*_):
-        if slowing[0]:
-            time.sleep(delay)
-    model.transformer.h[0].register_forward_pre_hook(pause)
+    model.transformer.h[0].register_forward_pre_hook(slowed.pause)
 args = TrainingArguments(output_dir=os.environ["TEST_OUT"], max_steps=steps,
                          per_device_train_batch_size=8, report_to=[], save_strategy="no",
                          logging_strategy="no", use_cpu=True, disable_tqdm=True,
@@ -144,7 +136,7 @@ from transformers import TrainerCallback
 
 class StopWhenAsked(TrainerCallback):  # the test slows a rank, then says when it has seen enough
     def on_step_end(self, args, state, control, **_):
-        slowing[0] = slow(state.global_step)
+        slowed.at(state.global_step)
         if stop(state.global_step):
             control.should_training_stop = True
 
