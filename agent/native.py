@@ -1,6 +1,7 @@
-"""syncscope's C++ library: the dispatcher kernel that times c10d ops (csrc/c10d_timing.cpp) and
-the backward phase's gradient trigger (csrc/backward_trigger.cpp, grad_triggers.py's native
-mode); built once per torch version and source, loaded into the training process with ctypes.
+"""syncscope's C++ library: the dispatcher kernel that times c10d ops (csrc/c10d_timing.cpp), the
+backward phase's gradient trigger (csrc/backward_trigger.cpp, grad_triggers.py's native mode)
+and the phase clock's busiest hooks (csrc/hot_path.cpp, phase_hooks.instrument); built once per
+torch version and source, loaded into the training process with ctypes.
 
 The Python kernel (collectives.py) costs ~35 µs per collective, which an FSDP2 job issuing
 tens per step pays on its training thread; the C++ one ~4 µs (docs/parallelism.md). Building
@@ -27,9 +28,15 @@ from typing import Any
 log = logging.getLogger("syncscope.agent")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "c10d_timing.cpp", CSRC / "backward_trigger.cpp")  # they include clock.h
+SOURCES = (  # they include clock.h
+    CSRC / "c10d_timing.cpp",
+    CSRC / "backward_trigger.cpp",
+    CSRC / "hot_path.cpp",
+)
 NAME = "syncscope_c10d"
-ABI = 3  # csrc's kAbi: a library answering another is not loaded
+ABI = 4  # csrc's kAbi: a library answering another is not loaded
+# csrc/hot_path.cpp's hooks: the optimizer's step pre- and post-hooks, torch.autograd.backward
+HOT_PRE, HOT_POST, HOT_BACKWARD = range(3)
 ENV_DIR = "SYNCSCOPE_NATIVE_DIR"
 DRAIN_BATCH = 4096
 
@@ -107,6 +114,18 @@ class Native:
         self._trigger_ops: Any = None
         self._dropped = ctypes.c_int64.in_dll(lib, "syncscope_dropped")
         self._buffer = (_Record * DRAIN_BATCH)()
+        # The same library, its calls holding the GIL: they build Python objects.
+        self._hot = ctypes.PyDLL(lib._name).syncscope_hot_hook
+        self._hot.argtypes = [ctypes.c_int] + [ctypes.py_object] * 3
+        self._hot.restype = ctypes.py_object
+
+    def hot_hook(self, kind: int, target: Any, fallback: Any, constants: tuple) -> Any:
+        """A hook in C (csrc/hot_path.cpp) doing what the Python callable `fallback` does in its
+        common case, and calling it otherwise. `kind`: HOT_PRE or HOT_POST (`target`: the
+        clock) or HOT_BACKWARD (`target`: (phase_hooks.Clocks, torch.autograd.backward, the
+        clock class)); `constants`: phase_hooks.HOT_CONSTANTS. Raises what the library says
+        (a clock whose attributes are not slots: TypeError)."""
+        return self._hot(kind, target, fallback, constants)
 
     def install(self, name: str, op: int, group_at: int, size_at: int | None) -> None:
         """Time c10d op `name`; raises RuntimeError with the dispatcher's reason."""

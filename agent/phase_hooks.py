@@ -15,17 +15,27 @@ from collections.abc import Callable
 from typing import Any
 
 from syncscope.agent.phases import (
+    ACC_LEN,
     BACKWARD,
     BWD_END,
     BWD_START,
+    COMM,
+    COMM_END,
     DATA,
     FORWARD,
     FWD_POST,
     FWD_PRE,
+    OPTIMIZER,
     PhaseClock,
 )
 
+from syncscope.wire import DDP_GRAD_SYNC, UNKNOWN_WORK
+
 _now = time.perf_counter_ns
+# What the hooks in C (native.Native.hot_hook) are told of the clock: the positions of backward,
+# the optimizer and exposed communication in its accumulator, its length, the boundary DDP's
+# sync is seen at, the work count that means "unknown", and DDP's sync record's kind.
+HOT_CONSTANTS = (BACKWARD, OPTIMIZER, COMM, ACC_LEN, COMM_END, UNKNOWN_WORK, DDP_GRAD_SYNC)
 
 
 class Instrumented:
@@ -49,7 +59,8 @@ def instrument(
 ) -> Instrumented:
     """Hook `model` (forward, parameter gradients, torch.autograd.backward) and `optimizer` for
     `clock`; the gradients in C++ where `native` (the loaded native.Native) is given and the
-    clock marks no boundary (CudaPhaseClock records an event at callback A, in Python).
+    clock marks no boundary (CudaPhaseClock records an event at callback A, in Python), and
+    then the optimizer's hooks and the backward wrapper in C too (their common case: hot_hooks).
 
     `model`: a module, or a list of them (a pipeline rank's stages, each called apart): every
     one's forward is the forward phase; the batch is read from the first one's inputs only (the
@@ -71,12 +82,33 @@ def instrument(
             (p for m in parts for p in m.parameters() if p.requires_grad),
             native if clock.mark is None else None,
         )
-        install_backward(clock)
+        install_backward(clock, native if clock.mark is None else None)
     if optimizer is not None:
-        handles.append(optimizer.register_step_pre_hook(clock.optimizer_pre))
-        handles.append(optimizer.register_step_post_hook(clock.optimizer_post))
+        pre, post = hot_hooks(clock, native)
+        handles.append(optimizer.register_step_pre_hook(pre))
+        handles.append(optimizer.register_step_post_hook(post))
         clock.steps_open = True
     return done
+
+
+def hot_hooks(clock: PhaseClock, native: Any) -> tuple[Any, Any]:
+    """The optimizer's step pre- and post-hooks for `clock`: in C where `native` (the loaded
+    native.Native) is given and the clock is a PhaseClock marking no boundary (csrc/hot_path.cpp:
+    the post-hook ends the step, the busiest hook there is), each calling the clock's own method
+    for all but the common case; else those methods."""
+    pre, post = clock.optimizer_pre, clock.optimizer_post
+    if native is None or type(clock) is not PhaseClock or clock.mark is not None:
+        return pre, post
+    from syncscope.agent.native import HOT_POST, HOT_PRE
+
+    try:
+        return (
+            native.hot_hook(HOT_PRE, clock, pre, HOT_CONSTANTS),
+            native.hot_hook(HOT_POST, clock, post, HOT_CONSTANTS),
+        )
+    except Exception as exc:  # noqa: BLE001 - Python's hooks serve
+        clock.on_error(exc)
+        return pre, post
 
 
 def timed_forward(
@@ -458,9 +490,12 @@ _WRAPPERS = {"backward": timed_backward, "grad": timed_grad}
 _originals: dict[str, Any] = {}
 
 
-def install_backward(clock: PhaseClock) -> None:
+def install_backward(clock: PhaseClock, native: Any = None) -> None:
     """Make torch.autograd.backward (what Tensor.backward calls) and torch.autograd.grad (a
-    split backward's) tell `clock` they ran."""
+    split backward's) tell `clock` they ran. With `native` (the loaded native.Native), the
+    backward wrapper is its hook in C (csrc/hot_path.cpp), which times a PhaseClock's backward
+    triggered from C++ when it is the process's one clock and calls timed_backward's wrapper
+    otherwise; the first clock installed decides for the process."""
     import torch.autograd
 
     if clock not in _registered.clocks:
@@ -470,10 +505,26 @@ def install_backward(clock: PhaseClock) -> None:
             continue  # already wrapped (perhaps under someone else's wrapper): never twice
         _originals[name] = original = getattr(torch.autograd, name)
         wrapper = functools.wraps(original)(timed(original, _registered))
+        if name == "backward" and native is not None:
+            wrapper = _hot_backward(native, original, wrapper, clock)
         wrapper.__syncscope_wrapped__ = True  # type: ignore[attr-defined]
         # torch.compile leaves torch.autograd.grad's frame alone (trace_autograd_ops off): it
         # leaves ours alone too, so that a compiled function calling it captures the same.
         setattr(torch.autograd, name, _not_traced(wrapper) if name == "grad" else wrapper)
+
+
+def _hot_backward(native: Any, original: Any, wrapper: Any, clock: PhaseClock) -> Any:
+    """The backward wrapper in C standing for `wrapper` (Python's), else `wrapper` itself."""
+    from syncscope.agent.native import HOT_BACKWARD
+
+    try:
+        hot = native.hot_hook(
+            HOT_BACKWARD, (_registered, original, PhaseClock), wrapper, HOT_CONSTANTS
+        )
+        return functools.update_wrapper(hot, original)
+    except Exception as exc:  # noqa: BLE001 - Python's wrapper serves
+        clock.on_error(exc)
+        return wrapper
 
 
 def uninstall_backward(clock: PhaseClock) -> None:

@@ -70,6 +70,7 @@ BACKWARD = int(Phase.BACKWARD)
 OPTIMIZER = int(Phase.OPTIMIZER)
 COMM = int(Phase.COMM_EXPOSED)
 PACING = int(Phase.PACING)
+ACC_LEN = PACING + 1  # the accumulator's length: DATA .. PACING
 # The boundaries, as a subclass's `mark` hears of them (CudaPhaseClock records a CUDA event at
 # each); on CPU `mark` is None and costs one attribute test per boundary.
 STEP_START, FWD_PRE, FWD_POST, BWD_START, BWD_END, COMM_END, OPT_PRE, OPT_POST, STEP_END = range(9)

@@ -21,13 +21,19 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from syncscope.agent import attach  # noqa: E402
+from syncscope.agent import attach, native  # noqa: E402
 
 AGENT = str(Path(__file__).resolve().parents[2] / "agent")
 # Per step of the tiny DDP model, every step timed (the default) and one timed in 16, on
 # CPython 3.11 and torch 2.13 (docs/evaluation.md has the figures): the budget is what the
-# agent needs today plus a tenth, so a tenth more fails.
-BUDGET = {1: (900, 12), 16: (430, 9)}  # phase_every -> (bytecodes, calls) a step, at most
+# agent needs today plus a tenth, so a tenth more fails. With syncscope's C++ library built (as
+# `scripts/setup` does), the optimizer's hooks and the backward wrapper are in C
+# (agent/csrc/hot_path.cpp) and the forward wrapper is the Python left in a timed step; without
+# it, all of the hooks are Python.
+BUDGET = {  # the library built -> phase_every -> (bytecodes, calls) a step, at most
+    True: {1: (250, 3), 16: (400, 7)},
+    False: {1: (900, 12), 16: (430, 9)},
+}
 STEPS = 64
 
 
@@ -82,6 +88,6 @@ def test_the_agents_python_per_step_stays_within_its_budget(gloo_world_of_one, p
     assert agent.stats["steps"] >= 40 + STEPS  # the hooks did run
     top = sorted(by_function.items(), key=lambda kv: -kv[1])[:8]
     print(f"phase_every={phase_every}: {ops:.0f} bytecodes, {calls:.1f} calls a step; {top}")
-    max_ops, max_calls = BUDGET[phase_every]
+    max_ops, max_calls = BUDGET[native.load(torch) is not None][phase_every]
     assert ops <= max_ops, (ops, top)
     assert calls <= max_calls, (calls, top)

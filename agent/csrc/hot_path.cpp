@@ -1,0 +1,810 @@
+// The phase clock's three busiest hooks in C (agent/phase_hooks.py installs them, native.py the
+// library): the optimizer's step pre- and post-hooks, which end the step and queue its row, and
+// the torch.autograd.backward wrapper with the C++ backward trigger's return (backward, then
+// DDP's exposed sync). Each is the Python hook's common case, done on the clock's own slots:
+// a hook entered from torch costs the training thread its Python frames on caches the step's
+// kernels have flushed, several µs a step (docs/evaluation.md), and these do the same reads,
+// sums and appends without a frame.
+//
+// Every hook is checked before it changes anything: anything but the common case (a quiet
+// step, a pacer, a CUDA clock's marks, a wait for a collective to move into `comm`, the first
+// step, a full queue, a missed trigger, another clock in the process, an attribute of an
+// unexpected type) goes to the Python hook it stands for (`fallback`, or the clock's method),
+// so that what the clock does is declared once, in agent/phases.py; tests/unit/test_hot_path.py
+// runs the same steps through both and compares what they queue. Errors go to the clock's
+// on_error, as in Python: nothing raises into the training loop but the backward's own error.
+//
+// Called through ctypes.PyDLL (the GIL held); CPython's C API, the clock's __slots__ read and
+// written at the offsets its member descriptors give.
+
+#include <Python.h>
+#include <structmember.h>
+
+#include "clock.h"
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+extern "C" {
+// csrc/backward_trigger.cpp's: armed before a timed backward; when its callback last ran.
+extern std::atomic<int64_t> syncscope_bwd_armed;
+extern std::atomic<int64_t> syncscope_bwd_done;
+}
+
+namespace {
+
+using syncscope::now_ns;
+
+enum Kind { kPre = 0, kPost = 1, kBackward = 2 };
+
+// The slots a hook reads, by name; their offsets in an object of the type resolved.
+#define CLOCK_SLOTS(X)                                                                   \
+  X(acc) X(after_at) X(after_every) X(after_step) X(blocked) X(blocked_seen) X(bwd_depth) \
+  X(bwd_end) X(bwd_entry) X(bwd_pending) X(collectives) X(coll_max) X(ddp_bytes)          \
+  X(ddp_group) X(ddp_model) X(detect_start) X(dropped) X(first_at) X(first_ddp_ns)        \
+  X(first_step) X(fwd_since_bwd) X(idle_since) X(manual_steps) X(mark) X(opt_closure)     \
+  X(opt_start) X(pacer) X(phase_every) X(quiet) X(step) X(step_counter) X(step_start)     \
+  X(steps) X(steps_max) X(sync_ns) X(syncs) X(triggers) X(work)
+#define WORK_SLOTS(X)                                                                   \
+  X(counted_samples) X(counted_tokens) X(samples_per_step) X(seen_batches) X(seen_samples) \
+  X(seen_tokens) X(tokens_per_step) X(unclear_samples) X(unclear_tokens)
+#define BLOCKED_SLOTS(X) X(first_ns) X(ns)
+#define TRIGGER_SLOTS(X) X(native)
+
+#define DECLARE(name) Py_ssize_t name = -1;
+struct ClockSlots { CLOCK_SLOTS(DECLARE) };
+struct WorkSlots { WORK_SLOTS(DECLARE) };
+struct BlockedSlots { BLOCKED_SLOTS(DECLARE) };
+struct TriggerSlots { TRIGGER_SLOTS(DECLARE) };
+#undef DECLARE
+
+// The offset of writable slot `name` of `type`; -1 with an exception set if it is not one.
+Py_ssize_t slot_offset(PyTypeObject* type, const char* name) {
+  PyObject* descr = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type), name);
+  if (descr == nullptr) {
+    return -1;
+  }
+  Py_ssize_t offset = -1;
+  if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+    PyMemberDef* member = reinterpret_cast<PyMemberDescrObject*>(descr)->d_member;
+    if (member->type == T_OBJECT_EX && !(member->flags & READONLY)) {
+      offset = member->offset;
+    }
+  }
+  Py_DECREF(descr);
+  if (offset < 0) {
+    PyErr_Format(PyExc_TypeError, "%s.%s is not a slot", type->tp_name, name);
+  }
+  return offset;
+}
+
+// A type's slot offsets, resolved once per type seen (the clock's, its work's, ...).
+template <typename Slots>
+struct Resolved {
+  PyTypeObject* type = nullptr;  // borrowed: held by an object of it while in use
+  Slots at;
+  bool ok = false;
+};
+
+#define RESOLVE(name)                                        \
+  if ((out.name = slot_offset(type, #name)) < 0) {           \
+    return false;                                            \
+  }
+bool resolve(PyTypeObject* type, ClockSlots& out) { CLOCK_SLOTS(RESOLVE) return true; }
+bool resolve(PyTypeObject* type, WorkSlots& out) { WORK_SLOTS(RESOLVE) return true; }
+bool resolve(PyTypeObject* type, BlockedSlots& out) { BLOCKED_SLOTS(RESOLVE) return true; }
+bool resolve(PyTypeObject* type, TriggerSlots& out) { TRIGGER_SLOTS(RESOLVE) return true; }
+#undef RESOLVE
+
+// The slots of `obj`'s type, resolving them if it is another type than last time; false (no
+// exception) where they are not slots: the caller takes the Python path.
+template <typename Slots>
+bool slots_of(PyObject* obj, Resolved<Slots>& cache) {
+  PyTypeObject* type = Py_TYPE(obj);
+  if (type != cache.type) {
+    cache.type = type;
+    cache.ok = resolve(type, cache.at);
+    if (!cache.ok) {
+      PyErr_Clear();
+    }
+  }
+  return cache.ok;
+}
+
+inline PyObject* get(PyObject* obj, Py_ssize_t offset) {  // borrowed; nullptr: unset
+  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
+}
+
+inline void put(PyObject* obj, Py_ssize_t offset, PyObject* value) {  // steals `value`
+  PyObject** at = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
+  PyObject* old = *at;
+  *at = value;
+  Py_XDECREF(old);
+}
+
+// An exact int that fits in 64 bits.
+inline bool int_of(PyObject* value, int64_t& out) {
+  if (value == nullptr || !PyLong_CheckExact(value)) {
+    return false;
+  }
+  int overflow = 0;
+  out = PyLong_AsLongLongAndOverflow(value, &overflow);
+  return overflow == 0 && !(out == -1 && PyErr_Occurred());
+}
+
+inline bool is_bool(PyObject* value) { return value == Py_True || value == Py_False; }
+
+// Writes that allocate: a failure leaves the error set and the rest of the hook undone.
+inline bool put_int(PyObject* obj, Py_ssize_t offset, int64_t value) {
+  PyObject* v = PyLong_FromLongLong(value);
+  if (v == nullptr) {
+    return false;
+  }
+  put(obj, offset, v);
+  return true;
+}
+
+inline void put_bool(PyObject* obj, Py_ssize_t offset, bool value) {
+  PyObject* v = value ? Py_True : Py_False;
+  Py_INCREF(v);
+  put(obj, offset, v);
+}
+
+// acc[i] += ns, acc an exact list of exact ints (checked by the caller).
+inline bool add_to(PyObject* acc, Py_ssize_t i, int64_t ns) {
+  int64_t was = 0;
+  if (!int_of(PyList_GET_ITEM(acc, i), was)) {
+    return false;
+  }
+  PyObject* v = PyLong_FromLongLong(was + ns);
+  if (v == nullptr) {
+    return false;
+  }
+  PyObject* old = PyList_GET_ITEM(acc, i);
+  PyList_SET_ITEM(acc, i, v);
+  Py_DECREF(old);
+  return true;
+}
+
+bool int_list(PyObject* acc, Py_ssize_t n) {
+  if (acc == nullptr || !PyList_CheckExact(acc) || PyList_GET_SIZE(acc) != n) {
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!PyLong_CheckExact(PyList_GET_ITEM(acc, i))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+PyObject* s_append;  // interned method and attribute names
+PyObject* s_value;
+PyObject* s_clocks;
+PyObject* s_sync;  // "require_backward_grad_sync"
+PyObject* s_on_error;
+PyObject* s_backward_returned;
+PyObject* s_backward_exit;
+
+struct Hook {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  PyObject* dict;  // functools.wraps' attributes
+  int kind;
+  PyObject* clock;       // kPre, kPost: the clock; kBackward: nullptr
+  PyObject* fallback;    // the Python hook this one stands for, called for all but the common case
+  PyObject* registered;  // kBackward: the phase_hooks.Clocks told
+  PyObject* original;    // kBackward: torch.autograd.backward
+  PyObject* clock_class;  // kBackward: the class whose clocks it times (phases.PhaseClock)
+  PyObject* sync_kind;   // wire.DDP_GRAD_SYNC
+  // Positions and values phases.py declares: accumulator indices, COMM_END, UNKNOWN_WORK.
+  Py_ssize_t i_backward, i_optimizer, i_comm, n_phases;
+  int64_t comm_end, unknown_work;
+  Resolved<ClockSlots> clock_slots;
+  Resolved<WorkSlots> work_slots;
+  Resolved<BlockedSlots> blocked_slots;
+  Resolved<TriggerSlots> trigger_slots;
+};
+
+// The error set now, handed to the clock's on_error (as the Python hooks' `except` does); never
+// raises.
+void note_error(PyObject* clock) {
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyErr_NormalizeException(&type, &value, &tb);
+  if (value != nullptr && tb != nullptr) {
+    PyException_SetTraceback(value, tb);
+  }
+  PyObject* result = nullptr;
+  if (clock != nullptr && value != nullptr) {
+    result = PyObject_CallMethodOneArg(clock, s_on_error, value);
+  }
+  Py_XDECREF(result);
+  PyErr_Clear();  // on_error's own error: nothing may reach the training loop
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(tb);
+}
+
+// note_error, then what the hook returns: None.
+PyObject* report(PyObject* clock) {
+  note_error(clock);
+  Py_RETURN_NONE;
+}
+
+// Blocked's state: whether no wait came since the clock last looked (blocked.ns ==
+// blocked_seen), and its first_ns; false where `blocked` is not a Blocked of slots.
+bool blocked_still(Hook* h, PyObject* c, PyObject* blocked, int64_t& first_ns) {
+  first_ns = -1;
+  if (blocked == Py_None) {
+    return true;
+  }
+  if (!slots_of(blocked, h->blocked_slots)) {
+    return false;
+  }
+  const BlockedSlots& b = h->blocked_slots.at;
+  int64_t ns = 0, seen = 0;
+  return int_of(get(blocked, b.ns), ns) && int_of(get(c, h->clock_slots.at.blocked_seen), seen) &&
+      ns == seen && int_of(get(blocked, b.first_ns), first_ns);
+}
+
+// -- optimizer step pre-hook (PhaseClock.optimizer_pre) -----------------------------------------
+PyObject* optimizer_pre(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  PyObject* c = h->clock;
+  const ClockSlots& s = h->clock_slots.at;
+  PyObject* quiet = get(c, s.quiet);
+  if (quiet == Py_True) {
+    Py_RETURN_NONE;
+  }
+  if (quiet != Py_False || get(c, s.detect_start) != Py_None || get(c, s.mark) != Py_None) {
+    return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+  }
+  if (!put_int(c, s.opt_start, now_ns())) {
+    return report(c);
+  }
+  Py_RETURN_NONE;
+}
+
+// -- optimizer step post-hook (PhaseClock.optimizer_post, end_step, _queue_row, _next_step,
+// StepWork.take): a timed step, every step timed, after the first --------------------------------
+PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  const int64_t t = now_ns();
+  PyObject* c = h->clock;
+  const ClockSlots& s = h->clock_slots.at;
+  int64_t opt_start, step_start, step, syncs, every, steps_max, first_ns;
+  PyObject* acc = get(c, s.acc);
+  PyObject* steps = get(c, s.steps);
+  PyObject* work = get(c, s.work);
+  PyObject* blocked = get(c, s.blocked);
+  bool common = get(c, s.quiet) == Py_False && get(c, s.manual_steps) == Py_False &&
+      get(c, s.mark) == Py_None && get(c, s.pacer) == Py_None &&
+      get(c, s.first_step) == Py_False && int_of(get(c, s.phase_every), every) && every == 1 &&
+      int_of(get(c, s.opt_start), opt_start) && int_of(get(c, s.step_start), step_start) &&
+      int_of(get(c, s.step), step) && int_of(get(c, s.syncs), syncs) &&
+      int_of(get(c, s.steps_max), steps_max) && int_list(acc, h->n_phases) &&
+      steps != nullptr && work != nullptr && blocked != nullptr &&
+      blocked_still(h, c, blocked, first_ns) && slots_of(work, h->work_slots);
+  int64_t counted_samples, counted_tokens, samples_per_step, tokens_per_step, seen, seen_samples,
+      seen_tokens;
+  PyObject *unclear_samples = nullptr, *unclear_tokens = nullptr;
+  const WorkSlots& w = h->work_slots.at;
+  if (common) {
+    unclear_samples = get(work, w.unclear_samples);
+    unclear_tokens = get(work, w.unclear_tokens);
+    common = int_of(get(work, w.counted_samples), counted_samples) &&
+        int_of(get(work, w.counted_tokens), counted_tokens) &&
+        int_of(get(work, w.samples_per_step), samples_per_step) &&
+        int_of(get(work, w.tokens_per_step), tokens_per_step) &&
+        int_of(get(work, w.seen_batches), seen) &&
+        int_of(get(work, w.seen_samples), seen_samples) &&
+        int_of(get(work, w.seen_tokens), seen_tokens) && is_bool(unclear_samples) &&
+        is_bool(unclear_tokens);
+  }
+  if (common) {
+    const Py_ssize_t queued = PyObject_Length(steps);
+    common = queued >= 0 && queued < steps_max;
+  }
+  if (!common) {
+    PyErr_Clear();
+    return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+  }
+  // The optimizer's phase.
+  if (opt_start) {
+    const int64_t ns = t - opt_start;
+    if ((ns > 0 && !add_to(acc, h->i_optimizer, ns)) || !put_int(c, s.opt_start, 0)) {
+      return report(c);
+    }
+  }
+  const int64_t total = t - step_start;
+  if (syncs && (!put_int(c, s.sync_ns, 0) || !put_int(c, s.syncs, 0))) {
+    return report(c);
+  }
+  // The step's work (StepWork.take).
+  int64_t samples = counted_samples, tokens = counted_tokens;
+  if (samples < 0) {
+    samples = samples_per_step;
+    if (samples < 0 && seen && unclear_samples == Py_False) {
+      samples = seen_samples;
+    }
+  } else if (!put_int(work, w.counted_samples, h->unknown_work)) {
+    return report(c);
+  }
+  if (tokens < 0) {
+    tokens = tokens_per_step;
+    if (tokens < 0 && seen && unclear_tokens == Py_False) {
+      tokens = seen_tokens;
+    }
+  } else if (!put_int(work, w.counted_tokens, h->unknown_work)) {
+    return report(c);
+  }
+  if (seen || unclear_samples == Py_True) {
+    if (!put_int(work, w.seen_batches, 0) || !put_int(work, w.seen_samples, 0) ||
+        !put_int(work, w.seen_tokens, 0)) {
+      return report(c);
+    }
+    put_bool(work, w.unclear_samples, false);
+    put_bool(work, w.unclear_tokens, false);
+  }
+  // The row: (step, end, total, the phases, samples, tokens).
+  PyObject* row = PyTuple_New(5 + h->n_phases);
+  if (row == nullptr) {
+    return report(c);
+  }
+  PyTuple_SET_ITEM(row, 0, PyLong_FromLongLong(step));
+  PyTuple_SET_ITEM(row, 1, PyLong_FromLongLong(t));
+  PyTuple_SET_ITEM(row, 2, PyLong_FromLongLong(total));
+  for (Py_ssize_t i = 0; i < h->n_phases; ++i) {
+    PyObject* ns = PyList_GET_ITEM(acc, i);
+    Py_INCREF(ns);
+    PyTuple_SET_ITEM(row, 3 + i, ns);
+  }
+  PyTuple_SET_ITEM(row, 3 + h->n_phases, PyLong_FromLongLong(samples));
+  PyTuple_SET_ITEM(row, 4 + h->n_phases, PyLong_FromLongLong(tokens));
+  for (Py_ssize_t i = 0; i < 5 + h->n_phases; ++i) {
+    if (PyTuple_GET_ITEM(row, i) == nullptr) {
+      Py_DECREF(row);
+      return report(c);
+    }
+  }
+  PyObject* appended = PyObject_CallMethodOneArg(steps, s_append, row);
+  Py_DECREF(row);
+  if (appended == nullptr) {
+    return report(c);
+  }
+  Py_DECREF(appended);
+  // The next step (_next_step), a new accumulator, no wait of it seen yet.
+  ++step;
+  if (!put_int(c, s.step, step)) {
+    return report(c);
+  }
+  PyObject* counter = get(c, s.step_counter);
+  if (counter != nullptr && counter != Py_None) {
+    PyObject* n = PyLong_FromLongLong(step);
+    if (n == nullptr || PyObject_SetAttr(counter, s_value, n) < 0) {
+      Py_XDECREF(n);
+      return report(c);
+    }
+    Py_DECREF(n);
+  }
+  PyObject* fresh = PyList_New(h->n_phases);
+  if (fresh == nullptr) {
+    return report(c);
+  }
+  for (Py_ssize_t i = 0; i < h->n_phases; ++i) {
+    PyList_SET_ITEM(fresh, i, PyLong_FromLong(0));  // a cached small int
+  }
+  put(c, s.acc, fresh);
+  if (!put_int(c, s.step_start, t) || !put_int(c, s.idle_since, t) ||
+      !put_int(c, s.first_ddp_ns, -1) || !put_int(c, s.first_at, -1) ||
+      (blocked != Py_None && !put_int(blocked, h->blocked_slots.at.first_ns, -1))) {
+    return report(c);
+  }
+  // The transport's step hook, from its next tick on.
+  PyObject* after = get(c, s.after_step);
+  int64_t after_at = 0, after_every = 1;
+  if (after != nullptr && after != Py_None) {
+    if (!int_of(get(c, s.after_at), after_at) || !int_of(get(c, s.after_every), after_every) ||
+        after_every <= 0) {
+      PyErr_SetString(PyExc_TypeError, "after_at and after_every must be ints, after_every > 0");
+      return report(c);
+    }
+    if (t >= after_at && step % after_every == 0) {
+      PyObject* n = PyLong_FromLongLong(step);
+      PyObject* next = n == nullptr ? nullptr : PyObject_CallOneArg(after, n);
+      Py_XDECREF(n);
+      if (next == nullptr) {
+        return report(c);
+      }
+      const int truth = PyObject_IsTrue(next);
+      if (truth < 0) {
+        Py_DECREF(next);
+        return report(c);
+      }
+      if (truth) {
+        put(c, s.after_at, next);
+      } else {
+        Py_DECREF(next);
+        if (!put_int(c, s.after_at, 0)) {
+          return report(c);
+        }
+      }
+    }
+  }
+  Py_RETURN_NONE;
+}
+
+// -- torch.autograd.backward (phase_hooks.timed_backward, BackwardPhases.backward_returned and
+// _gradients_reduced): the one clock in the process, its trigger in C++ ------------------------
+
+// The backward's return, the common case of backward_returned: the trigger's callback ran, no
+// wait to move, DDP's sync due (or none to time); false, nothing changed, for the Python method.
+bool returned(Hook* h, PyObject* c) {
+  const ClockSlots& s = h->clock_slots.at;
+  const int64_t done = syncscope_bwd_done.load(std::memory_order_relaxed);
+  int64_t bwd_end, bwd_entry, first_ddp, first_ns, sync_ns, syncs, coll_max, step;
+  PyObject* acc = get(c, s.acc);
+  PyObject* blocked = get(c, s.blocked);
+  PyObject* group = get(c, s.ddp_group);
+  PyObject* model = get(c, s.ddp_model);
+  PyObject* coll = get(c, s.collectives);
+  PyObject* bytes = get(c, s.ddp_bytes);
+  PyObject* closure = get(c, s.opt_closure);
+  if (!(int_of(get(c, s.bwd_end), bwd_end) && done != bwd_end &&
+        int_of(get(c, s.bwd_entry), bwd_entry) && int_list(acc, h->n_phases) &&
+        blocked != nullptr && blocked_still(h, c, blocked, first_ns) && group != nullptr &&
+        model != nullptr && get(c, s.mark) == Py_None && closure == Py_False)) {
+    PyErr_Clear();
+    return false;
+  }
+  bool sync = group != Py_None;
+  if (sync && model != Py_None) {  // getattr(ddp_model, "require_backward_grad_sync", True)
+    PyObject* flag = PyObject_GetAttr(model, s_sync);
+    if (flag == nullptr) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        return false;
+      }
+      PyErr_Clear();
+    } else {
+      const int truth = PyObject_IsTrue(flag);
+      Py_DECREF(flag);
+      if (truth < 0) {
+        PyErr_Clear();
+        return false;
+      }
+      sync = truth != 0;
+    }
+  }
+  if (sync &&
+      !(int_of(get(c, s.first_ddp_ns), first_ddp) && int_of(get(c, s.sync_ns), sync_ns) &&
+        int_of(get(c, s.syncs), syncs) && int_of(get(c, s.coll_max), coll_max) &&
+        int_of(get(c, s.step), step) && coll != nullptr && bytes != nullptr)) {
+    PyErr_Clear();
+    return false;
+  }
+  Py_ssize_t queued = 0;
+  if (sync && (queued = PyObject_Length(coll)) < 0) {
+    PyErr_Clear();
+    return false;
+  }
+  // Changes from here; an allocation failing is reported, not handed to Python.
+  if (!put_int(c, s.bwd_depth, 0)) {
+    note_error(c);
+    return true;
+  }
+  put_bool(c, s.fwd_since_bwd, false);
+  const int64_t ns = done - bwd_entry;
+  if ((ns > 0 && !add_to(acc, h->i_backward, ns)) || !put_int(c, s.bwd_entry, 0) ||
+      !put_int(c, s.bwd_end, done)) {
+    note_error(c);
+    return true;
+  }
+  if (!sync) {
+    if (!put_int(c, s.idle_since, done)) {
+      note_error(c);
+    }
+    return true;
+  }
+  // _gradients_reduced: DDP's finalize, queued after the trigger's callback, has waited.
+  const int64_t t = now_ns();
+  const int64_t exposed = t - done;
+  if (first_ddp < 0 && first_ns < 0 &&
+      (!put_int(c, s.first_ddp_ns, exposed) || !put_int(c, s.first_at, h->comm_end))) {
+    note_error(c);
+    return true;
+  }
+  if (!add_to(acc, h->i_comm, exposed)) {
+    note_error(c);
+    return true;
+  }
+  put_bool(c, s.bwd_pending, false);
+  if (!put_int(c, s.idle_since, t)) {
+    note_error(c);
+    return true;
+  }
+  if (queued < coll_max) {
+    PyObject* record = Py_BuildValue("(OOOLL)", h->sync_kind, group, bytes,
+                                     static_cast<long long>(exposed), static_cast<long long>(step));
+    PyObject* appended =
+        record == nullptr ? nullptr : PyObject_CallMethodOneArg(coll, s_append, record);
+    Py_XDECREF(record);
+    if (appended == nullptr) {
+      note_error(c);
+      return true;
+    }
+    Py_DECREF(appended);
+  } else {
+    int64_t dropped = 0;
+    if (!int_of(get(c, s.dropped), dropped) || !put_int(c, s.dropped, dropped + 1)) {
+      PyErr_Clear();
+    }
+  }
+  if (!put_int(c, s.sync_ns, sync_ns + exposed) || !put_int(c, s.syncs, syncs + 1)) {
+    note_error(c);
+  }
+  return true;
+}
+
+// Whether `c` (the process's one clock) enters this backward the common way: outermost, timed,
+// its trigger in C++, no wait to move, no marks.
+bool enters(Hook* h, PyObject* c) {
+  if (reinterpret_cast<PyObject*>(Py_TYPE(c)) != h->clock_class ||
+      !slots_of(c, h->clock_slots)) {
+    return false;
+  }
+  const ClockSlots& s = h->clock_slots.at;
+  int64_t depth, first_ns;
+  PyObject* triggers = get(c, s.triggers);
+  PyObject* blocked = get(c, s.blocked);
+  const bool common = int_of(get(c, s.bwd_depth), depth) && depth == 0 &&
+      get(c, s.quiet) == Py_False && get(c, s.mark) == Py_None && triggers != nullptr &&
+      slots_of(triggers, h->trigger_slots) &&
+      get(triggers, h->trigger_slots.at.native) != nullptr &&
+      get(triggers, h->trigger_slots.at.native) != Py_None && blocked != nullptr &&
+      blocked_still(h, c, blocked, first_ns);
+  PyErr_Clear();
+  return common;
+}
+
+PyObject* call_method(PyObject* c, PyObject* name) {
+  PyObject* result = PyObject_CallMethodNoArgs(c, name);
+  if (result == nullptr) {
+    return report(c);
+  }
+  return result;
+}
+
+PyObject* backward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  PyObject* clocks = PyObject_GetAttr(h->registered, s_clocks);
+  if (clocks == nullptr) {
+    PyErr_Clear();
+    return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+  }
+  PyObject* c = PyTuple_CheckExact(clocks) && PyTuple_GET_SIZE(clocks) == 1
+      ? PyTuple_GET_ITEM(clocks, 0)
+      : nullptr;
+  if (c == nullptr || !enters(h, c)) {
+    Py_DECREF(clocks);
+    return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+  }
+  Py_INCREF(c);
+  Py_DECREF(clocks);
+  const ClockSlots& s = h->clock_slots.at;
+  if (!put_int(c, s.bwd_depth, 1) || !put_int(c, s.bwd_entry, now_ns())) {
+    note_error(c);
+  } else {
+    syncscope_bwd_armed.store(1, std::memory_order_relaxed);
+  }
+  PyObject* result = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+  // As the Python wrapper's `finally`: the backward's own error passes through afterwards.
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  int64_t depth = 0;
+  PyObject* triggers = get(c, s.triggers);
+  PyObject* done = nullptr;
+  if (!int_of(get(c, s.bwd_depth), depth)) {
+    PyErr_Clear();
+    done = call_method(c, s_backward_exit);
+  } else if (get(c, s.quiet) == Py_True) {  // not timed after all: only the depth
+    if (depth > 0 && !put_int(c, s.bwd_depth, depth - 1)) {
+      note_error(c);
+    }
+  } else if (depth == 1 && triggers != nullptr && slots_of(triggers, h->trigger_slots) &&
+             get(triggers, h->trigger_slots.at.native) != nullptr &&
+             get(triggers, h->trigger_slots.at.native) != Py_None) {
+    if (!returned(h, c)) {
+      done = call_method(c, s_backward_returned);
+    }
+  } else {
+    PyErr_Clear();
+    done = call_method(c, s_backward_exit);  // what the Python wrapper's other branches do
+  }
+  Py_XDECREF(done);
+  Py_DECREF(c);
+  PyErr_Restore(type, value, tb);
+  return result;
+}
+
+// -- the type -----------------------------------------------------------------------------------
+PyObject* hook_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  Hook* h = reinterpret_cast<Hook*>(self);
+  switch (h->kind) {
+    case kPre:
+      return optimizer_pre(h, args, nargsf, kwnames);
+    case kPost:
+      return optimizer_post(h, args, nargsf, kwnames);
+    default:
+      return backward(h, args, nargsf, kwnames);
+  }
+}
+
+int hook_traverse(PyObject* self, visitproc visit, void* arg) {
+  Hook* h = reinterpret_cast<Hook*>(self);
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(h->dict);
+  Py_VISIT(h->clock);
+  Py_VISIT(h->fallback);
+  Py_VISIT(h->registered);
+  Py_VISIT(h->original);
+  Py_VISIT(h->clock_class);
+  Py_VISIT(h->sync_kind);
+  return 0;
+}
+
+int hook_clear(PyObject* self) {
+  Hook* h = reinterpret_cast<Hook*>(self);
+  Py_CLEAR(h->dict);
+  Py_CLEAR(h->clock);
+  Py_CLEAR(h->fallback);
+  Py_CLEAR(h->registered);
+  Py_CLEAR(h->original);
+  Py_CLEAR(h->clock_class);
+  Py_CLEAR(h->sync_kind);
+  return 0;
+}
+
+void hook_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  PyObject_GC_UnTrack(self);
+  hook_clear(self);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+PyMemberDef hook_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(Hook, vectorcall), READONLY, nullptr},
+    {"__dictoffset__", T_PYSSIZET, offsetof(Hook, dict), READONLY, nullptr},
+    {nullptr, 0, 0, 0, nullptr},
+};
+
+PyGetSetDef hook_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyType_Slot hook_slots[] = {
+    {Py_tp_call, reinterpret_cast<void*>(PyVectorcall_Call)},
+    {Py_tp_traverse, reinterpret_cast<void*>(hook_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(hook_clear)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(hook_dealloc)},
+    {Py_tp_members, hook_members},
+    {Py_tp_getset, hook_getset},
+    {Py_tp_doc, const_cast<char*>("A phase clock's hook in C (syncscope agent/hot_path.py).")},
+    {0, nullptr},
+};
+
+PyType_Spec hook_spec = {
+    "syncscope.HotHook",
+    sizeof(Hook),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    hook_slots,
+};
+
+PyObject* hook_type = nullptr;
+
+bool intern_names() {
+  struct Name {
+    PyObject** at;
+    const char* text;
+  } names[] = {
+      {&s_append, "append"},
+      {&s_value, "value"},
+      {&s_clocks, "clocks"},
+      {&s_sync, "require_backward_grad_sync"},
+      {&s_on_error, "on_error"},
+      {&s_backward_returned, "backward_returned"},
+      {&s_backward_exit, "backward_exit"},
+  };
+  for (const Name& name : names) {
+    if (*name.at == nullptr && (*name.at = PyUnicode_InternFromString(name.text)) == nullptr) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+extern "C" {
+
+// A hook of `kind` (0: optimizer pre, 1: optimizer post, 2: torch.autograd.backward) standing
+// for the Python callable `fallback`. `target`: the clock (0, 1), else (phase_hooks.Clocks,
+// torch.autograd.backward's original, the clock class it times). `constants`: (the positions of
+// BACKWARD, OPTIMIZER and COMM_EXPOSED in the accumulator, its length, COMM_END, UNKNOWN_WORK,
+// DDP_GRAD_SYNC). A new reference, or nullptr with an exception set (ctypes raises it).
+PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyObject* constants) {
+  if (!intern_names()) {
+    return nullptr;
+  }
+  if (hook_type == nullptr && (hook_type = PyType_FromSpec(&hook_spec)) == nullptr) {
+    return nullptr;
+  }
+  long long i_backward, i_optimizer, i_comm, n_phases, comm_end, unknown_work;
+  PyObject* sync_kind;
+  if (!PyArg_ParseTuple(constants, "LLLLLLO", &i_backward, &i_optimizer, &i_comm, &n_phases,
+                        &comm_end, &unknown_work, &sync_kind)) {
+    return nullptr;
+  }
+  if (n_phases < 1 || i_backward < 0 || i_backward >= n_phases || i_optimizer < 0 ||
+      i_optimizer >= n_phases || i_comm < 0 || i_comm >= n_phases) {
+    PyErr_SetString(PyExc_ValueError, "phase positions out of the accumulator");
+    return nullptr;
+  }
+  if (kind < kPre || kind > kBackward || !PyCallable_Check(fallback)) {
+    PyErr_SetString(PyExc_ValueError, "an unknown hook, or a fallback that is not callable");
+    return nullptr;
+  }
+  PyObject *clock = nullptr, *registered = nullptr, *original = nullptr, *clock_class = nullptr;
+  if (kind == kBackward) {
+    if (!PyArg_ParseTuple(target, "OOO", &registered, &original, &clock_class)) {
+      return nullptr;
+    }
+  } else {
+    clock = target;
+  }
+  Hook* h = PyObject_GC_New(Hook, reinterpret_cast<PyTypeObject*>(hook_type));
+  if (h == nullptr) {
+    return nullptr;
+  }
+  // PyObject_GC_New leaves the fields after the header uninitialised.
+  h->vectorcall = hook_call;
+  h->dict = nullptr;
+  h->kind = kind;
+  h->clock = clock;
+  h->fallback = fallback;
+  h->registered = registered;
+  h->original = original;
+  h->clock_class = clock_class;
+  h->sync_kind = sync_kind;
+  Py_XINCREF(clock);
+  Py_INCREF(fallback);
+  Py_XINCREF(registered);
+  Py_XINCREF(original);
+  Py_XINCREF(clock_class);
+  Py_INCREF(sync_kind);
+  h->i_backward = i_backward;
+  h->i_optimizer = i_optimizer;
+  h->i_comm = i_comm;
+  h->n_phases = n_phases;
+  h->comm_end = comm_end;
+  h->unknown_work = unknown_work;
+  new (&h->clock_slots) Resolved<ClockSlots>();
+  new (&h->work_slots) Resolved<WorkSlots>();
+  new (&h->blocked_slots) Resolved<BlockedSlots>();
+  new (&h->trigger_slots) Resolved<TriggerSlots>();
+  PyObject_GC_Track(reinterpret_cast<PyObject*>(h));
+  // The clock's slots now, so that a clock without them is refused here, not every call.
+  if (clock != nullptr) {
+    h->clock_slots.type = Py_TYPE(clock);
+    h->clock_slots.ok = resolve(Py_TYPE(clock), h->clock_slots.at);
+    if (!h->clock_slots.ok) {
+      Py_DECREF(h);
+      return nullptr;
+    }
+  }
+  return reinterpret_cast<PyObject*>(h);
+}
+
+}  // extern "C"

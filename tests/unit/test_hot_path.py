@@ -1,0 +1,197 @@
+"""The phase clock's hooks in C (agent/csrc/hot_path.cpp) against the Python hooks they stand for:
+the same job, its backward triggered from C++ either way, queues the same steps, work and DDP
+sync records with the hooks in C as with Python's; the C hooks take the common steps and leave
+everything else to Python."""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from syncscope.agent import attach, native, phase_hooks  # noqa: E402
+from syncscope.agent.phase_hooks import HOT_CONSTANTS, hot_hooks, instrument  # noqa: E402
+from syncscope.agent.phases import (  # noqa: E402
+    BACKWARD,
+    COMM,
+    FORWARD,
+    OPTIMIZER,
+    ROW_PHASES,
+    ROW_WORK,
+    PhaseClock,
+)
+
+from syncscope.wire import DDP_GRAD_SYNC  # noqa: E402
+
+AGENT = str(Path(__file__).resolve().parents[2] / "agent")
+# The Python methods the C hooks stand for in a common step
+STANDS_FOR = {"optimizer_pre", "optimizer_post", "end_step", "backward_returned", "take"}
+
+
+@pytest.fixture
+def built() -> Any:
+    lib = native.load(torch)
+    if lib is None:
+        pytest.skip("syncscope's C++ library is not built here (scripts/setup builds it)")
+    return lib
+
+
+def model_and_optimizer() -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    )
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def python_calls(fn: Any) -> dict[str, int]:
+    """The agent's Python functions `fn()` called, by name."""
+    calls: dict[str, int] = {}
+
+    def profile(frame: Any, event: str, _arg: Any) -> None:
+        code = frame.f_code
+        if event == "call" and code.co_filename.startswith(AGENT):
+            calls[code.co_name] = calls.get(code.co_name, 0) + 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def run_job(monkeypatch: pytest.MonkeyPatch, in_c: bool) -> tuple[list, list, dict, dict]:
+    """Steps of every kind the hooks meet: plain ones, gradient accumulation under no_sync(),
+    work counted by hand, a backward that raises; returns the rows, DDP's sync records, the
+    agent's stats and the Python calls of three plain steps after them. `in_c`: the hooks in C,
+    else Python's (the C++ backward trigger either way)."""
+    model, opt = model_and_optimizer()
+    with monkeypatch.context() as patch:
+        if not in_c:
+            patch.setattr(
+                phase_hooks, "hot_hooks", lambda c, _n: (c.optimizer_pre, c.optimizer_post)
+            )
+            patch.setattr(phase_hooks, "_hot_backward", lambda _n, _o, wrapper, _c: wrapper)
+        agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+
+    def plain() -> None:
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    try:
+        for _ in range(3):
+            plain()
+        opt.zero_grad(set_to_none=True)
+        with model.no_sync():  # a micro-step: no sync, its work counts in the step
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        agent.count(samples=32, tokens=1000)
+        plain()
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        with pytest.raises(RuntimeError):  # the graph is freed: the backward's own error
+            loss.backward()
+        opt.step()
+        for _ in range(3):
+            plain()
+        calls = python_calls(lambda: [plain() for _ in range(3)])
+        rows = list(agent.clock.steps)  # type: ignore[attr-defined]
+        syncs = [r for r in agent.clock.collectives if r[0] == DDP_GRAD_SYNC]  # type: ignore[attr-defined]
+        return rows, syncs, dict(agent.stats), calls
+    finally:
+        agent.close()
+
+
+def test_the_c_hooks_queue_what_the_python_hooks_queue(gloo_world_of_one, built, monkeypatch):
+    rows_c, syncs_c, stats_c, calls_c = run_job(monkeypatch, in_c=True)
+    rows_py, syncs_py, stats_py, calls_py = run_job(monkeypatch, in_c=False)
+    assert stats_c["errors"] == stats_py["errors"] == 0
+    # Step numbers and work alike: 4 samples a plain step, 8 for two micro-batches, 32 and
+    # 1000 tokens counted by hand; float batches hold no tokens (-1).
+    work_c = [(r[0], *r[ROW_WORK:]) for r in rows_c]
+    assert work_c == [(r[0], *r[ROW_WORK:]) for r in rows_py]
+    assert work_c == [(0, 4, -1), (1, 4, -1), (2, 4, -1), (3, 8, -1), (4, 32, 1000), (5, 4, -1)] + [
+        (s, 4, -1) for s in range(6, 12)
+    ]
+    # One DDP sync a step, in the step it was in (the raising backward's graph had synced)
+    assert [s[-1] for s in syncs_c] == [s[-1] for s in syncs_py] == list(range(12))
+    for rows in (rows_c, rows_py):
+        for row in rows:
+            phases = row[ROW_PHASES : ROW_PHASES + 6]
+            assert row[ROW_PHASES + FORWARD] > 0 and row[ROW_PHASES + BACKWARD] > 0, row
+            assert row[ROW_PHASES + OPTIMIZER] > 0 and row[ROW_PHASES + COMM] > 0, row
+            assert sum(phases) <= row[2], row  # phases add up to at most the step
+    # The common steps ran no Python of the hooks in C; the Python hooks did run it
+    assert not STANDS_FOR & set(calls_c), calls_c
+    assert set(calls_py) >= STANDS_FOR, calls_py
+
+
+def direct_clock(steps: deque, errors: list) -> PhaseClock:
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+    return PhaseClock(steps, deque(maxlen=64), queue, "g", 1.0, errors.append)
+
+
+def test_a_full_queue_an_error_and_a_second_clock_go_to_python(gloo_world_of_one, built):
+    """What the C hooks leave to Python still happens: a full queue's drops counted, the
+    transport hook's error reported (and the step still ended), and with a second clock in the
+    process the backward wrapper in Python telling both."""
+    errors: list[BaseException] = []
+    (m1, o1), (m2, o2) = model_and_optimizer(), model_and_optimizer()
+    c1, c2 = direct_clock(deque(maxlen=2), errors), direct_clock(deque(maxlen=64), errors)
+    c1.ddp_model, c2.ddp_model = m1, m2
+
+    def failing(_step: int) -> int:
+        raise ValueError("the transport failed")
+
+    c2.after_step = failing
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    h1 = instrument(c1, m1, o1, built)
+    try:
+        for _ in range(5):
+            o1.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(m1(x), y).backward()
+            o1.step()
+        assert len(c1.steps) == 2 and c1.dropped == 3 and c1.step == 5
+        h2 = instrument(c2, m2, o2, built)
+        try:
+            for model, opt in ((m1, o1), (m2, o2)) * 2:
+                opt.zero_grad(set_to_none=True)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+        finally:
+            h2.remove()
+    finally:
+        h1.remove()
+    assert c1.step == 7 and c2.step == 2
+    assert [type(e) for e in errors] == [ValueError, ValueError]  # each step's, reported
+    assert [r[0] for r in c2.steps] == [0, 1]
+    for row in c2.steps:  # the Python wrapper timed c2's backward beside c1's
+        assert row[ROW_PHASES + BACKWARD] > 0 and row[ROW_PHASES + COMM] > 0, row
+    assert not hasattr(torch.autograd.backward, "__syncscope_wrapped__")  # ours taken off
+
+
+def test_only_a_phase_clock_of_slots_gets_hooks_in_c(built):
+    class Marked(PhaseClock):
+        __slots__ = ()
+
+    errors: list[BaseException] = []
+    clock = direct_clock(deque(), errors)
+    pre, post = hot_hooks(clock, built)
+    assert type(pre).__name__ == type(post).__name__ == "HotHook"
+    assert hot_hooks(clock, None) == (clock.optimizer_pre, clock.optimizer_post)
+    sub = Marked(deque(), deque(), None, None, 1.0, errors.append)
+    assert hot_hooks(sub, built) == (sub.optimizer_pre, sub.optimizer_post)
+    with pytest.raises(AttributeError):  # not a clock: refused when built, never per call
+        built.hot_hook(native.HOT_PRE, object(), print, HOT_CONSTANTS)
+    assert errors == []
