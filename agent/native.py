@@ -35,8 +35,9 @@ SOURCES = (  # they include clock.h
 )
 NAME = "syncscope_c10d"
 ABI = 4  # csrc's kAbi: a library answering another is not loaded
-# csrc/hot_path.cpp's hooks: the optimizer's step pre- and post-hooks, torch.autograd.backward
-HOT_PRE, HOT_POST, HOT_BACKWARD = range(3)
+# csrc/hot_path.cpp's hooks: the optimizer's step pre- and post-hooks, torch.autograd.backward,
+# a model's forward
+HOT_PRE, HOT_POST, HOT_BACKWARD, HOT_FORWARD = range(4)
 ENV_DIR = "SYNCSCOPE_NATIVE_DIR"
 DRAIN_BATCH = 4096
 
@@ -122,9 +123,10 @@ class Native:
     def hot_hook(self, kind: int, target: Any, fallback: Any, constants: tuple) -> Any:
         """A hook in C (csrc/hot_path.cpp) doing what the Python callable `fallback` does in its
         common case, and calling it otherwise. `kind`: HOT_PRE or HOT_POST (`target`: the
-        clock) or HOT_BACKWARD (`target`: (phase_hooks.Clocks, torch.autograd.backward, the
-        clock class)); `constants`: phase_hooks.HOT_CONSTANTS. Raises what the library says
-        (a clock whose attributes are not slots: TypeError)."""
+        clock), HOT_BACKWARD (`target`: (phase_hooks.Clocks, torch.autograd.backward, the clock
+        class)) or HOT_FORWARD (phase_hooks._hot_forward's); `constants`:
+        phase_hooks.HOT_CONSTANTS. Raises what the library says (a clock whose attributes are
+        not slots: TypeError)."""
         return self._hot(kind, target, fallback, constants)
 
     def install(self, name: str, op: int, group_at: int, size_at: int | None) -> None:

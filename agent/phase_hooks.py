@@ -32,10 +32,14 @@ from syncscope.agent.phases import (
 from syncscope.wire import DDP_GRAD_SYNC, UNKNOWN_WORK
 
 _now = time.perf_counter_ns
-# What the hooks in C (native.Native.hot_hook) are told of the clock: the positions of backward,
-# the optimizer and exposed communication in its accumulator, its length, the boundary DDP's
-# sync is seen at, the work count that means "unknown", and DDP's sync record's kind.
-HOT_CONSTANTS = (BACKWARD, OPTIMIZER, COMM, ACC_LEN, COMM_END, UNKNOWN_WORK, DDP_GRAD_SYNC)
+# What the hooks in C (native.Native.hot_hook) are told of the clock: the positions of data,
+# forward, backward, the optimizer and exposed communication in its accumulator, its length, the
+# boundaries forward's end and DDP's sync are seen at, the work count that means "unknown", and
+# DDP's sync record's kind.
+HOT_CONSTANTS = (
+    *(DATA, FORWARD, BACKWARD, OPTIMIZER, COMM, ACC_LEN),
+    *(FWD_POST, COMM_END, UNKNOWN_WORK, DDP_GRAD_SYNC),
+)
 
 
 class Instrumented:
@@ -68,10 +72,12 @@ def instrument(
     done = Instrumented(clock)
     handles = done.handles
     parts = parts_of(model)
+    hot = hot_native(clock, native)
     for i, part in enumerate(parts):
         hooks = ForwardHooks.of(clock, part)
         timed = functools.partial(timed_forward, clock, hooks=hooks)
-        handles.append(wrap_forward(part, timed, count=i == 0))
+        in_c = None if hot is None else functools.partial(_hot_forward, hot, clock, hooks)
+        handles.append(wrap_forward(part, timed, count=i == 0, hot=in_c))
         if hooks is not None:
             handles.append(hooks)
             hooks.follow()  # the module's hooks so far (FSDP2's): ours around them
@@ -82,33 +88,64 @@ def instrument(
             (p for m in parts for p in m.parameters() if p.requires_grad),
             native if clock.mark is None else None,
         )
-        install_backward(clock, native if clock.mark is None else None)
+        install_backward(clock, hot)
     if optimizer is not None:
-        pre, post = hot_hooks(clock, native)
+        pre, post = hot_hooks(clock, hot)
         handles.append(optimizer.register_step_pre_hook(pre))
         handles.append(optimizer.register_step_post_hook(post))
         clock.steps_open = True
     return done
 
 
-def hot_hooks(clock: PhaseClock, native: Any) -> tuple[Any, Any]:
-    """The optimizer's step pre- and post-hooks for `clock`: in C where `native` (the loaded
-    native.Native) is given and the clock is a PhaseClock marking no boundary (csrc/hot_path.cpp:
-    the post-hook ends the step, the busiest hook there is), each calling the clock's own method
-    for all but the common case; else those methods."""
-    pre, post = clock.optimizer_pre, clock.optimizer_post
+def hot_native(clock: PhaseClock, native: Any) -> Any:
+    """`native` (the loaded native.Native) where `clock` can have its hooks in C
+    (csrc/hot_path.cpp: a PhaseClock itself, marking no boundary), else None. Each hook in C does
+    what its Python counterpart does in its common case and calls it for all the rest."""
     if native is None or type(clock) is not PhaseClock or clock.mark is not None:
+        return None
+    return native
+
+
+def hot_hooks(clock: PhaseClock, hot: Any) -> tuple[Any, Any]:
+    """The optimizer's step pre- and post-hooks for `clock`: in C with `hot` (hot_native's; the
+    post-hook ends the step, the busiest hook there is), else the clock's own methods."""
+    pre, post = clock.optimizer_pre, clock.optimizer_post
+    if hot is None:
         return pre, post
     from syncscope.agent.native import HOT_POST, HOT_PRE
 
     try:
         return (
-            native.hot_hook(HOT_PRE, clock, pre, HOT_CONSTANTS),
-            native.hot_hook(HOT_POST, clock, post, HOT_CONSTANTS),
+            hot.hot_hook(HOT_PRE, clock, pre, HOT_CONSTANTS),
+            hot.hot_hook(HOT_POST, clock, post, HOT_CONSTANTS),
         )
     except Exception as exc:  # noqa: BLE001 - Python's hooks serve
         clock.on_error(exc)
         return pre, post
+
+
+def _hot_forward(
+    hot: Any,
+    clock: PhaseClock,
+    hooks: ForwardHooks | None,
+    original: Any,
+    wrapper: Any,
+    count: bool,
+) -> Any:
+    """The forward wrapper in C standing for `wrapper` (timed_forward's), else `wrapper`: it
+    calls `wrapper` in a quiet step and while the module has forward hooks (ForwardHooks)."""
+    from syncscope.agent.native import HOT_FORWARD
+
+    module = hooks.module if hooks is not None else None
+    global_post = hooks.global_post if hooks is not None else None
+    target = (clock, original, _call_traced, module, global_post, count)
+    try:
+        return functools.update_wrapper(
+            hot.hot_hook(HOT_FORWARD, target, wrapper, HOT_CONSTANTS), original
+        )
+    except Exception as exc:  # noqa: BLE001 - Python's wrapper serves
+        clock.on_error(exc)
+        return wrapper
 
 
 def timed_forward(
@@ -342,9 +379,15 @@ def parts_of(model: Any) -> list[Any]:
     return model if isinstance(model, list) else [] if model is None else [model]
 
 
-def wrap_forward(model: Any, timed: Callable[..., Callable[..., Any]], count: bool = True) -> Any:
+def wrap_forward(
+    model: Any,
+    timed: Callable[..., Callable[..., Any]],
+    count: bool = True,
+    hot: Callable[..., Any] | None = None,
+) -> Any:
     """Time `model`'s forward by wrapping it on the instance (as accelerate does): its forward
-    becomes `timed(original, count)` (timed_forward).
+    becomes `timed(original, count)` (timed_forward), or `hot(original, that, count)` (its
+    counterpart in C, _hot_forward).
 
     Not register_forward_(pre_)hook: any module hook sends every call through nn.Module's slow
     path, several times the wrapper's cost per step (bench/bench_hook_costs.py measures both).
@@ -355,6 +398,8 @@ def wrap_forward(model: Any, timed: Callable[..., Callable[..., Any]], count: bo
     had_own = "forward" in model.__dict__
     original = model.forward
     forward = _not_traced(functools.wraps(original)(timed(original, count)))
+    if hot is not None:  # a C object: dynamo does not trace into it either
+        forward = hot(original, forward, count)
     model.__dict__["forward"] = forward
     return _ForwardWrapper(model, forward, had_own, original)
 
@@ -490,12 +535,12 @@ _WRAPPERS = {"backward": timed_backward, "grad": timed_grad}
 _originals: dict[str, Any] = {}
 
 
-def install_backward(clock: PhaseClock, native: Any = None) -> None:
+def install_backward(clock: PhaseClock, hot: Any = None) -> None:
     """Make torch.autograd.backward (what Tensor.backward calls) and torch.autograd.grad (a
-    split backward's) tell `clock` they ran. With `native` (the loaded native.Native), the
-    backward wrapper is its hook in C (csrc/hot_path.cpp), which times a PhaseClock's backward
-    triggered from C++ when it is the process's one clock and calls timed_backward's wrapper
-    otherwise; the first clock installed decides for the process."""
+    split backward's) tell `clock` they ran. With `hot` (hot_native's), the backward wrapper is
+    in C (csrc/hot_path.cpp), which times a PhaseClock's backward triggered from C++ when it is
+    the process's one clock and calls timed_backward's wrapper otherwise; the first clock
+    installed decides for the process."""
     import torch.autograd
 
     if clock not in _registered.clocks:
@@ -505,8 +550,8 @@ def install_backward(clock: PhaseClock, native: Any = None) -> None:
             continue  # already wrapped (perhaps under someone else's wrapper): never twice
         _originals[name] = original = getattr(torch.autograd, name)
         wrapper = functools.wraps(original)(timed(original, _registered))
-        if name == "backward" and native is not None:
-            wrapper = _hot_backward(native, original, wrapper, clock)
+        if name == "backward" and hot is not None:
+            wrapper = _hot_backward(hot, original, wrapper, clock)
         wrapper.__syncscope_wrapped__ = True  # type: ignore[attr-defined]
         # torch.compile leaves torch.autograd.grad's frame alone (trace_autograd_ops off): it
         # leaves ours alone too, so that a compiled function calling it captures the same.

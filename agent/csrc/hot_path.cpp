@@ -1,7 +1,7 @@
-// The phase clock's three busiest hooks in C (agent/phase_hooks.py installs them, native.py the
-// library): the optimizer's step pre- and post-hooks, which end the step and queue its row, and
-// the torch.autograd.backward wrapper with the C++ backward trigger's return (backward, then
-// DDP's exposed sync). Each is the Python hook's common case, done on the clock's own slots:
+// The phase clock's hooks in C (agent/phase_hooks.py installs them, native.py loads the library):
+// the model's forward wrapper (the forward phase, the batch's work), the optimizer's step pre-
+// and post-hooks, which end the step and queue its row, and the torch.autograd.backward wrapper
+// with the C++ backward trigger's return (backward, then DDP's exposed sync). Each is the Python hook's common case, done on the clock's own slots:
 // a hook entered from torch costs the training thread its Python frames on caches the step's
 // kernels have flushed, several µs a step (docs/evaluation.md), and these do the same reads,
 // sums and appends without a frame.
@@ -36,21 +36,21 @@ namespace {
 
 using syncscope::now_ns;
 
-enum Kind { kPre = 0, kPost = 1, kBackward = 2 };
+enum Kind { kPre = 0, kPost = 1, kBackward = 2, kForward = 3 };
 
 // The slots a hook reads, by name; their offsets in an object of the type resolved.
 #define CLOCK_SLOTS(X)                                                                   \
   X(acc) X(after_at) X(after_every) X(after_step) X(blocked) X(blocked_seen) X(bwd_depth) \
   X(bwd_end) X(bwd_entry) X(bwd_pending) X(collectives) X(coll_max) X(ddp_bytes)          \
   X(ddp_group) X(ddp_model) X(detect_start) X(dropped) X(first_at) X(first_ddp_ns)        \
-  X(first_step) X(fwd_since_bwd) X(idle_since) X(manual_steps) X(mark) X(opt_closure)     \
+  X(first_step) X(fwd_since_bwd) X(fwd_start) X(idle_since) X(manual_steps) X(mark) X(opt_closure)     \
   X(opt_start) X(pacer) X(phase_every) X(quiet) X(step) X(step_counter) X(step_start)     \
   X(steps) X(steps_max) X(sync_ns) X(syncs) X(triggers) X(work)
 #define WORK_SLOTS(X)                                                                   \
-  X(counted_samples) X(counted_tokens) X(samples_per_step) X(seen_batches) X(seen_samples) \
-  X(seen_tokens) X(tokens_per_step) X(unclear_samples) X(unclear_tokens)
+  X(counted_samples) X(counted_tokens) X(inputs) X(samples_per_step) X(seen_batches)      \
+  X(seen_samples) X(seen_tokens) X(tokens_per_step) X(unclear_samples) X(unclear_tokens)
 #define BLOCKED_SLOTS(X) X(first_ns) X(ns)
-#define TRIGGER_SLOTS(X) X(native)
+#define TRIGGER_SLOTS(X) X(native) X(output_hooks)
 
 #define DECLARE(name) Py_ssize_t name = -1;
 struct ClockSlots { CLOCK_SLOTS(DECLARE) };
@@ -186,21 +186,31 @@ PyObject* s_sync;  // "require_backward_grad_sync"
 PyObject* s_on_error;
 PyObject* s_backward_returned;
 PyObject* s_backward_exit;
+PyObject* s_forward_pre_hooks;
+PyObject* s_forward_hooks;
+PyObject* s_shape;
+PyObject* s_dtype;
+PyObject* s_take_blocked;
+PyObject* s_hook_output;
 
 struct Hook {
   PyObject_HEAD
   vectorcallfunc vectorcall;
   PyObject* dict;  // functools.wraps' attributes
   int kind;
-  PyObject* clock;       // kPre, kPost: the clock; kBackward: nullptr
-  PyObject* fallback;    // the Python hook this one stands for, called for all but the common case
-  PyObject* registered;  // kBackward: the phase_hooks.Clocks told
-  PyObject* original;    // kBackward: torch.autograd.backward
+  PyObject* clock;        // kPre, kPost, kForward: the clock; kBackward: nullptr
+  PyObject* fallback;     // the Python hook it stands for, called for all but the common case
+  PyObject* registered;   // kBackward: the phase_hooks.Clocks told
+  PyObject* original;     // kBackward: torch.autograd.backward; kForward: the model's forward
   PyObject* clock_class;  // kBackward: the class whose clocks it times (phases.PhaseClock)
-  PyObject* sync_kind;   // wire.DDP_GRAD_SYNC
-  // Positions and values phases.py declares: accumulator indices, COMM_END, UNKNOWN_WORK.
-  Py_ssize_t i_backward, i_optimizer, i_comm, n_phases;
-  int64_t comm_end, unknown_work;
+  PyObject* call_traced;  // kForward: phase_hooks._call_traced, which calls `original`
+  PyObject* module;       // kForward: the module whose hooks send a call to Python, or None
+  PyObject* global_post;  // kForward: torch's global forward hooks (a dict), or None
+  int count;              // kForward: read the batch from the inputs (StepWork.inputs)
+  PyObject* sync_kind;    // wire.DDP_GRAD_SYNC
+  // Positions and values phases.py declares: accumulator indices, boundaries, UNKNOWN_WORK.
+  Py_ssize_t i_data, i_forward, i_backward, i_optimizer, i_comm, n_phases;
+  int64_t fwd_post, comm_end, unknown_work;
   Resolved<ClockSlots> clock_slots;
   Resolved<WorkSlots> work_slots;
   Resolved<BlockedSlots> blocked_slots;
@@ -626,6 +636,252 @@ PyObject* backward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwna
   return result;
 }
 
+// -- a model's forward (phase_hooks.timed_forward): a timed step, a module without forward hooks -
+
+// Whether `module` (or torch's global forward hooks) has forward hooks: ForwardHooks times such a
+// call, in Python. -1 with an error set where they cannot be read.
+int has_hooks(Hook* h) {
+  if (h->global_post != Py_None && PyDict_GET_SIZE(h->global_post) > 0) {
+    return 1;
+  }
+  if (h->module == Py_None) {
+    return 0;
+  }
+  PyObject* names[] = {s_forward_pre_hooks, s_forward_hooks};
+  for (PyObject* name : names) {
+    PyObject* hooks = PyObject_GetAttr(h->module, name);
+    if (hooks == nullptr) {
+      return -1;
+    }
+    const int truth = PyObject_IsTrue(hooks);
+    Py_DECREF(hooks);
+    if (truth != 0) {
+      return truth;
+    }
+  }
+  return 0;
+}
+
+// StepWork.take's inputs: the forward's batch (its first positional argument, else the keyword
+// `inputs[2]`) counted into `work` (timed_forward's inline reading). False with an error set.
+bool count_batch(Hook* h, PyObject* work, PyObject* const* args, Py_ssize_t nargs,
+                 PyObject* kwnames) {
+  const WorkSlots& w = h->work_slots.at;
+  PyObject* inputs = get(work, w.inputs);
+  if (inputs == Py_None) {
+    return true;
+  }
+  PyObject *tensor, *dtypes, *keyword, *grad_enabled;
+  if (inputs == nullptr ||
+      !PyArg_ParseTuple(inputs, "OOOO", &tensor, &dtypes, &keyword, &grad_enabled)) {
+    if (inputs == nullptr) {
+      PyErr_SetString(PyExc_AttributeError, "inputs");
+    }
+    return false;
+  }
+  PyObject* enabled = PyObject_CallNoArgs(grad_enabled);
+  if (enabled == nullptr) {
+    return false;
+  }
+  const int counts = PyObject_IsTrue(enabled);
+  Py_DECREF(enabled);
+  if (counts <= 0) {
+    return counts == 0;
+  }
+  PyObject* x = nargs > 0 ? args[0] : nullptr;
+  if (x == nullptr && kwnames != nullptr) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); ++i) {
+      const int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(kwnames, i), keyword, Py_EQ);
+      if (same < 0) {
+        return false;
+      }
+      if (same) {
+        x = args[nargs + i];
+        break;
+      }
+    }
+  }
+  PyObject* shape = nullptr;
+  if (x != nullptr) {
+    const int is_tensor = PyObject_IsInstance(x, tensor);
+    if (is_tensor < 0) {
+      return false;
+    }
+    if (is_tensor && (shape = PyObject_GetAttr(x, s_shape)) == nullptr) {
+      return false;
+    }
+  }
+  const Py_ssize_t dims = shape == nullptr ? 0 : PyObject_Length(shape);
+  if (dims < 0) {
+    Py_DECREF(shape);
+    return false;
+  }
+  if (dims == 0) {
+    Py_XDECREF(shape);
+    put_bool(work, w.unclear_samples, true);
+    put_bool(work, w.unclear_tokens, true);
+    return true;
+  }
+  int64_t batch = 0, length = 0, seen = 0, samples = 0, tokens = 0;
+  PyObject* first = PySequence_GetItem(shape, 0);
+  PyObject* second = dims == 2 ? PySequence_GetItem(shape, 1) : nullptr;
+  Py_DECREF(shape);
+  const bool ints = int_of(first, batch) && (dims != 2 || int_of(second, length));
+  Py_XDECREF(first);
+  Py_XDECREF(second);
+  if (!ints || !int_of(get(work, w.seen_batches), seen) ||
+      !int_of(get(work, w.seen_samples), samples)) {
+    if (!PyErr_Occurred()) {
+      PyErr_SetString(PyExc_TypeError, "a batch dimension or a count that is not an int");
+    }
+    return false;
+  }
+  if (!put_int(work, w.seen_batches, seen + 1) || !put_int(work, w.seen_samples, samples + batch)) {
+    return false;
+  }
+  int token_tensor = 0;
+  if (dims == 2) {
+    PyObject* dtype = PyObject_GetAttr(x, s_dtype);
+    if (dtype == nullptr) {
+      return false;
+    }
+    token_tensor = PySequence_Contains(dtypes, dtype);
+    Py_DECREF(dtype);
+    if (token_tensor < 0) {
+      return false;
+    }
+  }
+  if (!token_tensor) {
+    put_bool(work, w.unclear_tokens, true);
+    return true;
+  }
+  if (!int_of(get(work, w.seen_tokens), tokens)) {
+    PyErr_SetString(PyExc_TypeError, "seen_tokens is not an int");
+    return false;
+  }
+  return put_int(work, w.seen_tokens, tokens + batch * length);
+}
+
+// _call_traced(original, *args, **kwargs): the frame torch.compile starts tracing from.
+PyObject* call_original(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  const Py_ssize_t total = nargs + (kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames));
+  if (nargsf & PY_VECTORCALL_ARGUMENTS_OFFSET) {  // the caller lent args[-1]
+    PyObject** lent = const_cast<PyObject**>(args) - 1;
+    PyObject* kept = lent[0];
+    lent[0] = h->original;
+    PyObject* out = PyObject_Vectorcall(h->call_traced, lent, nargs + 1, kwnames);
+    lent[0] = kept;
+    return out;
+  }
+  PyObject* small[16];
+  PyObject** all = total + 1 <= 16
+      ? small
+      : static_cast<PyObject**>(PyMem_Malloc((total + 1) * sizeof(PyObject*)));
+  if (all == nullptr) {
+    return PyErr_NoMemory();
+  }
+  all[0] = h->original;
+  for (Py_ssize_t i = 0; i < total; ++i) {
+    all[i + 1] = args[i];
+  }
+  PyObject* out = PyObject_Vectorcall(h->call_traced, all, nargs + 1, kwnames);
+  if (all != small) {
+    PyMem_Free(all);
+  }
+  return out;
+}
+
+PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  PyObject* c = h->clock;
+  const ClockSlots& s = h->clock_slots.at;
+  int64_t idle, opt_start, first_ns;
+  PyObject* acc = get(c, s.acc);
+  PyObject* work = get(c, s.work);
+  PyObject* blocked = get(c, s.blocked);
+  bool common = get(c, s.quiet) == Py_False && get(c, s.mark) == Py_None &&
+      int_of(get(c, s.idle_since), idle) && int_of(get(c, s.opt_start), opt_start) &&
+      int_list(acc, h->n_phases) && work != nullptr && slots_of(work, h->work_slots) &&
+      blocked != nullptr && blocked_still(h, c, blocked, first_ns);
+  if (common) {
+    const int hooked = has_hooks(h);
+    common = hooked == 0;
+  }
+  if (!common) {
+    PyErr_Clear();
+    return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+  }
+  // The forward phase starts: data ends here.
+  const int64_t t = now_ns();
+  bool ok = true;
+  if (idle) {
+    ok = (t - idle <= 0 || add_to(acc, h->i_data, t - idle)) && put_int(c, s.idle_since, 0);
+  }
+  if (ok && opt_start) {  // inside optimizer.step(closure)
+    ok = put_int(c, s.opt_start, 0);
+    put_bool(c, s.opt_closure, true);
+  }
+  ok = ok && put_int(c, s.fwd_start, t) &&
+      (!h->count || count_batch(h, work, args, PyVectorcall_NARGS(nargsf), kwnames));
+  if (!ok) {
+    note_error(c);
+  }
+  PyObject* out = call_original(h, args, nargsf, kwnames);
+  if (out == nullptr) {
+    return nullptr;  // the model's own error, as it came
+  }
+  // The forward phase ends.
+  const int64_t end = now_ns();
+  int64_t start = 0;
+  if (!int_of(get(c, s.fwd_start), start)) {
+    PyErr_SetString(PyExc_TypeError, "fwd_start is not an int");
+    note_error(c);
+    return out;
+  }
+  if (start) {
+    int64_t waited = 0;
+    blocked = get(c, s.blocked);
+    if (blocked == nullptr || !blocked_still(h, c, blocked, first_ns)) {
+      PyErr_Clear();
+      PyObject* at = PyLong_FromLongLong(h->fwd_post);
+      PyObject* ns = at == nullptr ? nullptr : PyObject_CallMethodOneArg(c, s_take_blocked, at);
+      Py_XDECREF(at);
+      if (ns == nullptr || !int_of(ns, waited)) {
+        Py_XDECREF(ns);
+        if (!PyErr_Occurred()) {
+          PyErr_SetString(PyExc_TypeError, "take_blocked did not return an int");
+        }
+        note_error(c);
+        return out;
+      }
+      Py_DECREF(ns);
+    }
+    acc = get(c, s.acc);
+    const int64_t ns = end - start - waited;
+    if (!int_list(acc, h->n_phases) || (ns > 0 && !add_to(acc, h->i_forward, ns)) ||
+        !put_int(c, s.fwd_start, 0)) {
+      if (!PyErr_Occurred()) {
+        PyErr_SetString(PyExc_TypeError, "acc is not a list of ints");
+      }
+      note_error(c);
+      return out;
+    }
+  }
+  put_bool(c, s.fwd_since_bwd, true);
+  PyObject* triggers = get(c, s.triggers);
+  if (triggers != nullptr && slots_of(triggers, h->trigger_slots) &&
+      get(triggers, h->trigger_slots.at.output_hooks) == Py_True &&
+      get(c, s.bwd_pending) != Py_True) {  // rare: GradTriggers.missed
+    PyObject* done = PyObject_CallMethodOneArg(triggers, s_hook_output, out);
+    if (done == nullptr) {
+      note_error(c);
+    }
+    Py_XDECREF(done);
+  }
+  PyErr_Clear();
+  return out;
+}
+
 // -- the type -----------------------------------------------------------------------------------
 PyObject* hook_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   Hook* h = reinterpret_cast<Hook*>(self);
@@ -634,6 +890,8 @@ PyObject* hook_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObje
       return optimizer_pre(h, args, nargsf, kwnames);
     case kPost:
       return optimizer_post(h, args, nargsf, kwnames);
+    case kForward:
+      return forward(h, args, nargsf, kwnames);
     default:
       return backward(h, args, nargsf, kwnames);
   }
@@ -648,6 +906,9 @@ int hook_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(h->registered);
   Py_VISIT(h->original);
   Py_VISIT(h->clock_class);
+  Py_VISIT(h->call_traced);
+  Py_VISIT(h->module);
+  Py_VISIT(h->global_post);
   Py_VISIT(h->sync_kind);
   return 0;
 }
@@ -660,6 +921,9 @@ int hook_clear(PyObject* self) {
   Py_CLEAR(h->registered);
   Py_CLEAR(h->original);
   Py_CLEAR(h->clock_class);
+  Py_CLEAR(h->call_traced);
+  Py_CLEAR(h->module);
+  Py_CLEAR(h->global_post);
   Py_CLEAR(h->sync_kind);
   return 0;
 }
@@ -716,6 +980,12 @@ bool intern_names() {
       {&s_on_error, "on_error"},
       {&s_backward_returned, "backward_returned"},
       {&s_backward_exit, "backward_exit"},
+      {&s_forward_pre_hooks, "_forward_pre_hooks"},
+      {&s_forward_hooks, "_forward_hooks"},
+      {&s_shape, "shape"},
+      {&s_dtype, "dtype"},
+      {&s_take_blocked, "take_blocked"},
+      {&s_hook_output, "hook_output"},
   };
   for (const Name& name : names) {
     if (*name.at == nullptr && (*name.at = PyUnicode_InternFromString(name.text)) == nullptr) {
@@ -729,11 +999,13 @@ bool intern_names() {
 
 extern "C" {
 
-// A hook of `kind` (0: optimizer pre, 1: optimizer post, 2: torch.autograd.backward) standing
-// for the Python callable `fallback`. `target`: the clock (0, 1), else (phase_hooks.Clocks,
-// torch.autograd.backward's original, the clock class it times). `constants`: (the positions of
-// BACKWARD, OPTIMIZER and COMM_EXPOSED in the accumulator, its length, COMM_END, UNKNOWN_WORK,
-// DDP_GRAD_SYNC). A new reference, or nullptr with an exception set (ctypes raises it).
+// A hook of `kind` (0: optimizer pre, 1: optimizer post, 2: torch.autograd.backward, 3: a
+// model's forward) standing for the Python callable `fallback`. `target`: the clock (0, 1);
+// (phase_hooks.Clocks, torch.autograd.backward's original, the clock class it times) (2);
+// (the clock, the original forward, phase_hooks._call_traced, the module or None, torch's global
+// forward hooks or None, whether to read the batch) (3). `constants`: phase_hooks.HOT_CONSTANTS,
+// (the positions of DATA, FORWARD, BACKWARD, OPTIMIZER and COMM_EXPOSED in the accumulator, its
+// length, FWD_POST, COMM_END, UNKNOWN_WORK, DDP_GRAD_SYNC). A new reference, or nullptr with an exception set (ctypes raises it).
 PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyObject* constants) {
   if (!intern_names()) {
     return nullptr;
@@ -741,24 +1013,36 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   if (hook_type == nullptr && (hook_type = PyType_FromSpec(&hook_spec)) == nullptr) {
     return nullptr;
   }
-  long long i_backward, i_optimizer, i_comm, n_phases, comm_end, unknown_work;
+  long long at[6], fwd_post, comm_end, unknown_work;  // DATA .. COMM, then the length
   PyObject* sync_kind;
-  if (!PyArg_ParseTuple(constants, "LLLLLLO", &i_backward, &i_optimizer, &i_comm, &n_phases,
-                        &comm_end, &unknown_work, &sync_kind)) {
+  if (!PyArg_ParseTuple(constants, "LLLLLLLLLO", &at[0], &at[1], &at[2], &at[3], &at[4], &at[5],
+                        &fwd_post, &comm_end, &unknown_work, &sync_kind)) {
     return nullptr;
   }
-  if (n_phases < 1 || i_backward < 0 || i_backward >= n_phases || i_optimizer < 0 ||
-      i_optimizer >= n_phases || i_comm < 0 || i_comm >= n_phases) {
-    PyErr_SetString(PyExc_ValueError, "phase positions out of the accumulator");
-    return nullptr;
+  for (int i = 0; i < 5; ++i) {
+    if (at[5] < 1 || at[i] < 0 || at[i] >= at[5]) {
+      PyErr_SetString(PyExc_ValueError, "phase positions out of the accumulator");
+      return nullptr;
+    }
   }
-  if (kind < kPre || kind > kBackward || !PyCallable_Check(fallback)) {
+  if (kind < kPre || kind > kForward || !PyCallable_Check(fallback)) {
     PyErr_SetString(PyExc_ValueError, "an unknown hook, or a fallback that is not callable");
     return nullptr;
   }
   PyObject *clock = nullptr, *registered = nullptr, *original = nullptr, *clock_class = nullptr;
+  PyObject *call_traced = nullptr, *module = nullptr, *global_post = nullptr;
+  int count = 0;
   if (kind == kBackward) {
     if (!PyArg_ParseTuple(target, "OOO", &registered, &original, &clock_class)) {
+      return nullptr;
+    }
+  } else if (kind == kForward) {
+    if (!PyArg_ParseTuple(target, "OOOOOp", &clock, &original, &call_traced, &module,
+                          &global_post, &count)) {
+      return nullptr;
+    }
+    if (global_post != Py_None && !PyDict_Check(global_post)) {
+      PyErr_SetString(PyExc_TypeError, "torch's global forward hooks: a dict or None");
       return nullptr;
     }
   } else {
@@ -777,17 +1061,27 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   h->registered = registered;
   h->original = original;
   h->clock_class = clock_class;
+  h->call_traced = call_traced;
+  h->module = module;
+  h->global_post = global_post;
+  h->count = count;
   h->sync_kind = sync_kind;
   Py_XINCREF(clock);
   Py_INCREF(fallback);
   Py_XINCREF(registered);
   Py_XINCREF(original);
   Py_XINCREF(clock_class);
+  Py_XINCREF(call_traced);
+  Py_XINCREF(module);
+  Py_XINCREF(global_post);
   Py_INCREF(sync_kind);
-  h->i_backward = i_backward;
-  h->i_optimizer = i_optimizer;
-  h->i_comm = i_comm;
-  h->n_phases = n_phases;
+  h->i_data = at[0];
+  h->i_forward = at[1];
+  h->i_backward = at[2];
+  h->i_optimizer = at[3];
+  h->i_comm = at[4];
+  h->n_phases = at[5];
+  h->fwd_post = fwd_post;
   h->comm_end = comm_end;
   h->unknown_work = unknown_work;
   new (&h->clock_slots) Resolved<ClockSlots>();

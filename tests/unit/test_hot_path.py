@@ -31,7 +31,9 @@ from syncscope.wire import DDP_GRAD_SYNC  # noqa: E402
 
 AGENT = str(Path(__file__).resolve().parents[2] / "agent")
 # The Python methods the C hooks stand for in a common step
-STANDS_FOR = {"optimizer_pre", "optimizer_post", "end_step", "backward_returned", "take"}
+STANDS_FOR = {
+    *("forward", "optimizer_pre", "optimizer_post", "end_step", "backward_returned", "take"),
+}
 
 
 @pytest.fixture
@@ -75,10 +77,7 @@ def run_job(monkeypatch: pytest.MonkeyPatch, in_c: bool) -> tuple[list, list, di
     model, opt = model_and_optimizer()
     with monkeypatch.context() as patch:
         if not in_c:
-            patch.setattr(
-                phase_hooks, "hot_hooks", lambda c, _n: (c.optimizer_pre, c.optimizer_post)
-            )
-            patch.setattr(phase_hooks, "_hot_backward", lambda _n, _o, wrapper, _c: wrapper)
+            patch.setattr(phase_hooks, "hot_native", lambda _clock, _native: None)
         agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600)
     x, y = torch.randn(4, 8), torch.randn(4, 1)
 
@@ -187,11 +186,11 @@ def test_only_a_phase_clock_of_slots_gets_hooks_in_c(built):
 
     errors: list[BaseException] = []
     clock = direct_clock(deque(), errors)
-    pre, post = hot_hooks(clock, built)
+    pre, post = hot_hooks(clock, phase_hooks.hot_native(clock, built))
     assert type(pre).__name__ == type(post).__name__ == "HotHook"
     assert hot_hooks(clock, None) == (clock.optimizer_pre, clock.optimizer_post)
     sub = Marked(deque(), deque(), None, None, 1.0, errors.append)
-    assert hot_hooks(sub, built) == (sub.optimizer_pre, sub.optimizer_post)
+    assert phase_hooks.hot_native(sub, built) is None
     with pytest.raises(AttributeError):  # not a clock: refused when built, never per call
         built.hot_hook(native.HOT_PRE, object(), print, HOT_CONSTANTS)
     assert errors == []
