@@ -59,7 +59,8 @@ class AgentConfig:
     # Time c10d ops with the C++ kernel where it is built (agent/native.py), else in Python
     native_collectives: bool = True
     # Trigger the backward phase from C++ gradient hooks where that library is built, no entry
-    # into Python from the autograd engine (agent/grad_triggers.py), else from Python's hooks
+    # into Python from the autograd engine (agent/grad_triggers.py), and run the forward,
+    # backward and optimizer hooks' common case in C (agent/csrc/hot_path.cpp); else Python's
     native_backward: bool = True
     # The work this rank does per step (syncscope_rank_samples_total, _tokens_total). Unset,
     # it is read from the model's inputs (agent/step_work.py) where they say it unambiguously;

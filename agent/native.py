@@ -198,8 +198,10 @@ def load(torch: Any) -> Native | None:
             # What a plain `pip install` gets until the kernel is built: said at attach, once.
             log.warning(
                 "syncscope: no C++ library for torch %s at %s; timing collectives in Python "
-                "(several times dearer per collective) and the backward phase from Python's "
-                "gradient hooks. Build it once per torch: python -m syncscope.agent.native",
+                "(several times dearer per collective), the backward phase from Python's "
+                "gradient hooks and every step in Python's hooks (about twice the training "
+                "thread's cost per step). Build it once per torch: python -m "
+                "syncscope.agent.native",
                 torch.__version__,
                 path,
             )

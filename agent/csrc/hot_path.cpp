@@ -44,8 +44,8 @@ enum Kind { kPre = 0, kPost = 1, kBackward = 2, kForward = 3 };
   X(bwd_end) X(bwd_entry) X(bwd_pending) X(collectives) X(coll_max) X(ddp_bytes)          \
   X(ddp_group) X(ddp_model) X(detect_start) X(dropped) X(first_at) X(first_ddp_ns)        \
   X(first_step) X(fwd_since_bwd) X(fwd_start) X(idle_since) X(manual_steps) X(mark) X(opt_closure)     \
-  X(opt_start) X(pacer) X(phase_every) X(quiet) X(step) X(step_counter) X(step_start)     \
-  X(steps) X(steps_max) X(sync_ns) X(syncs) X(triggers) X(work)
+  X(opt_start) X(pacer) X(phase_every) X(quiet) X(shares) X(step) X(step_counter)         \
+  X(step_start) X(steps) X(steps_max) X(sync_ns) X(sync_share) X(syncs) X(triggers) X(work)
 #define WORK_SLOTS(X)                                                                   \
   X(counted_samples) X(counted_tokens) X(inputs) X(samples_per_step) X(seen_batches)      \
   X(seen_samples) X(seen_tokens) X(tokens_per_step) X(unclear_samples) X(unclear_tokens)
@@ -277,39 +277,177 @@ PyObject* optimizer_pre(Hook* h, PyObject* const* args, size_t nargsf, PyObject*
 }
 
 // -- optimizer step post-hook (PhaseClock.optimizer_post, end_step, _queue_row, _next_step,
-// StepWork.take): a timed step, every step timed, after the first --------------------------------
+// _quiet_end, StepWork.take): a step after the first, every step timed or a quiet one ----------
+
+// A step's work as StepWork holds it, read before anything changes.
+struct WorkSeen {
+  int64_t counted_samples, counted_tokens, samples_per_step, tokens_per_step, seen, samples,
+      tokens;
+  PyObject* unclear_samples;
+  PyObject* unclear_tokens;
+};
+
+bool read_work(Hook* h, PyObject* work, WorkSeen& v) {
+  if (work == nullptr || !slots_of(work, h->work_slots)) {
+    return false;
+  }
+  const WorkSlots& w = h->work_slots.at;
+  v.unclear_samples = get(work, w.unclear_samples);
+  v.unclear_tokens = get(work, w.unclear_tokens);
+  return int_of(get(work, w.counted_samples), v.counted_samples) &&
+      int_of(get(work, w.counted_tokens), v.counted_tokens) &&
+      int_of(get(work, w.samples_per_step), v.samples_per_step) &&
+      int_of(get(work, w.tokens_per_step), v.tokens_per_step) &&
+      int_of(get(work, w.seen_batches), v.seen) && int_of(get(work, w.seen_samples), v.samples) &&
+      int_of(get(work, w.seen_tokens), v.tokens) && is_bool(v.unclear_samples) &&
+      is_bool(v.unclear_tokens);
+}
+
+// StepWork.take: the step's (samples, tokens), the counts reset. False with an error set.
+bool take_work(Hook* h, PyObject* work, const WorkSeen& v, int64_t& samples, int64_t& tokens) {
+  const WorkSlots& w = h->work_slots.at;
+  samples = v.counted_samples;
+  tokens = v.counted_tokens;
+  if (samples < 0) {
+    samples = v.samples_per_step;
+    if (samples < 0 && v.seen && v.unclear_samples == Py_False) {
+      samples = v.samples;
+    }
+  } else if (!put_int(work, w.counted_samples, h->unknown_work)) {
+    return false;
+  }
+  if (tokens < 0) {
+    tokens = v.tokens_per_step;
+    if (tokens < 0 && v.seen && v.unclear_tokens == Py_False) {
+      tokens = v.tokens;
+    }
+  } else if (!put_int(work, w.counted_tokens, h->unknown_work)) {
+    return false;
+  }
+  if (v.seen || v.unclear_samples == Py_True) {
+    if (!put_int(work, w.seen_batches, 0) || !put_int(work, w.seen_samples, 0) ||
+        !put_int(work, w.seen_tokens, 0)) {
+      return false;
+    }
+    put_bool(work, w.unclear_samples, false);
+    put_bool(work, w.unclear_tokens, false);
+  }
+  return true;
+}
+
+// steps.append((step, end, total, *middle, samples, tokens)): `middle` the phases (a timed
+// step's accumulator) or (shares, sync_share) (a quiet step's, phases.QUIET_ROW).
+bool queue_row(PyObject* steps, int64_t step, int64_t t, int64_t total, PyObject* const* middle,
+               Py_ssize_t n, int64_t samples, int64_t tokens) {
+  PyObject* row = PyTuple_New(5 + n);
+  if (row == nullptr) {
+    return false;
+  }
+  PyTuple_SET_ITEM(row, 0, PyLong_FromLongLong(step));
+  PyTuple_SET_ITEM(row, 1, PyLong_FromLongLong(t));
+  PyTuple_SET_ITEM(row, 2, PyLong_FromLongLong(total));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    Py_INCREF(middle[i]);
+    PyTuple_SET_ITEM(row, 3 + i, middle[i]);
+  }
+  PyTuple_SET_ITEM(row, 3 + n, PyLong_FromLongLong(samples));
+  PyTuple_SET_ITEM(row, 4 + n, PyLong_FromLongLong(tokens));
+  for (Py_ssize_t i = 0; i < 5 + n; ++i) {
+    if (PyTuple_GET_ITEM(row, i) == nullptr) {
+      Py_DECREF(row);
+      return false;
+    }
+  }
+  PyObject* appended = PyObject_CallMethodOneArg(steps, s_append, row);
+  Py_DECREF(row);
+  Py_XDECREF(appended);
+  return appended != nullptr;
+}
+
+// The next step's number, in the clock and the C++ kernel's counter.
+bool put_step(Hook* h, PyObject* c, int64_t step) {
+  const ClockSlots& s = h->clock_slots.at;
+  if (!put_int(c, s.step, step)) {
+    return false;
+  }
+  PyObject* counter = get(c, s.step_counter);
+  if (counter == nullptr || counter == Py_None) {
+    return true;
+  }
+  PyObject* n = PyLong_FromLongLong(step);
+  const bool ok = n != nullptr && PyObject_SetAttr(counter, s_value, n) == 0;
+  Py_XDECREF(n);
+  return ok;
+}
+
+// A new step, timed: no wait of it seen yet (_forget_first_wait).
+bool forget_first_wait(Hook* h, PyObject* c, PyObject* blocked) {
+  const ClockSlots& s = h->clock_slots.at;
+  return put_int(c, s.first_ddp_ns, -1) && put_int(c, s.first_at, -1) &&
+      (blocked == Py_None || put_int(blocked, h->blocked_slots.at.first_ns, -1));
+}
+
+// The transport's step hook, at the steps it asked for (optimizer_post's end).
+PyObject* after_step(Hook* h, PyObject* c, int64_t t, int64_t step) {
+  const ClockSlots& s = h->clock_slots.at;
+  PyObject* after = get(c, s.after_step);
+  if (after == nullptr || after == Py_None) {
+    Py_RETURN_NONE;
+  }
+  int64_t after_at = 0, after_every = 1;
+  if (!int_of(get(c, s.after_at), after_at) || !int_of(get(c, s.after_every), after_every) ||
+      after_every <= 0) {
+    PyErr_SetString(PyExc_TypeError, "after_at and after_every must be ints, after_every > 0");
+    return report(c);
+  }
+  if (t < after_at || step % after_every != 0) {
+    Py_RETURN_NONE;
+  }
+  PyObject* n = PyLong_FromLongLong(step);
+  PyObject* next = n == nullptr ? nullptr : PyObject_CallOneArg(after, n);
+  Py_XDECREF(n);
+  const int truth = next == nullptr ? -1 : PyObject_IsTrue(next);
+  if (truth < 0) {
+    Py_XDECREF(next);
+    return report(c);
+  }
+  if (truth) {
+    put(c, s.after_at, next);  // `after(step) or 0`
+  } else {
+    Py_DECREF(next);
+    if (!put_int(c, s.after_at, 0)) {
+      return report(c);
+    }
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   const int64_t t = now_ns();
   PyObject* c = h->clock;
   const ClockSlots& s = h->clock_slots.at;
-  int64_t opt_start, step_start, step, syncs, every, steps_max, first_ns;
+  int64_t opt_start = 0, step_start, step, syncs = 0, every, steps_max, first_ns, ns = 0;
+  PyObject* quiet = get(c, s.quiet);
   PyObject* acc = get(c, s.acc);
   PyObject* steps = get(c, s.steps);
   PyObject* work = get(c, s.work);
   PyObject* blocked = get(c, s.blocked);
-  bool common = get(c, s.quiet) == Py_False && get(c, s.manual_steps) == Py_False &&
-      get(c, s.mark) == Py_None && get(c, s.pacer) == Py_None &&
-      get(c, s.first_step) == Py_False && int_of(get(c, s.phase_every), every) && every == 1 &&
-      int_of(get(c, s.opt_start), opt_start) && int_of(get(c, s.step_start), step_start) &&
-      int_of(get(c, s.step), step) && int_of(get(c, s.syncs), syncs) &&
-      int_of(get(c, s.steps_max), steps_max) && int_list(acc, h->n_phases) &&
-      steps != nullptr && work != nullptr && blocked != nullptr &&
-      blocked_still(h, c, blocked, first_ns) && slots_of(work, h->work_slots);
-  int64_t counted_samples, counted_tokens, samples_per_step, tokens_per_step, seen, seen_samples,
-      seen_tokens;
-  PyObject *unclear_samples = nullptr, *unclear_tokens = nullptr;
-  const WorkSlots& w = h->work_slots.at;
-  if (common) {
-    unclear_samples = get(work, w.unclear_samples);
-    unclear_tokens = get(work, w.unclear_tokens);
-    common = int_of(get(work, w.counted_samples), counted_samples) &&
-        int_of(get(work, w.counted_tokens), counted_tokens) &&
-        int_of(get(work, w.samples_per_step), samples_per_step) &&
-        int_of(get(work, w.tokens_per_step), tokens_per_step) &&
-        int_of(get(work, w.seen_batches), seen) &&
-        int_of(get(work, w.seen_samples), seen_samples) &&
-        int_of(get(work, w.seen_tokens), seen_tokens) && is_bool(unclear_samples) &&
-        is_bool(unclear_tokens);
+  WorkSeen seen{};
+  bool common = get(c, s.manual_steps) == Py_False && get(c, s.mark) == Py_None &&
+      get(c, s.pacer) == Py_None && get(c, s.first_step) == Py_False &&
+      int_of(get(c, s.phase_every), every) && every >= 1 &&
+      int_of(get(c, s.step_start), step_start) && int_of(get(c, s.step), step) &&
+      int_of(get(c, s.steps_max), steps_max) && steps != nullptr && blocked != nullptr &&
+      read_work(h, work, seen);
+  if (common && quiet == Py_False) {  // timed, every step timed (else shares to keep: Python)
+    common = every == 1 && int_of(get(c, s.opt_start), opt_start) &&
+        int_of(get(c, s.syncs), syncs) && int_list(acc, h->n_phases) &&
+        blocked_still(h, c, blocked, first_ns);
+  } else if (common && quiet == Py_True) {  // quiet: only the row and the step's count
+    common = blocked == Py_None ||
+        (slots_of(blocked, h->blocked_slots) && get(blocked, h->blocked_slots.at.ns) != nullptr);
+  } else {
+    common = false;
   }
   if (common) {
     const Py_ssize_t queued = PyObject_Length(steps);
@@ -319,84 +457,49 @@ PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject
     PyErr_Clear();
     return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
   }
-  // The optimizer's phase.
-  if (opt_start) {
-    const int64_t ns = t - opt_start;
-    if ((ns > 0 && !add_to(acc, h->i_optimizer, ns)) || !put_int(c, s.opt_start, 0)) {
+  const int64_t total = t - step_start;
+  int64_t samples = 0, tokens = 0;
+  if (quiet == Py_True) {  // _quiet_end: the last timed step's shares stand for its phases
+    if (blocked != Py_None) {
+      PyObject* waited = get(blocked, h->blocked_slots.at.ns);
+      Py_INCREF(waited);
+      put(c, s.blocked_seen, waited);  // its waits are not timed
+    }
+    PyObject* shares[] = {get(c, s.shares), get(c, s.sync_share)};
+    if (shares[0] == nullptr || shares[1] == nullptr) {
+      PyErr_SetString(PyExc_AttributeError, "shares");
       return report(c);
     }
+    if (!take_work(h, work, seen, samples, tokens) ||
+        !queue_row(steps, step, t, total, shares, 2, samples, tokens) || !put_step(h, c, ++step)) {
+      return report(c);
+    }
+    if (step % every == 0) {  // the next step is timed
+      put_bool(c, s.quiet, false);
+      if (!forget_first_wait(h, c, blocked)) {
+        return report(c);
+      }
+    }
+    if (!put_int(c, s.step_start, t) || !put_int(c, s.idle_since, t)) {
+      return report(c);
+    }
+    return after_step(h, c, t, step);
   }
-  const int64_t total = t - step_start;
+  // The optimizer's phase, then the step's end.
+  if (opt_start && (((ns = t - opt_start) > 0 && !add_to(acc, h->i_optimizer, ns)) ||
+                    !put_int(c, s.opt_start, 0))) {
+    return report(c);
+  }
   if (syncs && (!put_int(c, s.sync_ns, 0) || !put_int(c, s.syncs, 0))) {
     return report(c);
   }
-  // The step's work (StepWork.take).
-  int64_t samples = counted_samples, tokens = counted_tokens;
-  if (samples < 0) {
-    samples = samples_per_step;
-    if (samples < 0 && seen && unclear_samples == Py_False) {
-      samples = seen_samples;
-    }
-  } else if (!put_int(work, w.counted_samples, h->unknown_work)) {
+  if (!take_work(h, work, seen, samples, tokens) ||
+      !queue_row(steps, step, t, total, reinterpret_cast<PyListObject*>(acc)->ob_item, h->n_phases,
+                 samples, tokens) ||
+      !put_step(h, c, ++step)) {
     return report(c);
   }
-  if (tokens < 0) {
-    tokens = tokens_per_step;
-    if (tokens < 0 && seen && unclear_tokens == Py_False) {
-      tokens = seen_tokens;
-    }
-  } else if (!put_int(work, w.counted_tokens, h->unknown_work)) {
-    return report(c);
-  }
-  if (seen || unclear_samples == Py_True) {
-    if (!put_int(work, w.seen_batches, 0) || !put_int(work, w.seen_samples, 0) ||
-        !put_int(work, w.seen_tokens, 0)) {
-      return report(c);
-    }
-    put_bool(work, w.unclear_samples, false);
-    put_bool(work, w.unclear_tokens, false);
-  }
-  // The row: (step, end, total, the phases, samples, tokens).
-  PyObject* row = PyTuple_New(5 + h->n_phases);
-  if (row == nullptr) {
-    return report(c);
-  }
-  PyTuple_SET_ITEM(row, 0, PyLong_FromLongLong(step));
-  PyTuple_SET_ITEM(row, 1, PyLong_FromLongLong(t));
-  PyTuple_SET_ITEM(row, 2, PyLong_FromLongLong(total));
-  for (Py_ssize_t i = 0; i < h->n_phases; ++i) {
-    PyObject* ns = PyList_GET_ITEM(acc, i);
-    Py_INCREF(ns);
-    PyTuple_SET_ITEM(row, 3 + i, ns);
-  }
-  PyTuple_SET_ITEM(row, 3 + h->n_phases, PyLong_FromLongLong(samples));
-  PyTuple_SET_ITEM(row, 4 + h->n_phases, PyLong_FromLongLong(tokens));
-  for (Py_ssize_t i = 0; i < 5 + h->n_phases; ++i) {
-    if (PyTuple_GET_ITEM(row, i) == nullptr) {
-      Py_DECREF(row);
-      return report(c);
-    }
-  }
-  PyObject* appended = PyObject_CallMethodOneArg(steps, s_append, row);
-  Py_DECREF(row);
-  if (appended == nullptr) {
-    return report(c);
-  }
-  Py_DECREF(appended);
-  // The next step (_next_step), a new accumulator, no wait of it seen yet.
-  ++step;
-  if (!put_int(c, s.step, step)) {
-    return report(c);
-  }
-  PyObject* counter = get(c, s.step_counter);
-  if (counter != nullptr && counter != Py_None) {
-    PyObject* n = PyLong_FromLongLong(step);
-    if (n == nullptr || PyObject_SetAttr(counter, s_value, n) < 0) {
-      Py_XDECREF(n);
-      return report(c);
-    }
-    Py_DECREF(n);
-  }
+  // The next step (_next_step, every step timed), a new accumulator, no wait of it seen yet.
   PyObject* fresh = PyList_New(h->n_phases);
   if (fresh == nullptr) {
     return report(c);
@@ -406,42 +509,10 @@ PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject
   }
   put(c, s.acc, fresh);
   if (!put_int(c, s.step_start, t) || !put_int(c, s.idle_since, t) ||
-      !put_int(c, s.first_ddp_ns, -1) || !put_int(c, s.first_at, -1) ||
-      (blocked != Py_None && !put_int(blocked, h->blocked_slots.at.first_ns, -1))) {
+      !forget_first_wait(h, c, blocked)) {
     return report(c);
   }
-  // The transport's step hook, from its next tick on.
-  PyObject* after = get(c, s.after_step);
-  int64_t after_at = 0, after_every = 1;
-  if (after != nullptr && after != Py_None) {
-    if (!int_of(get(c, s.after_at), after_at) || !int_of(get(c, s.after_every), after_every) ||
-        after_every <= 0) {
-      PyErr_SetString(PyExc_TypeError, "after_at and after_every must be ints, after_every > 0");
-      return report(c);
-    }
-    if (t >= after_at && step % after_every == 0) {
-      PyObject* n = PyLong_FromLongLong(step);
-      PyObject* next = n == nullptr ? nullptr : PyObject_CallOneArg(after, n);
-      Py_XDECREF(n);
-      if (next == nullptr) {
-        return report(c);
-      }
-      const int truth = PyObject_IsTrue(next);
-      if (truth < 0) {
-        Py_DECREF(next);
-        return report(c);
-      }
-      if (truth) {
-        put(c, s.after_at, next);
-      } else {
-        Py_DECREF(next);
-        if (!put_int(c, s.after_at, 0)) {
-          return report(c);
-        }
-      }
-    }
-  }
-  Py_RETURN_NONE;
+  return after_step(h, c, t, step);
 }
 
 // -- torch.autograd.backward (phase_hooks.timed_backward, BackwardPhases.backward_returned and
@@ -556,25 +627,33 @@ bool returned(Hook* h, PyObject* c) {
   return true;
 }
 
-// Whether `c` (the process's one clock) enters this backward the common way: outermost, timed,
-// its trigger in C++, no wait to move, no marks.
-bool enters(Hook* h, PyObject* c) {
+// How `c` (the process's one clock) enters this backward: 1 the common way (outermost, timed,
+// its trigger in C++, no wait to move, no marks), 2 outermost in a quiet step (only its depth
+// counts), 0 otherwise (the Python wrapper then).
+int enters(Hook* h, PyObject* c) {
   if (reinterpret_cast<PyObject*>(Py_TYPE(c)) != h->clock_class ||
       !slots_of(c, h->clock_slots)) {
-    return false;
+    return 0;
   }
   const ClockSlots& s = h->clock_slots.at;
   int64_t depth, first_ns;
+  PyObject* quiet = get(c, s.quiet);
+  if (!int_of(get(c, s.bwd_depth), depth) || depth != 0) {
+    PyErr_Clear();
+    return 0;
+  }
+  if (quiet == Py_True) {
+    return 2;
+  }
   PyObject* triggers = get(c, s.triggers);
   PyObject* blocked = get(c, s.blocked);
-  const bool common = int_of(get(c, s.bwd_depth), depth) && depth == 0 &&
-      get(c, s.quiet) == Py_False && get(c, s.mark) == Py_None && triggers != nullptr &&
+  const bool common = quiet == Py_False && get(c, s.mark) == Py_None && triggers != nullptr &&
       slots_of(triggers, h->trigger_slots) &&
       get(triggers, h->trigger_slots.at.native) != nullptr &&
       get(triggers, h->trigger_slots.at.native) != Py_None && blocked != nullptr &&
       blocked_still(h, c, blocked, first_ns);
   PyErr_Clear();
-  return common;
+  return common ? 1 : 0;
 }
 
 PyObject* call_method(PyObject* c, PyObject* name) {
@@ -594,16 +673,17 @@ PyObject* backward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwna
   PyObject* c = PyTuple_CheckExact(clocks) && PyTuple_GET_SIZE(clocks) == 1
       ? PyTuple_GET_ITEM(clocks, 0)
       : nullptr;
-  if (c == nullptr || !enters(h, c)) {
+  const int how = c == nullptr ? 0 : enters(h, c);
+  if (how == 0) {
     Py_DECREF(clocks);
     return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
   }
   Py_INCREF(c);
   Py_DECREF(clocks);
   const ClockSlots& s = h->clock_slots.at;
-  if (!put_int(c, s.bwd_depth, 1) || !put_int(c, s.bwd_entry, now_ns())) {
+  if (!put_int(c, s.bwd_depth, 1) || (how == 1 && !put_int(c, s.bwd_entry, now_ns()))) {
     note_error(c);
-  } else {
+  } else if (how == 1) {
     syncscope_bwd_armed.store(1, std::memory_order_relaxed);
   }
   PyObject* result = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
@@ -636,7 +716,8 @@ PyObject* backward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwna
   return result;
 }
 
-// -- a model's forward (phase_hooks.timed_forward): a timed step, a module without forward hooks -
+// -- a model's forward (phase_hooks.timed_forward): a quiet step, or a timed one of a module
+// without forward hooks -------------------------------------------------------------------------
 
 // Whether `module` (or torch's global forward hooks) has forward hooks: ForwardHooks times such a
 // call, in Python. -1 with an error set where they cannot be read.
@@ -799,7 +880,15 @@ PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnam
   PyObject* acc = get(c, s.acc);
   PyObject* work = get(c, s.work);
   PyObject* blocked = get(c, s.blocked);
-  bool common = get(c, s.quiet) == Py_False && get(c, s.mark) == Py_None &&
+  PyObject* quiet = get(c, s.quiet);
+  if (quiet == Py_True && work != nullptr && slots_of(work, h->work_slots)) {
+    // A quiet step: its batch read, nothing timed.
+    if (h->count && !count_batch(h, work, args, PyVectorcall_NARGS(nargsf), kwnames)) {
+      note_error(c);
+    }
+    return call_original(h, args, nargsf, kwnames);
+  }
+  bool common = quiet == Py_False && get(c, s.mark) == Py_None &&
       int_of(get(c, s.idle_since), idle) && int_of(get(c, s.opt_start), opt_start) &&
       int_list(acc, h->n_phases) && work != nullptr && slots_of(work, h->work_slots) &&
       blocked != nullptr && blocked_still(h, c, blocked, first_ns);

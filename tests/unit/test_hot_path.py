@@ -22,8 +22,8 @@ from syncscope.agent.phases import (  # noqa: E402
     COMM,
     FORWARD,
     OPTIMIZER,
+    QUIET_ROW,
     ROW_PHASES,
-    ROW_WORK,
     PhaseClock,
 )
 
@@ -69,16 +69,20 @@ def python_calls(fn: Any) -> dict[str, int]:
     return calls
 
 
-def run_job(monkeypatch: pytest.MonkeyPatch, in_c: bool) -> tuple[list, list, dict, dict]:
+def run_job(
+    monkeypatch: pytest.MonkeyPatch, in_c: bool, every: int
+) -> tuple[list, list, dict, dict]:
     """Steps of every kind the hooks meet: plain ones, gradient accumulation under no_sync(),
     work counted by hand, a backward that raises; returns the rows, DDP's sync records, the
     agent's stats and the Python calls of three plain steps after them. `in_c`: the hooks in C,
-    else Python's (the C++ backward trigger either way)."""
+    else Python's (the C++ backward trigger either way); `every`: phase_every."""
     model, opt = model_and_optimizer()
     with monkeypatch.context() as patch:
         if not in_c:
             patch.setattr(phase_hooks, "hot_native", lambda _clock, _native: None)
-        agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600)
+        agent = attach(
+            model=model, optimizer=opt, exporter=None, flush_interval_s=3600, phase_every=every
+        )
     x, y = torch.randn(4, 8), torch.randn(4, 1)
 
     def plain() -> None:
@@ -112,28 +116,38 @@ def run_job(monkeypatch: pytest.MonkeyPatch, in_c: bool) -> tuple[list, list, di
         agent.close()
 
 
-def test_the_c_hooks_queue_what_the_python_hooks_queue(gloo_world_of_one, built, monkeypatch):
-    rows_c, syncs_c, stats_c, calls_c = run_job(monkeypatch, in_c=True)
-    rows_py, syncs_py, stats_py, calls_py = run_job(monkeypatch, in_c=False)
+@pytest.mark.parametrize("every", [1, 4])
+def test_the_c_hooks_queue_what_the_python_hooks_queue(
+    gloo_world_of_one, built, monkeypatch, every
+):
+    rows_c, syncs_c, stats_c, calls_c = run_job(monkeypatch, in_c=True, every=every)
+    rows_py, syncs_py, stats_py, calls_py = run_job(monkeypatch, in_c=False, every=every)
     assert stats_c["errors"] == stats_py["errors"] == 0
     # Step numbers and work alike: 4 samples a plain step, 8 for two micro-batches, 32 and
     # 1000 tokens counted by hand; float batches hold no tokens (-1).
-    work_c = [(r[0], *r[ROW_WORK:]) for r in rows_c]
-    assert work_c == [(r[0], *r[ROW_WORK:]) for r in rows_py]
-    assert work_c == [(0, 4, -1), (1, 4, -1), (2, 4, -1), (3, 8, -1), (4, 32, 1000), (5, 4, -1)] + [
-        (s, 4, -1) for s in range(6, 12)
+    work_c = [(r[0], *r[-2:]) for r in rows_c]
+    assert work_c == [(r[0], *r[-2:]) for r in rows_py]
+    assert work_c == [(0, 4, -1), (1, 4, -1), (2, 4, -1), (3, 8, -1), (4, 32, 1000)] + [
+        (s, 4, -1) for s in range(5, 12)
     ]
-    # One DDP sync a step, in the step it was in (the raising backward's graph had synced)
-    assert [s[-1] for s in syncs_c] == [s[-1] for s in syncs_py] == list(range(12))
+    # The same steps timed, each with its DDP sync: every one, or the first two (the first's
+    # phases are start-up's, so its successor gives the shares) and then one in `every`
+    timed = [r[0] for r in rows_c if len(r) != QUIET_ROW]
+    assert timed == [r[0] for r in rows_py if len(r) != QUIET_ROW]
+    assert timed == ([0, 1, *range(every, 12, every)] if every > 1 else list(range(12)))
+    assert [s[-1] for s in syncs_c] == [s[-1] for s in syncs_py] == timed
     for rows in (rows_c, rows_py):
         for row in rows:
+            if len(row) == QUIET_ROW:  # a quiet step: the last timed step's shares
+                assert isinstance(row[3], list) and row[4] is not None, row
+                continue
             phases = row[ROW_PHASES : ROW_PHASES + 6]
             assert row[ROW_PHASES + FORWARD] > 0 and row[ROW_PHASES + BACKWARD] > 0, row
             assert row[ROW_PHASES + OPTIMIZER] > 0 and row[ROW_PHASES + COMM] > 0, row
             assert sum(phases) <= row[2], row  # phases add up to at most the step
     # The common steps ran no Python of the hooks in C; the Python hooks did run it
     assert not STANDS_FOR & set(calls_c), calls_c
-    assert set(calls_py) >= STANDS_FOR, calls_py
+    assert set(calls_py) >= (STANDS_FOR if every == 1 else {"forward", "optimizer_post"}), calls_py
 
 
 def direct_clock(steps: deque, errors: list) -> PhaseClock:
