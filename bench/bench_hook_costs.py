@@ -13,8 +13,10 @@ rounds, on a tiny DDP model (gloo, one process) so the hooks are visible. Mechan
   agent clock        the agent's whole PhaseClock (forward, backward, optimizer, callbacks),
                      built up: its forward wrapper only, then its optimizer hooks (the step's
                      end) too, then everything (the backward wrapper, the gradient trigger and
-                     the engine callbacks: Python's), then with the C++ backward trigger
-                     (agent/grad_triggers.py's native mode, where the library is built)
+                     the engine callbacks: Python's), then with syncscope's C++ library, as
+                     attach() installs it where the library is built: the backward triggered
+                     from C++ (agent/grad_triggers.py's native mode) and the forward, backward
+                     and optimizer hooks' common case in C (agent/csrc/hot_path.cpp)
   CUDA clock         the CUDA path's CudaPhaseClock with its resolver thread, CUDA stubbed:
                      events that cost nothing (a real Event.record is ~2.2 µs on an H100), so
                      the figure is the agent's own Python per step on a GPU job (issue 33);
@@ -185,14 +187,16 @@ def main() -> None:
         ),
         "... and optimizer hooks": lambda rig: agent_clock(rig, backward=False),
         "agent PhaseClock, everything": agent_clock,
-        "PhaseClock, C++ backward trigger": lambda rig: agent_clock(rig, trigger=built),
+        "PhaseClock, the C++ library's": lambda rig: agent_clock(rig, trigger=built),
         "CudaPhaseClock, CUDA stubbed": cuda_clock,
         "PhaseClock, phases 1 step in 16": lambda rig: agent_clock(rig, 16),
+        "... the C++ library's, 1 in 16": lambda rig: agent_clock(rig, 16, trigger=built),
         "CudaPhaseClock, stubbed, 1 in 16": lambda rig: cuda_clock(rig, 16),
     }
     built = native.load(torch)
     if built is None:
-        del mechanisms["PhaseClock, C++ backward trigger"]
+        del mechanisms["PhaseClock, the C++ library's"]
+        del mechanisms["... the C++ library's, 1 in 16"]
     bare = Rig()
     rigs = {name: Rig() for name in mechanisms}
     events: dict[str, float] = {}

@@ -24,7 +24,9 @@ models of their own are within that.
 10 per first-level and 100 per last-level miss, callgrind's estimate): the agent's code runs on
 caches the step's kernels have flushed, so its misses cost about as much as its instructions.
 `--against REV` adds the agent as committed at REV (bench_agent_overhead.load_agent_at), with
-its own defaults, to compare before and after. `--keep DIR` keeps callgrind's dumps there (cg.PID.N-01 is arm N's training thread), for
+its own defaults, to compare before and after; where both have a C++ library, torch takes the
+syncscope:: ops from the first to load only, and REV's agent (loaded second) runs its backward
+trigger in Python: its row then reads high. `--keep DIR` keeps callgrind's dumps there (cg.PID.N-01 is arm N's training thread), for
 `callgrind_annotate --inclusive=yes` to say which functions an arm's instructions are in.
 
 Run: .venv/bin/python bench/bench_instructions.py [--layers 1] [--steps 64] [--keep DIR]
