@@ -49,7 +49,9 @@ def test_the_script_runs_pooled_over_processes_with_parts_taken_out(tmp_path):
     assert len(re.findall(r"^profile, detached: \d+ µs", out, re.M)) == 2, out
     attached = re.findall(r"^profile, attached \(without \['events', 'reporter'\]\)", out, re.M)
     assert len(attached) == 2, out
-    assert re.search(r"calls/step  phase_hooks\.py:\d+\(forward\)$", out, re.M), out
+    # the forward wrapper's Python frame, or with the C++ library's hooks the frame it calls
+    # the model from (agent/csrc/hot_path.cpp)
+    assert re.search(r"calls/step  phase_hooks\.py:\d+\((forward|_call_traced)\)$", out, re.M), out
     assert re.search(
         r"^(PASS|FAIL): median round ratio [\d.]+ .* over 4 rounds, 2 processes", out, re.M
     )
