@@ -199,7 +199,7 @@ def load(torch: Any) -> Native | None:
             log.warning(
                 "syncscope: no C++ library for torch %s at %s; timing collectives in Python "
                 "(several times dearer per collective), the backward phase from Python's "
-                "gradient hooks and every step in Python's hooks (about twice the training "
+                "gradient hooks and every step in Python's hooks (1.5 to 2 times the training "
                 "thread's cost per step). Build it once per torch: python -m "
                 "syncscope.agent.native",
                 torch.__version__,
