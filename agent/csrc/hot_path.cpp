@@ -522,25 +522,18 @@ PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject
 // wait to move, DDP's sync due (or none to time); false, nothing changed, for the Python method.
 bool returned(Hook* h, PyObject* c) {
   const ClockSlots& s = h->clock_slots.at;
-  const int64_t done = syncscope_bwd_done.load(std::memory_order_relaxed);
-  int64_t bwd_end, bwd_entry, first_ddp, first_ns, sync_ns, syncs, coll_max, step;
-  PyObject* acc = get(c, s.acc);
-  PyObject* blocked = get(c, s.blocked);
-  PyObject* group = get(c, s.ddp_group);
+  // Whether DDP's sync is due (getattr(ddp_model, "require_backward_grad_sync", True)) first:
+  // the lookup may run Python, so every slot below is read after it.
   PyObject* model = get(c, s.ddp_model);
-  PyObject* coll = get(c, s.collectives);
-  PyObject* bytes = get(c, s.ddp_bytes);
-  PyObject* closure = get(c, s.opt_closure);
-  if (!(int_of(get(c, s.bwd_end), bwd_end) && done != bwd_end &&
-        int_of(get(c, s.bwd_entry), bwd_entry) && int_list(acc, h->n_phases) &&
-        blocked != nullptr && blocked_still(h, c, blocked, first_ns) && group != nullptr &&
-        model != nullptr && get(c, s.mark) == Py_None && closure == Py_False)) {
+  if (model == nullptr || get(c, s.ddp_group) == nullptr) {
     PyErr_Clear();
     return false;
   }
-  bool sync = group != Py_None;
-  if (sync && model != Py_None) {  // getattr(ddp_model, "require_backward_grad_sync", True)
+  bool sync = true;
+  if (get(c, s.ddp_group) != Py_None && model != Py_None) {
+    Py_INCREF(model);
     PyObject* flag = PyObject_GetAttr(model, s_sync);
+    Py_DECREF(model);
     if (flag == nullptr) {
       if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
         PyErr_Clear();
@@ -557,6 +550,22 @@ bool returned(Hook* h, PyObject* c) {
       sync = truth != 0;
     }
   }
+  const int64_t done = syncscope_bwd_done.load(std::memory_order_relaxed);
+  int64_t bwd_end, bwd_entry, first_ddp, first_ns, sync_ns, syncs, coll_max, step;
+  PyObject* acc = get(c, s.acc);
+  PyObject* blocked = get(c, s.blocked);
+  PyObject* group = get(c, s.ddp_group);
+  PyObject* coll = get(c, s.collectives);
+  PyObject* bytes = get(c, s.ddp_bytes);
+  PyObject* closure = get(c, s.opt_closure);
+  if (!(int_of(get(c, s.bwd_end), bwd_end) && done != bwd_end &&
+        int_of(get(c, s.bwd_entry), bwd_entry) && int_list(acc, h->n_phases) &&
+        blocked != nullptr && blocked_still(h, c, blocked, first_ns) && group != nullptr &&
+        get(c, s.mark) == Py_None && closure == Py_False)) {
+    PyErr_Clear();
+    return false;
+  }
+  sync = sync && group != Py_None;
   if (sync &&
       !(int_of(get(c, s.first_ddp_ns), first_ddp) && int_of(get(c, s.sync_ns), sync_ns) &&
         int_of(get(c, s.syncs), syncs) && int_of(get(c, s.coll_max), coll_max) &&
@@ -877,9 +886,7 @@ PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnam
   PyObject* c = h->clock;
   const ClockSlots& s = h->clock_slots.at;
   int64_t idle, opt_start, first_ns;
-  PyObject* acc = get(c, s.acc);
   PyObject* work = get(c, s.work);
-  PyObject* blocked = get(c, s.blocked);
   PyObject* quiet = get(c, s.quiet);
   if (quiet == Py_True && work != nullptr && slots_of(work, h->work_slots)) {
     // A quiet step: its batch read, nothing timed.
@@ -888,14 +895,15 @@ PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnam
     }
     return call_original(h, args, nargsf, kwnames);
   }
-  bool common = quiet == Py_False && get(c, s.mark) == Py_None &&
-      int_of(get(c, s.idle_since), idle) && int_of(get(c, s.opt_start), opt_start) &&
-      int_list(acc, h->n_phases) && work != nullptr && slots_of(work, h->work_slots) &&
-      blocked != nullptr && blocked_still(h, c, blocked, first_ns);
-  if (common) {
-    const int hooked = has_hooks(h);
-    common = hooked == 0;
-  }
+  // The module's hooks first: reading them may run Python, so the slots are read after it.
+  bool common = quiet == Py_False && get(c, s.mark) == Py_None && has_hooks(h) == 0;
+  PyObject* acc = get(c, s.acc);
+  PyObject* blocked = get(c, s.blocked);
+  work = get(c, s.work);
+  common = common && int_of(get(c, s.idle_since), idle) &&
+      int_of(get(c, s.opt_start), opt_start) && int_list(acc, h->n_phases) && work != nullptr &&
+      slots_of(work, h->work_slots) && blocked != nullptr &&
+      blocked_still(h, c, blocked, first_ns);
   if (!common) {
     PyErr_Clear();
     return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
