@@ -208,3 +208,50 @@ def test_only_a_phase_clock_of_slots_gets_hooks_in_c(built):
     with pytest.raises(AttributeError):  # not a clock: refused when built, never per call
         built.hot_hook(native.HOT_PRE, object(), print, HOT_CONSTANTS)
     assert errors == []
+
+
+def test_a_clock_in_an_unexpected_state_goes_to_python_not_down(gloo_world_of_one, built):
+    """The C hooks read the clock's slots directly: each one of an unexpected type (or unset)
+    sends the call to Python, whose errors go to on_error; the training step itself goes on, and
+    the clock keeps counting once its state is whole again."""
+    errors: list[BaseException] = []
+    model, opt = model_and_optimizer()
+    clock = direct_clock(deque(maxlen=64), errors)
+    clock.ddp_model = model
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    hooks = instrument(clock, model, opt, built)
+    try:
+        for _ in range(3):
+            step()
+        for name, bad in (
+            ("acc", None),
+            ("acc", [0, 0]),
+            ("step_start", 1.5),
+            ("bwd_end", "late"),
+            ("blocked", object()),
+            ("work", None),
+            ("steps", None),
+            ("quiet", 0),
+        ):
+            good = getattr(clock, name)
+            setattr(clock, name, bad)
+            try:
+                step()  # neither crashes nor raises
+            finally:
+                setattr(clock, name, good)
+        assert any(isinstance(e, TypeError) for e in errors), errors  # Python's, reported
+        errors.clear()
+        before = clock.step
+        for _ in range(3):
+            step()
+    finally:
+        hooks.remove()
+    assert errors == [] and clock.step == before + 3
+    last = clock.steps[-1]
+    assert last[0] == before + 2 and last[ROW_PHASES + BACKWARD] > 0, last
