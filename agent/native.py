@@ -35,9 +35,6 @@ SOURCES = (  # they include clock.h
 )
 NAME = "syncscope_c10d"
 ABI = 4  # csrc's kAbi: a library answering another is not loaded
-# csrc/hot_path.cpp's hooks: the optimizer's step pre- and post-hooks, torch.autograd.backward,
-# a model's forward
-HOT_PRE, HOT_POST, HOT_BACKWARD, HOT_FORWARD = range(4)
 ENV_DIR = "SYNCSCOPE_NATIVE_DIR"
 DRAIN_BATCH = 4096
 
@@ -87,6 +84,10 @@ def build(verbose: bool = False) -> Path:
 class Native:
     """The loaded library: install kernels, drain their records, name their groups, and the
     step number the kernels stamp on what they see (`step.value`, set by the phase clock)."""
+
+    # csrc/hot_path.cpp's hooks: the optimizer's step pre- and post-hooks,
+    # torch.autograd.backward, a model's forward
+    HOT_PRE, HOT_POST, HOT_BACKWARD, HOT_FORWARD = range(4)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib

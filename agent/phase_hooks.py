@@ -64,7 +64,8 @@ def instrument(
     """Hook `model` (forward, parameter gradients, torch.autograd.backward) and `optimizer` for
     `clock`; the gradients in C++ where `native` (the loaded native.Native) is given and the
     clock marks no boundary (CudaPhaseClock records an event at callback A, in Python), and
-    then the optimizer's hooks and the backward wrapper in C too (their common case: hot_hooks).
+    then the forward wrapper, the optimizer's hooks and the backward wrapper in C too (their
+    common case: hot_native).
 
     `model`: a module, or a list of them (a pipeline rank's stages, each called apart): every
     one's forward is the forward phase; the batch is read from the first one's inputs only (the
@@ -112,16 +113,23 @@ def hot_hooks(clock: PhaseClock, hot: Any) -> tuple[Any, Any]:
     pre, post = clock.optimizer_pre, clock.optimizer_post
     if hot is None:
         return pre, post
-    from syncscope.agent.native import HOT_POST, HOT_PRE
-
-    try:
-        return (
-            hot.hot_hook(HOT_PRE, clock, pre, HOT_CONSTANTS),
-            hot.hot_hook(HOT_POST, clock, post, HOT_CONSTANTS),
-        )
-    except Exception as exc:  # noqa: BLE001 - Python's hooks serve
-        clock.on_error(exc)
+    in_c = _in_c(hot, hot.HOT_PRE, clock, pre, clock)
+    if in_c is pre:  # refused (the clock's slots): the post-hook would be too
         return pre, post
+    return in_c, _in_c(hot, hot.HOT_POST, clock, post, clock)
+
+
+def _in_c(
+    hot: Any, kind: int, target: Any, fallback: Any, clock: PhaseClock, like: Any = None
+) -> Any:
+    """The hook `kind` in C standing for `fallback` (hot.hot_hook), with `like`'s name and
+    signature where given; `fallback` itself, the error told to `clock`, where it cannot be had."""
+    try:
+        made = hot.hot_hook(kind, target, fallback, HOT_CONSTANTS)
+        return made if like is None else functools.update_wrapper(made, like)
+    except Exception as exc:  # noqa: BLE001 - Python's hook serves
+        clock.on_error(exc)
+        return fallback
 
 
 def _hot_forward(
@@ -134,18 +142,10 @@ def _hot_forward(
 ) -> Any:
     """The forward wrapper in C standing for `wrapper` (timed_forward's), else `wrapper`: it
     calls `wrapper` in a quiet step and while the module has forward hooks (ForwardHooks)."""
-    from syncscope.agent.native import HOT_FORWARD
-
     module = hooks.module if hooks is not None else None
     global_post = hooks.global_post if hooks is not None else None
     target = (clock, original, _call_traced, module, global_post, count)
-    try:
-        return functools.update_wrapper(
-            hot.hot_hook(HOT_FORWARD, target, wrapper, HOT_CONSTANTS), original
-        )
-    except Exception as exc:  # noqa: BLE001 - Python's wrapper serves
-        clock.on_error(exc)
-        return wrapper
+    return _in_c(hot, hot.HOT_FORWARD, target, wrapper, clock, like=original)
 
 
 def timed_forward(
@@ -550,26 +550,13 @@ def install_backward(clock: PhaseClock, hot: Any = None) -> None:
             continue  # already wrapped (perhaps under someone else's wrapper): never twice
         _originals[name] = original = getattr(torch.autograd, name)
         wrapper = functools.wraps(original)(timed(original, _registered))
-        if name == "backward" and hot is not None:
-            wrapper = _hot_backward(hot, original, wrapper, clock)
+        if name == "backward" and hot is not None:  # in C, standing for Python's
+            target = (_registered, original, PhaseClock)
+            wrapper = _in_c(hot, hot.HOT_BACKWARD, target, wrapper, clock, like=original)
         wrapper.__syncscope_wrapped__ = True  # type: ignore[attr-defined]
         # torch.compile leaves torch.autograd.grad's frame alone (trace_autograd_ops off): it
         # leaves ours alone too, so that a compiled function calling it captures the same.
         setattr(torch.autograd, name, _not_traced(wrapper) if name == "grad" else wrapper)
-
-
-def _hot_backward(native: Any, original: Any, wrapper: Any, clock: PhaseClock) -> Any:
-    """The backward wrapper in C standing for `wrapper` (Python's), else `wrapper` itself."""
-    from syncscope.agent.native import HOT_BACKWARD
-
-    try:
-        hot = native.hot_hook(
-            HOT_BACKWARD, (_registered, original, PhaseClock), wrapper, HOT_CONSTANTS
-        )
-        return functools.update_wrapper(hot, original)
-    except Exception as exc:  # noqa: BLE001 - Python's wrapper serves
-        clock.on_error(exc)
-        return wrapper
 
 
 def uninstall_backward(clock: PhaseClock) -> None:

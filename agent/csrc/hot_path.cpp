@@ -636,6 +636,16 @@ bool returned(Hook* h, PyObject* c) {
   return true;
 }
 
+// Whether the clock's GradTriggers are in native mode (`triggers.native is not None`): the
+// backward's end comes from the C++ trigger.
+bool in_native_mode(Hook* h, PyObject* triggers) {
+  if (!slots_of(triggers, h->trigger_slots)) {
+    return false;
+  }
+  PyObject* native = get(triggers, h->trigger_slots.at.native);
+  return native != nullptr && native != Py_None;
+}
+
 // How `c` (the process's one clock) enters this backward: 1 the common way (outermost, timed,
 // its trigger in C++, no wait to move, no marks), 2 outermost in a quiet step (only its depth
 // counts), 0 otherwise (the Python wrapper then).
@@ -657,10 +667,7 @@ int enters(Hook* h, PyObject* c) {
   PyObject* triggers = get(c, s.triggers);
   PyObject* blocked = get(c, s.blocked);
   const bool common = quiet == Py_False && get(c, s.mark) == Py_None && triggers != nullptr &&
-      slots_of(triggers, h->trigger_slots) &&
-      get(triggers, h->trigger_slots.at.native) != nullptr &&
-      get(triggers, h->trigger_slots.at.native) != Py_None && blocked != nullptr &&
-      blocked_still(h, c, blocked, first_ns);
+      in_native_mode(h, triggers) && blocked != nullptr && blocked_still(h, c, blocked, first_ns);
   PyErr_Clear();
   return common ? 1 : 0;
 }
@@ -709,9 +716,7 @@ PyObject* backward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwna
     if (depth > 0 && !put_int(c, s.bwd_depth, depth - 1)) {
       note_error(c);
     }
-  } else if (depth == 1 && triggers != nullptr && slots_of(triggers, h->trigger_slots) &&
-             get(triggers, h->trigger_slots.at.native) != nullptr &&
-             get(triggers, h->trigger_slots.at.native) != Py_None) {
+  } else if (depth == 1 && triggers != nullptr && in_native_mode(h, triggers)) {
     if (!returned(h, c)) {
       done = call_method(c, s_backward_returned);
     }

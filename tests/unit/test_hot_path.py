@@ -206,7 +206,7 @@ def test_only_a_phase_clock_of_slots_gets_hooks_in_c(built):
     sub = Marked(deque(), deque(), None, None, 1.0, errors.append)
     assert phase_hooks.hot_native(sub, built) is None
     with pytest.raises(AttributeError):  # not a clock: refused when built, never per call
-        built.hot_hook(native.HOT_PRE, object(), print, HOT_CONSTANTS)
+        built.hot_hook(built.HOT_PRE, object(), print, HOT_CONSTANTS)
     assert errors == []
 
 
