@@ -230,8 +230,24 @@ def test_multi_group_job_paces_only_below_the_first_wait_and_nobody_waits_longer
     assert median(on, "pacing") >= 0.005, median(on, "pacing")  # a real share of its 30 ms wait
     assert median(off, "pacing") == 0.0
     root_on, root_off = spans(3)
+
+    def lead_ms(steps: list[dict]) -> list[float]:
+        """By how much rank 1 reaches the step's first collective (the root's all-gather, after
+        its data and its delay) before rank 3, its dp partner, does (after 30 ms more data):
+        the ranks share this machine's clock, so their step rows line up by wall time."""
+        three = {s["step"]: s for s in rows[3]}
+
+        def arrives(s: dict) -> float:
+            return s["end_unix_s"] - s["step_s"] + s["phases"]["data"] + s["phases"]["pacing"]
+
+        return [1e3 * (arrives(three[s["step"]]) - arrives(s)) for s in steps if s["step"] in three]
+
+    lead_on, lead_off = lead_ms(on), lead_ms(off)
+    low_on = statistics.quantiles(lead_on, n=20)[0]
     report = {
         "rank 1 delay ms": 1e3 * median(on, "pacing"),
+        "rank 1 lead ms (paced, off)": (statistics.median(lead_on), statistics.median(lead_off)),
+        "rank 1 lead ms, paced, 5th percentile and lowest": (low_on, min(lead_on)),
         "root comm ms (paced, off)": (
             1e3 * median(root_on, "comm_exposed"),
             1e3 * median(root_off, "comm_exposed"),
@@ -240,11 +256,14 @@ def test_multi_group_job_paces_only_below_the_first_wait_and_nobody_waits_longer
         "root blocked share (paced, off)": (blocked(root_on), blocked(root_off)),
     }
     print(f"\n{report}")
-    # Had the delay outrun rank 1's wait, the root would wait for rank 1 at the all-gather, up
-    # to the 12-13 ms of delay: its step that much longer and blocked that much more, ~0.09 of
-    # its ~87 ms step. The share blocked is compared, not milliseconds: the spans are seconds
-    # apart and this machine's speed drifts between them. A CI run read the off span's step
-    # 77.3 ms against 85-89 ms in reruns, its paced one 91.6 ms (+18.6 %, root comm +4.6 ms),
-    # while the ratio of those medians read 0.296 against 0.291. Over 4 runs the shares differ by
-    # -0.021..+0.010; the bound is 0.05.
-    assert blocked(root_on) <= blocked(root_off) + 0.05, report
+    # Nobody waits for the paced rank: it still reaches its step's first collective before the
+    # root does, so the root's wait there and everything behind it is what it was. The delay
+    # came out of rank 1's lead one for one: its lead shrank by the delay. Three runs here beside
+    # a loaded core read the lead 16.4-17.1 ms paced (5th percentile 14.8-15.2, one step as low
+    # as 9.0: a scheduler's hiccup, not the delay) and 30.2-30.4 off, against delays of
+    # 13.4-13.9 ms. The root's blocked share, the figure this used to compare, moved
+    # -0.037..+0.054 between the spans with the machine's load alone (the spans are seconds
+    # apart): it is reported, not judged.
+    assert low_on > 0.0, report
+    shrank = statistics.median(lead_off) - statistics.median(lead_on)
+    assert abs(shrank - 1e3 * median(on, "pacing")) <= 3.0, report
