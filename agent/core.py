@@ -435,9 +435,10 @@ class Agent:
         )
 
     def _native_backward(self, torch: Any) -> Native | None:
-        """The C++ library for the backward's trigger, where it is built and asked for (not for
-        CudaPhaseClock, which marks callback A with a CUDA event from Python)."""
-        if torch is None or not self.config.native_backward or self.clock.mark is not None:
+        """The C++ library for the backward's trigger and the hooks in C, where it is built and
+        asked for (CudaPhaseClock's trigger stays Python: it marks callback A with a CUDA event,
+        phase_hooks.instrument)."""
+        if torch is None or not self.config.native_backward:
             return None
         from syncscope.agent import native
 

@@ -25,6 +25,7 @@ from syncscope.agent.phases import (
     FORWARD,
     FWD_POST,
     FWD_PRE,
+    OPT_PRE,
     OPTIMIZER,
     PhaseClock,
 )
@@ -34,11 +35,12 @@ from syncscope.wire import DDP_GRAD_SYNC, UNKNOWN_WORK
 _now = time.perf_counter_ns
 # What the hooks in C (native.Native.hot_hook) are told of the clock: the positions of data,
 # forward, backward, the optimizer and exposed communication in its accumulator, its length, the
-# boundaries forward's end and DDP's sync are seen at, the work count that means "unknown", and
-# DDP's sync record's kind.
+# boundaries a subclass's `mark` is told of by them (forward's start and end, the optimizer's
+# start) and DDP's sync is seen at, the work count that means "unknown", and DDP's sync record's
+# kind.
 HOT_CONSTANTS = (
     *(DATA, FORWARD, BACKWARD, OPTIMIZER, COMM, ACC_LEN),
-    *(FWD_POST, COMM_END, UNKNOWN_WORK, DDP_GRAD_SYNC),
+    *(FWD_PRE, FWD_POST, OPT_PRE, COMM_END, UNKNOWN_WORK, DDP_GRAD_SYNC),
 )
 
 
@@ -64,8 +66,8 @@ def instrument(
     """Hook `model` (forward, parameter gradients, torch.autograd.backward) and `optimizer` for
     `clock`; the gradients in C++ where `native` (the loaded native.Native) is given and the
     clock marks no boundary (CudaPhaseClock records an event at callback A, in Python), and
-    then the forward wrapper, the optimizer's hooks and the backward wrapper in C too (their
-    common case: hot_native).
+    with `native` the forward wrapper, the optimizer's hooks and the backward wrapper in C too
+    (their common case: hot_native).
 
     `model`: a module, or a list of them (a pipeline rank's stages, each called apart): every
     one's forward is the forward phase; the batch is read from the first one's inputs only (the
@@ -98,11 +100,20 @@ def instrument(
     return done
 
 
+# PhaseClock's methods the hooks in C do themselves for a subclass too: one that has its own is
+# refused. A subclass's end_step and _quiet_end are called (CudaPhaseClock's), its timed
+# backward is its Python wrapper's, and its `mark` is told of every boundary the hooks see.
+_DONE_IN_C = ("optimizer_pre", "optimizer_post")
+
+
 def hot_native(clock: PhaseClock, native: Any) -> Any:
     """`native` (the loaded native.Native) where `clock` can have its hooks in C
-    (csrc/hot_path.cpp: a PhaseClock itself, marking no boundary), else None. Each hook in C does
-    what its Python counterpart does in its common case and calls it for all the rest."""
-    if native is None or type(clock) is not PhaseClock or clock.mark is not None:
+    (csrc/hot_path.cpp: a PhaseClock, or a subclass keeping _DONE_IN_C), else None. Each hook in C
+    does what its Python counterpart does in its common case and calls it for all the rest."""
+    if native is None or not isinstance(clock, PhaseClock):
+        return None
+    kind = type(clock)
+    if any(getattr(kind, name) is not getattr(PhaseClock, name) for name in _DONE_IN_C):
         return None
     return native
 
@@ -116,7 +127,9 @@ def hot_hooks(clock: PhaseClock, hot: Any) -> tuple[Any, Any]:
     in_c = _in_c(hot, hot.HOT_PRE, clock, pre, clock)
     if in_c is pre:  # refused (the clock's slots): the post-hook would be too
         return pre, post
-    return in_c, _in_c(hot, hot.HOT_POST, clock, post, clock)
+    # A subclass ends its steps its own way (CudaPhaseClock: a CUDA event, its resolver's queue).
+    ends = (None, None) if type(clock) is PhaseClock else (clock.end_step, clock._quiet_end)
+    return in_c, _in_c(hot, hot.HOT_POST, (clock, *ends), post, clock)
 
 
 def _in_c(

@@ -19,8 +19,11 @@ rounds, on a tiny DDP model (gloo, one process) so the hooks are visible. Mechan
                      and optimizer hooks' common case in C (agent/csrc/hot_path.cpp)
   CUDA clock         the CUDA path's CudaPhaseClock with its resolver thread, CUDA stubbed:
                      events that cost nothing (a real Event.record is ~2.2 µs on an H100), so
-                     the figure is the agent's own Python per step on a GPU job (issue 33);
-                     the events it recorded a step are printed, to add their real cost
+                     the figure is the agent's own work per step on a GPU job; the events it
+                     recorded a step are printed, to add their real cost. With the C++ library,
+                     as attach() installs it: the forward wrapper and the optimizer's hooks in
+                     C, calling the clock's `mark` (an event each) and its own step end, and
+                     the backward wrapper in C in quiet steps; its gradient trigger is Python
   ... 1 in 16        both clocks with phase sampling (`phase_every=16`, agent/phases.py): the
                      phases of one step in 16 timed, the other steps only counted
 Besides the training thread's CPU, the whole process's (the resolver thread's work included).
@@ -153,7 +156,7 @@ def main() -> None:
         clock.phase_every = every
         return [instrument(clock, rig.model, rig.opt if step else None, trigger)]
 
-    def cuda_clock(rig: Rig, every: int = 1) -> list:
+    def cuda_clock(rig: Rig, every: int = 1, lib: Any = None) -> list:
         queue = torch.autograd.Variable._execution_engine.queue_callback
         clock = CudaPhaseClock(
             deque(maxlen=8192),
@@ -167,7 +170,7 @@ def main() -> None:
             thread_guard=lambda: None,
         )
         clock.phase_every = every
-        hooks = instrument(clock, rig.model, rig.opt)
+        hooks = instrument(clock, rig.model, rig.opt, lib)
         clock.start()
 
         def remove() -> None:
@@ -189,14 +192,18 @@ def main() -> None:
         "agent PhaseClock, everything": agent_clock,
         "PhaseClock, the C++ library's": lambda rig: agent_clock(rig, trigger=built),
         "CudaPhaseClock, CUDA stubbed": cuda_clock,
+        "CudaPhaseClock, the C++ library's": lambda rig: cuda_clock(rig, lib=built),
         "PhaseClock, phases 1 step in 16": lambda rig: agent_clock(rig, 16),
         "... the C++ library's, 1 in 16": lambda rig: agent_clock(rig, 16, trigger=built),
         "CudaPhaseClock, stubbed, 1 in 16": lambda rig: cuda_clock(rig, 16),
+        "CudaPhaseClock, the library's, 1 in 16": lambda rig: cuda_clock(rig, 16, lib=built),
     }
     built = native.load(torch)
     if built is None:
         del mechanisms["PhaseClock, the C++ library's"]
         del mechanisms["... the C++ library's, 1 in 16"]
+        del mechanisms["CudaPhaseClock, the C++ library's"]
+        del mechanisms["CudaPhaseClock, the library's, 1 in 16"]
     bare = Rig()
     rigs = {name: Rig() for name in mechanisms}
     events: dict[str, float] = {}

@@ -208,9 +208,11 @@ struct Hook {
   PyObject* global_post;  // kForward: torch's global forward hooks (a dict), or None
   int count;              // kForward: read the batch from the inputs (StepWork.inputs)
   PyObject* sync_kind;    // wire.DDP_GRAD_SYNC
+  PyObject* end_step;     // kPost: a subclass's clock.end_step, called; nullptr: done here
+  PyObject* quiet_end;    // kPost: a subclass's clock._quiet_end, called; nullptr: done here
   // Positions and values phases.py declares: accumulator indices, boundaries, UNKNOWN_WORK.
   Py_ssize_t i_data, i_forward, i_backward, i_optimizer, i_comm, n_phases;
-  int64_t fwd_post, comm_end, unknown_work;
+  int64_t fwd_pre, fwd_post, opt_pre, comm_end, unknown_work;
   Resolved<ClockSlots> clock_slots;
   Resolved<WorkSlots> work_slots;
   Resolved<BlockedSlots> blocked_slots;
@@ -243,6 +245,24 @@ PyObject* report(PyObject* clock) {
   Py_RETURN_NONE;
 }
 
+// The clock's `mark` (a subclass's: CudaPhaseClock records a CUDA event) told of boundary
+// `kind`, as the Python hooks do where `mark` is not None; its errors go to on_error.
+void mark_at(PyObject* c, Py_ssize_t mark_slot, int64_t kind) {
+  PyObject* mark = get(c, mark_slot);
+  if (mark == nullptr || mark == Py_None) {
+    return;
+  }
+  Py_INCREF(mark);  // held: the call may replace the slot
+  PyObject* k = PyLong_FromLongLong(kind);
+  PyObject* done = k == nullptr ? nullptr : PyObject_CallOneArg(mark, k);
+  Py_XDECREF(k);
+  Py_DECREF(mark);
+  if (done == nullptr) {
+    note_error(c);
+  }
+  Py_XDECREF(done);
+}
+
 // Blocked's state: whether no wait came since the clock last looked (blocked.ns ==
 // blocked_seen), and its first_ns; false where `blocked` is not a Blocked of slots.
 bool blocked_still(Hook* h, PyObject* c, PyObject* blocked, int64_t& first_ns) {
@@ -267,12 +287,13 @@ PyObject* optimizer_pre(Hook* h, PyObject* const* args, size_t nargsf, PyObject*
   if (quiet == Py_True) {
     Py_RETURN_NONE;
   }
-  if (quiet != Py_False || get(c, s.detect_start) != Py_None || get(c, s.mark) != Py_None) {
+  if (quiet != Py_False || get(c, s.detect_start) != Py_None || get(c, s.mark) == nullptr) {
     return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
   }
   if (!put_int(c, s.opt_start, now_ns())) {
     return report(c);
   }
+  mark_at(c, s.mark, h->opt_pre);
   Py_RETURN_NONE;
 }
 
@@ -422,8 +443,54 @@ PyObject* after_step(Hook* h, PyObject* c, int64_t t, int64_t step) {
   Py_RETURN_NONE;
 }
 
+// A subclass's step end (CudaPhaseClock's: its events, its resolver's queue): the optimizer's
+// phase here, then the subclass's own end_step, or its _quiet_end in a quiet step, then the
+// transport's hook, as PhaseClock.optimizer_post does.
+PyObject* own_end(Hook* h, int64_t t, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  PyObject* c = h->clock;
+  const ClockSlots& s = h->clock_slots.at;
+  int64_t step_start = 0, opt_start = 0, first_ns, step, ns;
+  PyObject* quiet = get(c, s.quiet);
+  PyObject* acc = get(c, s.acc);
+  PyObject* blocked = get(c, s.blocked);
+  bool common = get(c, s.manual_steps) == Py_False && int_of(get(c, s.step_start), step_start);
+  if (common && quiet == Py_False) {
+    common = int_of(get(c, s.opt_start), opt_start) && int_list(acc, h->n_phases) &&
+        blocked != nullptr && blocked_still(h, c, blocked, first_ns);
+  } else if (quiet != Py_True) {
+    common = false;
+  }
+  if (!common) {
+    PyErr_Clear();
+    return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+  }
+  PyObject* done;
+  if (quiet == Py_True) {
+    done = PyObject_CallFunction(h->quiet_end, "LL", static_cast<long long>(t),
+                                 static_cast<long long>(t - step_start));
+  } else {
+    if (opt_start && (((ns = t - opt_start) > 0 && !add_to(acc, h->i_optimizer, ns)) ||
+                      !put_int(c, s.opt_start, 0))) {
+      return report(c);
+    }
+    done = PyObject_CallFunction(h->end_step, "L", static_cast<long long>(t));
+  }
+  if (done == nullptr) {
+    return report(c);
+  }
+  Py_DECREF(done);
+  if (!int_of(get(c, s.step), step)) {
+    PyErr_SetString(PyExc_TypeError, "step is not an int");
+    return report(c);
+  }
+  return after_step(h, c, t, step);
+}
+
 PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   const int64_t t = now_ns();
+  if (h->end_step != nullptr) {
+    return own_end(h, t, args, nargsf, kwnames);
+  }
   PyObject* c = h->clock;
   const ClockSlots& s = h->clock_slots.at;
   int64_t opt_start = 0, step_start, step, syncs = 0, every, steps_max, first_ns, ns = 0;
@@ -646,11 +713,14 @@ bool in_native_mode(Hook* h, PyObject* triggers) {
   return native != nullptr && native != Py_None;
 }
 
-// How `c` (the process's one clock) enters this backward: 1 the common way (outermost, timed,
-// its trigger in C++, no wait to move, no marks), 2 outermost in a quiet step (only its depth
-// counts), 0 otherwise (the Python wrapper then).
+// How `c` (the process's one clock) enters this backward: 1 the common way (a PhaseClock itself,
+// outermost, timed, its trigger in C++, no wait to move, no marks), 2 outermost in a quiet step
+// (only its depth counts; a subclass's too), 0 otherwise (the Python wrapper then).
 int enters(Hook* h, PyObject* c) {
-  if (reinterpret_cast<PyObject*>(Py_TYPE(c)) != h->clock_class ||
+  PyTypeObject* type = Py_TYPE(c);
+  const bool exact = reinterpret_cast<PyObject*>(type) == h->clock_class;
+  if (!(exact ||
+        PyType_IsSubtype(type, reinterpret_cast<PyTypeObject*>(h->clock_class))) ||
       !slots_of(c, h->clock_slots)) {
     return 0;
   }
@@ -663,6 +733,9 @@ int enters(Hook* h, PyObject* c) {
   }
   if (quiet == Py_True) {
     return 2;
+  }
+  if (!exact) {  // a subclass's timed backward: its own methods, in Python
+    return 0;
   }
   PyObject* triggers = get(c, s.triggers);
   PyObject* blocked = get(c, s.blocked);
@@ -901,7 +974,7 @@ PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnam
     return call_original(h, args, nargsf, kwnames);
   }
   // The module's hooks first: reading them may run Python, so the slots are read after it.
-  bool common = quiet == Py_False && get(c, s.mark) == Py_None && has_hooks(h) == 0;
+  bool common = quiet == Py_False && get(c, s.mark) != nullptr && has_hooks(h) == 0;
   PyObject* acc = get(c, s.acc);
   PyObject* blocked = get(c, s.blocked);
   work = get(c, s.work);
@@ -928,6 +1001,7 @@ PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnam
   if (!ok) {
     note_error(c);
   }
+  mark_at(c, s.mark, h->fwd_pre);
   PyObject* out = call_original(h, args, nargsf, kwnames);
   if (out == nullptr) {
     return nullptr;  // the model's own error, as it came
@@ -977,10 +1051,12 @@ PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnam
     PyObject* done = PyObject_CallMethodOneArg(triggers, s_hook_output, out);
     if (done == nullptr) {
       note_error(c);
+      return out;
     }
-    Py_XDECREF(done);
+    Py_DECREF(done);
   }
   PyErr_Clear();
+  mark_at(c, s.mark, h->fwd_post);
   return out;
 }
 
@@ -1012,6 +1088,8 @@ int hook_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(h->module);
   Py_VISIT(h->global_post);
   Py_VISIT(h->sync_kind);
+  Py_VISIT(h->end_step);
+  Py_VISIT(h->quiet_end);
   return 0;
 }
 
@@ -1027,6 +1105,8 @@ int hook_clear(PyObject* self) {
   Py_CLEAR(h->module);
   Py_CLEAR(h->global_post);
   Py_CLEAR(h->sync_kind);
+  Py_CLEAR(h->end_step);
+  Py_CLEAR(h->quiet_end);
   return 0;
 }
 
@@ -1102,12 +1182,15 @@ bool intern_names() {
 extern "C" {
 
 // A hook of `kind` (0: optimizer pre, 1: optimizer post, 2: torch.autograd.backward, 3: a
-// model's forward) standing for the Python callable `fallback`. `target`: the clock (0, 1);
-// (phase_hooks.Clocks, torch.autograd.backward's original, the clock class it times) (2);
-// (the clock, the original forward, phase_hooks._call_traced, the module or None, torch's global
-// forward hooks or None, whether to read the batch) (3). `constants`: phase_hooks.HOT_CONSTANTS,
-// (the positions of DATA, FORWARD, BACKWARD, OPTIMIZER and COMM_EXPOSED in the accumulator, its
-// length, FWD_POST, COMM_END, UNKNOWN_WORK, DDP_GRAD_SYNC). A new reference, or nullptr with an exception set (ctypes raises it).
+// model's forward) standing for the Python callable `fallback`. `target`: the clock (0);
+// (the clock, and for a subclass that ends its steps its own way its bound end_step and
+// _quiet_end, else None and None) (1); (phase_hooks.Clocks, torch.autograd.backward's original,
+// the clock class it times) (2); (the clock, the original forward, phase_hooks._call_traced, the
+// module or None, torch's global forward hooks or None, whether to read the batch) (3).
+// `constants`: phase_hooks.HOT_CONSTANTS, (the positions of DATA, FORWARD, BACKWARD, OPTIMIZER
+// and COMM_EXPOSED in the accumulator, its length, FWD_PRE, FWD_POST, OPT_PRE, COMM_END,
+// UNKNOWN_WORK, DDP_GRAD_SYNC). A new reference, or nullptr with an exception set (ctypes
+// raises it).
 PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyObject* constants) {
   if (!intern_names()) {
     return nullptr;
@@ -1115,10 +1198,10 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   if (hook_type == nullptr && (hook_type = PyType_FromSpec(&hook_spec)) == nullptr) {
     return nullptr;
   }
-  long long at[6], fwd_post, comm_end, unknown_work;  // DATA .. COMM, then the length
+  long long at[6], fwd_pre, fwd_post, opt_pre, comm_end, unknown_work;  // DATA .. COMM, length
   PyObject* sync_kind;
-  if (!PyArg_ParseTuple(constants, "LLLLLLLLLO", &at[0], &at[1], &at[2], &at[3], &at[4], &at[5],
-                        &fwd_post, &comm_end, &unknown_work, &sync_kind)) {
+  if (!PyArg_ParseTuple(constants, "LLLLLLLLLLLO", &at[0], &at[1], &at[2], &at[3], &at[4], &at[5],
+                        &fwd_pre, &fwd_post, &opt_pre, &comm_end, &unknown_work, &sync_kind)) {
     return nullptr;
   }
   for (int i = 0; i < 5; ++i) {
@@ -1133,6 +1216,7 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   }
   PyObject *clock = nullptr, *registered = nullptr, *original = nullptr, *clock_class = nullptr;
   PyObject *call_traced = nullptr, *module = nullptr, *global_post = nullptr;
+  PyObject *end_step = nullptr, *quiet_end = nullptr;
   int count = 0;
   if (kind == kBackward) {
     if (!PyArg_ParseTuple(target, "OOO", &registered, &original, &clock_class)) {
@@ -1146,6 +1230,18 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
     if (global_post != Py_None && !PyDict_Check(global_post)) {
       PyErr_SetString(PyExc_TypeError, "torch's global forward hooks: a dict or None");
       return nullptr;
+    }
+  } else if (kind == kPost) {
+    if (!PyArg_ParseTuple(target, "OOO", &clock, &end_step, &quiet_end)) {
+      return nullptr;
+    }
+    if ((end_step == Py_None) != (quiet_end == Py_None) ||
+        (end_step != Py_None && !(PyCallable_Check(end_step) && PyCallable_Check(quiet_end)))) {
+      PyErr_SetString(PyExc_TypeError, "end_step and _quiet_end: both callables, or both None");
+      return nullptr;
+    }
+    if (end_step == Py_None) {
+      end_step = quiet_end = nullptr;
     }
   } else {
     clock = target;
@@ -1168,6 +1264,10 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   h->global_post = global_post;
   h->count = count;
   h->sync_kind = sync_kind;
+  h->end_step = end_step;
+  h->quiet_end = quiet_end;
+  Py_XINCREF(end_step);
+  Py_XINCREF(quiet_end);
   Py_XINCREF(clock);
   Py_INCREF(fallback);
   Py_XINCREF(registered);
@@ -1183,7 +1283,9 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   h->i_optimizer = at[3];
   h->i_comm = at[4];
   h->n_phases = at[5];
+  h->fwd_pre = fwd_pre;
   h->fwd_post = fwd_post;
+  h->opt_pre = opt_pre;
   h->comm_end = comm_end;
   h->unknown_work = unknown_work;
   new (&h->clock_slots) Resolved<ClockSlots>();

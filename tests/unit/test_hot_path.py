@@ -6,6 +6,7 @@ everything else to Python."""
 from __future__ import annotations
 
 import sys
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -16,14 +17,22 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from syncscope.agent import attach, native, phase_hooks  # noqa: E402
+from syncscope.agent.cuda_timing import CudaPhaseClock  # noqa: E402
 from syncscope.agent.phase_hooks import HOT_CONSTANTS, hot_hooks, instrument  # noqa: E402
 from syncscope.agent.phases import (  # noqa: E402
     BACKWARD,
+    BWD_END,
+    BWD_START,
     COMM,
+    COMM_END,
     FORWARD,
+    FWD_POST,
+    FWD_PRE,
+    OPT_PRE,
     OPTIMIZER,
     QUIET_ROW,
     ROW_PHASES,
+    ROW_WORK,
     PhaseClock,
 )
 
@@ -50,6 +59,18 @@ def model_and_optimizer() -> tuple[Any, Any]:
         torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     )
     return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def stepper(model: Any, opt: Any) -> Any:
+    """One training step of `model` on a batch of its own, as a function."""
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    return step
 
 
 def python_calls(fn: Any) -> dict[str, int]:
@@ -194,20 +215,107 @@ def test_a_full_queue_an_error_and_a_second_clock_go_to_python(gloo_world_of_one
     assert not hasattr(torch.autograd.backward, "__syncscope_wrapped__")  # ours taken off
 
 
-def test_only_a_phase_clock_of_slots_gets_hooks_in_c(built):
-    class Marked(PhaseClock):
+def test_only_a_phase_clock_of_slots_keeping_its_hooks_gets_hooks_in_c(built):
+    class Keeps(PhaseClock):
         __slots__ = ()
+
+    class Own(PhaseClock):
+        __slots__ = ()
+
+        def optimizer_post(self, *_: Any) -> None:
+            pass
 
     errors: list[BaseException] = []
     clock = direct_clock(deque(), errors)
     pre, post = hot_hooks(clock, phase_hooks.hot_native(clock, built))
     assert type(pre).__name__ == type(post).__name__ == "HotHook"
     assert hot_hooks(clock, None) == (clock.optimizer_pre, clock.optimizer_post)
-    sub = Marked(deque(), deque(), None, None, 1.0, errors.append)
-    assert phase_hooks.hot_native(sub, built) is None
+    keeps = Keeps(deque(), deque(), None, None, 1.0, errors.append)
+    assert phase_hooks.hot_native(keeps, built) is built
+    own = Own(deque(), deque(), None, None, 1.0, errors.append)
+    assert phase_hooks.hot_native(own, built) is None  # its optimizer_post would be skipped
     with pytest.raises(AttributeError):  # not a clock: refused when built, never per call
         built.hot_hook(built.HOT_PRE, object(), print, HOT_CONSTANTS)
+    with pytest.raises(TypeError):  # a subclass's step end: both of its methods, or neither
+        built.hot_hook(built.HOT_POST, (clock, print, None), print, HOT_CONSTANTS)
     assert errors == []
+
+
+class TimeEvent:
+    """A CUDA event stand-in: done once recorded, timed by the host's clock."""
+
+    def __init__(self) -> None:
+        self.t = 0
+
+    def record(self, stream: Any = None) -> None:
+        self.t = time.perf_counter_ns()
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: TimeEvent) -> float:
+        return (end.t - self.t) / 1e6
+
+
+def run_cuda_clock(in_c: bool, every: int, built: Any) -> tuple[list, list, list, dict]:
+    """A CudaPhaseClock (events stood in for) on a DDP model through the hooks in C or Python's:
+    the boundaries its `mark` heard, step by step, its resolved rows, its DDP sync records and
+    the Python calls of three steps after the first ten."""
+    model, opt = model_and_optimizer()
+    out_steps: deque = deque(maxlen=64)
+    out_colls: deque = deque(maxlen=64)
+    errors: list[BaseException] = []
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+    clock = CudaPhaseClock(
+        out_steps, out_colls, queue, "g", 1.0, errors.append, ddp_model=model,
+        event_factory=TimeEvent, thread_guard=lambda: None,
+    )  # fmt: skip
+    clock.phase_every = every
+    heard: list[tuple[int, int]] = []
+    own_mark = clock.mark
+
+    def mark(kind: int) -> None:
+        heard.append((clock.step, kind))
+        own_mark(kind)
+
+    clock.mark = mark
+    step = stepper(model, opt)
+    hooks = instrument(clock, model, opt, built if in_c else None)
+    try:
+        if in_c:  # the forward and the optimizer's hooks are the C ones
+            assert type(opt._optimizer_step_post_hooks[hooks.handles[-1].id]).__name__ == "HotHook"
+        for _ in range(10):
+            step()
+        calls = python_calls(lambda: [step() for _ in range(3)])
+    finally:
+        hooks.remove()
+    clock.resolve()
+    assert errors == []
+    return heard, list(out_steps), [r for r in out_colls if r[0] == DDP_GRAD_SYNC], calls
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_a_cuda_clock_hears_the_same_boundaries_from_the_hooks_in_c(
+    gloo_world_of_one, built, every
+):
+    """CudaPhaseClock's steps through the hooks in C: its `mark` (a CUDA event each) hears the
+    boundaries Python's hooks tell it of, in the same order; its own step end queues the same
+    steps for its resolver, which makes the same rows and DDP sync records of them."""
+    heard_c, rows_c, syncs_c, calls_c = run_cuda_clock(True, every, built)
+    heard_py, rows_py, syncs_py, calls_py = run_cuda_clock(False, every, None)
+    assert heard_c == heard_py
+    kinds = {k for _, k in heard_c}  # (its step end it marks itself)
+    assert kinds == {FWD_PRE, FWD_POST, BWD_START, BWD_END, COMM_END, OPT_PRE}, kinds
+    assert [r[0] for r in rows_c] == [r[0] for r in rows_py] == list(range(13))
+    assert [r[ROW_WORK:] for r in rows_c] == [r[ROW_WORK:] for r in rows_py]
+    assert [s[-1] for s in syncs_c] == [s[-1] for s in syncs_py]
+    for row in rows_c[1:]:  # the GPU's phases (host-timed events here): all there
+        assert row[ROW_PHASES + FORWARD] > 0 and row[ROW_PHASES + BACKWARD] > 0, row
+        assert sum(row[ROW_PHASES:ROW_WORK]) <= row[2], row
+    # In C: the forward wrapper and the optimizer's hooks (the step's end is the clock's own)
+    assert not {"forward", "optimizer_pre", "optimizer_post"} & set(calls_c), calls_c
+    assert {"forward", "optimizer_post", "end_step"} <= set(calls_py), calls_py
+    assert "end_step" in calls_c
 
 
 def test_a_clock_in_an_unexpected_state_goes_to_python_not_down(gloo_world_of_one, built):
@@ -218,13 +326,7 @@ def test_a_clock_in_an_unexpected_state_goes_to_python_not_down(gloo_world_of_on
     model, opt = model_and_optimizer()
     clock = direct_clock(deque(maxlen=64), errors)
     clock.ddp_model = model
-    x, y = torch.randn(4, 8), torch.randn(4, 1)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
+    step = stepper(model, opt)
     hooks = instrument(clock, model, opt, built)
     try:
         for _ in range(3):
