@@ -472,6 +472,9 @@ def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable
                 depth = c.bwd_depth = c.bwd_depth + 1
                 if depth == 1 and not c.quiet:
                     c.bwd_entry = t
+                    # Callback A of any backward before has run (its graph task ended before it
+                    # returned) or never will (an error in between): this one starts afresh.
+                    c.bwd_pending = c.bwd_deferred = False
                     native = c.triggers.native
                     if native is not None:  # the C++ trigger (grad_triggers.py): armed
                         native.bwd_armed.value = 1
@@ -486,20 +489,23 @@ def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable
                 c.on_error(exc)
         try:
             return original(*args, **kwargs)
-        finally:
+        finally:  # the backward's own error, if any, goes on once the clocks are told
             for c in clocks:
-                if c.quiet:  # nothing learnt or missed in a step whose phases are not timed
-                    if c.bwd_depth > 0:
-                        c.bwd_depth -= 1
-                elif c.bwd_depth == 1 and c.triggers.native is not None:
-                    c.backward_returned()
-                elif c.bwd_depth == 1 and not c.fwd_since_bwd and not c.bwd_deferred:
-                    c.bwd_depth = c.bwd_entry = 0  # the outermost backward; a trigger fired
-                    if c.sync_due:  # callback B's work, at the engine's return
-                        c.sync_due = False
-                        c._gradients_reduced()
-                else:
-                    c.backward_exit()
+                try:
+                    if c.quiet:  # nothing learnt or missed in a step whose phases are not timed
+                        if c.bwd_depth > 0:
+                            c.bwd_depth -= 1
+                    elif c.bwd_depth == 1 and c.triggers.native is not None:
+                        c.backward_returned()
+                    elif c.bwd_depth == 1 and not c.fwd_since_bwd and not c.bwd_deferred:
+                        c.bwd_depth = c.bwd_entry = 0  # the outermost backward; a trigger fired
+                        if c.sync_due:  # callback B's work, at the engine's return
+                            c.sync_due = False
+                            c._gradients_reduced()
+                    else:
+                        c.backward_exit()
+                except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
+                    c.on_error(exc)
 
     return backward
 

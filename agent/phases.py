@@ -276,10 +276,10 @@ class BackwardPhases(StepState):
         FSDP2 then calls the sharded parameters' hooks itself, outside autograd, where no
         callback can be queued. In a quiet step (phase sampling) it starts nothing either, nor
         inside a torch.autograd.grad that times itself (a split backward: timed_grad)."""
-        triggers = self.triggers
-        if (self.bwd_pending and triggers.learned is None) or self.quiet or self.grad_entry:
-            return  # a later trigger of this backward (the common call), or not timed
-        try:
+        try:  # (a try costs nothing until it catches: CPython 3.11's are zero-cost)
+            triggers = self.triggers
+            if (self.bwd_pending and triggers.learned is None) or self.quiet or self.grad_entry:
+                return  # a later trigger of this backward (the common call), or not timed
             if not self.bwd_pending:
                 if self.bwd_depth > 1:
                     self.bwd_deferred = True
@@ -552,13 +552,16 @@ class PhaseClock(BackwardPhases):
         if self.quiet:  # never the first step, where detect_start is read
             return
         self.opt_start = _now()
-        if self.detect_start is not None:
-            try:
-                self._detect_start_step()
-            except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
-                self.on_error(exc)
-        if self.mark is not None:
-            self.mark(OPT_PRE)
+        try:
+            if self.detect_start is not None:
+                try:
+                    self._detect_start_step()
+                except BaseException as exc:  # noqa: BLE001 - the mark below still comes
+                    self.on_error(exc)
+            if self.mark is not None:
+                self.mark(OPT_PRE)
+        except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
+            self.on_error(exc)
 
     def optimizer_post(self, *_: Any) -> None:
         try:
