@@ -34,7 +34,7 @@ SOURCES = (  # they include clock.h
     CSRC / "hot_path.cpp",
 )
 NAME = "syncscope_c10d"
-ABI = 5  # csrc's kAbi: a library answering another is not loaded
+ABI = 6  # csrc's kAbi: a library answering another is not loaded
 ENV_DIR = "SYNCSCOPE_NATIVE_DIR"
 DRAIN_BATCH = 4096
 
@@ -124,7 +124,8 @@ class Native:
     def hot_hook(self, kind: int, target: Any, fallback: Any, constants: tuple) -> Any:
         """A hook in C (csrc/hot_path.cpp) doing what the Python callable `fallback` does in its
         common case, and calling it otherwise. `kind`: HOT_PRE (`target`: the clock), HOT_POST
-        ((the clock, a subclass's bound end_step and _quiet_end or None, None)), HOT_BACKWARD (`target`: (phase_hooks.Clocks, torch.autograd.backward, the clock
+        ((the clock, its bound end_step and _quiet_end, whether it is a PhaseClock itself)),
+        HOT_BACKWARD (`target`: (phase_hooks.Clocks, torch.autograd.backward, the clock
         class)) or HOT_FORWARD (phase_hooks._hot_forward's); `constants`:
         phase_hooks.HOT_CONSTANTS. Raises what the library says (a clock whose attributes are
         not slots: TypeError)."""

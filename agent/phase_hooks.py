@@ -127,8 +127,9 @@ def hot_hooks(clock: PhaseClock, hot: Any) -> tuple[Any, Any]:
     in_c = _in_c(hot, hot.HOT_PRE, clock, pre, clock)
     if in_c is pre:  # refused (the clock's slots): the post-hook would be too
         return pre, post
-    # A subclass ends its steps its own way (CudaPhaseClock: a CUDA event, its resolver's queue).
-    ends = (None, None) if type(clock) is PhaseClock else (clock.end_step, clock._quiet_end)
+    # The clock's own step end, called where the hook does not end the step itself: always for
+    # a subclass (CudaPhaseClock: a CUDA event, its resolver's queue), else in uncommon steps.
+    ends = (clock.end_step, clock._quiet_end, type(clock) is PhaseClock)
     return in_c, _in_c(hot, hot.HOT_POST, (clock, *ends), post, clock)
 
 

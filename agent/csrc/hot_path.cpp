@@ -208,8 +208,9 @@ struct Hook {
   PyObject* global_post;  // kForward: torch's global forward hooks (a dict), or None
   int count;              // kForward: read the batch from the inputs (StepWork.inputs)
   PyObject* sync_kind;    // wire.DDP_GRAD_SYNC
-  PyObject* end_step;     // kPost: a subclass's clock.end_step, called; nullptr: done here
-  PyObject* quiet_end;    // kPost: a subclass's clock._quiet_end, called; nullptr: done here
+  PyObject* end_step;     // kPost: the clock's end_step, called where not done here
+  PyObject* quiet_end;    // kPost: the clock's _quiet_end, called where not done here
+  int inline_end;         // kPost: the clock is a PhaseClock itself: its common step end here
   // Positions and values phases.py declares: accumulator indices, boundaries, UNKNOWN_WORK.
   Py_ssize_t i_data, i_forward, i_backward, i_optimizer, i_comm, n_phases;
   int64_t fwd_pre, fwd_post, opt_pre, comm_end, unknown_work;
@@ -443,9 +444,10 @@ PyObject* after_step(Hook* h, PyObject* c, int64_t t, int64_t step) {
   Py_RETURN_NONE;
 }
 
-// A subclass's step end (CudaPhaseClock's: its events, its resolver's queue): the optimizer's
-// phase here, then the subclass's own end_step, or its _quiet_end in a quiet step, then the
-// transport's hook, as PhaseClock.optimizer_post does.
+// A step end not done here: a subclass's (CudaPhaseClock's: its events, its resolver's queue),
+// or a PhaseClock's that is not the common one (a pacer, the first step, a timed step of phase
+// sampling, a full queue). The optimizer's phase here, then the clock's own end_step, or its
+// _quiet_end in a quiet step, then the transport's hook, as PhaseClock.optimizer_post does.
 PyObject* own_end(Hook* h, int64_t t, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   PyObject* c = h->clock;
   const ClockSlots& s = h->clock_slots.at;
@@ -488,7 +490,7 @@ PyObject* own_end(Hook* h, int64_t t, PyObject* const* args, size_t nargsf, PyOb
 
 PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   const int64_t t = now_ns();
-  if (h->end_step != nullptr) {
+  if (!h->inline_end) {
     return own_end(h, t, args, nargsf, kwnames);
   }
   PyObject* c = h->clock;
@@ -522,7 +524,7 @@ PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject
   }
   if (!common) {
     PyErr_Clear();
-    return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+    return own_end(h, t, args, nargsf, kwnames);
   }
   const int64_t total = t - step_start;
   int64_t samples = 0, tokens = 0;
@@ -1183,8 +1185,8 @@ extern "C" {
 
 // A hook of `kind` (0: optimizer pre, 1: optimizer post, 2: torch.autograd.backward, 3: a
 // model's forward) standing for the Python callable `fallback`. `target`: the clock (0);
-// (the clock, and for a subclass that ends its steps its own way its bound end_step and
-// _quiet_end, else None and None) (1); (phase_hooks.Clocks, torch.autograd.backward's original,
+// (the clock, its bound end_step and _quiet_end, whether it is a PhaseClock itself, whose
+// common step end is done here) (1); (phase_hooks.Clocks, torch.autograd.backward's original,
 // the clock class it times) (2); (the clock, the original forward, phase_hooks._call_traced, the
 // module or None, torch's global forward hooks or None, whether to read the batch) (3).
 // `constants`: phase_hooks.HOT_CONSTANTS, (the positions of DATA, FORWARD, BACKWARD, OPTIMIZER
@@ -1217,7 +1219,7 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   PyObject *clock = nullptr, *registered = nullptr, *original = nullptr, *clock_class = nullptr;
   PyObject *call_traced = nullptr, *module = nullptr, *global_post = nullptr;
   PyObject *end_step = nullptr, *quiet_end = nullptr;
-  int count = 0;
+  int count = 0, inline_end = 0;
   if (kind == kBackward) {
     if (!PyArg_ParseTuple(target, "OOO", &registered, &original, &clock_class)) {
       return nullptr;
@@ -1232,16 +1234,12 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
       return nullptr;
     }
   } else if (kind == kPost) {
-    if (!PyArg_ParseTuple(target, "OOO", &clock, &end_step, &quiet_end)) {
+    if (!PyArg_ParseTuple(target, "OOOp", &clock, &end_step, &quiet_end, &inline_end)) {
       return nullptr;
     }
-    if ((end_step == Py_None) != (quiet_end == Py_None) ||
-        (end_step != Py_None && !(PyCallable_Check(end_step) && PyCallable_Check(quiet_end)))) {
-      PyErr_SetString(PyExc_TypeError, "end_step and _quiet_end: both callables, or both None");
+    if (!(PyCallable_Check(end_step) && PyCallable_Check(quiet_end))) {
+      PyErr_SetString(PyExc_TypeError, "end_step and _quiet_end must be callable");
       return nullptr;
-    }
-    if (end_step == Py_None) {
-      end_step = quiet_end = nullptr;
     }
   } else {
     clock = target;
@@ -1266,6 +1264,7 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   h->sync_kind = sync_kind;
   h->end_step = end_step;
   h->quiet_end = quiet_end;
+  h->inline_end = inline_end;
   Py_XINCREF(end_step);
   Py_XINCREF(quiet_end);
   Py_XINCREF(clock);

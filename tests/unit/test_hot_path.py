@@ -236,8 +236,8 @@ def test_only_a_phase_clock_of_slots_keeping_its_hooks_gets_hooks_in_c(built):
     assert phase_hooks.hot_native(own, built) is None  # its optimizer_post would be skipped
     with pytest.raises(AttributeError):  # not a clock: refused when built, never per call
         built.hot_hook(built.HOT_PRE, object(), print, HOT_CONSTANTS)
-    with pytest.raises(TypeError):  # a subclass's step end: both of its methods, or neither
-        built.hot_hook(built.HOT_POST, (clock, print, None), print, HOT_CONSTANTS)
+    with pytest.raises(TypeError):  # the clock's step end: its methods, callable
+        built.hot_hook(built.HOT_POST, (clock, print, None, True), print, HOT_CONSTANTS)
     assert errors == []
 
 
