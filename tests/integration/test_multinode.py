@@ -406,6 +406,14 @@ def run_across_nodes(tmp_path, job: str, args: list[str], clean: bool) -> dict[s
                 # alert.
                 "ruled_since_start": prom.query_range(named_by_the_rule(sel), started, now),
                 "skew": prom.query_range(f"{R.SKEW_RATIO}{sel}", started, now),
+                # Each rank's stage labels on its phase counter (a pipeline's are learnt from
+                # its first point-to-point op): on a failure, whether a rank had two at once.
+                "stages": prom.query_range(
+                    f'count by (rank, stage) ({M.PHASE_SECONDS_TOTAL.name}{{job="{job}",'
+                    'phase="comm_exposed"})',
+                    started,
+                    now,
+                ),
                 "alerts": prom.query_range(
                     f'ALERTS{{alertname="SyncscopeStraggler",alertstate="firing",job="{job}"}}',
                     started,
@@ -547,8 +555,10 @@ def test_each_parallelism_across_nodes_clean_gets_no_straggler_anywhere(name, ac
         assert diagnosis["straggler"] is None, (node, diagnosis["modes"]["straggler"], skews)
         for mode in ("fabric_contention", "slow_link"):
             assert not diagnosis["modes"].get(mode, {}).get("verdict"), (node, mode, diagnosis)
-    ruled = [ruled_rank(series) for series in run["ruled_since_start"].values()]
-    assert set(ruled) == {None}, ruled
+    ruled = {t: ruled_rank(series) for t, series in run["ruled_since_start"].items()}
+    named = {round(t - min(ruled)): rank for t, rank in ruled.items() if rank is not None}
+    stages = sorted({labels for series in run["stages"].values() for labels in series})
+    assert not named, (named, stages, run["skew"])  # s from the launch: whom, the stage labels
     assert not any(run["alerts"].values()), run["alerts"]
 
 
