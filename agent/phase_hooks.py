@@ -473,9 +473,6 @@ def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable
                 depth = c.bwd_depth = c.bwd_depth + 1
                 if depth == 1 and not c.quiet:
                     c.bwd_entry = t
-                    # Callback A of any backward before has run (its graph task ended before it
-                    # returned) or never will (an error in between): this one starts afresh.
-                    c.bwd_pending = c.bwd_deferred = False
                     native = c.triggers.native
                     if native is not None:  # the C++ trigger (grad_triggers.py): armed
                         native.bwd_armed.value = 1
