@@ -552,16 +552,16 @@ class PhaseClock(BackwardPhases):
         if self.quiet:  # never the first step, where detect_start is read
             return
         self.opt_start = _now()
-        try:
-            if self.detect_start is not None:
-                try:
-                    self._detect_start_step()
-                except BaseException as exc:  # noqa: BLE001 - the mark below still comes
-                    self.on_error(exc)
-            if self.mark is not None:
+        if self.detect_start is not None:
+            try:
+                self._detect_start_step()
+            except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
+                self.on_error(exc)
+        if self.mark is not None:
+            try:
                 self.mark(OPT_PRE)
-        except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
-            self.on_error(exc)
+            except BaseException as exc:  # noqa: BLE001
+                self.on_error(exc)
 
     def optimizer_post(self, *_: Any) -> None:
         try:

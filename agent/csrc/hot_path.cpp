@@ -444,6 +444,16 @@ PyObject* after_step(Hook* h, PyObject* c, int64_t t, int64_t step) {
   Py_RETURN_NONE;
 }
 
+// The optimizer's phase ends at `t`: from `opt_start` (0: it never started) into `acc`, checked
+// an int list by the caller. False with an error set.
+bool optimizer_ends(Hook* h, PyObject* c, PyObject* acc, int64_t opt_start, int64_t t) {
+  if (!opt_start) {
+    return true;
+  }
+  const int64_t ns = t - opt_start;
+  return (ns <= 0 || add_to(acc, h->i_optimizer, ns)) && put_int(c, h->clock_slots.at.opt_start, 0);
+}
+
 // A step end not done here: a subclass's (CudaPhaseClock's: its events, its resolver's queue),
 // or a PhaseClock's that is not the common one (a pacer, the first step, a timed step of phase
 // sampling, a full queue). The optimizer's phase here, then the clock's own end_step, or its
@@ -451,7 +461,7 @@ PyObject* after_step(Hook* h, PyObject* c, int64_t t, int64_t step) {
 PyObject* own_end(Hook* h, int64_t t, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   PyObject* c = h->clock;
   const ClockSlots& s = h->clock_slots.at;
-  int64_t step_start = 0, opt_start = 0, first_ns, step, ns;
+  int64_t step_start = 0, opt_start = 0, first_ns, step;
   PyObject* quiet = get(c, s.quiet);
   PyObject* acc = get(c, s.acc);
   PyObject* blocked = get(c, s.blocked);
@@ -471,8 +481,7 @@ PyObject* own_end(Hook* h, int64_t t, PyObject* const* args, size_t nargsf, PyOb
     done = PyObject_CallFunction(h->quiet_end, "LL", static_cast<long long>(t),
                                  static_cast<long long>(t - step_start));
   } else {
-    if (opt_start && (((ns = t - opt_start) > 0 && !add_to(acc, h->i_optimizer, ns)) ||
-                      !put_int(c, s.opt_start, 0))) {
+    if (!optimizer_ends(h, c, acc, opt_start, t)) {
       return report(c);
     }
     done = PyObject_CallFunction(h->end_step, "L", static_cast<long long>(t));
@@ -495,7 +504,7 @@ PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject
   }
   PyObject* c = h->clock;
   const ClockSlots& s = h->clock_slots.at;
-  int64_t opt_start = 0, step_start, step, syncs = 0, every, steps_max, first_ns, ns = 0;
+  int64_t opt_start = 0, step_start, step, syncs = 0, every, steps_max, first_ns;
   PyObject* quiet = get(c, s.quiet);
   PyObject* acc = get(c, s.acc);
   PyObject* steps = get(c, s.steps);
@@ -555,8 +564,7 @@ PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject
     return after_step(h, c, t, step);
   }
   // The optimizer's phase, then the step's end.
-  if (opt_start && (((ns = t - opt_start) > 0 && !add_to(acc, h->i_optimizer, ns)) ||
-                    !put_int(c, s.opt_start, 0))) {
+  if (!optimizer_ends(h, c, acc, opt_start, t)) {
     return report(c);
   }
   if (syncs && (!put_int(c, s.sync_ns, 0) || !put_int(c, s.syncs, 0))) {
@@ -721,8 +729,7 @@ bool in_native_mode(Hook* h, PyObject* triggers) {
 int enters(Hook* h, PyObject* c) {
   PyTypeObject* type = Py_TYPE(c);
   const bool exact = reinterpret_cast<PyObject*>(type) == h->clock_class;
-  if (!(exact ||
-        PyType_IsSubtype(type, reinterpret_cast<PyTypeObject*>(h->clock_class))) ||
+  if (!PyType_IsSubtype(type, reinterpret_cast<PyTypeObject*>(h->clock_class)) ||
       !slots_of(c, h->clock_slots)) {
     return 0;
   }

@@ -257,6 +257,15 @@ class TimeEvent:
         return (end.t - self.t) / 1e6
 
 
+def cuda_clock(steps: deque, collectives: deque, errors: list, model: Any) -> CudaPhaseClock:
+    """A CudaPhaseClock of `model` whose CUDA events are TimeEvents."""
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+    return CudaPhaseClock(
+        steps, collectives, queue, "g", 1.0, errors.append, ddp_model=model,
+        event_factory=TimeEvent, thread_guard=lambda: None,
+    )  # fmt: skip
+
+
 def run_cuda_clock(in_c: bool, every: int, built: Any) -> tuple[list, list, list, dict]:
     """A CudaPhaseClock (events stood in for) on a DDP model through the hooks in C or Python's:
     the boundaries its `mark` heard, step by step, its resolved rows, its DDP sync records and
@@ -265,11 +274,7 @@ def run_cuda_clock(in_c: bool, every: int, built: Any) -> tuple[list, list, list
     out_steps: deque = deque(maxlen=64)
     out_colls: deque = deque(maxlen=64)
     errors: list[BaseException] = []
-    queue = torch.autograd.Variable._execution_engine.queue_callback
-    clock = CudaPhaseClock(
-        out_steps, out_colls, queue, "g", 1.0, errors.append, ddp_model=model,
-        event_factory=TimeEvent, thread_guard=lambda: None,
-    )  # fmt: skip
+    clock = cuda_clock(out_steps, out_colls, errors, model)
     clock.phase_every = every
     heard: list[tuple[int, int]] = []
     own_mark = clock.mark
@@ -345,11 +350,7 @@ def test_a_clock_in_an_unexpected_state_goes_to_python_not_down(
         clock = direct_clock(deque(maxlen=64), errors)
         clock.ddp_model = model
     else:
-        queue = torch.autograd.Variable._execution_engine.queue_callback
-        clock = CudaPhaseClock(
-            deque(maxlen=64), deque(maxlen=64), queue, "g", 1.0, errors.append,
-            ddp_model=model, event_factory=TimeEvent, thread_guard=lambda: None,
-        )  # fmt: skip
+        clock = cuda_clock(deque(maxlen=64), deque(maxlen=64), errors, model)
     clock.phase_every = every
     slots = [n for k in type(clock).__mro__ for n in getattr(k, "__slots__", ())]
     slots.remove("on_error")
