@@ -406,6 +406,8 @@ def run_across_nodes(tmp_path, job: str, args: list[str], clean: bool) -> dict[s
                 # alert.
                 "ruled_since_start": prom.query_range(named_by_the_rule(sel), started, now),
                 "skew": prom.query_range(f"{R.SKEW_RATIO}{sel}", started, now),
+                # and each rank's blocked time per step (on a failure: whose moved)
+                "blocked": prom.query_range(f"{R.SYNC_PER_STEP}{sel}", started, now),
                 # Each rank's stage labels on its phase counter (a pipeline's are learnt from
                 # its first point-to-point op): on a failure, whether a rank had two at once.
                 "stages": prom.query_range(
@@ -558,7 +560,20 @@ def test_each_parallelism_across_nodes_clean_gets_no_straggler_anywhere(name, ac
     ruled = {t: ruled_rank(series) for t, series in run["ruled_since_start"].items()}
     named = {round(t - min(ruled)): rank for t, rank in ruled.items() if rank is not None}
     stages = sorted({labels for series in run["stages"].values() for labels in series})
-    assert not named, (named, stages, run["skew"])  # s from the launch: whom, the stage labels
+    # around each naming, every rank's blocked ms per step (rank, stage: ms)
+    start = min(ruled)
+    blocked = {
+        round(t - start): {
+            ",".join(kv for kv in labels.split(",") if kv[:5] in ("rank=", "stage")): round(
+                v * 1e3, 1
+            )
+            for labels, v in series.items()
+        }
+        for t, series in run["blocked"].items()
+        if any(abs(t - start - s) <= 3 for s in named)
+    }
+    # s from the launch: whom, the stage labels, the skew, who was blocked how long
+    assert not named, (named, stages, run["skew"], blocked)
     assert not any(run["alerts"].values()), run["alerts"]
 
 

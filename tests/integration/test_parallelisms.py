@@ -169,6 +169,14 @@ def phased(tmp_path_factory: pytest.TempPathFactory) -> RunOnce:
     return RunOnce(run)
 
 
+def group_waits_ms(rank: dict[str, Any]) -> dict[str, float]:
+    """A rank's wait per step (ms) in each of its groups, over the exporter's window."""
+    out: dict[str, float] = {}
+    for c in rank["collectives"]:
+        out[c["group"]] = out.get(c["group"], 0.0) + 1e3 * c["wait_per_step"]
+    return {group: round(ms, 2) for group, ms in sorted(out.items())}
+
+
 def forward_ms(state: dict[str, Any], rank: int) -> float:
     (r,) = [r for r in state["ranks"] if r["rank"] == rank]
     return 1e3 * r["phase_shares"]["forward"] * r["step_time_median_s"]
@@ -211,13 +219,20 @@ def test_the_slowed_rank_is_named_with_its_cause_and_every_lead_matches_the_trut
         assert r["tokens_total"] is None, (name, r)
     # The wait chain: every other rank waits, and following whom it waits for reaches the root.
     chain = {v["rank"]: (v["group"], v["waits_for"]) for v in final["diagnosis"]["victims"]}
-    assert set(chain) == {0, 1, 2, 3} - {slowed}, chain
+    # on failure: each rank's wait per step in each group (ms), and the chain at every sample
+    waits = {r["rank"]: group_waits_ms(r) for r in final["ranks"]}
+    chains = [
+        [(v["rank"], v["group"], v["waits_for"]) for v in s["diagnosis"]["victims"]]
+        for s in samples
+    ]
+    print(f"\n{name}: wait per step per group (ms) {waits}")
+    assert set(chain) == {0, 1, 2, 3} - {slowed}, (chain, waits, chains)
     waits_for = {rank: whom for rank, (_group, whom) in chain.items()}
-    assert all(chain_end(waits_for, rank) == slowed for rank in chain), chain
+    assert all(chain_end(waits_for, rank) == slowed for rank in chain), (chain, waits, chains)
     if name == "tp":
         # tp pairs {0,1} {2,3}, dp pairs {0,2} {1,3}: 2 waits in tp for 3, 1 in dp for 3, and
         # 0 in tp for 1, which is a victim, not a straggler.
-        assert chain == {0: ("tp", 1), 1: ("dp", 3), 2: ("tp", 3)}, chain
+        assert chain == {0: ("tp", 1), 1: ("dp", 3), 2: ("tp", 3)}, (chain, waits, chains)
         # The partner's wait in the tp all-reduce is exposed communication, not forward: its
         # forward is what the ranks that share its compute (0 and 1) read, within 10 %.
         peers = sorted(forward_ms(final, r) for r in (0, 1))
