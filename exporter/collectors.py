@@ -134,15 +134,16 @@ def collect_work(view: StoreView) -> Iterable[Metric]:
 
 def collect_goodput(view: StoreView) -> Iterable[Metric]:
     """Per node and job, over its ranks and their incarnations: badput by category, productive
-    step time, the job's earliest process start (what the goodput rules divide by), its latest
-    rank's start (what the job-wide rules wait a window after) and the ranks' restarts."""
+    step time, the job's earliest process start (what the goodput rules divide by), when its
+    latest rank's first step came in (what the job-wide rules wait a window after; now, while
+    a rank has none) and the ranks' restarts."""
     badput = counter(M.NODE_BADPUT_SECONDS_TOTAL)
     productive = counter(M.NODE_PRODUCTIVE_SECONDS_TOTAL)
     started = gauge(M.JOB_STARTED_TIMESTAMP_SECONDS)
     latest = gauge(M.RANKS_STARTED_TIMESTAMP_SECONDS)
     restarts = counter(M.NODE_RESTARTS_TOTAL)
     for labels, ranks in node_views(view):
-        latest.add_metric(labels, max(r.started_unix_s for r in ranks))
+        latest.add_metric(labels, max(r.steps_since_unix_s or view.now_unix_s for r in ranks))
         restarts.add_metric(labels, sum(r.restarts for r in ranks))
         for category in M.BADPUT_CATEGORIES:
             badput.add_metric(

@@ -108,6 +108,7 @@ def rank_totals(s: RankState) -> dict[str, Any]:
         out[name] = list(getattr(s, name))
     out["badput_s"] = dict(s.badput_s)
     out["phase_every"] = s.phase_every
+    out["steps_since_unix_s"] = s.steps_since_unix_s
     out["checkpoint_pending"] = {str(k): v for k, v in s.checkpoint_pending.items()}
     out["previous_max_step"] = s.previous_max_step
     out["resume_marks"] = {str(k): v for k, v in s.resume_marks.items()}
@@ -191,6 +192,9 @@ def rank_from_totals(data: Any) -> RankState:
         s.throughput = _throughput(data.get("throughput"))
         # Files written before phase sampling was reported: every step timed.
         s.phase_every = _number(data.get("phase_every", 1), "phase_every", int, least=1)
+        # Files written before the first step's arrival was kept: its attach, where it stepped.
+        since = data.get("steps_since_unix_s", s.started_unix_s if s.steps_total else 0.0)
+        s.steps_since_unix_s = _number(since, "steps_since_unix_s")
     except BadStateFile:
         raise
     except (KeyError, TypeError, ValueError) as exc:

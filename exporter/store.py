@@ -180,9 +180,11 @@ class RankView:
     # pacing and checkpoint time inside steps), badput seconds by category
     # (catalog.BADPUT_CATEGORIES) and the steps its restarts ran again.
     process_started_unix_s: float | None = None
-    # When its current incarnation started reporting (its attach, else its first report here):
-    # the job-wide rules judge a job once every rank's is a straggler window old.
+    # When its current incarnation started (its attach, else its first report here).
     started_unix_s: float = 0.0
+    # When this exporter received that incarnation's first step (None: none yet): the job-wide
+    # rules judge a job once every rank's is a straggler window old (recorded.WINDOW_FULL).
+    steps_since_unix_s: float | None = None
     productive_s: float = 0.0
     badput_s: Mapping[str, float] = field(default_factory=dict)
     lost_steps: int = 0
@@ -389,6 +391,11 @@ class RankState:
     incarnation: str = ""
     incarnations: int = 0
     started_unix_s: float = 0.0
+    # When the current incarnation's first step came in (0.0: none yet). An agent reports its
+    # first steps seconds after its attach (a compile, lazy init, the first flush), and a rank's
+    # series start there: the job-wide rules wait a window after it, so that every rank's
+    # rates span a whole window of its steps.
+    steps_since_unix_s: float = 0.0
     last_report_unix_s: float = 0.0
     steps_total: int = 0
     phase_seconds: list[float] = field(default_factory=lambda: [0.0] * len(PHASES))
@@ -615,6 +622,8 @@ class Store:
             fold_collectives(state, pool, ingest.collectives, self.settings, self.rejected)
             fold_events(state, ingest.events)  # before the steps: a step's checkpoints first
             fold_steps(state, pool, ingest.steps, self.settings)
+            if ingest.steps and not state.steps_since_unix_s:
+                state.steps_since_unix_s = now
             self._pool(job, pool, now)
             _mark(state, pool.pooled_steps_total)
             self.ingested_records += (
@@ -839,6 +848,7 @@ def new_incarnation(state: RankState, pool: JobPool, settings: Settings) -> None
         )
     state.first_step = state.max_step = state.warm_step = -1
     state.started_unix_s = 0.0  # the new incarnation's attach, set as it reports
+    state.steps_since_unix_s = 0.0  # and its first step's arrival
     state.settled_steps = 0
     state.first_step_s = state.later_steps_s = 0.0
     state.later_steps = 0
@@ -1110,6 +1120,7 @@ def _rank_view(s: RankState, now: float, stale_after: float, keep: int | None) -
         pid=s.pid,
         incarnation=s.incarnation,
         started_unix_s=s.started_unix_s,
+        steps_since_unix_s=s.steps_since_unix_s or None,
         restarts=s.incarnations,
         last_report_unix_s=s.last_report_unix_s,
         stale=now - s.last_report_unix_s > stale_after,

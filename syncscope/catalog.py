@@ -506,12 +506,14 @@ JOB_STARTED_TIMESTAMP_SECONDS = MetricSpec(
     "seconds",
 )
 # When the job-wide rules may judge a job (recorded.WINDOW_FULL): once every node's latest rank
-# started a straggler window ago. One series a node, so that the gate reads no per-rank series.
+# started reporting steps a straggler window ago. One series a node, so that the gate reads no
+# per-rank series.
 RANKS_STARTED_TIMESTAMP_SECONDS = MetricSpec(
     "syncscope_ranks_started_timestamp_seconds",
     "gauge",
-    "Unix time the latest of the job's ranks on this node started reporting: its current "
-    "incarnation's attach (for agents that do not say, the exporter's first report of it).",
+    "Unix time the latest of the job's ranks on this node started reporting steps: when the "
+    "exporter received its current incarnation's first step (the time of the scrape while a "
+    "rank has none yet).",
     NODE,
     "always",
     "seconds",

@@ -45,7 +45,8 @@ LINK_CAPACITY_RATIO = "job_node:syncscope_node_link_capacity_bytes_per_second:ra
 SLOWEST_LINK = "job_node:syncscope_node_link_capacity_bytes_per_second:bottomk_ratio_to_median"
 LINK_UTILIZATION = "job_node:syncscope_link_utilization_while_transferring:ratio"
 # Job-wide verdicts are judged over full windows only: the job's nodes reporting, recorded only
-# while every node's latest rank started a straggler window ago.
+# while every node's latest rank started reporting steps a straggler window ago and every
+# node has been scraped since.
 WINDOW_FULL = "job:syncscope_ranks_started_timestamp_seconds:count_full_window"
 SYNC_PER_STEP = "job_rank:syncscope_phase_comm_exposed_seconds_per_step:ratio"
 SYNC_PER_STEP_MIN = "job:syncscope_phase_comm_exposed_seconds_per_step:min"

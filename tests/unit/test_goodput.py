@@ -382,27 +382,33 @@ def counters(store: Store) -> dict[str, float]:
     return out
 
 
-def test_the_latest_rank_start_is_the_nodes_newest_incarnation():
+def test_the_latest_rank_start_is_when_the_nodes_newest_incarnation_first_stepped(monkeypatch):
     """What the job-wide rules wait a straggler window after (recorded.WINDOW_FULL): per node,
-    when its latest rank started reporting, its current incarnation's attach (an agent that
-    does not say: its first report here). A relaunch moves it on; an earlier incarnation or
-    rank does not hold it back."""
+    when this exporter received the first step of its latest rank's current incarnation, not
+    its attach (its series start with its first steps, seconds later), so that every rank's
+    rates span a whole window. The time of the scrape while a rank has no step yet; a relaunch
+    moves it on; an earlier incarnation or rank, or the same incarnation's later steps, do not."""
+    clock = [5000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
 
     def latest(store: Store) -> float:
         return counters(store)["syncscope_ranks_started_timestamp_seconds"]
 
     store = Store(Settings())
-    ingest(store, batch("a", 0, 3, rank=0, started=1000.0))  # attached at 1001
+    ingest(store, batch("a", 0, 3, rank=0, started=1000.0))  # attached at 1001, stepped at 5000
+    clock[0] = 5010.0
+    ingest(store, batch("a", 0, 0, rank=1, started=2000.0))  # attached, no step yet
+    clock[0] = 5020.0
+    assert latest(store) == 5020.0  # not judged before rank 1's steps come in
     ingest(store, batch("a", 0, 3, rank=1, started=2000.0))
-    assert latest(store) == 2001.0
+    clock[0] = 5030.0
+    assert latest(store) == 5020.0
+    ingest(store, batch("a", 3, 3, rank=0, started=1000.0))  # later steps: unchanged
     ingest(store, batch("b", 3, 3, rank=0, started=3000.0))  # rank 0 relaunched
-    assert latest(store) == 3001.0
-    before = time.time()
+    clock[0] = 5040.0
+    assert latest(store) == 5030.0
     ingest(store, batch("c", 3, 3, rank=1))  # rank 1 relaunched, saying nothing
-    first_report = latest(store)
-    assert before <= first_report <= time.time()
-    ingest(store, batch("c", 6, 3, rank=1))  # the same incarnation, later: unchanged
-    assert latest(store) == first_report
+    assert latest(store) == 5040.0
 
 
 def test_a_restart_that_goes_back_to_its_checkpoint_is_lost_progress():
@@ -590,6 +596,27 @@ def test_the_state_file_round_trip_keeps_every_counter(tmp_path):
         assert parse_samples(new, name), name
     (rank,) = snapshot(after).jobs["g"].ranks
     assert rank.restarts == 1 and rank.lost_steps == 5 and rank.phase_every == 4
+    assert rank.steps_since_unix_s == kept.steps_since_unix_s > 0
+
+
+def test_a_state_file_from_before_first_steps_were_kept_takes_the_attach(tmp_path):
+    """A rank of a file without `steps_since_unix_s` stepped since its attach (the gate the
+    job-wide rules had then); one that had no step yet has none."""
+    path = str(tmp_path / "state.json")
+    before = busy_store()
+    StateFile(path, before).save()
+    data = json.loads(Path(path).read_text())
+    del data["ranks"][0]["steps_since_unix_s"]
+    Path(path).write_text(json.dumps(data))
+    store = Store(Settings())
+    assert StateFile(path, store).load() == 1
+    (rank,) = store.ranks.values()
+    assert rank.steps_since_unix_s == rank.started_unix_s > 0
+    data["ranks"][0]["steps_total"] = 0
+    Path(path).write_text(json.dumps(data))
+    store = Store(Settings())
+    assert StateFile(path, store).load() == 1
+    assert [r.steps_since_unix_s for r in store.ranks.values()] == [0.0]
 
 
 def test_a_state_file_from_before_phase_sampling_loads_every_step_timed(tmp_path):

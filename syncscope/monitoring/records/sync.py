@@ -88,13 +88,17 @@ def records(cfg: Thresholds) -> list[dict[str, Any]]:
 
 def window_full(cfg: Thresholds) -> dict[str, Any]:
     """The job's nodes reporting, recorded only while every rank of the job has a full straggler
-    window of its own: the latest rank to start on each node started a window ago. Before that
-    a rank's rates cover the few scrapes since it appeared, with the job still settling: one
-    node's ranks can read more blocked than another's, and the straggler's condition would
-    name a rank. The straggler's chain, the amplification and SyncscopeStepTimeCVHigh are
+    window of its own: the exporter received the first step of the latest rank to start on
+    each node a window ago (an agent's first steps come in seconds after its attach: a compile,
+    lazy init, its first flush, and its series start there). Before that a rank's rates cover
+    the few scrapes since it appeared, with the job still settling: one node's ranks can read
+    more blocked than another's, and the straggler's condition would name a rank. The straggler's chain, the amplification and SyncscopeStepTimeCVHigh are
     judged from here on, all alike: the straggler, with the shortest for:, still comes first
     and inhibits the others (judged from the same start, not the straggler a window later).
-    Identity, not a count: a relaunched rank elsewhere has a window of its own to fill. One
+    Identity, not a count: a relaunched rank elsewhere has a window of its own to fill. And
+    not before this Prometheus has scraped every node for a window: a node it began to scrape
+    later (its first scrapes come seconds after its start; a node added to a running job; a
+    Prometheus restarted) has rates over those scrapes only, whenever its ranks began. One
     series a node, no range: it sits first in the straggler group, and vmalert inlines it into
     the rates there rather than reading it back an evaluation late."""
     started = sel(cfg, M.RANKS_STARTED_TIMESTAMP_SECONDS.name)
@@ -105,6 +109,8 @@ def window_full(cfg: Thresholds) -> dict[str, Any]:
   count by (job) ({started})
 and on (job)
   (max by (job) ({started}) <= time() - {window})
+unless on (job)
+  ({started} unless {started} offset {window}s)
 """,
     )
 
