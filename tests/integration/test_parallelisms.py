@@ -230,9 +230,10 @@ def test_the_slowed_rank_is_named_with_its_cause_and_every_lead_matches_the_trut
     waits_for = {rank: whom for rank, (_group, whom) in chain.items()}
     assert all(chain_end(waits_for, rank) == slowed for rank in chain), (chain, waits, chains)
     if name == "tp":
-        # tp pairs {0,1} {2,3}, dp pairs {0,2} {1,3}: 2 waits in tp for 3, 1 in dp for 3, and
-        # 0 in tp for 1, which is a victim, not a straggler.
-        assert chain == {0: ("tp", 1), 1: ("dp", 3), 2: ("tp", 3)}, (chain, waits, chains)
+        # Which group each victim waits in longest (2 in tp for 3, 1 in dp for 3, 0 in tp for
+        # 1) is timing, judged in the quiet tier on the same layout across two nodes
+        # (test_multinode.py): here, at idle priority, a rank starved for a second of the
+        # window moves it (rank 2 waited 11 ms a step in dp, 33 in tp; once it read dp, for 0).
         # The partner's wait in the tp all-reduce is exposed communication, not forward: its
         # forward is what the ranks that share its compute (0 and 1) read, within 10 %.
         peers = sorted(forward_ms(final, r) for r in (0, 1))
