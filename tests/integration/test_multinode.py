@@ -453,6 +453,11 @@ def ruled_rank(series: dict[str, float]) -> str | None:
     return ranks.pop() if len(ranks) == 1 else ("several" if ranks else None)
 
 
+def rank_and_stage(labels: str) -> str:
+    """A series' labels as query_range writes them, less all but its rank and stage."""
+    return ",".join(kv for kv in labels.split(",") if kv.split("=", 1)[0] in ("rank", "stage"))
+
+
 @pytest.fixture(scope="module")
 def across_nodes(tmp_path_factory: pytest.TempPathFactory) -> RunOnce:
     """`across_nodes(name)`: the workload's run on two nodes, slowed after a clean phase where
@@ -558,19 +563,14 @@ def test_each_parallelism_across_nodes_clean_gets_no_straggler_anywhere(name, ac
         for mode in ("fabric_contention", "slow_link"):
             assert not diagnosis["modes"].get(mode, {}).get("verdict"), (node, mode, diagnosis)
     ruled = {t: ruled_rank(series) for t, series in run["ruled_since_start"].items()}
-    named = {round(t - min(ruled)): rank for t, rank in ruled.items() if rank is not None}
+    start = min(ruled)  # the launch
+    named = {round(t - start): rank for t, rank in ruled.items() if rank is not None}
     stages = sorted({labels for series in run["stages"].values() for labels in series})
-    # around each naming, every rank's blocked ms per step (rank, stage: ms)
-    start = min(ruled)
+    # around each naming, every rank's blocked ms per step ("rank=…,stage=…": ms)
     blocked = {
-        round(t - start): {
-            ",".join(kv for kv in labels.split(",") if kv[:5] in ("rank=", "stage")): round(
-                v * 1e3, 1
-            )
-            for labels, v in series.items()
-        }
-        for t, series in run["blocked"].items()
-        if any(abs(t - start - s) <= 3 for s in named)
+        round(t - start): {rank_and_stage(labels): round(v * 1e3, 1) for labels, v in s.items()}
+        for t, s in run["blocked"].items()
+        if any(abs(t - start - at) <= 3 for at in named)
     }
     # s from the launch: whom, the stage labels, the skew, who was blocked how long
     assert not named, (named, stages, run["skew"], blocked)

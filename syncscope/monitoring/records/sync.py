@@ -92,8 +92,9 @@ def window_full(cfg: Thresholds) -> dict[str, Any]:
     each node a window ago (an agent's first steps come in seconds after its attach: a compile,
     lazy init, its first flush, and its series start there). Before that a rank's rates cover
     the few scrapes since it appeared, with the job still settling: one node's ranks can read
-    more blocked than another's, and the straggler's condition would name a rank. The straggler's chain, the amplification and SyncscopeStepTimeCVHigh are
-    judged from here on, all alike: the straggler, with the shortest for:, still comes first
+    more blocked than another's, and the straggler's condition would name a rank. The
+    straggler's chain, the amplification and SyncscopeStepTimeCVHigh are judged from here on,
+    all alike: the straggler, with the shortest for:, still comes first
     and inhibits the others (judged from the same start, not the straggler a window later).
     Identity, not a count: a relaunched rank elsewhere has a window of its own to fill. And
     not before this Prometheus has scraped every node for a window: a node it began to scrape
