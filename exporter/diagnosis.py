@@ -53,7 +53,7 @@ from syncscope.exporter.settings import DEFAULT_THRESHOLDS, Settings, Thresholds
 from syncscope.exporter.store import RankView, RecentStep, Store, StoreView
 
 from syncscope.catalog import STEP_WINDOW
-from syncscope.wire import Phase, group_first, group_ranks
+from syncscope.wire import BLOCKED, Phase, blocked_s, group_first, group_ranks
 
 CAUSE_PHASES = (Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 COMPUTE_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
@@ -251,10 +251,7 @@ def wait_chain(
     if job_leads:
         blocked = dict(job_leads)
     else:
-        exposed = (Phase.COMM_EXPOSED,)
-        blocked = {
-            r.rank: _phase_means(r, window, exposed).get(Phase.COMM_EXPOSED, 0.0) for r in ranks
-        }
+        blocked = {r.rank: sum(_phase_means(r, window, BLOCKED).values()) for r in ranks}
     hops = job_hops or {}
     out: dict[int, Victim] = {}
     others: dict[int, list[Victim]] = {}  # each victim's other groups, longest wait first
@@ -268,17 +265,19 @@ def wait_chain(
         # Pacing delays a rank before its first wait, by less than that wait: the delay is
         # time it holds back for the rank it waits for, moved out of the collective. A paced
         # rank is a victim by both (its wait_s stays what it waited in the collective).
-        held = wait + _phase_means(r, window, (Phase.PACING,)).get(Phase.PACING, 0.0)
+        paced = _phase_means(r, window, (Phase.PACING,)).get(Phase.PACING, 0.0)
         lead = (job_leads or {}).get(r.rank)
-        if held < min_wait_s:
-            if lead is None or lead < min_wait_s:
-                continue
-            # It waits for a rank elsewhere, as long as its node's peers do.
+        if wait < min_wait_s and lead is not None and lead >= min_wait_s:
+            # It waits for a rank elsewhere, as long as its node's peers do: its lead (its
+            # blocked time, pacing's delay in it, beyond the least blocked rank) less its
+            # delay is what it waits in the collective.
             spent: dict[str, float] = {}
             for c in r.collectives:
                 spent[c.group] = spent.get(c.group, 0.0) + c.seconds_per_step
-            group, wait = max(spent, key=spent.__getitem__), lead
+            group, wait = max(spent, key=spent.__getitem__), max(0.0, lead - paced)
             waits = {}
+        elif wait + paced < min_wait_s:
+            continue
         out[r.rank] = Victim(r.rank, group, _waits_for(r, group, root, blocked, hops), wait)
         others[r.rank] = [
             Victim(r.rank, g, _waits_for(r, g, root, blocked, hops), w)
@@ -360,7 +359,7 @@ def _sync_signal(steps: list[dict[int, RecentStep]]) -> str:
 
 
 def _sync_time(record: RecentStep, signal: str) -> float:
-    return record.phases[Phase.COMM_EXPOSED] if signal == "comm_exposed" else record.wait_s
+    return blocked_s(record.phases) if signal == "comm_exposed" else record.wait_s
 
 
 def _spike_share(rank: RankView, window: int) -> float | None:
@@ -368,7 +367,7 @@ def _spike_share(rank: RankView, window: int) -> float | None:
     total = sum(s.step_s for s in steps)
     if len(steps) < 5 or total <= 0:
         return None
-    work = [s.step_s - s.phases[Phase.COMM_EXPOSED] - s.phases[Phase.PACING] for s in steps]
+    work = [s.step_s - blocked_s(s.phases) for s in steps]
     typical = statistics.median(work)
     return sum(max(0.0, w - typical) for w in work) / total
 

@@ -36,7 +36,7 @@ from itertools import takewhile
 from typing import Any, NamedTuple, Protocol
 
 from syncscope.arrival import Key
-from syncscope.wire import Phase
+from syncscope.wire import Phase, blocked_s
 
 Rank = int
 SAMPLE_STRIDES = (8, 64, 512)  # steps between samples, a ring each; alike everywhere
@@ -80,20 +80,21 @@ def fabric_share(transfer: float, work: float | None) -> float:
     return transfer / max(1.0, work or 1.0)
 
 
-def _least_exposed(entries: dict[Rank, _RankStep], stages: dict[Rank, int]) -> dict[int, float]:
-    """The least exposed communication of the step's ranks, per pipeline stage (a rank of no
-    stage: stage 0), or {} where no rank's row has any (an agent that times no waits: the
-    per-kind collective waits are all there is)."""
+def _least_blocked(entries: dict[Rank, _RankStep], stages: dict[Rank, int]) -> dict[int, float]:
+    """The least blocked time (wire.BLOCKED: exposed communication and pacing's delay) of the
+    step's ranks, per pipeline stage (a rank of no stage: stage 0), or {} where no rank's row
+    has exposed communication (an agent that times no waits: the per-kind collective waits are
+    all there is)."""
     least: dict[int, float] = {}
     seen = False
     for rank, (_step_s, phases) in entries.items():
         if len(phases) <= Phase.COMM_EXPOSED:
             return {}
-        exposed = phases[Phase.COMM_EXPOSED]
-        seen = seen or exposed > 0
+        seen = seen or phases[Phase.COMM_EXPOSED] > 0
+        blocked = blocked_s(phases)
         stage = stages.get(rank, 0)
-        if exposed < least.get(stage, float("inf")):
-            least[stage] = exposed
+        if blocked < least.get(stage, float("inf")):
+            least[stage] = blocked
     return least if seen else {}
 
 
@@ -370,7 +371,7 @@ class JobPool:
                 self._changed[key] = None
         alone = len(entries) <= 1
         stages = self._stages
-        least_blocked = _least_exposed(entries, stages) if not alone else {}
+        least_blocked = _least_blocked(entries, stages) if not alone else {}
         out = []
         for (rank, (step_s, phases)), by_key in zip(entries.items(), by_rank.values(), strict=True):
             wait = 0.0
@@ -388,10 +389,11 @@ class JobPool:
                 for key, extra in extras.items():
                     sinks[key][1].wait_seconds += extra * scale
             if least_blocked:
-                # The rank's wait is what it spent blocked in collectives beyond the rank that
-                # was blocked least: async collectives overlap compute, so their issue-to-
-                # completion times (the per-kind waits above) are not all waiting.
-                wait = phases[Phase.COMM_EXPOSED] - least_blocked[stages.get(rank, 0)]
+                # The rank's wait is what it spent blocked (in collectives, or held back by
+                # pacing) beyond the rank that was blocked least: async collectives overlap
+                # compute, so their issue-to-completion times (the per-kind waits above) are
+                # not all waiting.
+                wait = blocked_s(phases) - least_blocked[stages.get(rank, 0)]
             out.append(Pooled(rank, step, step_s, phases, wait))
         return out
 

@@ -6,10 +6,11 @@ those has to import another for it. Each name is `level:metric:operations`, name
 rule reads: `level` the labels it keeps; `metric` the metric it reads (`_total` dropped on a
 rate; a label it selects written in, `phase_comm_exposed_seconds` for
 `phase_seconds{phase="comm_exposed"}`; `a_per_b` for a ratio of two), or the earlier record it
-is built from, and a name of its own only for a quantity of several inputs (goodput), never one
-an exported metric has; `operations` outermost first, a sum of rates just `rate`. The window is
-not in the names (it is configurable, and dashboards must not change when a deployment picks
-another).
+is built from, and a name of its own only for a quantity of several inputs (goodput;
+`phase_blocked_seconds`, the phases in which a rank is held at synchronisation:
+syncscope.wire.BLOCKED), never one an exported metric has; `operations` outermost first, a sum
+of rates just `rate`. The window is not in the names (it is configurable, and dashboards must
+not change when a deployment picks another).
 
 A renamed series is recorded under its old name too for one release (DEPRECATED_ALIASES).
 """
@@ -48,22 +49,23 @@ LINK_UTILIZATION = "job_node:syncscope_link_utilization_while_transferring:ratio
 # while every node's latest rank started reporting steps a straggler window ago and every
 # node has been scraped since.
 WINDOW_FULL = "job:syncscope_ranks_started_timestamp_seconds:count_full_window"
-SYNC_PER_STEP = "job_rank:syncscope_phase_comm_exposed_seconds_per_step:ratio"
-SYNC_PER_STEP_MIN = "job:syncscope_phase_comm_exposed_seconds_per_step:min"
-SYNC_PER_STEP_STAGE_MIN = "job_stage:syncscope_phase_comm_exposed_seconds_per_step:min"
-# Job-wide: each rank's lead, its time blocked in collectives per step beyond the rank of the
-# job blocked least, a pipeline's rank's beyond the least blocked rank of its stage (not the
-# exporter's node-local gauge syncscope_arrival_lead_seconds); the skew, the largest lead; and
-# the skew as a share of the mean step.
-LEAD = "job_rank:syncscope_phase_comm_exposed_seconds_per_step:minus_job_min"
-STAGE_SKEW = "job_stage:syncscope_phase_comm_exposed_seconds_per_step:max_minus_min"
-SKEW = "job:syncscope_phase_comm_exposed_seconds_per_step:max_minus_min"
-SKEW_RATIO = "job:syncscope_phase_comm_exposed_seconds_per_step:ratio_to_step_mean_max_minus_min"
+SYNC_PER_STEP = "job_rank:syncscope_phase_blocked_seconds_per_step:ratio"
+SYNC_PER_STEP_MIN = "job:syncscope_phase_blocked_seconds_per_step:min"
+SYNC_PER_STEP_STAGE_MIN = "job_stage:syncscope_phase_blocked_seconds_per_step:min"
+# Job-wide: each rank's lead, its time blocked per step (in collectives, and held back by pacing
+# for the rank it waits for) beyond the rank of the job blocked least, a pipeline's rank's
+# beyond the least blocked rank of its stage (not the exporter's node-local gauge
+# syncscope_arrival_lead_seconds); the skew, the largest lead; and the skew as a share of the
+# mean step.
+LEAD = "job_rank:syncscope_phase_blocked_seconds_per_step:minus_job_min"
+STAGE_SKEW = "job_stage:syncscope_phase_blocked_seconds_per_step:max_minus_min"
+SKEW = "job:syncscope_phase_blocked_seconds_per_step:max_minus_min"
+SKEW_RATIO = "job:syncscope_phase_blocked_seconds_per_step:ratio_to_step_mean_max_minus_min"
 STRAGGLER_LAG = "job_rank:syncscope_straggler_lag_seconds:argmin_lead"
 # Job-wide, per process group (its label and lowest rank, group_first): the member with the
 # least lead and that lead, whom the group's ranks wait for (the wait chain's next hop). An
 # exporter reads one series per group its ranks are in, however many members the group has.
-GROUP_NEXT_HOP = "job_group:syncscope_phase_comm_exposed_seconds_per_step:bottomk_lead"
+GROUP_NEXT_HOP = "job_group:syncscope_phase_blocked_seconds_per_step:bottomk_lead"
 STRAGGLER_RATIO = "job_rank:syncscope_straggler_lag_step:ratio"
 # Job-wide, per process group (its label: dp, tp, pp, shard, ...): the job's rank-time spent in
 # that group's collectives beyond the rank there that spends least: which group it loses time in.

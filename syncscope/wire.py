@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -61,6 +61,18 @@ class Phase(enum.IntEnum):
 
 
 PHASES = tuple(p.label for p in Phase)
+# The phases in which a rank is held at synchronisation: blocked in collectives, and the delay
+# pacing inserted at the step boundary, time a paced rank holds back for the rank it waits for
+# and no longer waits in the collective. Every lead, skew, straggler and amplification counts
+# both: exposed communication alone would shrink a victim's loss by its pacing delay.
+BLOCKED = (Phase.COMM_EXPOSED, Phase.PACING)
+
+
+def blocked_s(phases: Sequence[float]) -> float:
+    """A step's time blocked (BLOCKED) from its phases in wire order."""
+    return sum(phases[p] for p in BLOCKED)
+
+
 # Collective ops as labelled in metrics. `ddp_grad_sync` is DDP's gradient synchronisation as
 # seen from the default (hook-free) path: its duration is the *exposed* part only.
 OPS = (

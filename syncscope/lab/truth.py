@@ -2,8 +2,9 @@
 estimates compare with it.
 
 Every rank of a synchronous job leaves the gradient sync at the same moment, so at step k a
-rank's exposed gradient-sync time d(r, k) minus the smallest one of that step is how long it
-waited for the last peer: W(r, k) = d(r, k) − min over ranks of d(·, k). Pooling all ranks'
+rank's time blocked there d(r, k) (its exposed gradient-sync time, and the delay pacing held it
+back by before it) minus the smallest one of that step is how long it waited for the last peer:
+W(r, k) = d(r, k) − min over ranks of d(·, k). Pooling all ranks'
 records (``SYNCSCOPE_RECORD=dir/rank{rank}.jsonl``) gives that truth job-wide, which no single
 node's exporter can see; `compare` sets it beside what the exporters and Prometheus report.
 """
@@ -27,6 +28,7 @@ from syncscope.monitoring.rules import (
 from syncscope.wire import Phase
 
 EXPOSED = Phase.COMM_EXPOSED.label
+PACING = Phase.PACING.label
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class Truth:
 
     steps: int  # steps used: recorded by every rank, after the skipped warm-up
     mean_wait_s: dict[int, float]  # W(r): mean of d(r, k) − min over ranks of d(·, k)
-    mean_exposed_s: dict[int, float]  # mean d(r, k)
+    mean_blocked_s: dict[int, float]  # mean d(r, k)
     mean_step_s: dict[int, float]
     amplification: float  # Σ W / Σ step time, over ranks and steps
     mean_transfer_s: float  # T: mean over steps of the smallest d(·, k)
@@ -59,6 +61,12 @@ def read_records(paths: Iterable[str]) -> dict[int, dict[int, dict[str, Any]]]:
                     continue
                 by_rank.setdefault(int(rec["rank"]), {})[int(rec["step"])] = rec
     return by_rank
+
+
+def blocked(phases: Mapping[str, Any]) -> float:
+    """A step record's time blocked at the sync: exposed communication and pacing's delay (a
+    record from before pacing was a phase has none)."""
+    return float(phases[EXPOSED]) + float(phases.get(PACING, 0.0))
 
 
 def record_files(directory: str) -> list[str]:
@@ -109,23 +117,23 @@ def pooled_truth(
         raise ValueError("no step was recorded by every rank")
     transfer = 0.0
     wait = {r: 0.0 for r in ranks}
-    exposed = {r: 0.0 for r in ranks}
+    blocked_total = {r: 0.0 for r in ranks}
     step_time = {r: 0.0 for r in ranks}
     stage = {r: (stages or {}).get(r, 0) for r in ranks}
     for k in common:
-        d = {r: float(records[r][k]["phases"][EXPOSED]) for r in ranks}
+        d = {r: blocked(records[r][k]["phases"]) for r in ranks}
         floor = {s: min(d[r] for r in ranks if stage[r] == s) for s in set(stage.values())}
         transfer += min(floor.values())
         for r in ranks:
             wait[r] += d[r] - floor[stage[r]]
-            exposed[r] += d[r]
+            blocked_total[r] += d[r]
             step_time[r] += float(records[r][k]["step_s"])
     n = len(common)
     total_step = sum(step_time.values())
-    mean_exposed = {r: exposed[r] / n for r in ranks}
+    mean_blocked = {r: blocked_total[r] / n for r in ranks}
     mean_wait = {r: wait[r] / n for r in ranks}
-    # The straggler: the least exposed rank of the stage whose ranks wait longest for theirs
-    # (the job's least exposed rank where the job is no pipeline).
+    # The straggler: the least blocked rank of the stage whose ranks wait longest for theirs
+    # (the job's least blocked rank where the job is no pipeline).
     worst = max(
         set(stage.values()), key=lambda s: max(mean_wait[r] for r in ranks if stage[r] == s)
     )
@@ -133,11 +141,11 @@ def pooled_truth(
     return Truth(
         steps=n,
         mean_wait_s=mean_wait,
-        mean_exposed_s=mean_exposed,
+        mean_blocked_s=mean_blocked,
         mean_step_s={r: step_time[r] / n for r in ranks},
         amplification=sum(wait.values()) / total_step if total_step > 0 else 0.0,
         mean_transfer_s=transfer / n,
-        straggler=min(in_worst, key=mean_exposed.__getitem__) if len(in_worst) > 1 else None,
+        straggler=min(in_worst, key=mean_blocked.__getitem__) if len(in_worst) > 1 else None,
         at_unix_s=at,
     )
 
@@ -190,7 +198,7 @@ def compare(
             "exported_lead_s": None,
             "rule_lead_avg_s": None,
             "truth_wait_s": truth.mean_wait_s[r],
-            "truth_exposed_s": truth.mean_exposed_s[r],
+            "truth_blocked_s": truth.mean_blocked_s[r],
         }
         for r in truth.mean_wait_s
     }
@@ -200,7 +208,7 @@ def compare(
         diag = data.get("diagnosis") or {}
         modes = diag.get("modes") or {}
         for r in data.get("ranks", []):
-            row = ranks.setdefault(r["rank"], {"truth_wait_s": None, "truth_exposed_s": None})
+            row = ranks.setdefault(r["rank"], {"truth_wait_s": None, "truth_blocked_s": None})
             row.update(node=node, exported_lead_s=r["arrival_lead_s"])
             if r.get("pacing"):
                 row["paced_s"] = r["pacing"]["total_delay_s"]
@@ -259,7 +267,7 @@ def format_comparison(c: Mapping[str, Any]) -> str:
         f"job {c['job']}: truth over {c['steps']} steps every rank recorded{c.get('window', '')}; "
         "in ms: lead = "
         f"exported syncscope_arrival_lead_seconds, rule avg = {LEAD},",
-        "truth W = mean wait for the last rank, truth d = mean exposed gradient sync",
+        "truth W = mean wait for the last rank, truth d = mean time blocked at the sync",
         f"{'rank':>4} {'node':>4} {'lead':>8} {'rule avg':>8} {'truth W':>8} {'truth d':>8}",
     ]
     for rank, row in sorted(c["ranks"].items()):
@@ -267,7 +275,7 @@ def format_comparison(c: Mapping[str, Any]) -> str:
         lines.append(
             f"{rank:>4} {node if node is not None else '-':>4} {_ms(row.get('exported_lead_s'))} "
             f"{_ms(row.get('rule_lead_avg_s'))} {_ms(row.get('truth_wait_s'))} "
-            f"{_ms(row.get('truth_exposed_s'))}"
+            f"{_ms(row.get('truth_blocked_s'))}"
         )
     amp = c["amplification"]
     rule_amp = f"{amp['rule']:.3f}" if amp["rule"] is not None else "-"

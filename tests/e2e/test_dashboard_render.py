@@ -240,7 +240,7 @@ def test_no_panel_query_returns_more_than_30_series_at_scale(tmp_path: Path) -> 
     prom = Prometheus(local_config(server.server_address[1], str(tmp_path)), str(tmp_path))
     try:
         prom.wait_ready()
-        ranks = "job_rank:syncscope_phase_comm_exposed_seconds_per_step:ratio"
+        ranks = "job_rank:syncscope_phase_blocked_seconds_per_step:ratio"
         assert wait_until(
             lambda: len(prom.query(f'{ranks}{{job="scale"}}')) == SCALE_RANKS, 60, 1
         ), "the per-rank rules never covered every rank"

@@ -92,7 +92,7 @@ def test_rules_alerts_and_every_dashboard_query_against_real_prometheus(
         assert {r["metric"]["rank"] for r in found} == {str(SLOW_RANK)}
         skew = wait_until(
             lambda: prom.query(
-                'job:syncscope_phase_comm_exposed_seconds_per_step:max_minus_min{job="steady"}'
+                'job:syncscope_phase_blocked_seconds_per_step:max_minus_min{job="steady"}'
             ),
             20,
         )

@@ -452,6 +452,6 @@ def test_vmalert_rules_read_back_only_the_per_rank_rates_of_their_own_group():
                         re.search(r"_over_time\(syncscope_|rate\(syncscope_", rule["expr"])
                     ), rule["expr"]
     # The straggler's per-rank exposed communication is read back, not recomputed six times.
-    assert "job_rank:syncscope_phase_comm_exposed_seconds_per_step:ratio" in read_back
-    assert "job_rank:syncscope_phase_comm_exposed_seconds_per_step:minus_job_min" in read_back
+    assert "job_rank:syncscope_phase_blocked_seconds_per_step:ratio" in read_back
+    assert "job_rank:syncscope_phase_blocked_seconds_per_step:minus_job_min" in read_back
     assert found_inlined  # the Prometheus rules do chain within groups: the check means something

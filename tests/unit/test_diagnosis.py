@@ -459,6 +459,20 @@ def test_the_wait_chain_crosses_nodes_with_the_job_wide_leads() -> None:
     neither waits beyond the other here; with the job-wide leads each is a victim in the group
     its collectives take longest in (replicate): 1 waits for the root there, 0 for rank 2,
     which Prometheus says is blocked less than rank 0."""
+    ranks = hsdp_node0()
+    leads = {0: 0.031, 1: 0.030, 2: 0.029, 3: 0.0}
+    chain = wait_chain(ranks, root=3, min_wait_s=0.0075, job_leads=leads)
+    assert [(v.rank, v.group, v.waits_for, v.wait_s) for v in chain] == [
+        (0, "replicate", 2, 0.031),
+        (1, "replicate", 3, 0.030),
+    ]
+    # Without the job-wide view the node sees no wait: no victims rather than wrong ones.
+    assert wait_chain(ranks, root=3, min_wait_s=0.0075) == ()
+
+
+def hsdp_node0(paced_s: float = 0.0) -> list[RankView]:
+    """Node 0's ranks of an HSDP job on two nodes (shard pairs {0,1} {2,3}, replicate pairs
+    {0,2} {1,3}), waiting alike for ranks elsewhere, each paced `paced_s` a step."""
     base = ranks_of("forward_straggler")[0]
     steps = 100
     replicate = {0: "0,2", 1: "1,3"}
@@ -468,23 +482,34 @@ def test_the_wait_chain_crosses_nodes_with_the_job_wide_leads() -> None:
             collective("all_gather", "shard", steps, 0.004, 0.0002),
             collective("all_reduce", "replicate", steps, 0.035, 0.0003),
         )
+        recent = tuple(
+            replace(s, phases=(*s.phases[: Phase.PACING], paced_s, *s.phases[Phase.PACING + 1 :]))
+            for s in base.recent_steps
+        )
         ranks.append(
             replace(
                 base,
                 rank=rank,
                 steps_total=steps,
                 collectives=colls,
+                recent_steps=recent,
                 topology={"group.shard": "0,1", "group.replicate": replicate[rank]},
             )
         )
+    return ranks
+
+
+def test_a_paced_victim_elsewhere_waits_its_lead_less_its_delay() -> None:
+    """The same HSDP job with node 0's ranks paced 12 ms a step: their job-wide leads (blocked
+    time beyond rank 3's, the delay in it) are 31 and 30 ms, of which they wait 19 and 18 ms in
+    the collective. Their wait here (0.3 ms) and delay together cross the line, but the wait is
+    the one for rank 3, elsewhere, not the one beyond node 0's least."""
     leads = {0: 0.031, 1: 0.030, 2: 0.029, 3: 0.0}
-    chain = wait_chain(ranks, root=3, min_wait_s=0.0075, job_leads=leads)
-    assert [(v.rank, v.group, v.waits_for, v.wait_s) for v in chain] == [
-        (0, "replicate", 2, 0.031),
-        (1, "replicate", 3, 0.030),
+    chain = wait_chain(hsdp_node0(paced_s=0.012), root=3, min_wait_s=0.0075, job_leads=leads)
+    assert [(v.rank, v.group, v.waits_for, round(v.wait_s, 9)) for v in chain] == [
+        (0, "replicate", 2, 0.019),
+        (1, "replicate", 3, 0.018),
     ]
-    # Without the job-wide view the node sees no wait: no victims rather than wrong ones.
-    assert wait_chain(ranks, root=3, min_wait_s=0.0075) == ()
 
 
 def test_the_wait_chain_follows_where_a_rank_waits_now_not_over_the_job() -> None:

@@ -51,7 +51,7 @@ def test_pooled_truth_is_each_ranks_wait_for_the_last_arrival_over_common_steps(
     truth = truth_from_dir(str(tmp_path), skip_steps=1)
     assert truth.steps == 2
     assert truth.mean_wait_s == pytest.approx({0: 0.02, 1: 0.025, 2: 0.025})
-    assert truth.mean_exposed_s == pytest.approx({0: 0.02, 1: 0.025, 2: 0.025})
+    assert truth.mean_blocked_s == pytest.approx({0: 0.02, 1: 0.025, 2: 0.025})
     assert truth.amplification == pytest.approx((0.04 + 0.03 + 0.02 + 0.05) / (6 * 0.1))
     assert truth.straggler == 0  # smallest mean d
 
@@ -81,6 +81,18 @@ def test_a_pipelines_straggler_is_the_least_blocked_rank_of_the_stage_that_waits
     assert pooled_truth(records).straggler == 1  # compared across stages
 
 
+def test_a_paced_ranks_delay_counts_as_time_it_waited():
+    # Rank 1 is the straggler (1 ms blocked). Rank 0 waits 30 ms in the collective; rank 2 is
+    # paced 20 ms at the step boundary and then waits 10 ms: both lost 30 ms to rank 1.
+    records = {r: {k: _rec(r, k, (0.031, 0.001, 0.011)[r]) for k in range(4)} for r in range(3)}
+    for k in range(4):
+        records[2][k]["phases"]["pacing"] = 0.020
+    truth = pooled_truth(records)
+    assert truth.mean_wait_s == pytest.approx({0: 0.030, 1: 0.0, 2: 0.030})
+    assert truth.straggler == 1
+    assert truth.amplification == pytest.approx(0.060 / 0.3)
+
+
 def test_truth_refuses_records_without_a_common_step():
     with pytest.raises(ValueError, match="every rank"):
         pooled_truth({0: {1: _rec(0, 1, 0.0)}, 1: {2: _rec(1, 2, 0.0)}})
@@ -108,9 +120,7 @@ class FakeProm:
 
     def query(self, promql: str, at: float | None = None) -> list[dict]:
         self.at.append(at)
-        if promql.startswith(
-            "job_rank:syncscope_phase_comm_exposed_seconds_per_step:minus_job_min"
-        ):
+        if promql.startswith("job_rank:syncscope_phase_blocked_seconds_per_step:minus_job_min"):
             return [{"metric": {"rank": str(r)}, "value": [0, str(0.01 * r)]} for r in range(2)]
         if promql.startswith("job:syncscope_sync_amplification:ratio"):
             return [{"metric": {}, "value": [0, "0.5"]}]

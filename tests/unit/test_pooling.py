@@ -251,6 +251,20 @@ def test_a_pipelines_ranks_wait_only_beyond_their_own_stages_least_blocked_rank(
     assert out[False] == {0: 0.008, 1: 0.0, 2: 0.009, 3: 0.0005}
 
 
+def test_a_paced_ranks_delay_counts_in_its_wait():
+    """Rank 0 is late (blocked 2 ms a step, its share of the transfer). Rank 1 waits 30 ms in
+    the collective; rank 2 was paced 20 ms at the step boundary and waits 10 ms: both lost
+    28 ms to rank 0, and the least blocked rank stays rank 0."""
+    exposed, paced = {0: 0.002, 1: 0.032, 2: 0.012}, {0: 0.0, 1: 0.0, 2: 0.020}
+    pool, sinks = JobPool(), {r: Sink() for r in exposed}
+    for rank, blocked in exposed.items():
+        phases = (0.0, 0.01, 0.01, 0.0, blocked, paced[rank], 0.0)
+        pool.add_collective(rank, KEY, 0, blocked, sinks[rank])
+        pool.add_step(rank, 0, sum(phases), phases)
+    waits = {p.rank: round(p.wait_s, 9) for p in pool.complete(list(exposed))}
+    assert waits == {0: 0.0, 1: 0.030, 2: 0.030}
+
+
 def test_a_ranks_waits_per_group_never_exceed_the_time_it_was_blocked():
     """A pipeline posts its receives ahead: rank 1's `pp` receives take 90 ms issue to
     completion beyond rank 0's, and its ddp sync 10 ms, on a step where it was blocked 40 ms

@@ -44,6 +44,11 @@ from syncscope.recorded import (
     WORLD_SIZE,
 )
 from syncscope.thresholds import Thresholds, duration_seconds
+from syncscope.wire import BLOCKED, Phase
+
+# The phase counter's series a rank's blocked time adds up, and pacing's of them.
+BLOCKED_PHASES = f'phase=~"{"|".join(p.label for p in BLOCKED)}"'
+PACING_PHASE = f'phase="{Phase.PACING.label}"'
 
 
 def records(cfg: Thresholds) -> list[dict[str, Any]]:
@@ -222,13 +227,16 @@ def _transfer_records(cfg: Thresholds) -> list[dict[str, Any]]:
         ),
         # Rank-seconds spent waiting per rank-second of stepping: the synchronization-
         # amplification ratio (paper §3.3), job-wide, transient waits included: every rank's
-        # collective time beyond the job's transfer, over the ranks' step time.
+        # collective time beyond the job's transfer, and the delay pacing held a rank back by
+        # (time it no longer waits in the collective), over the ranks' step time.
         record(
             SYNC_AMPLIFICATION,
             f"""
 clamp_min(
     (
         sum by (job) ({rate(cfg, M.COLLECTIVE_SECONDS_TOTAL.name)})
+      +
+        sum by (job) ({rate(cfg, M.PHASE_SECONDS_TOTAL.name, PACING_PHASE)})
       -
         {TRANSFER_PER_STEP} * on (job) sum by (job) ({rate(cfg, STEP_SECONDS_COUNT)})
     )
@@ -246,18 +254,19 @@ and on (job)
 def _straggler_records(cfg: Thresholds) -> list[dict[str, Any]]:
     w = cfg.windows
     return [
-        # Each rank's time blocked in collectives per step (its exposed communication) over
-        # the straggler window; the rank blocked least waits for nobody persistently, and the
-        # others' lead over it is their persistent skew. Differences of means carry no noise
-        # bias (a rolling minimum did). Blocked time, not issue-to-completion time: an async
-        # collective (FSDP2's prefetched all-gathers) overlaps compute until someone waits.
+        # Each rank's time blocked per step (its exposed communication, and the delay pacing
+        # held it back by: wire.BLOCKED) over the straggler window; the rank blocked least
+        # waits for nobody persistently, and the others' lead over it is their persistent
+        # skew. Differences of means carry no noise bias (a rolling minimum did). Blocked time,
+        # not issue-to-completion time: an async collective (FSDP2's prefetched all-gathers)
+        # overlaps compute until someone waits.
         # A pipeline's rank keeps its `stage` (the exporter's label on its phase counter;
         # absent for any other rank).
         record(
             SYNC_PER_STEP,
             f"""
   sum by (job, node, rank, stage) (
-    {rate(cfg, M.PHASE_SECONDS_TOTAL.name, 'phase="comm_exposed"', window=w.straggler)}
+    {rate(cfg, M.PHASE_SECONDS_TOTAL.name, BLOCKED_PHASES, window=w.straggler)}
   )
 / on (job, node, rank) group_left ()
   (
