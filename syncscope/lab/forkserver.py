@@ -50,20 +50,14 @@ _LIBC = ctypes.CDLL(None, use_errno=True)  # setns, unshare, mount, umount2, prc
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a rank runs: inside a named network namespace, with its own hostname if given,
-    in a CPU control group (its directory) if given."""
+    """Where a rank runs: inside a named network namespace, with its own hostname if given."""
 
     netns: str | None = None
     hostname: str | None = None
-    cpu_group: str | None = None
 
     def prefix(self) -> list[str]:
         """The command prefix that places a freshly executed process the same way."""
-        out = []
-        if self.cpu_group:  # first: `ip netns exec` mounts another /sys over the groups
-            join = 'echo $$ > "$0/cgroup.procs" 2>/dev/null; exec "$@"'
-            out += ["sh", "-c", join, self.cpu_group]
-        out += ["ip", "netns", "exec", self.netns] if self.netns else []
+        out = ["ip", "netns", "exec", self.netns] if self.netns else []
         if self.hostname:
             out += ["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"']
             out.append(self.hostname)
@@ -77,12 +71,8 @@ def _check(result: int, what: str) -> None:
 
 
 def _enter(place: Placement) -> None:
-    """Join the placement's CPU group (where the machine lets it: it only evens out CPU shares)
-    and its namespaces, as `ip netns exec` does: the network namespace, then a mount namespace
-    of its own whose /sys shows that network namespace's interfaces."""
-    if place.cpu_group:
-        with contextlib.suppress(OSError), open(f"{place.cpu_group}/cgroup.procs", "w") as f:
-            f.write(str(os.getpid()))
+    """Join the placement's namespaces, as `ip netns exec` does: the network namespace, then a
+    mount namespace of its own whose /sys shows that network namespace's interfaces."""
     if place.netns:
         fd = os.open(os.path.join(NETNS_DIR, place.netns), os.O_RDONLY)
         try:
@@ -121,7 +111,7 @@ def _become(request: dict[str, Any], fds: list[int], keep_closed: list[socket.so
             os.close(fd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    _enter(Placement(request.get("netns"), request.get("hostname"), request.get("cpu_group")))
+    _enter(Placement(request.get("netns"), request.get("hostname")))
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -296,7 +286,6 @@ class ForkServer:
                 "cwd": os.getcwd(),
                 "netns": place.netns,
                 "hostname": place.hostname,
-                "cpu_group": place.cpu_group,
             }
         ).encode()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

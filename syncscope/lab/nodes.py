@@ -8,7 +8,6 @@ Layout, namespaces named ``syncscope-<pid>-<instance>-{switch,node<i>}``::
     netns ...-node0:   node0 10.213.0.1/24   netns ...-node1: node1 10.213.0.2/24   (and lo)
 
 Addresses exist only inside the namespaces made here; the root namespace gets no interface.
-Each node's ranks share a CPU control group of its name where the machine allows one.
 Each node's exporter runs in the root namespace on 127.0.0.1 and takes its ranks' records on
 a unix socket, which crosses network namespaces because the filesystem is shared; the
 FileStore rendezvous does too. With ``hostnames`` each rank also gets its own UTS namespace
@@ -93,7 +92,6 @@ class Node:
     exporter_port: int
     socket_path: str = ""  # the exporter's ingest socket, in the workdir made on entry
     exporter: subprocess.Popen | None = None
-    cpu_group: str | None = None  # its ranks' CPU control group (a directory), where made
 
     @property
     def exporter_url(self) -> str:
@@ -141,60 +139,6 @@ def remove_stale_netns() -> list[str]:
                 iproute("ip", "netns", "delete", name)
                 removed.append(name)
     return removed
-
-
-def cpu_controller() -> str | None:
-    """Where this machine's CPU control groups are made, if it lets this process make them:
-    cgroup v1's cpu hierarchy, else a cgroup v2 root that delegates cpu."""
-    v1, v2 = "/sys/fs/cgroup/cpu", "/sys/fs/cgroup"
-    if os.path.exists(os.path.join(v1, "cpu.shares")):
-        root = v1
-    else:
-        try:
-            with open(os.path.join(v2, "cgroup.subtree_control")) as f:
-                root = v2 if "cpu" in f.read().split() else ""
-        except OSError:
-            root = ""
-    return root if root and os.access(root, os.W_OK) else None
-
-
-def make_cpu_group(name: str, weight: int) -> str | None:
-    """A CPU control group `name` of relative `weight` (a thread's is 1; cpu.shares in v1,
-    cpu.weight in v2), or None where the machine refuses one."""
-    root = cpu_controller()
-    if root is None:
-        return None
-    path = os.path.join(root, name)
-    try:
-        os.mkdir(path)
-    except OSError:
-        return None
-    v1 = os.path.exists(os.path.join(path, "cpu.shares"))
-    try:
-        with open(os.path.join(path, "cpu.shares" if v1 else "cpu.weight"), "w") as f:
-            f.write(str(1024 * weight if v1 else 100 * weight))
-    except OSError:
-        remove_cpu_group(path)
-        return None
-    return path
-
-
-def remove_cpu_group(path: str) -> None:
-    """Remove an emptied control group (a process still in it keeps it)."""
-    with contextlib.suppress(OSError):
-        os.rmdir(path)
-
-
-def remove_stale_cpu_groups() -> None:
-    """Remove the control groups of this naming scheme left by a run whose process is gone."""
-    root = cpu_controller()
-    if root is None:
-        return
-    with contextlib.suppress(OSError):
-        for name in os.listdir(root):
-            m = _STALE.match(name)
-            if m is not None and not _alive(int(m.group(1))):
-                remove_cpu_group(os.path.join(root, name))
 
 
 def _alive(pid: int) -> bool:
@@ -271,7 +215,6 @@ class EmulatedNodes:
             node.socket_path = os.path.join(self.workdir, f"node{node.index}.sock")
         try:
             self._create_network()
-            self._make_cpu_groups()
             self._start_exporters()
         except BaseException:
             self.close()
@@ -306,16 +249,6 @@ class EmulatedNodes:
             if node.index in self._link_mbit:
                 self.set_link_rate(node.index, self._link_mbit[node.index])
 
-    def _make_cpu_groups(self) -> None:
-        """Where the machine has a writable CPU controller (cgroup v1's cpu hierarchy or v2's),
-        one control group per node for its ranks, all of equal weight (a thread's per rank):
-        the nodes' ranks get equal CPU, as on machines of their own, whatever else this
-        machine runs and however many threads each rank has busy. Without it, a clean job's
-        ranks on one node could run a tenth slower than their peers on another, and be late."""
-        remove_stale_cpu_groups()
-        for node in self.nodes:
-            node.cpu_group = make_cpu_group(node.netns, self.ranks_per_node)
-
     def _start_exporters(self) -> None:
         own = self._node_exporter_args
         for node in self.nodes:
@@ -340,10 +273,6 @@ class EmulatedNodes:
             with contextlib.suppress(NodesUnavailable):
                 iproute("ip", "netns", "delete", name)
         self._made.clear()
-        for node in self.nodes:
-            if node.cpu_group is not None:
-                remove_cpu_group(node.cpu_group)
-                node.cpu_group = None
         if self._own_workdir and self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = ""
@@ -357,9 +286,7 @@ class EmulatedNodes:
         node = self.node_of(rank)
         # With hostnames, a UTS namespace of its own, named after the node, for the agent's
         # hostname label.
-        return Placement(
-            node.netns, f"node{node.index}" if self.hostnames else None, node.cpu_group
-        )
+        return Placement(node.netns, f"node{node.index}" if self.hostnames else None)
 
     def _rank_env(self, rank: int) -> dict[str, str]:
         node = self.node_of(rank)

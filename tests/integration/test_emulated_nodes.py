@@ -13,13 +13,7 @@ import subprocess
 
 import pytest
 
-from syncscope.lab.nodes import (
-    NodesUnavailable,
-    cpu_controller,
-    iproute,
-    list_netns,
-    remove_cpu_group,
-)
+from syncscope.lab.nodes import NodesUnavailable, iproute, list_netns
 from tests.conftest import SKIP_STEPS, emulated, torch_available, wait_until
 
 pytestmark = [
@@ -39,33 +33,16 @@ def remove_if_present(netns: str) -> None:
         iproute("ip", "netns", "delete", netns)
 
 
-def cpu_group_of(pid: int, v1: bool) -> str:
-    """The CPU control group a process is in, as /proc names it: its cpu controller's line
-    (cgroup v1) or its unified one (v2)."""
-    with open(f"/proc/{pid}/cgroup") as f:
-        for line in f:
-            _, controllers, path = line.rstrip("\n").split(":", 2)
-            if ("cpu" in controllers.split(",")) if v1 else controllers == "":
-                return path
-    return ""
-
-
 def test_one_gloo_job_spans_two_emulated_nodes_and_leaves_nothing_behind(tmp_path):
-    # A namespace and a CPU group of this scheme left by a crashed run (its pid is gone) are
-    # cleared on entry.
+    # A namespace of this scheme left by a crashed run (its pid is gone) is cleared on entry.
     stale = f"syncscope-{dead_pid()}-0-node0"
     try:
         iproute("ip", "netns", "add", stale)
     except NodesUnavailable as exc:
         pytest.skip(str(exc))
-    groups = cpu_controller()
-    if groups is not None:
-        os.mkdir(os.path.join(groups, stale))
     with contextlib.ExitStack() as stack:
         # should entering skip or fail, the stale namespace is not left to the next run
         stack.callback(remove_if_present, stale)
-        if groups is not None:
-            stack.callback(remove_cpu_group, os.path.join(groups, stale))
         cluster = stack.enter_context(emulated(2, 2, workdir=str(tmp_path)))
         ours = {cluster.switch, *(n.netns for n in cluster.nodes)}
         present = set(list_netns())
@@ -75,18 +52,7 @@ def test_one_gloo_job_spans_two_emulated_nodes_and_leaves_nothing_behind(tmp_pat
             "an address leaked into the root netns"
         )
 
-        if groups is not None:
-            assert not os.path.exists(os.path.join(groups, stale))
-        with cluster.running(["--duration", "20"], "harness") as ranks:
-            # Where the machine lets it, each node's ranks share a CPU group of their own.
-            v1 = groups is not None and groups.endswith("/cpu")
-            want = {r: "/" + cluster.nodes[r // 2].netns for r in range(4)}
-
-            def placed() -> dict[int, str]:  # a forked rank joins its group as it starts
-                return {rank: cpu_group_of(p.pid, v1) for rank, p in enumerate(ranks)}
-
-            if groups is not None:
-                assert wait_until(lambda: placed() == want, timeout=10), placed()
+        cluster.run(["--duration", "20"], "harness")
         states = wait_until(
             lambda: [s for s in cluster.states() if s["jobs"].get("harness", {}).get("ranks")],
             timeout=10,
@@ -110,6 +76,4 @@ def test_one_gloo_job_spans_two_emulated_nodes_and_leaves_nothing_behind(tmp_pat
             n.exporter.pid for n in cluster.nodes if n.exporter
         ]
     assert not ours & set(list_netns()), "a namespace outlived the context"
-    if groups is not None:
-        assert not ours & set(os.listdir(groups)), "a CPU group outlived the context"
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")], "a process outlived it"
