@@ -356,7 +356,7 @@ class JobPool:
                 # The node's work: its fastest rank's step less exposed comm and pacing (the
                 # least a rank here needed; a straggler's own slowness is not the host's).
                 work = min(
-                    step_s - phases[Phase.COMM_EXPOSED] - phases[Phase.PACING]
+                    step_s - blocked_s(phases)
                     if len(phases) > Phase.PACING  # rows in the wire's order (tests: fewer)
                     else step_s
                     for step_s, phases in entries.values()

@@ -44,7 +44,9 @@ from syncscope.wire import (
     CollectiveSeconds,
     EventSeconds,
     PacingState,
+    Phase,
     StepSeconds,
+    blocked_s,
     group_first,
     group_ranks,
     pipeline_stage,
@@ -964,7 +966,7 @@ def life(state: RankState, step: int, d: float, phases: tuple[float, ...]) -> No
     its data wait, exposed communication and pacing are already badput of their own, and
     counted again they would take goodput below zero on a data-bound job."""
     checkpoint = state.checkpoint_pending.pop(step, 0.0)
-    waiting = phases[_DATA] + phases[_COMM] + phases[_PACING]
+    waiting = phases[Phase.DATA] + blocked_s(phases)
     own = max(0.0, d - waiting - checkpoint)
     before = state.productive_s
     state.productive_s = before + own
@@ -1021,7 +1023,6 @@ def with_job_transfer(
 LEAD_STEPS = 64
 # Steps whose in-step checkpoint time a rank keeps until their row comes.
 MAX_PENDING_CHECKPOINTS = 64
-_DATA, _COMM, _PACING = (PHASES.index(p) for p in ("data", "comm_exposed", "pacing"))
 RESUME_MARKS = 16  # RankState.resume_marks kept: the steps of the latest 8 checkpoints
 
 
