@@ -5,8 +5,8 @@ thresholds file's verdict_score (0.5), as do the dashboards' and the status page
 The modes (their exact rules, reasoning and the scenarios they are tested on: docs/diagnosis.md):
 
   straggler           one rank arrives last at the gradient sync persistently (a large arrival
-                      skew, and the same rank last in most steps; random stalls rotate the last
-                      arrival and are runtime jitter, not a straggler)
+                      skew beyond the steps' noise, and the same rank last in most steps; random
+                      stalls rotate the last arrival and are runtime jitter, not a straggler)
   sync_amplification  the share of each step that ranks sit idle at the sync for a later peer
   fabric_contention   the transfer per step (of the rank that arrived last, who waited for
                       nobody) against its own uncontended baseline; a large share of the step,
@@ -50,7 +50,7 @@ from syncscope.exporter.gpu import has_gpu, locality_faults, pcie_link_fault
 from syncscope.exporter.jobwide import JobWide
 from syncscope.exporter.pooling import NodeInflation, fabric_share
 from syncscope.exporter.settings import DEFAULT_THRESHOLDS, Settings, Thresholds
-from syncscope.exporter.store import RankView, RecentStep, Store, StoreView
+from syncscope.exporter.store import LEAD_STEPS, RankView, RecentStep, Store, StoreView
 
 from syncscope.catalog import STEP_WINDOW
 from syncscope.wire import BLOCKED, Phase, blocked_s, group_first, group_ranks
@@ -552,6 +552,7 @@ class _Arrivals:
     last_counts: dict[int, int]
     transfers: list[float]
     idles: list[float]
+    syncs: list[dict[int, float]]  # per aligned step, each rank's time at the sync
 
 
 def _arrivals(
@@ -562,8 +563,10 @@ def _arrivals(
     last_counts: dict[int, int] = {}
     transfers: list[float] = []
     idles: list[float] = []
+    syncs: list[dict[int, float]] = []
     for by_rank in aligned:
         sync = {rank: _sync_time(rec, signal) for rank, rec in by_rank.items()}
+        syncs.append(sync)
         floors: dict[int, float] = {}
         for rank, blocked in sync.items():
             if blocked < floors.get(stages[rank], math.inf):
@@ -576,7 +579,30 @@ def _arrivals(
         # sum/len, not statistics.mean: this runs per step per scrape, and mean's exact
         # fractions cost ~1.5 ms a scrape (bench/bench_exporter.py)
         idles.append(sum(b - floors[stages[r]] for r, b in sync.items()) / len(sync))
-    return _Arrivals(last_counts, transfers, idles)
+    return _Arrivals(last_counts, transfers, idles, syncs)
+
+
+# The lateness's lower confidence bound: the compared steps in LATENESS_BLOCKS consecutive blocks,
+# whose means vary as the lateness does across the window (steps next to each other share a
+# stall, blocks far less), and Student's t one-sided at 95 % for LATENESS_BLOCKS - 1 degrees of
+# freedom.
+LATENESS_BLOCKS = 8
+LATENESS_T95 = 1.895
+
+
+def lateness_bound(syncs: Sequence[Mapping[int, float]], slow: int, peer: int) -> float | None:
+    """How much later than `peer` the rank `slow` arrives, at 95 % confidence: over the steps
+    (each rank's time at the sync, `_Arrivals.syncs`), the mean of `peer`'s time at the sync
+    less `slow`'s, less t times its standard error over blocks of consecutive steps. None with
+    fewer than two steps a block."""
+    n = len(syncs) // LATENESS_BLOCKS * LATENESS_BLOCKS
+    if n < 2 * LATENESS_BLOCKS:
+        return None
+    late = [s[peer] - s[slow] for s in syncs[-n:]]
+    size = n // LATENESS_BLOCKS
+    blocks = [sum(late[i : i + size]) / size for i in range(0, n, size)]
+    error = statistics.stdev(blocks) / math.sqrt(LATENESS_BLOCKS)
+    return sum(blocks) / LATENESS_BLOCKS - LATENESS_T95 * error
 
 
 def _straggler_mode(
@@ -593,9 +619,8 @@ def _straggler_mode(
     is over the line and it is persistently last (`aligned`: the steps aligned, None: too few
     to tell). Returns the straggler (None: nobody), the skew and the line."""
     here = {r.rank: r for r in live}
-    root = stage_root(
-        {r.rank: r.arrival_lead_s for r in live if r.arrival_lead_s is not None}, stages
-    )
+    leads = {r.rank: r.arrival_lead_s for r in live if r.arrival_lead_s is not None}
+    root = stage_root(leads, stages)
     if root is None or step <= 0:
         return None, None, None
     slow, skew = here[root[0]], root[1]
@@ -615,6 +640,18 @@ def _straggler_mode(
             min(score, t.verdict_score - 0.01),
             f"arrival skew {skew * 1e3:.1f} ms, but no rank is persistently last "
             f"(rank {slow.rank} in {share:.0%} of steps): the last arrival rotates",
+        )
+        return None, skew, threshold
+    # The skew is two means' difference, and on a busy host a rank can trail for seconds by
+    # chance: named only where the lateness is over the line beyond the steps' own noise.
+    first = max((r for r in leads if stages[r] == stages[slow.rank]), key=leads.__getitem__)
+    bound = lateness_bound(arrivals.syncs[-LEAD_STEPS:], slow.rank, first)
+    if bound is not None and bound <= threshold:
+        modes["straggler"] = (
+            min(score, t.verdict_score - 0.01),
+            f"arrival skew {skew * 1e3:.1f} ms, but within the steps' noise: rank {slow.rank} "
+            f"arrives at least {bound * 1e3:.1f} ms after rank {first} (95 % confidence), not "
+            f"over {threshold * 1e3:.1f} ms",
         )
         return None, skew, threshold
     peers = [r for r in live if r is not slow and r.arrival_lead_s is not None]
