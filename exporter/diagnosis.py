@@ -159,9 +159,12 @@ def straggler_cause(
     return "unknown", f"no single signal explains 80 % of its lateness ({split}{sampled})"
 
 
-def stage_root(leads: Mapping[int, float], stages: Mapping[int, int]) -> tuple[int, float] | None:
-    """The rank the others wait for, and the arrival skew: the rank blocked least in the stage
-    whose ranks' leads spread most, and that spread (`stages`: rank -> pipeline stage; a rank
+def stage_root(
+    leads: Mapping[int, float], stages: Mapping[int, int]
+) -> tuple[int, float, int] | None:
+    """The rank the others wait for, the arrival skew and the earliest peer: the rank blocked
+    least in the stage whose ranks' leads spread most, that spread, and the rank of that stage
+    blocked longest (`stages`: rank -> pipeline stage; a rank
     not in it, and every rank of a job that is no pipeline, is stage 0). A pipeline's stages
     differ in work by design, so a rank is compared with the ranks of its own stage only: a
     lighter stage, blocked longer in its point-to-point ops, is no straggler's victim. None
@@ -169,14 +172,13 @@ def stage_root(leads: Mapping[int, float], stages: Mapping[int, int]) -> tuple[i
     by_stage: dict[int, list[tuple[float, int]]] = {}
     for rank, lead in leads.items():
         by_stage.setdefault(stages.get(rank, 0), []).append((lead, rank))
-    best: tuple[int, float] | None = None
+    best: tuple[int, float, int] | None = None
     for members in by_stage.values():
         if len(members) < 2:
             continue
-        lo, rank = min(members)
-        spread = max(lead for lead, _ in members) - lo
-        if best is None or spread > best[1]:
-            best = (rank, spread)
+        (lo, rank), (hi, first) = min(members), max(members)
+        if best is None or hi - lo > best[1]:
+            best = (rank, hi - lo, first)
     return best
 
 
@@ -623,7 +625,7 @@ def _straggler_mode(
     root = stage_root(leads, stages)
     if root is None or step <= 0:
         return None, None, None
-    slow, skew = here[root[0]], root[1]
+    slow, skew, first = here[root[0]], root[1], root[2]
     threshold = straggler_line(t, settings.skew_threshold_s, step)
     score = min(1.0, skew / step)
     peers_in_stage = sum(1 for r in live if stages[r.rank] == stages[slow.rank])
@@ -644,7 +646,6 @@ def _straggler_mode(
         return None, skew, threshold
     # The skew is two means' difference, and on a busy host a rank can trail for seconds by
     # chance: named only where the lateness is over the line beyond the steps' own noise.
-    first = max((r for r in leads if stages[r] == stages[slow.rank]), key=leads.__getitem__)
     bound = lateness_bound(arrivals.syncs[-LEAD_STEPS:], slow.rank, first)
     if bound is not None and bound <= threshold:
         modes["straggler"] = (

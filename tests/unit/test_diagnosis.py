@@ -31,6 +31,7 @@ from syncscope.exporter.diagnosis import (
 )
 from syncscope.exporter.settings import Settings
 from syncscope.exporter.store import (
+    LEAD_STEPS,
     CollectiveView,
     JobView,
     RankView,
@@ -149,8 +150,8 @@ def test_jitter_is_runtime_jitter_not_a_straggler() -> None:
 def trailing(ranks: list[RankView], slow: int, late_s: list[float]) -> list[RankView]:
     """The recorded ranks with rank `slow` arriving `late_s[i]` later at the i-th last step
     every rank reports (its forward that much longer, every other rank that much longer at
-    the sync), and each rank's lead recomputed as the exporter's: the mean over the last 64
-    such steps of its time at the sync less the least of any rank's."""
+    the sync), and each rank's lead recomputed as the exporter's: the mean over the last
+    LEAD_STEPS such steps of its time at the sync less the least of any rank's."""
     common = sorted(set.intersection(*({s.step for s in r.recent_steps} for r in ranks)))
     by_step = dict(zip(common[-len(late_s) :], late_s, strict=True))
     out = []
@@ -164,7 +165,7 @@ def trailing(ranks: list[RankView], slow: int, late_s: list[float]) -> list[Rank
             steps.append(replace(s, step_s=s.step_s + x, phases=tuple(phases), wait_s=wait))
         out.append(replace(r, recent_steps=tuple(steps)))
     at = {r.rank: {s.step: s.phases[Phase.COMM_EXPOSED] for s in r.recent_steps} for r in out}
-    last = common[-64:]
+    last = common[-LEAD_STEPS:]
     floor = {k: min(at[r][k] for r in at) for k in last}
     return [
         replace(r, arrival_lead_s=sum(at[r.rank][k] - floor[k] for k in last) / len(last))
