@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +79,28 @@ def test_the_agents_python_per_step_stays_within_its_budget(gloo_world_of_one, p
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
 
-    agent = attach(model=model, optimizer=opt, exporter=None, phase_every=phase_every)
+    # The counted steps are ones with no flush due. Near each tick of `flush_interval_s` the
+    # step ends also run the reporter's tick check (Reporter.at_step, ~40 bytecodes, from 10 ms
+    # before the tick until the first aligned step after it): once a second that is nothing a
+    # step, but 64 steps that straddle a tick read 12 to 24 bytecodes a step against a budget
+    # of 9, or 46 to 52 against 33 (3 of 20 runs of this file on a busy machine). An hour's
+    # interval, the counted steps kept clear of its tick, holds that out (0 of 20).
+    interval = 3600.0
+    agent = attach(
+        model=model,
+        optimizer=opt,
+        exporter=None,
+        phase_every=phase_every,
+        flush_interval_s=interval,
+    )
     try:
         for _ in range(40):  # past the first steps (trigger learning, the startup event)
             step()
+        before_tick = interval - time.time() % interval
+        if before_tick < 30:
+            time.sleep(before_tick + 0.5)
+            for _ in range(40):  # past the tick's flush
+                step()
         ops, calls, by_function = count_per_step(step, STEPS)
     finally:
         agent.close()
