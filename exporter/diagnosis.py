@@ -164,11 +164,11 @@ def stage_root(
 ) -> tuple[int, float, int] | None:
     """The rank the others wait for, the arrival skew and the earliest peer: the rank blocked
     least in the stage whose ranks' leads spread most, that spread, and the rank of that stage
-    blocked longest (`stages`: rank -> pipeline stage; a rank
-    not in it, and every rank of a job that is no pipeline, is stage 0). A pipeline's stages
-    differ in work by design, so a rank is compared with the ranks of its own stage only: a
-    lighter stage, blocked longer in its point-to-point ops, is no straggler's victim. None
-    where no stage holds two ranks with a lead."""
+    blocked longest (`stages`: rank -> pipeline stage; a rank not in it, and every rank of a
+    job that is no pipeline, is stage 0). A pipeline's stages differ in work by design, so a
+    rank is compared with the ranks of its own stage only: a lighter stage, blocked longer in
+    its point-to-point ops, is no straggler's victim. None where no stage holds two ranks with
+    a lead."""
     by_stage: dict[int, list[tuple[float, int]]] = {}
     for rank, lead in leads.items():
         by_stage.setdefault(stages.get(rank, 0), []).append((lead, rank))
@@ -625,7 +625,8 @@ def _straggler_mode(
     root = stage_root(leads, stages)
     if root is None or step <= 0:
         return None, None, None
-    slow, skew, first = here[root[0]], root[1], root[2]
+    root_rank, skew, first = root
+    slow = here[root_rank]
     threshold = straggler_line(t, settings.skew_threshold_s, step)
     score = min(1.0, skew / step)
     peers_in_stage = sum(1 for r in live if stages[r.rank] == stages[slow.rank])
