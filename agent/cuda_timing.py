@@ -35,6 +35,7 @@ from typing import Any
 from syncscope.agent.capture_mode import thread_local_capture_mode
 from syncscope.agent.config import AgentConfig
 from syncscope.agent.phases import (
+    ACC_LEN,
     BACKWARD,
     BWD_END,
     BWD_START,
@@ -58,7 +59,7 @@ from syncscope.agent.phases import (
 )
 
 _IDLE_BEFORE_FORWARD = (STEP_START, BWD_END, COMM_END)
-NO_PHASES = (0, 0, 0, 0, 0, 0)  # a quiet step's row until the resolver estimates them
+NO_PHASES = (0,) * ACC_LEN  # a quiet step's row until the resolver estimates them (and in C)
 # A quiet step's estimate, taken at its end: the last timed step's phase shares (CPU) and its
 # DDP sync's share of its total (None: it had no sync).
 Estimate = tuple[list[float] | None, float | None]
@@ -258,7 +259,7 @@ class CudaPhaseClock(PhaseClock):
 
     def end_step(self, t: int) -> None:
         step = self.step
-        self._mark(STEP_END)  # before PhaseClock's pacing sleep: that belongs to the next step
+        self.mark(STEP_END)  # before PhaseClock's pacing sleep: that belongs to the next step
         if self.timeline is not None:
             self.timeline.mark(step)
         marks = self.marks

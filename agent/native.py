@@ -124,7 +124,7 @@ class Native:
     def hot_hook(self, kind: int, target: Any, fallback: Any, constants: tuple) -> Any:
         """A hook in C (csrc/hot_path.cpp) doing what the Python callable `fallback` does in its
         common case, and calling it otherwise. `kind`: HOT_PRE (`target`: the clock), HOT_POST
-        ((the clock, its bound end_step and _quiet_end, whether it is a PhaseClock itself)),
+        ((the clock, its bound end_step and _quiet_end, phase_hooks' end mode)),
         HOT_BACKWARD (`target`: (phase_hooks.Clocks, torch.autograd.backward, the clock
         class)) or HOT_FORWARD (phase_hooks._hot_forward's); `constants`:
         phase_hooks.HOT_CONSTANTS. Raises what the library says (a clock whose attributes are

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from syncscope.agent.cuda_timing import CudaPhaseClock
 from syncscope.agent.phases import (
     ACC_LEN,
     BACKWARD,
@@ -27,6 +28,7 @@ from syncscope.agent.phases import (
     FWD_PRE,
     OPT_PRE,
     OPTIMIZER,
+    STEP_END,
     PhaseClock,
 )
 
@@ -36,12 +38,18 @@ _now = time.perf_counter_ns
 # What the hooks in C (native.Native.hot_hook) are told of the clock: the positions of data,
 # forward, backward, the optimizer and exposed communication in its accumulator, its length, the
 # boundaries a subclass's `mark` is told of by them (forward's start and end, the optimizer's
-# start) and DDP's sync is seen at, the work count that means "unknown", and DDP's sync record's
-# kind.
+# start, a CudaPhaseClock's step end) and DDP's sync is seen at, the work count that means
+# "unknown", DDP's sync record's kind, and the method a CudaPhaseClock's `mark` is bound to,
+# which they do in C.
 HOT_CONSTANTS = (
     *(DATA, FORWARD, BACKWARD, OPTIMIZER, COMM, ACC_LEN),
-    *(FWD_PRE, FWD_POST, OPT_PRE, COMM_END, UNKNOWN_WORK, DDP_GRAD_SYNC),
+    *(FWD_PRE, FWD_POST, OPT_PRE, COMM_END, STEP_END, UNKNOWN_WORK, DDP_GRAD_SYNC),
+    CudaPhaseClock._mark,
 )
+# How much of a step's end the optimizer's post-hook in C does (csrc/hot_path.cpp's EndMode):
+# none (a subclass's end_step and _quiet_end are called), a PhaseClock's common steps, or a
+# CudaPhaseClock's quiet steps (their event through its `mark`, their row for its resolver).
+OWN_END, INLINE_END, CUDA_QUIET_END = 0, 1, 2
 
 
 class Instrumented:
@@ -101,8 +109,9 @@ def instrument(
 
 
 # PhaseClock's methods the hooks in C do themselves for a subclass too: one that has its own is
-# refused. A subclass's end_step and _quiet_end are called (CudaPhaseClock's), its timed
-# backward is its Python wrapper's, and its `mark` is told of every boundary the hooks see.
+# refused. A subclass's end_step and _quiet_end are called (CudaPhaseClock's but in its quiet
+# steps), its timed backward is its Python wrapper's, and its `mark` is told of every boundary
+# the hooks see (CudaPhaseClock's own _mark is done in C).
 _DONE_IN_C = ("optimizer_pre", "optimizer_post")
 
 
@@ -128,8 +137,9 @@ def hot_hooks(clock: PhaseClock, hot: Any) -> tuple[Any, Any]:
     if in_c is pre:  # refused (the clock's slots): the post-hook would be too
         return pre, post
     # The clock's own step end, called where the hook does not end the step itself: always for
-    # a subclass (CudaPhaseClock: a CUDA event, its resolver's queue), else in uncommon steps.
-    ends = (clock.end_step, clock._quiet_end, type(clock) is PhaseClock)
+    # a subclass but in a CudaPhaseClock's quiet steps, else in uncommon steps.
+    mode = {PhaseClock: INLINE_END, CudaPhaseClock: CUDA_QUIET_END}.get(type(clock), OWN_END)
+    ends = (clock.end_step, clock._quiet_end, mode)
     return in_c, _in_c(hot, hot.HOT_POST, (clock, *ends), post, clock)
 
 

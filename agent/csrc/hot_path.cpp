@@ -1,15 +1,17 @@
 // The phase clock's hooks in C (agent/phase_hooks.py installs them, native.py loads the library):
 // the model's forward wrapper (the forward phase, the batch's work), the optimizer's step pre-
 // and post-hooks, which end the step and queue its row, and the torch.autograd.backward wrapper
-// with the C++ backward trigger's return (backward, then DDP's exposed sync). Each is the Python hook's common case, done on the clock's own slots:
-// a hook entered from torch costs the training thread its Python frames on caches the step's
-// kernels have flushed, several µs a step (docs/evaluation.md), and these do the same reads,
-// sums and appends without a frame.
+// with the C++ backward trigger's return (backward, then DDP's exposed sync); for a
+// CudaPhaseClock, its events at the boundaries they see (its _mark) and a quiet step's end. Each
+// is the Python hook's common case, done on the clock's own slots: a hook entered from torch
+// costs the training thread its Python frames on caches the step's kernels have flushed,
+// several µs a step (docs/evaluation.md), and these do the same reads, sums and appends without
+// a frame.
 //
 // Every hook is checked before it changes anything: anything but the common case (a quiet
-// step, a pacer, a CUDA clock's marks, a wait for a collective to move into `comm`, the first
-// step, a full queue, a missed trigger, another clock in the process, an attribute of an
-// unexpected type) goes to the Python hook it stands for (`fallback`, or the clock's method),
+// step, a pacer, a CUDA clock's timed step end, a wait for a collective to move into `comm`,
+// the first step, a full queue, a missed trigger, another clock in the process, an attribute of
+// an unexpected type) goes to the Python hook it stands for (`fallback`, or the clock's method),
 // so that what the clock does is declared once, in agent/phases.py; tests/unit/test_hot_path.py
 // runs the same steps through both and compares what they queue. Errors go to the clock's
 // on_error, as in Python: nothing raises into the training loop but the backward's own error.
@@ -37,6 +39,10 @@ namespace {
 using syncscope::now_ns;
 
 enum Kind { kPre = 0, kPost = 1, kBackward = 2, kForward = 3 };
+// How the optimizer's post-hook ends a step: the clock's own end_step and _quiet_end (a
+// subclass's), the common step end here (a PhaseClock itself), or a CudaPhaseClock's quiet step's
+// end here and the rest its own.
+enum EndMode { kOwnEnd = 0, kInlineEnd = 1, kCudaQuietEnd = 2 };
 
 // The slots a hook reads, by name; their offsets in an object of the type resolved.
 #define CLOCK_SLOTS(X)                                                                   \
@@ -51,12 +57,17 @@ enum Kind { kPre = 0, kPost = 1, kBackward = 2, kForward = 3 };
   X(seen_samples) X(seen_tokens) X(tokens_per_step) X(unclear_samples) X(unclear_tokens)
 #define BLOCKED_SLOTS(X) X(first_ns) X(ns)
 #define TRIGGER_SLOTS(X) X(native) X(output_hooks)
+// CudaPhaseClock's own (agent/cuda_timing.py), for its quiet step's end
+#define CUDA_SLOTS(X)                                                                    \
+  X(_due) X(capture_skips) X(chain_broken) X(event_factory) X(events_created) X(free)        \
+  X(marks) X(max_events) X(max_pending) X(pending) X(resolve_every) X(stream_of) X(timeline)
 
 #define DECLARE(name) Py_ssize_t name = -1;
 struct ClockSlots { CLOCK_SLOTS(DECLARE) };
 struct WorkSlots { WORK_SLOTS(DECLARE) };
 struct BlockedSlots { BLOCKED_SLOTS(DECLARE) };
 struct TriggerSlots { TRIGGER_SLOTS(DECLARE) };
+struct CudaSlots { CUDA_SLOTS(DECLARE) };
 #undef DECLARE
 
 // The offset of writable slot `name` of `type`; -1 with an exception set if it is not one.
@@ -95,6 +106,7 @@ bool resolve(PyTypeObject* type, ClockSlots& out) { CLOCK_SLOTS(RESOLVE) return 
 bool resolve(PyTypeObject* type, WorkSlots& out) { WORK_SLOTS(RESOLVE) return true; }
 bool resolve(PyTypeObject* type, BlockedSlots& out) { BLOCKED_SLOTS(RESOLVE) return true; }
 bool resolve(PyTypeObject* type, TriggerSlots& out) { TRIGGER_SLOTS(RESOLVE) return true; }
+bool resolve(PyTypeObject* type, CudaSlots& out) { CUDA_SLOTS(RESOLVE) return true; }
 #undef RESOLVE
 
 // The slots of `obj`'s type, resolving them if it is another type than last time; false (no
@@ -192,6 +204,10 @@ PyObject* s_shape;
 PyObject* s_dtype;
 PyObject* s_take_blocked;
 PyObject* s_hook_output;
+PyObject* s_set;
+PyObject* s_pop;
+PyObject* s_record;
+PyObject* s_abandon_step;
 
 struct Hook {
   PyObject_HEAD
@@ -210,14 +226,16 @@ struct Hook {
   PyObject* sync_kind;    // wire.DDP_GRAD_SYNC
   PyObject* end_step;     // kPost: the clock's end_step, called where not done here
   PyObject* quiet_end;    // kPost: the clock's _quiet_end, called where not done here
-  int inline_end;         // kPost: the clock is a PhaseClock itself: its common step end here
+  int end_mode;           // kPost: kOwnEnd, kInlineEnd or kCudaQuietEnd (below)
   // Positions and values phases.py declares: accumulator indices, boundaries, UNKNOWN_WORK.
   Py_ssize_t i_data, i_forward, i_backward, i_optimizer, i_comm, n_phases;
-  int64_t fwd_pre, fwd_post, opt_pre, comm_end, unknown_work;
+  int64_t fwd_pre, fwd_post, opt_pre, comm_end, step_end, unknown_work;
+  PyObject* cuda_mark;    // CudaPhaseClock._mark (the function), done in C where `mark` is it
   Resolved<ClockSlots> clock_slots;
   Resolved<WorkSlots> work_slots;
   Resolved<BlockedSlots> blocked_slots;
   Resolved<TriggerSlots> trigger_slots;
+  Resolved<CudaSlots> cuda_slots;
 };
 
 // The error set now, handed to the clock's on_error (as the Python hooks' `except` does); never
@@ -246,14 +264,119 @@ PyObject* report(PyObject* clock) {
   Py_RETURN_NONE;
 }
 
+// A CudaPhaseClock's state changed by a step its events cannot time: its _abandon_step (the
+// step's events back to the free list, no more marks this step); its own errors are dropped.
+void abandon_step(PyObject* c) {
+  PyObject* done = PyObject_CallMethodNoArgs(c, s_abandon_step);
+  Py_XDECREF(done);
+  PyErr_Clear();
+}
+
+// CudaPhaseClock._mark in C: an event from the free list (or a new one, up to max_events)
+// recorded on stream_of's stream (None: the current one) and appended to the step's marks with
+// `kind`; where a slot is of an unexpected type, the method (`mark`) itself.
+void cuda_mark(Hook* h, PyObject* c, PyObject* mark, int64_t kind) {
+  const ClockSlots& s = h->clock_slots.at;
+  const CudaSlots& k = h->cuda_slots.at;
+  PyObject* marks = get(c, k.marks);
+  PyObject* quiet = get(c, s.quiet);
+  PyObject* stream_of = get(c, k.stream_of);
+  int64_t created = 0, max_events = 0, skips = 0;
+  if (!(marks != nullptr && (marks == Py_None || PyList_CheckExact(marks)) && is_bool(quiet) &&
+        stream_of != nullptr && get(c, k.free) != nullptr && get(c, k.event_factory) != nullptr &&
+        int_of(get(c, k.events_created), created) && int_of(get(c, k.max_events), max_events) &&
+        int_of(get(c, k.capture_skips), skips))) {
+    PyErr_Clear();
+    PyObject* k_ = PyLong_FromLongLong(kind);
+    PyObject* done = k_ == nullptr ? nullptr : PyObject_CallOneArg(mark, k_);
+    Py_XDECREF(k_);
+    if (done == nullptr) {
+      note_error(c);
+    }
+    Py_XDECREF(done);
+    return;
+  }
+  if (marks == Py_None || (quiet == Py_True && kind != h->step_end)) {
+    return;
+  }
+  Py_INCREF(marks);  // held: the calls below may replace the slot; the event goes to this list
+  PyObject *stream = nullptr, *event = nullptr, *recorded = nullptr, *entry = nullptr;
+  bool ok = true;
+  if (stream_of != Py_None) {
+    // looked up at a timed step's first mark; a quiet step reuses it
+    const bool fresh = PyList_GET_SIZE(marks) == 0 && quiet == Py_False;
+    Py_INCREF(stream_of);
+    stream = PyObject_CallOneArg(stream_of, fresh ? Py_True : Py_False);
+    Py_DECREF(stream_of);
+    ok = stream != nullptr;
+    if (ok && stream == Py_None) {  // capturing: leave the graph alone, time this step on CPU
+      if (!put_int(c, k.capture_skips, skips + 1)) {
+        PyErr_Clear();
+      }
+      abandon_step(c);
+      Py_DECREF(stream);
+      Py_DECREF(marks);
+      return;
+    }
+  }
+  if (ok) {
+    PyObject* free = get(c, k.free);
+    Py_INCREF(free);
+    event = PyObject_CallMethodNoArgs(free, s_pop);
+    Py_DECREF(free);
+    if (event == nullptr && PyErr_ExceptionMatches(PyExc_IndexError)) {
+      PyErr_Clear();
+      if (created >= max_events) {
+        abandon_step(c);
+        Py_XDECREF(stream);
+        Py_DECREF(marks);
+        return;
+      }
+      PyObject* factory = get(c, k.event_factory);
+      Py_INCREF(factory);
+      event = PyObject_CallNoArgs(factory);
+      Py_DECREF(factory);
+      ok = event != nullptr && put_int(c, k.events_created, created + 1);
+    } else {
+      ok = event != nullptr;
+    }
+  }
+  if (ok) {
+    recorded = stream == nullptr ? PyObject_CallMethodNoArgs(event, s_record)
+                                 : PyObject_CallMethodOneArg(event, s_record, stream);
+    ok = recorded != nullptr && (entry = Py_BuildValue("(LO)", static_cast<long long>(kind),
+                                                      event)) != nullptr &&
+        PyList_Append(marks, entry) == 0;
+  }
+  Py_XDECREF(stream);
+  Py_XDECREF(event);
+  Py_XDECREF(recorded);
+  Py_XDECREF(entry);
+  Py_DECREF(marks);
+  if (!ok) {  // as _mark's `except`: the step's events back, the error to on_error
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    abandon_step(c);
+    PyErr_Restore(type, value, tb);
+    note_error(c);
+  }
+}
+
 // The clock's `mark` (a subclass's: CudaPhaseClock records a CUDA event) told of boundary
-// `kind`, as the Python hooks do where `mark` is not None; its errors go to on_error.
-void mark_at(PyObject* c, Py_ssize_t mark_slot, int64_t kind) {
-  PyObject* mark = get(c, mark_slot);
+// `kind`, as the Python hooks do where `mark` is not None; its errors go to on_error. A
+// CudaPhaseClock's own _mark is done in C (cuda_mark).
+void mark_at(Hook* h, PyObject* c, int64_t kind) {
+  PyObject* mark = get(c, h->clock_slots.at.mark);
   if (mark == nullptr || mark == Py_None) {
     return;
   }
   Py_INCREF(mark);  // held: the call may replace the slot
+  if (h->cuda_mark != nullptr && PyMethod_Check(mark) && PyMethod_GET_SELF(mark) == c &&
+      PyMethod_GET_FUNCTION(mark) == h->cuda_mark && slots_of(c, h->cuda_slots)) {
+    cuda_mark(h, c, mark, kind);
+    Py_DECREF(mark);
+    return;
+  }
   PyObject* k = PyLong_FromLongLong(kind);
   PyObject* done = k == nullptr ? nullptr : PyObject_CallOneArg(mark, k);
   Py_XDECREF(k);
@@ -294,7 +417,7 @@ PyObject* optimizer_pre(Hook* h, PyObject* const* args, size_t nargsf, PyObject*
   if (!put_int(c, s.opt_start, now_ns())) {
     return report(c);
   }
-  mark_at(c, s.mark, h->opt_pre);
+  mark_at(h, c, h->opt_pre);
   Py_RETURN_NONE;
 }
 
@@ -357,33 +480,53 @@ bool take_work(Hook* h, PyObject* work, const WorkSeen& v, int64_t& samples, int
   return true;
 }
 
-// steps.append((step, end, total, *middle, samples, tokens)): `middle` the phases (a timed
-// step's accumulator) or (shares, sync_share) (a quiet step's, phases.QUIET_ROW).
-bool queue_row(PyObject* steps, int64_t step, int64_t t, int64_t total, PyObject* const* middle,
-               Py_ssize_t n, int64_t samples, int64_t tokens) {
+// (step, end, total, *middle, samples, tokens): `middle` the phases (a timed step's
+// accumulator), (shares, sync_share) (a quiet step's, phases.QUIET_ROW) or n zeros (a CUDA
+// clock's quiet step, cuda_timing.NO_PHASES). A new reference, or nullptr with an error set.
+PyObject* make_row(int64_t step, int64_t t, int64_t total, PyObject* const* middle, Py_ssize_t n,
+                   int64_t samples, int64_t tokens) {
   PyObject* row = PyTuple_New(5 + n);
   if (row == nullptr) {
-    return false;
+    return nullptr;
   }
   PyTuple_SET_ITEM(row, 0, PyLong_FromLongLong(step));
   PyTuple_SET_ITEM(row, 1, PyLong_FromLongLong(t));
   PyTuple_SET_ITEM(row, 2, PyLong_FromLongLong(total));
   for (Py_ssize_t i = 0; i < n; ++i) {
-    Py_INCREF(middle[i]);
-    PyTuple_SET_ITEM(row, 3 + i, middle[i]);
+    PyObject* v = middle != nullptr ? middle[i] : PyLong_FromLong(0);  // a cached small int
+    if (middle != nullptr) {
+      Py_INCREF(v);
+    }
+    PyTuple_SET_ITEM(row, 3 + i, v);
   }
   PyTuple_SET_ITEM(row, 3 + n, PyLong_FromLongLong(samples));
   PyTuple_SET_ITEM(row, 4 + n, PyLong_FromLongLong(tokens));
   for (Py_ssize_t i = 0; i < 5 + n; ++i) {
     if (PyTuple_GET_ITEM(row, i) == nullptr) {
       Py_DECREF(row);
-      return false;
+      return nullptr;
     }
   }
-  PyObject* appended = PyObject_CallMethodOneArg(steps, s_append, row);
-  Py_DECREF(row);
+  return row;
+}
+
+// `queue.append(item)`; false with an error set.
+bool append_to(PyObject* queue, PyObject* item) {
+  PyObject* appended = PyObject_CallMethodOneArg(queue, s_append, item);
   Py_XDECREF(appended);
   return appended != nullptr;
+}
+
+// steps.append(make_row(...)).
+bool queue_row(PyObject* steps, int64_t step, int64_t t, int64_t total, PyObject* const* middle,
+               Py_ssize_t n, int64_t samples, int64_t tokens) {
+  PyObject* row = make_row(step, t, total, middle, n, samples, tokens);
+  if (row == nullptr) {
+    return false;
+  }
+  const bool ok = append_to(steps, row);
+  Py_DECREF(row);
+  return ok;
 }
 
 // The next step's number, in the clock and the C++ kernel's counter.
@@ -454,6 +597,128 @@ bool optimizer_ends(Hook* h, PyObject* c, PyObject* acc, int64_t opt_start, int6
   return (ns <= 0 || add_to(acc, h->i_optimizer, ns)) && put_int(c, h->clock_slots.at.opt_start, 0);
 }
 
+// -- a CudaPhaseClock's quiet step end (CudaPhaseClock.end_step's quiet branch, _next_step) ------
+
+// What a CUDA clock's quiet step end reads (borrowed), checked.
+struct CudaQuiet {
+  int64_t step, every, resolve_every;
+  PyObject* shares;
+  PyObject* sync_share;
+  PyObject* work;
+  WorkSeen work_seen;
+};
+
+// False (no error set) where it is not the common case: a timeline to mark (agent/nccl_trace.py),
+// the resolver's queue full, a slot of an unexpected type.
+bool cuda_quiet(Hook* h, PyObject* c, CudaQuiet& v) {
+  if (!slots_of(c, h->cuda_slots)) {
+    return false;
+  }
+  const ClockSlots& s = h->clock_slots.at;
+  const CudaSlots& k = h->cuda_slots.at;
+  int64_t max_pending = 0;
+  PyObject* marks = get(c, k.marks);
+  PyObject* pending = get(c, k.pending);
+  v.shares = get(c, s.shares);
+  v.sync_share = get(c, s.sync_share);
+  v.work = get(c, s.work);
+  bool ok = get(c, k.timeline) == Py_None && get(c, k._due) != nullptr &&
+      is_bool(get(c, k.chain_broken)) && marks != nullptr &&
+      (marks == Py_None || PyList_CheckExact(marks)) && pending != nullptr &&
+      int_of(get(c, k.max_pending), max_pending) &&
+      int_of(get(c, k.resolve_every), v.resolve_every) && v.resolve_every >= 1 &&
+      int_of(get(c, s.step), v.step) && v.step >= 0 && int_of(get(c, s.phase_every), v.every) &&
+      get(c, s.pacer) != nullptr && v.shares != nullptr && v.sync_share != nullptr &&
+      read_work(h, v.work, v.work_seen);
+  if (ok) {
+    const Py_ssize_t queued = PyObject_Length(pending);
+    ok = queued >= 0 && queued < max_pending;
+  }
+  if (!ok) {
+    PyErr_Clear();
+  }
+  return ok;
+}
+
+// Whether a step's marks end with its end's: `marks[-1][0] == STEP_END` (the step was timed on
+// the GPU); `marks` a list or None.
+bool ends_with_step_end(Hook* h, PyObject* marks) {
+  if (marks == Py_None || PyList_GET_SIZE(marks) == 0) {
+    return false;
+  }
+  PyObject* last = PyList_GET_ITEM(marks, PyList_GET_SIZE(marks) - 1);
+  int64_t kind = 0;
+  const bool ok = PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) > 0 &&
+      int_of(PyTuple_GET_ITEM(last, 0), kind) && kind == h->step_end;
+  PyErr_Clear();
+  return ok;
+}
+
+// CudaPhaseClock.end_step in a quiet step: its end's event (the clock's `mark`), then a row of
+// its total and work with the last timed step's shares (the resolver estimates its phases from
+// them), queued for the resolver, the next step (_next_step), the resolver woken at every
+// resolve_every-th step. False, nothing changed, where cuda_quiet says it is not the common case;
+// else true, `out` what the hook returns.
+bool cuda_quiet_end(Hook* h, PyObject* c, int64_t t, int64_t step_start, PyObject** out) {
+  CudaQuiet v{};
+  if (!cuda_quiet(h, c, v)) {
+    return false;
+  }
+  const ClockSlots& s = h->clock_slots.at;
+  const CudaSlots& k = h->cuda_slots.at;
+  mark_at(h, c, h->step_end);  // its own errors are on_error's, as in Python
+  if (!cuda_quiet(h, c, v)) {  // the mark changed what it must not (or filled the queue)
+    PyErr_SetString(PyExc_TypeError, "the CUDA clock's state changed in its step end's mark");
+    *out = report(c);
+    return true;
+  }
+  PyObject* marks = get(c, k.marks);
+  Py_INCREF(marks);  // held: a new list takes its slot below
+  const bool timed = ends_with_step_end(h, marks);
+  const int64_t next = v.step + 1;
+  int64_t samples = 0, tokens = 0;
+  PyObject *cpu = nullptr, *estimate = nullptr, *ddp = nullptr, *entry = nullptr, *fresh = nullptr;
+  bool ok = take_work(h, v.work, v.work_seen, samples, tokens) &&
+      (cpu = make_row(v.step, t, t - step_start, nullptr, h->n_phases, samples, tokens)) &&
+      (estimate = PyTuple_Pack(2, v.shares, v.sync_share)) && put_step(h, c, next);
+  if (ok) {  // _next_step
+    put_bool(c, s.quiet,
+             v.every > 1 && next % v.every != 0 && get(c, s.pacer) == Py_None &&
+                 get(c, s.shares) != Py_None);
+    ok = put_int(c, s.step_start, t) && put_int(c, s.idle_since, t) && (fresh = PyList_New(0));
+  }
+  if (ok) {
+    put(c, k.marks, fresh);
+    ok = (ddp = PyList_New(0)) &&
+        (entry = PyTuple_Pack(5, cpu, timed ? marks : Py_None, ddp, get(c, k.chain_broken),
+                              estimate)) &&
+        append_to(get(c, k.pending), entry);
+  }
+  Py_XDECREF(cpu);
+  Py_XDECREF(estimate);
+  Py_XDECREF(ddp);
+  Py_XDECREF(entry);
+  Py_DECREF(marks);
+  if (!ok) {
+    *out = report(c);
+    return true;
+  }
+  put_bool(c, k.chain_broken, false);
+  if (next % v.resolve_every == 0) {
+    PyObject* due = get(c, k._due);
+    Py_INCREF(due);
+    PyObject* set = PyObject_CallMethodNoArgs(due, s_set);
+    Py_DECREF(due);
+    if (set == nullptr) {
+      *out = report(c);
+      return true;
+    }
+    Py_DECREF(set);
+  }
+  *out = after_step(h, c, t, next);
+  return true;
+}
+
 // A step end not done here: a subclass's (CudaPhaseClock's: its events, its resolver's queue),
 // or a PhaseClock's that is not the common one (a pacer, the first step, a timed step of phase
 // sampling, a full queue). The optimizer's phase here, then the clock's own end_step, or its
@@ -478,6 +743,9 @@ PyObject* own_end(Hook* h, int64_t t, PyObject* const* args, size_t nargsf, PyOb
   }
   PyObject* done;
   if (quiet == Py_True) {
+    if (h->end_mode == kCudaQuietEnd && cuda_quiet_end(h, c, t, step_start, &done)) {
+      return done;
+    }
     done = PyObject_CallFunction(h->quiet_end, "LL", static_cast<long long>(t),
                                  static_cast<long long>(t - step_start));
   } else {
@@ -499,7 +767,7 @@ PyObject* own_end(Hook* h, int64_t t, PyObject* const* args, size_t nargsf, PyOb
 
 PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   const int64_t t = now_ns();
-  if (!h->inline_end) {
+  if (h->end_mode != kInlineEnd) {
     return own_end(h, t, args, nargsf, kwnames);
   }
   PyObject* c = h->clock;
@@ -1010,7 +1278,7 @@ PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnam
   if (!ok) {
     note_error(c);
   }
-  mark_at(c, s.mark, h->fwd_pre);
+  mark_at(h, c, h->fwd_pre);
   PyObject* out = call_original(h, args, nargsf, kwnames);
   if (out == nullptr) {
     return nullptr;  // the model's own error, as it came
@@ -1065,7 +1333,7 @@ PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnam
     Py_DECREF(done);
   }
   PyErr_Clear();
-  mark_at(c, s.mark, h->fwd_post);
+  mark_at(h, c, h->fwd_post);
   return out;
 }
 
@@ -1099,6 +1367,7 @@ int hook_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(h->sync_kind);
   Py_VISIT(h->end_step);
   Py_VISIT(h->quiet_end);
+  Py_VISIT(h->cuda_mark);
   return 0;
 }
 
@@ -1116,6 +1385,7 @@ int hook_clear(PyObject* self) {
   Py_CLEAR(h->sync_kind);
   Py_CLEAR(h->end_step);
   Py_CLEAR(h->quiet_end);
+  Py_CLEAR(h->cuda_mark);
   return 0;
 }
 
@@ -1177,6 +1447,10 @@ bool intern_names() {
       {&s_dtype, "dtype"},
       {&s_take_blocked, "take_blocked"},
       {&s_hook_output, "hook_output"},
+      {&s_set, "set"},
+      {&s_pop, "pop"},
+      {&s_record, "record"},
+      {&s_abandon_step, "_abandon_step"},
   };
   for (const Name& name : names) {
     if (*name.at == nullptr && (*name.at = PyUnicode_InternFromString(name.text)) == nullptr) {
@@ -1192,14 +1466,14 @@ extern "C" {
 
 // A hook of `kind` (0: optimizer pre, 1: optimizer post, 2: torch.autograd.backward, 3: a
 // model's forward) standing for the Python callable `fallback`. `target`: the clock (0);
-// (the clock, its bound end_step and _quiet_end, whether it is a PhaseClock itself, whose
-// common step end is done here) (1); (phase_hooks.Clocks, torch.autograd.backward's original,
+// (the clock, its bound end_step and _quiet_end, EndMode: what of its step end is done here)
+// (1); (phase_hooks.Clocks, torch.autograd.backward's original,
 // the clock class it times) (2); (the clock, the original forward, phase_hooks._call_traced, the
 // module or None, torch's global forward hooks or None, whether to read the batch) (3).
 // `constants`: phase_hooks.HOT_CONSTANTS, (the positions of DATA, FORWARD, BACKWARD, OPTIMIZER
 // and COMM_EXPOSED in the accumulator, its length, FWD_PRE, FWD_POST, OPT_PRE, COMM_END,
-// UNKNOWN_WORK, DDP_GRAD_SYNC). A new reference, or nullptr with an exception set (ctypes
-// raises it).
+// STEP_END, UNKNOWN_WORK, DDP_GRAD_SYNC, CudaPhaseClock._mark). A new reference, or nullptr with
+// an exception set (ctypes raises it).
 PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyObject* constants) {
   if (!intern_names()) {
     return nullptr;
@@ -1207,10 +1481,11 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   if (hook_type == nullptr && (hook_type = PyType_FromSpec(&hook_spec)) == nullptr) {
     return nullptr;
   }
-  long long at[6], fwd_pre, fwd_post, opt_pre, comm_end, unknown_work;  // DATA .. COMM, length
-  PyObject* sync_kind;
-  if (!PyArg_ParseTuple(constants, "LLLLLLLLLLLO", &at[0], &at[1], &at[2], &at[3], &at[4], &at[5],
-                        &fwd_pre, &fwd_post, &opt_pre, &comm_end, &unknown_work, &sync_kind)) {
+  long long at[6], fwd_pre, fwd_post, opt_pre, comm_end, step_end, unknown_work;  // DATA .. COMM
+  PyObject *sync_kind, *cuda_mark;
+  if (!PyArg_ParseTuple(constants, "LLLLLLLLLLLLOO", &at[0], &at[1], &at[2], &at[3], &at[4],
+                        &at[5], &fwd_pre, &fwd_post, &opt_pre, &comm_end, &step_end,
+                        &unknown_work, &sync_kind, &cuda_mark)) {
     return nullptr;
   }
   for (int i = 0; i < 5; ++i) {
@@ -1226,7 +1501,7 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   PyObject *clock = nullptr, *registered = nullptr, *original = nullptr, *clock_class = nullptr;
   PyObject *call_traced = nullptr, *module = nullptr, *global_post = nullptr;
   PyObject *end_step = nullptr, *quiet_end = nullptr;
-  int count = 0, inline_end = 0;
+  int count = 0, end_mode = kOwnEnd;
   if (kind == kBackward) {
     if (!PyArg_ParseTuple(target, "OOO", &registered, &original, &clock_class)) {
       return nullptr;
@@ -1241,7 +1516,11 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
       return nullptr;
     }
   } else if (kind == kPost) {
-    if (!PyArg_ParseTuple(target, "OOOp", &clock, &end_step, &quiet_end, &inline_end)) {
+    if (!PyArg_ParseTuple(target, "OOOi", &clock, &end_step, &quiet_end, &end_mode)) {
+      return nullptr;
+    }
+    if (end_mode < kOwnEnd || end_mode > kCudaQuietEnd) {
+      PyErr_SetString(PyExc_ValueError, "an unknown end mode");
       return nullptr;
     }
     if (!(PyCallable_Check(end_step) && PyCallable_Check(quiet_end))) {
@@ -1271,7 +1550,7 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   h->sync_kind = sync_kind;
   h->end_step = end_step;
   h->quiet_end = quiet_end;
-  h->inline_end = inline_end;
+  h->end_mode = end_mode;
   Py_XINCREF(end_step);
   Py_XINCREF(quiet_end);
   Py_XINCREF(clock);
@@ -1293,11 +1572,15 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   h->fwd_post = fwd_post;
   h->opt_pre = opt_pre;
   h->comm_end = comm_end;
+  h->step_end = step_end;
+  h->cuda_mark = cuda_mark;
+  Py_INCREF(cuda_mark);
   h->unknown_work = unknown_work;
   new (&h->clock_slots) Resolved<ClockSlots>();
   new (&h->work_slots) Resolved<WorkSlots>();
   new (&h->blocked_slots) Resolved<BlockedSlots>();
   new (&h->trigger_slots) Resolved<TriggerSlots>();
+  new (&h->cuda_slots) Resolved<CudaSlots>();
   PyObject_GC_Track(reinterpret_cast<PyObject*>(h));
   // The clock's slots now, so that a clock without them is refused here, not every call.
   if (clock != nullptr) {

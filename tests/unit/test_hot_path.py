@@ -33,6 +33,7 @@ from syncscope.agent.phases import (  # noqa: E402
     QUIET_ROW,
     ROW_PHASES,
     ROW_WORK,
+    STEP_END,
     PhaseClock,
 )
 
@@ -237,7 +238,7 @@ def test_only_a_phase_clock_of_slots_keeping_its_hooks_gets_hooks_in_c(built):
     with pytest.raises(AttributeError):  # not a clock: refused when built, never per call
         built.hot_hook(built.HOT_PRE, object(), print, HOT_CONSTANTS)
     with pytest.raises(TypeError):  # the clock's step end: its methods, callable
-        built.hot_hook(built.HOT_POST, (clock, print, None, True), print, HOT_CONSTANTS)
+        built.hot_hook(built.HOT_POST, (clock, print, None, 1), print, HOT_CONSTANTS)
     assert errors == []
 
 
@@ -257,24 +258,31 @@ class TimeEvent:
         return (end.t - self.t) / 1e6
 
 
-def cuda_clock(steps: deque, collectives: deque, errors: list, model: Any) -> CudaPhaseClock:
+def cuda_clock(
+    steps: deque, collectives: deque, errors: list, model: Any, max_pending: int = 64
+) -> CudaPhaseClock:
     """A CudaPhaseClock of `model` whose CUDA events are TimeEvents."""
     queue = torch.autograd.Variable._execution_engine.queue_callback
     return CudaPhaseClock(
         steps, collectives, queue, "g", 1.0, errors.append, ddp_model=model,
-        event_factory=TimeEvent, thread_guard=lambda: None,
+        event_factory=TimeEvent, thread_guard=lambda: None, max_pending=max_pending,
     )  # fmt: skip
 
 
-def run_cuda_clock(in_c: bool, every: int, built: Any) -> tuple[list, list, list, dict]:
-    """A CudaPhaseClock (events stood in for) on a DDP model through the hooks in C or Python's:
-    the boundaries its `mark` heard, step by step, its resolved rows, its DDP sync records and
-    the Python calls of three steps after the first ten."""
+def run_cuda_clock(
+    in_c: bool, every: int, built: Any, max_pending: int = 64, told: bool = True
+) -> tuple[list, list, list, dict]:
+    """A CudaPhaseClock (events stood in for) on a DDP model through the hooks in C or Python's,
+    its resolver not running (steps past `max_pending` unresolved go out with CPU phases): the
+    boundaries it heard, step by step, its rows once resolved, its DDP sync records and the
+    Python calls of three steps after the first ten. `told`: what its `mark` was told (a
+    function in its place, the hooks in C call it), else the kinds of the events in its
+    resolver's queue (its own `mark`, which the hooks in C do in C)."""
     model, opt = model_and_optimizer()
     out_steps: deque = deque(maxlen=64)
     out_colls: deque = deque(maxlen=64)
     errors: list[BaseException] = []
-    clock = cuda_clock(out_steps, out_colls, errors, model)
+    clock = cuda_clock(out_steps, out_colls, errors, model, max_pending)
     clock.phase_every = every
     heard: list[tuple[int, int]] = []
     own_mark = clock.mark
@@ -283,7 +291,8 @@ def run_cuda_clock(in_c: bool, every: int, built: Any) -> tuple[list, list, list
         heard.append((clock.step, kind))
         own_mark(kind)
 
-    clock.mark = mark
+    if told:
+        clock.mark = mark
     step = stepper(model, opt)
     hooks = instrument(clock, model, opt, built if in_c else None)
     try:
@@ -294,33 +303,48 @@ def run_cuda_clock(in_c: bool, every: int, built: Any) -> tuple[list, list, list
         calls = python_calls(lambda: [step() for _ in range(3)])
     finally:
         hooks.remove()
+    if not told:
+        heard = [(cpu[0], k) for cpu, marks, *_ in clock.pending for k, _ in marks or ()]
     clock.resolve()
     assert errors == []
     return heard, list(out_steps), [r for r in out_colls if r[0] == DDP_GRAD_SYNC], calls
 
 
-@pytest.mark.parametrize("every", [1, 4])
+@pytest.mark.parametrize("told", [True, False])
+@pytest.mark.parametrize(("every", "max_pending"), [(1, 64), (4, 64), (4, 6)])
 def test_a_cuda_clock_hears_the_same_boundaries_from_the_hooks_in_c(
-    gloo_world_of_one, built, every
+    gloo_world_of_one, built, every, max_pending, told
 ):
     """CudaPhaseClock's steps through the hooks in C: its `mark` (a CUDA event each) hears the
-    boundaries Python's hooks tell it of, in the same order; its own step end queues the same
-    steps for its resolver, which makes the same rows and DDP sync records of them."""
-    heard_c, rows_c, syncs_c, calls_c = run_cuda_clock(True, every, built)
-    heard_py, rows_py, syncs_py, calls_py = run_cuda_clock(False, every, None)
+    boundaries Python's hooks tell it of, in the same order, and its own `mark` (in C there)
+    records the same events; its step end (a quiet one's in C) queues the same steps for its
+    resolver, which makes the same rows and DDP sync records of them, and once its queue is
+    full (`max_pending`) the same steps go out with CPU phases."""
+    heard_c, rows_c, syncs_c, calls_c = run_cuda_clock(True, every, built, max_pending, told)
+    heard_py, rows_py, syncs_py, calls_py = run_cuda_clock(False, every, None, max_pending, told)
     assert heard_c == heard_py
-    kinds = {k for _, k in heard_c}  # (its step end it marks itself)
-    assert kinds == {FWD_PRE, FWD_POST, BWD_START, BWD_END, COMM_END, OPT_PRE}, kinds
-    assert [r[0] for r in rows_c] == [r[0] for r in rows_py] == list(range(13))
+    kinds = {k for _, k in heard_c}  # (a quiet step's end too: in C where `every` > 1)
+    assert kinds == {FWD_PRE, FWD_POST, BWD_START, BWD_END, COMM_END, OPT_PRE, STEP_END}, kinds
+    # (a full queue's steps first: those that found it full go out at once, in order)
+    assert [r[0] for r in rows_c] == [r[0] for r in rows_py]
+    assert sorted(r[0] for r in rows_c) == list(range(13))
     assert [r[ROW_WORK:] for r in rows_c] == [r[ROW_WORK:] for r in rows_py]
     assert [s[-1] for s in syncs_c] == [s[-1] for s in syncs_py]
     for row in rows_c[1:]:  # the GPU's phases (host-timed events here): all there
         assert row[ROW_PHASES + FORWARD] > 0 and row[ROW_PHASES + BACKWARD] > 0, row
         assert sum(row[ROW_PHASES:ROW_WORK]) <= row[2], row
-    # In C: the forward wrapper and the optimizer's hooks (the step's end is the clock's own)
+    # In C: the forward wrapper and the optimizer's hooks, and a quiet step's end (a timed one's
+    # is the clock's own, as is a quiet one's once the resolver's queue is full)
     assert not {"forward", "optimizer_pre", "optimizer_post"} & set(calls_c), calls_c
     assert {"forward", "optimizer_post", "end_step"} <= set(calls_py), calls_py
     assert "end_step" in calls_c
+    if every > 1:  # steps 10 and 11 are quiet, 12 timed
+        assert calls_py["_quiet_end"] == 2, calls_py
+        assert calls_c.get("_quiet_end", 0) == (2 if max_pending < 10 else 0), calls_c
+    if not told:  # its events: the backward's three and a timed step's end in Python
+        timed = 3 if every == 1 else 1
+        assert calls_py["_mark"] == 7 * timed + 3 - timed, calls_py
+        assert calls_c["_mark"] == 4 * timed + (2 if max_pending < 10 and every > 1 else 0)
 
 
 # Values no slot of a clock holds in a working agent, made afresh for each use.
