@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -33,6 +35,49 @@ def torch_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's controller: its workers run the tests (and what they start)
+    controller = config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput")
+    end_on_termination(forward=controller)
+
+
+def end_on_termination(forward: bool) -> None:
+    """SIGTERM or SIGHUP to this pytest process (a CI job's timeout, `kill`, a closed terminal)
+    ends the run as Ctrl-C does: KeyboardInterrupt, so every fixture and `with` block stops what
+    it started (exporters, Prometheus, jobs, emulated nodes' namespaces), where the default
+    action would leave them running for good. `forward`: the signal goes on to this process's
+    children first (pytest-xdist's workers, which do the same). A child forked from this
+    process that has not exec'd yet takes the default action. A handler someone else installed
+    stays."""
+    pid = os.getpid()
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        if os.getpid() != pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        for child in children(pid) if forward else ():
+            with contextlib.suppress(OSError):
+                os.kill(child, signum)
+        raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            signal.signal(signum, interrupt)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+                    out.append(int(entry))
+    return out
 
 
 SKIP_STEPS = 10  # warm-up steps left out of an emulated job's truth (gloo connecting, allocations)
