@@ -26,9 +26,10 @@ IDLE := $(shell chrt --idle 0 true >/dev/null 2>&1 && echo "chrt --idle 0" || ec
 #     across emulated nodes, link shares, the pacing controller), and leave about half of the
 #     cores idle while their jobs wait for rule windows. Beside them, at idle priority, one
 #     after another: mypy, the tests marked background (every unit test but those marked
-#     clock, and others that judge no job's timing), then those marked relative (verdicts that
-#     compare a job's ranks with each other), two files at a time. They take only what the
-#     quiet tests leave, so the quiet jobs run as if alone.
+#     clock, and others that judge no job's timing; those also marked serial after them, in one
+#     process), then those marked relative (verdicts that compare a job's ranks with each
+#     other), two files at a time. They take only what the quiet tests leave, so the quiet
+#     jobs run as if alone.
 #  2. the rest, two files at a time (pytest-xdist; each file's jobs stay on one worker).
 # Every phase runs even when another failed; the target fails if any did.
 test:
@@ -36,7 +37,9 @@ test:
 	.venv/bin/ruff check .
 	@log=$$(mktemp); start=$$(date +%s); \
 	$(IDLE) sh -c 'rc=0; .venv/bin/mypy agent exporter sim syncscope bench || rc=1; \
-		.venv/bin/pytest -q -p no:cacheprovider --durations=10 -m background || rc=1; \
+		.venv/bin/pytest -q -p no:cacheprovider --durations=10 -n 2 --dist loadfile \
+			-m "background and not serial" || rc=1; \
+		.venv/bin/pytest -q -p no:cacheprovider -m "background and serial" || rc=1; \
 		.venv/bin/pytest -q -p no:cacheprovider --durations=10 -n 2 --dist loadfile \
 			-m relative || rc=1; \
 		exit $$rc' >"$$log" 2>&1 & \

@@ -122,6 +122,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tiers = [tier for tier in ("quiet", "background", "relative") if tier in item.keywords]
         if len(tiers) > 1:
             raise pytest.UsageError(f"{item.nodeid}: {' and '.join(tiers)} exclude each other")
+    # pytest-xdist runs items that share a node id once: such tests must say so (`serial`)
+    by_id: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_id.setdefault(item.nodeid, []).append(item)
+    shared = [i for i, same in by_id.items() if len(same) > 1 and "serial" not in same[0].keywords]
+    if shared:
+        raise pytest.UsageError(f"items share a node id, not marked serial: {shared}")
+    # `make test` runs the serial tests apart in the background tier only
+    apart = [i.nodeid for i in items if "serial" in i.keywords and "background" not in i.keywords]
+    if apart:
+        raise pytest.UsageError(f"marked serial but not background: {sorted(set(apart))}")
 
 
 @pytest.fixture(scope="session", autouse=True)

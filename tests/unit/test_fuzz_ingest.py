@@ -34,6 +34,10 @@ from syncscope.exporter.store import clean_label
 
 from syncscope.wire import INGEST_PATH, PHASES
 
+# Schemathesis's items (one per API operation) share one node id, which pytest-xdist runs once;
+# test_zz_fuzz_summary reads what every test of the file counted: one process for all of them.
+pytestmark = pytest.mark.serial
+
 EXAMPLES = int(os.environ.get("SYNCSCOPE_FUZZ_EXAMPLES", "150"))
 REPORT = os.environ.get("SYNCSCOPE_FUZZ_REPORT")
 # Small caps so that generated floods of ranks, jobs and (op, group) pairs really hit them.
