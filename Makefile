@@ -24,8 +24,8 @@ IDLE := $(shell chrt --idle 0 true >/dev/null 2>&1 && echo "chrt --idle 0" || ec
 # The machine's cores are the limit, so `make test` fills them in two phases:
 #  1. the tests marked quiet, one at a time: they judge timing a starved core moves (lateness
 #     across emulated nodes, link shares, the pacing controller), and leave about half of the
-#     cores idle while their jobs wait for rule windows. Beside them, at idle priority, one
-#     after another: mypy, the tests marked background (every unit test but those marked
+#     cores idle while their jobs wait for rule windows. Beside them, at idle priority: mypy,
+#     and one after another the tests marked background (every unit test but those marked
 #     clock, and others that judge no job's timing; those also marked serial after them, in one
 #     process), then those marked relative (verdicts that compare a job's ranks with each
 #     other), two files at a time. They take only what the quiet tests leave, so the quiet
@@ -36,7 +36,9 @@ test:
 	scripts/setup test
 	.venv/bin/ruff check .
 	@log=$$(mktemp); start=$$(date +%s); \
-	$(IDLE) sh -c 'rc=0; .venv/bin/mypy agent exporter sim syncscope bench || rc=1; \
+	$(IDLE) .venv/bin/mypy agent exporter sim syncscope bench >"$$log.mypy" 2>&1 & \
+	typed=$$!; \
+	$(IDLE) sh -c 'rc=0; \
 		.venv/bin/pytest -q -p no:cacheprovider --durations=10 -n 2 --dist loadfile \
 			-m "background and not serial" || rc=1; \
 		.venv/bin/pytest -q -p no:cacheprovider -m "background and serial" || rc=1; \
@@ -45,14 +47,14 @@ test:
 		exit $$rc' >"$$log" 2>&1 & \
 	background=$$!; \
 	.venv/bin/pytest -q --durations=15 -m quiet; quiet=$$?; \
-	wait $$background; idle=$$?; phase1=$$(( $$(date +%s) - start )); \
+	wait $$typed; types=$$?; wait $$background; idle=$$?; phase1=$$(( $$(date +%s) - start )); \
 	echo "== beside them, at idle priority ($(IDLE)): mypy, the background and relative tests"; \
-	cat "$$log"; rm -f "$$log"; \
+	cat "$$log.mypy" "$$log"; rm -f "$$log" "$$log.mypy"; \
 	.venv/bin/pytest -q --durations=30 -n 2 --dist loadfile \
 		-m "not quiet and not background and not relative"; \
 	rest=$$?; \
 	echo "== phase 1: $$phase1 s; phases 1 and 2: $$(( $$(date +%s) - start )) s"; \
-	[ $$quiet -eq 0 ] && [ $$idle -eq 0 ] && [ $$rest -eq 0 ]
+	[ $$quiet -eq 0 ] && [ $$types -eq 0 ] && [ $$idle -eq 0 ] && [ $$rest -eq 0 ]
 
 # Between edits: ruff, then the unit tests not marked slow (the slow ones start real
 # servers, promtool runs or multi-process jobs; `make test` runs them all). The generated
