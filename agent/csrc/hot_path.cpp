@@ -274,8 +274,8 @@ void abandon_step(PyObject* c) {
 
 // CudaPhaseClock._mark in C: an event from the free list (or a new one, up to max_events)
 // recorded on stream_of's stream (None: the current one) and appended to the step's marks with
-// `kind`; where a slot is of an unexpected type, the method (`mark`) itself.
-void cuda_mark(Hook* h, PyObject* c, PyObject* mark, int64_t kind) {
+// `kind`. False, nothing done, where a slot is of an unexpected type: the method's to do.
+bool cuda_mark(Hook* h, PyObject* c, int64_t kind) {
   const ClockSlots& s = h->clock_slots.at;
   const CudaSlots& k = h->cuda_slots.at;
   PyObject* marks = get(c, k.marks);
@@ -287,17 +287,10 @@ void cuda_mark(Hook* h, PyObject* c, PyObject* mark, int64_t kind) {
         int_of(get(c, k.events_created), created) && int_of(get(c, k.max_events), max_events) &&
         int_of(get(c, k.capture_skips), skips))) {
     PyErr_Clear();
-    PyObject* k_ = PyLong_FromLongLong(kind);
-    PyObject* done = k_ == nullptr ? nullptr : PyObject_CallOneArg(mark, k_);
-    Py_XDECREF(k_);
-    if (done == nullptr) {
-      note_error(c);
-    }
-    Py_XDECREF(done);
-    return;
+    return false;
   }
   if (marks == Py_None || (quiet == Py_True && kind != h->step_end)) {
-    return;
+    return true;
   }
   Py_INCREF(marks);  // held: the calls below may replace the slot; the event goes to this list
   PyObject *stream = nullptr, *event = nullptr, *recorded = nullptr, *entry = nullptr;
@@ -316,7 +309,7 @@ void cuda_mark(Hook* h, PyObject* c, PyObject* mark, int64_t kind) {
       abandon_step(c);
       Py_DECREF(stream);
       Py_DECREF(marks);
-      return;
+      return true;
     }
   }
   if (ok) {
@@ -330,7 +323,7 @@ void cuda_mark(Hook* h, PyObject* c, PyObject* mark, int64_t kind) {
         abandon_step(c);
         Py_XDECREF(stream);
         Py_DECREF(marks);
-        return;
+        return true;
       }
       PyObject* factory = get(c, k.event_factory);
       Py_INCREF(factory);
@@ -360,6 +353,7 @@ void cuda_mark(Hook* h, PyObject* c, PyObject* mark, int64_t kind) {
     PyErr_Restore(type, value, tb);
     note_error(c);
   }
+  return true;
 }
 
 // The clock's `mark` (a subclass's: CudaPhaseClock records a CUDA event) told of boundary
@@ -372,8 +366,8 @@ void mark_at(Hook* h, PyObject* c, int64_t kind) {
   }
   Py_INCREF(mark);  // held: the call may replace the slot
   if (h->cuda_mark != nullptr && PyMethod_Check(mark) && PyMethod_GET_SELF(mark) == c &&
-      PyMethod_GET_FUNCTION(mark) == h->cuda_mark && slots_of(c, h->cuda_slots)) {
-    cuda_mark(h, c, mark, kind);
+      PyMethod_GET_FUNCTION(mark) == h->cuda_mark && slots_of(c, h->cuda_slots) &&
+      cuda_mark(h, c, kind)) {
     Py_DECREF(mark);
     return;
   }

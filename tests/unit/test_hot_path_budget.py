@@ -23,8 +23,9 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from syncscope.agent import attach, native  # noqa: E402
-from syncscope.agent.cuda_timing import CudaPhaseClock  # noqa: E402
 from syncscope.agent.phase_hooks import instrument  # noqa: E402
+
+from tests.unit.test_hot_path import cuda_clock  # noqa: E402
 
 AGENT = str(Path(__file__).resolve().parents[2] / "agent")
 # Per step of the tiny DDP model, every step timed (the default) and one timed in 16, on
@@ -125,24 +126,11 @@ def test_the_agents_python_per_step_stays_within_its_budget(gloo_world_of_one, p
     assert calls <= max_calls, (calls, top)
 
 
-class FreeEvent:
-    """A CUDA event stand-in that costs nothing and is done once recorded."""
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end: Any) -> float:
-        return 0.0
-
-
 # The same count for a CudaPhaseClock (what attach() builds on a GPU: an event at each boundary,
-# a resolver thread), its events stood in for and its stream the current one. With the library,
-# its quiet steps' end and the events the hooks in C mark are done in C; what is left is the
-# gradient trigger (Python: it records an event at callback A), the backward's events and a
-# timed step's end (2026-12-06: 806 and 14.0 | 77 and 2.9; before, 926 and 17.0 | 319 and 7.8;
+# a resolver thread), its events stood in for (timed by the host's clock, outside agent/) and its
+# stream the current one. With the library, its quiet steps' end and the events the hooks in C
+# mark are done in C; what is left is the gradient trigger (Python: it records an event at
+# callback A), the backward's events and a timed step's end (2026-12-06: 806 and 14.0 | 77 and 2.9; before, 926 and 17.0 | 319 and 7.8;
 # without the library 1,165 and 20.0 | 459 and 11.7). The budget: those plus a tenth.
 CUDA_BUDGET = {
     True: {1: (890, 15.4), 16: (85, 3.2)},
@@ -155,11 +143,8 @@ CUDA_BUDGET = {
 def test_the_cuda_clocks_python_per_step_stays_within_its_budget(gloo_world_of_one, phase_every):
     model, opt, step = tiny_job()
     errors: list[BaseException] = []
-    queue = torch.autograd.Variable._execution_engine.queue_callback
-    clock = CudaPhaseClock(
-        collections.deque(maxlen=8192), collections.deque(maxlen=32768), queue, "g", 1.0, errors.append,
-        ddp_model=model, event_factory=FreeEvent, thread_guard=lambda: None,
-    )  # fmt: skip
+    steps, collectives = collections.deque(maxlen=8192), collections.deque(maxlen=32768)
+    clock = cuda_clock(steps, collectives, errors, model)  # its events test_hot_path's TimeEvent
     clock.phase_every = phase_every
     built = native.load(torch)
     hooks = instrument(clock, model, opt, built)
