@@ -74,8 +74,8 @@ def instrument(
     """Hook `model` (forward, parameter gradients, torch.autograd.backward) and `optimizer` for
     `clock`; the gradients in C++ where `native` (the loaded native.Native) is given and the
     clock marks no boundary (CudaPhaseClock records an event at callback A, in Python), and
-    with `native` the forward wrapper, the optimizer's hooks and the backward wrapper in C too
-    (their common case: hot_native).
+    with `native` the forward wrapper, the optimizer's hooks, the backward wrapper and the
+    gradient trigger's Python hooks in C too (their common case: hot_native).
 
     `model`: a module, or a list of them (a pipeline rank's stages, each called apart): every
     one's forward is the forward phase; the batch is read from the first one's inputs only (the
@@ -93,6 +93,10 @@ def instrument(
             handles.append(hooks)
             hooks.follow()  # the module's hooks so far (FSDP2's): ours around them
     if parts and clock.queue_callback is not None:
+        if hot is not None and type(clock).grad_ready is PhaseClock.grad_ready:
+            # The trigger's Python hooks (a CudaPhaseClock's, a DTensor's parameters') in C
+            target = (clock, clock._backward_done)
+            clock.triggers.on_grad = _in_c(hot, hot.HOT_GRAD, target, clock.grad_ready, clock)
         # The last trainable parameters are watched until the first backward shows which
         # gradients come first (grad_triggers.py).
         clock.triggers.watch(

@@ -1,7 +1,8 @@
 // The phase clock's hooks in C (agent/phase_hooks.py installs them, native.py loads the library):
 // the model's forward wrapper (the forward phase, the batch's work), the optimizer's step pre-
 // and post-hooks, which end the step and queue its row, and the torch.autograd.backward wrapper
-// with the C++ backward trigger's return (backward, then DDP's exposed sync); for a
+// with the C++ backward trigger's return (backward, then DDP's exposed sync), the gradient
+// trigger's hook where it is Python's (a CudaPhaseClock's, a DTensor's parameters'); for a
 // CudaPhaseClock, its events at the boundaries they see (its _mark) and a quiet step's end. Each
 // is the Python hook's common case, done on the clock's own slots: a hook entered from torch
 // costs the training thread its Python frames on caches the step's kernels have flushed,
@@ -38,7 +39,7 @@ namespace {
 
 using syncscope::now_ns;
 
-enum Kind { kPre = 0, kPost = 1, kBackward = 2, kForward = 3 };
+enum Kind { kPre = 0, kPost = 1, kBackward = 2, kForward = 3, kGrad = 4 };
 // How the optimizer's post-hook ends a step: the clock's own end_step and _quiet_end (a
 // subclass's), the common step end here (a PhaseClock itself), or a CudaPhaseClock's quiet step's
 // end here and the rest its own.
@@ -47,16 +48,16 @@ enum EndMode { kOwnEnd = 0, kInlineEnd = 1, kCudaQuietEnd = 2 };
 // The slots a hook reads, by name; their offsets in an object of the type resolved.
 #define CLOCK_SLOTS(X)                                                                   \
   X(acc) X(after_at) X(after_every) X(after_step) X(blocked) X(blocked_seen) X(bwd_depth) \
-  X(bwd_end) X(bwd_entry) X(bwd_pending) X(collectives) X(coll_max) X(ddp_bytes)          \
+  X(bwd_end) X(bwd_entry) X(bwd_pending) X(bwd_start) X(collectives) X(coll_max) X(ddp_bytes)          \
   X(ddp_group) X(ddp_model) X(detect_start) X(dropped) X(first_at) X(first_ddp_ns)        \
-  X(first_step) X(fwd_since_bwd) X(fwd_start) X(idle_since) X(manual_steps) X(mark) X(opt_closure)     \
-  X(opt_start) X(pacer) X(phase_every) X(quiet) X(shares) X(step) X(step_counter)         \
+  X(first_step) X(fwd_since_bwd) X(fwd_start) X(grad_entry) X(idle_since) X(manual_steps) X(mark) X(opt_closure)     \
+  X(opt_start) X(pacer) X(phase_every) X(queue_callback) X(quiet) X(shares) X(step) X(step_counter)         \
   X(step_start) X(steps) X(steps_max) X(sync_ns) X(sync_share) X(syncs) X(triggers) X(work)
 #define WORK_SLOTS(X)                                                                   \
   X(counted_samples) X(counted_tokens) X(inputs) X(samples_per_step) X(seen_batches)      \
   X(seen_samples) X(seen_tokens) X(tokens_per_step) X(unclear_samples) X(unclear_tokens)
 #define BLOCKED_SLOTS(X) X(first_ns) X(ns)
-#define TRIGGER_SLOTS(X) X(native) X(output_hooks)
+#define TRIGGER_SLOTS(X) X(learned) X(native) X(output_hooks)
 // CudaPhaseClock's own (agent/cuda_timing.py), for its quiet step's end
 #define CUDA_SLOTS(X)                                                                    \
   X(_due) X(capture_skips) X(chain_broken) X(event_factory) X(events_created) X(free)        \
@@ -214,7 +215,7 @@ struct Hook {
   vectorcallfunc vectorcall;
   PyObject* dict;  // functools.wraps' attributes
   int kind;
-  PyObject* clock;        // kPre, kPost, kForward: the clock; kBackward: nullptr
+  PyObject* clock;        // kPre, kPost, kForward, kGrad: the clock; kBackward: nullptr
   PyObject* fallback;     // the Python hook it stands for, called for all but the common case
   PyObject* registered;   // kBackward: the phase_hooks.Clocks told
   PyObject* original;     // kBackward: torch.autograd.backward; kForward: the model's forward
@@ -227,6 +228,7 @@ struct Hook {
   PyObject* end_step;     // kPost: the clock's end_step, called where not done here
   PyObject* quiet_end;    // kPost: the clock's _quiet_end, called where not done here
   int end_mode;           // kPost: kOwnEnd, kInlineEnd or kCudaQuietEnd (below)
+  PyObject* callback;     // kGrad: the clock's _backward_done (callback A), queued on the engine
   // Positions and values phases.py declares: accumulator indices, boundaries, UNKNOWN_WORK.
   Py_ssize_t i_data, i_forward, i_backward, i_optimizer, i_comm, n_phases;
   int64_t fwd_pre, fwd_post, opt_pre, comm_end, step_end, unknown_work;
@@ -1331,6 +1333,51 @@ PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnam
   return out;
 }
 
+// -- a parameter's gradient (PhaseClock.grad_ready, GradTriggers' hooks in Python mode) ----------
+
+// The trigger's common calls: a quiet step's or a split backward's (nothing to start), a later
+// one of a backward already started, and the first of a wrapped backward (callback A queued,
+// the backward's start its entry). Learning which gradients come first, a backward not entered
+// through the wrapper, a nested one, a slot of an unexpected type: the Python hook.
+PyObject* grad_ready(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  PyObject* c = h->clock;
+  const ClockSlots& s = h->clock_slots.at;
+  PyObject* triggers = get(c, s.triggers);
+  PyObject* quiet = get(c, s.quiet);
+  PyObject* pending = get(c, s.bwd_pending);
+  int64_t grad_entry = 0, depth = 0, entry = 0;
+  const bool learnt = triggers != nullptr && slots_of(triggers, h->trigger_slots) &&
+      get(triggers, h->trigger_slots.at.learned) == Py_None;
+  if (learnt && is_bool(quiet) && is_bool(pending) && int_of(get(c, s.grad_entry), grad_entry)) {
+    if (quiet == Py_True || grad_entry != 0 || pending == Py_True) {
+      Py_RETURN_NONE;  // nothing to start
+    }
+    PyObject* queue = get(c, s.queue_callback);
+    if (int_of(get(c, s.bwd_depth), depth) && depth <= 1 &&
+        int_of(get(c, s.bwd_entry), entry) && entry != 0 && queue != nullptr && queue != Py_None) {
+      Py_INCREF(queue);
+      PyObject* queued = PyObject_CallOneArg(queue, h->callback);
+      Py_DECREF(queue);
+      if (queued == nullptr) {
+        if (PyErr_ExceptionMatches(PyExc_RuntimeError)) {  // no graph task: a hook by hand
+          PyErr_Clear();
+          Py_RETURN_NONE;
+        }
+        return report(c);
+      }
+      Py_DECREF(queued);
+      put_bool(c, s.bwd_pending, true);
+      put_bool(c, s.fwd_since_bwd, false);
+      PyObject* start = get(c, s.bwd_entry);  // an int, read above
+      Py_INCREF(start);
+      put(c, s.bwd_start, start);
+      Py_RETURN_NONE;
+    }
+  }
+  PyErr_Clear();
+  return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+}
+
 // -- the type -----------------------------------------------------------------------------------
 PyObject* hook_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   Hook* h = reinterpret_cast<Hook*>(self);
@@ -1341,6 +1388,8 @@ PyObject* hook_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObje
       return optimizer_post(h, args, nargsf, kwnames);
     case kForward:
       return forward(h, args, nargsf, kwnames);
+    case kGrad:
+      return grad_ready(h, args, nargsf, kwnames);
     default:
       return backward(h, args, nargsf, kwnames);
   }
@@ -1362,6 +1411,7 @@ int hook_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(h->end_step);
   Py_VISIT(h->quiet_end);
   Py_VISIT(h->cuda_mark);
+  Py_VISIT(h->callback);
   return 0;
 }
 
@@ -1380,6 +1430,7 @@ int hook_clear(PyObject* self) {
   Py_CLEAR(h->end_step);
   Py_CLEAR(h->quiet_end);
   Py_CLEAR(h->cuda_mark);
+  Py_CLEAR(h->callback);
   return 0;
 }
 
@@ -1459,11 +1510,12 @@ bool intern_names() {
 extern "C" {
 
 // A hook of `kind` (0: optimizer pre, 1: optimizer post, 2: torch.autograd.backward, 3: a
-// model's forward) standing for the Python callable `fallback`. `target`: the clock (0);
-// (the clock, its bound end_step and _quiet_end, EndMode: what of its step end is done here)
-// (1); (phase_hooks.Clocks, torch.autograd.backward's original,
-// the clock class it times) (2); (the clock, the original forward, phase_hooks._call_traced, the
-// module or None, torch's global forward hooks or None, whether to read the batch) (3).
+// model's forward, 4: a parameter's gradient) standing for the Python callable `fallback`.
+// `target`: the clock (0); (the clock, its bound end_step and _quiet_end, EndMode: what of its
+// step end is done here) (1); (phase_hooks.Clocks, torch.autograd.backward's original, the clock
+// class it times) (2); (the clock, the original forward, phase_hooks._call_traced, the module or
+// None, torch's global forward hooks or None, whether to read the batch) (3); (the clock, its
+// bound _backward_done) (4).
 // `constants`: phase_hooks.HOT_CONSTANTS, (the positions of DATA, FORWARD, BACKWARD, OPTIMIZER
 // and COMM_EXPOSED in the accumulator, its length, FWD_PRE, FWD_POST, OPT_PRE, COMM_END,
 // STEP_END, UNKNOWN_WORK, DDP_GRAD_SYNC, CudaPhaseClock._mark). A new reference, or nullptr with
@@ -1488,13 +1540,13 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
       return nullptr;
     }
   }
-  if (kind < kPre || kind > kForward || !PyCallable_Check(fallback)) {
+  if (kind < kPre || kind > kGrad || !PyCallable_Check(fallback)) {
     PyErr_SetString(PyExc_ValueError, "an unknown hook, or a fallback that is not callable");
     return nullptr;
   }
   PyObject *clock = nullptr, *registered = nullptr, *original = nullptr, *clock_class = nullptr;
   PyObject *call_traced = nullptr, *module = nullptr, *global_post = nullptr;
-  PyObject *end_step = nullptr, *quiet_end = nullptr;
+  PyObject *end_step = nullptr, *quiet_end = nullptr, *callback = nullptr;
   int count = 0, end_mode = kOwnEnd;
   if (kind == kBackward) {
     if (!PyArg_ParseTuple(target, "OOO", &registered, &original, &clock_class)) {
@@ -1521,6 +1573,14 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
       PyErr_SetString(PyExc_TypeError, "end_step and _quiet_end must be callable");
       return nullptr;
     }
+  } else if (kind == kGrad) {
+    if (!PyArg_ParseTuple(target, "OO", &clock, &callback)) {
+      return nullptr;
+    }
+    if (!PyCallable_Check(callback)) {
+      PyErr_SetString(PyExc_TypeError, "_backward_done must be callable");
+      return nullptr;
+    }
   } else {
     clock = target;
   }
@@ -1545,6 +1605,8 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   h->end_step = end_step;
   h->quiet_end = quiet_end;
   h->end_mode = end_mode;
+  h->callback = callback;
+  Py_XINCREF(callback);
   Py_XINCREF(end_step);
   Py_XINCREF(quiet_end);
   Py_XINCREF(clock);

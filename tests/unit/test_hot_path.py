@@ -5,6 +5,7 @@ everything else to Python."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections import deque
@@ -18,6 +19,7 @@ dist = pytest.importorskip("torch.distributed")
 
 from syncscope.agent import attach, native, phase_hooks  # noqa: E402
 from syncscope.agent.cuda_timing import CudaPhaseClock  # noqa: E402
+from syncscope.agent.grad_triggers import GradTriggers  # noqa: E402
 from syncscope.agent.phase_hooks import HOT_CONSTANTS, hot_hooks, instrument  # noqa: E402
 from syncscope.agent.phases import (  # noqa: E402
     BACKWARD,
@@ -138,10 +140,17 @@ def run_job(
         agent.close()
 
 
+@pytest.mark.parametrize("trigger", ["C++", "Python"])
 @pytest.mark.parametrize("every", [1, 4])
 def test_the_c_hooks_queue_what_the_python_hooks_queue(
-    gloo_world_of_one, built, monkeypatch, every
+    gloo_world_of_one, built, monkeypatch, every, trigger
 ):
+    """`trigger`: the backward's, C++'s (plain parameters) or Python's gradient hooks (a
+    DTensor's parameters, FSDP2's: the hook then in C too, standing for grad_ready)."""
+    stands_for = STANDS_FOR
+    if trigger == "Python":
+        monkeypatch.setattr(GradTriggers, "_watch_natively", lambda *_: False)
+        stands_for = (STANDS_FOR - {"backward_returned"}) | {"grad_ready"}
     rows_c, syncs_c, stats_c, calls_c = run_job(monkeypatch, in_c=True, every=every)
     rows_py, syncs_py, stats_py, calls_py = run_job(monkeypatch, in_c=False, every=every)
     assert stats_c["errors"] == stats_py["errors"] == 0
@@ -168,8 +177,10 @@ def test_the_c_hooks_queue_what_the_python_hooks_queue(
             assert row[ROW_PHASES + OPTIMIZER] > 0 and row[ROW_PHASES + COMM] > 0, row
             assert sum(phases) <= row[2], row  # phases add up to at most the step
     # The common steps ran no Python of the hooks in C; the Python hooks did run it
-    assert not STANDS_FOR & set(calls_c), calls_c
-    assert set(calls_py) >= (STANDS_FOR if every == 1 else {"forward", "optimizer_post"}), calls_py
+    assert not stands_for & set(calls_c), calls_c
+    assert set(calls_py) >= (stands_for if every == 1 else {"forward", "optimizer_post"}), calls_py
+    if trigger == "Python":  # every backward's, quiet or timed
+        assert calls_py["grad_ready"] == 3, calls_py
 
 
 def direct_clock(steps: deque, errors: list) -> PhaseClock:
@@ -240,6 +251,60 @@ def test_only_a_phase_clock_of_slots_keeping_its_hooks_gets_hooks_in_c(built):
     with pytest.raises(TypeError):  # the clock's step end: its methods, callable
         built.hot_hook(built.HOT_POST, (clock, print, None, 1), print, HOT_CONSTANTS)
     assert errors == []
+
+
+def grad_hook_outcome(hook_in_c: Any, state: tuple, queue: Any) -> tuple:
+    """What a clock's gradient trigger's hook (in C where `hook_in_c` is the loaded library,
+    else grad_ready) leaves of a clock in `state` (quiet, bwd_pending, grad_entry, bwd_depth,
+    bwd_entry, triggers.learned), `queue` its queue_callback: its backward's slots, what it
+    queued and the errors it reported."""
+    errors: list[BaseException] = []
+    queued: list[Any] = []
+
+    def queue_callback(fn: Any) -> None:
+        queue(fn)
+        queued.append(fn)
+
+    clock = PhaseClock(deque(), deque(), queue_callback, "g", 1.0, errors.append)
+    quiet, pending, grad_entry, depth, entry, learned = state
+    clock.quiet, clock.bwd_pending, clock.grad_entry = quiet, pending, grad_entry
+    clock.bwd_depth, clock.bwd_entry, clock.triggers.learned = depth, entry, learned
+    hook = clock.grad_ready
+    if hook_in_c is not None:
+        target = (clock, clock._backward_done)
+        hook = hook_in_c.hot_hook(hook_in_c.HOT_GRAD, target, hook, HOT_CONSTANTS)
+    param = torch.zeros(1)
+    assert hook(param) is None
+    start = clock.bwd_start if entry or not clock.bwd_start else "now"
+    learnt = None if clock.triggers.learned is None else [id(p) for p in clock.triggers.learned]
+    return (
+        (clock.bwd_pending, clock.fwd_since_bwd, clock.bwd_deferred, start, learnt),
+        [fn == clock._backward_done for fn in queued],
+        [type(e) for e in errors],
+    )
+
+
+def test_the_gradient_hook_in_c_leaves_the_clock_as_grad_ready_does(built):
+    """The trigger's hook in C (a CudaPhaseClock's, a DTensor's parameters'): in every state
+    its slots can be in, and with callback A queued, refused (no graph task) or failing, the
+    clock ends as grad_ready leaves it."""
+
+    def refuse(_fn: Any) -> None:
+        raise RuntimeError("Final callbacks can only be installed during backward pass.")
+
+    def fail(_fn: Any) -> None:
+        raise ValueError("broken engine")
+
+    states = itertools.product(
+        [False, True], [False, True], [0, 5], [0, 1, 2], [0, 7], [None, [], [object()]]
+    )
+    started = 0
+    for state in states:
+        for queue in (lambda _fn: None, refuse, fail):
+            in_c = grad_hook_outcome(built, state, queue)
+            assert in_c == grad_hook_outcome(None, state, queue), (state, queue)
+            started += in_c[1] == [True] and not in_c[2]
+    assert started == 12, started  # (not quiet, not pending, no grad_entry, depth <= 1: A queued)
 
 
 class TimeEvent:
@@ -338,6 +403,7 @@ def test_a_cuda_clock_hears_the_same_boundaries_from_the_hooks_in_c(
     assert not {"forward", "optimizer_pre", "optimizer_post"} & set(calls_c), calls_c
     assert {"forward", "optimizer_post", "end_step"} <= set(calls_py), calls_py
     assert "end_step" in calls_c
+    assert "grad_ready" not in calls_c and calls_py["grad_ready"] == 3  # the trigger's, in C
     if every > 1:  # steps 10 and 11 are quiet, 12 timed
         assert calls_py["_quiet_end"] == 2, calls_py
         assert calls_c.get("_quiet_end", 0) == (2 if max_pending < 10 else 0), calls_c
