@@ -388,13 +388,15 @@ class Agent:
         )
         if timeline is None or cuda_index is None:
             return PhaseClock(*args, ddp_model=ddp_model)
-        from syncscope.agent.cuda_timing import CudaPhaseClock, torch_stream_of
+        from syncscope.agent import cuda_timing
 
-        return CudaPhaseClock(
+        stream_of = cuda_timing.torch_stream_of(torch, cuda_index)
+        return cuda_timing.CudaPhaseClock(
             *args,
             ddp_model=ddp_model,
             timeline=timeline,
-            stream_of=torch_stream_of(torch, cuda_index),
+            event_factory=cuda_timing.torch_event_factory(torch, stream_of),
+            stream_of=stream_of,
             resolve_every=self.config.align_every_steps,
         )
 

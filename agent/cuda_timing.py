@@ -26,6 +26,7 @@ controller adapts over many steps).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -65,32 +66,64 @@ NO_PHASES = (0,) * ACC_LEN  # a quiet step's row until the resolver estimates th
 Estimate = tuple[list[float] | None, float | None]
 
 
-def torch_event_factory() -> Callable[[], Any]:
-    import torch
+def torch_event_factory(torch: Any = None, stream_of: StreamOf | None = None) -> Callable[[], Any]:
+    """Timing events for the clock's marks: `torch.Event`s on the device of `stream_of`'s stream,
+    whose `record` is torch's C, where two of them record, complete and time each other there
+    (tried once, here); else `torch.cuda.Event`s, whose `record` is a Python method around it:
+    a frame at every mark."""
+    if torch is None:
+        import torch
+    if stream_of is not None and getattr(torch, "Event", None) is not None:
+        try:
+            stream = stream_of()
+            if stream is not None:  # (capturing: try no event now)
+                device = stream.device
 
+                def event() -> Any:
+                    return torch.Event(device=device, enable_timing=True)
+
+                start, end = event(), event()
+                start.record(stream)
+                end.record(stream)
+                end.synchronize()
+                if end.query() and start.elapsed_time(end) >= 0:
+                    return event
+        except Exception:  # noqa: BLE001 - torch.cuda.Event serves
+            pass
     return lambda: torch.cuda.Event(enable_timing=True)
 
 
-def torch_stream_of(torch: Any, device_index: int) -> Callable[[bool], Any]:
+class StreamOf:
     """The current stream of the model's device, or None while it is capturing a CUDA graph
     (an event recorded then would be a node of the graph, not a point in the stream).
 
-    `stream_of(fresh)`: the stream is looked up when `fresh` (a step's first mark) and reused for
-    the step's other marks: `torch.cuda.current_stream` builds a new Stream object at each call,
-    the costliest part of a mark (docs/evaluation.md); whether the stream is capturing is still
-    asked at every mark, one C call."""
-    current_stream = torch.cuda.current_stream
-    capturing = torch.cuda.is_current_stream_capturing  # a capture runs on the current device
-    last: list[Any] = [None]
+    `stream_of(fresh)`: the stream is looked up (`current()`) when `fresh` (a step's first mark)
+    and reused for the step's other marks: `torch.cuda.current_stream` builds a new Stream
+    object at each call, the costliest part of a mark (docs/evaluation.md); whether the stream
+    is capturing (`capturing()`) is still asked at every mark. The hooks in C
+    (csrc/hot_path.cpp's cuda_mark) do the same on these slots, without a frame of its own."""
 
-    def stream_of(fresh: bool = True) -> Any:
-        if capturing():
+    __slots__ = ("capturing", "current", "last")
+
+    def __init__(self, capturing: Callable[[], bool], current: Callable[[], Any]) -> None:
+        self.capturing = capturing
+        self.current = current
+        self.last: Any = None
+
+    def __call__(self, fresh: bool = True) -> Any:
+        if self.capturing():
             return None
-        if fresh or last[0] is None:
-            last[0] = current_stream(device_index)
-        return last[0]
+        if fresh or self.last is None:
+            self.last = self.current()
+        return self.last
 
-    return stream_of
+
+def torch_stream_of(torch: Any, device_index: int) -> StreamOf:
+    """StreamOf the model's device, `device_index` (a capture runs on the current device)."""
+    return StreamOf(
+        torch.cuda.is_current_stream_capturing,
+        functools.partial(torch.cuda.current_stream, device_index),
+    )
 
 
 def gpu_phases(start: Any, marks: list[tuple[int, Any]]) -> tuple[int, list[int], list[int]]:

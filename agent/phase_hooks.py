@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from syncscope.agent.cuda_timing import CudaPhaseClock
+from syncscope.agent.cuda_timing import CudaPhaseClock, StreamOf
 from syncscope.agent.phases import (
     ACC_LEN,
     BACKWARD,
@@ -39,12 +39,13 @@ _now = time.perf_counter_ns
 # forward, backward, the optimizer and exposed communication in its accumulator, its length, the
 # boundaries a subclass's `mark` is told of by them (forward's start and end, the optimizer's
 # start, a CudaPhaseClock's step end) and DDP's sync is seen at, the work count that means
-# "unknown", DDP's sync record's kind, and the method a CudaPhaseClock's `mark` is bound to,
-# which they do in C.
+# "unknown", DDP's sync record's kind, the method a CudaPhaseClock's `mark` is bound to, which
+# they do in C, and the class of its `stream_of` whose call they do in C.
 HOT_CONSTANTS = (
     *(DATA, FORWARD, BACKWARD, OPTIMIZER, COMM, ACC_LEN),
     *(FWD_PRE, FWD_POST, OPT_PRE, COMM_END, STEP_END, UNKNOWN_WORK, DDP_GRAD_SYNC),
     CudaPhaseClock._mark,
+    StreamOf,
 )
 # How much of a step's end the optimizer's post-hook in C does (csrc/hot_path.cpp's EndMode):
 # none (a subclass's end_step and _quiet_end are called), a PhaseClock's common steps, or a

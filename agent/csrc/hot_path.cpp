@@ -62,6 +62,8 @@ enum EndMode { kOwnEnd = 0, kInlineEnd = 1, kCudaQuietEnd = 2 };
 #define CUDA_SLOTS(X)                                                                    \
   X(_due) X(capture_skips) X(chain_broken) X(event_factory) X(events_created) X(free)        \
   X(marks) X(max_events) X(max_pending) X(pending) X(resolve_every) X(stream_of) X(timeline)
+// cuda_timing.StreamOf's, the model's device's stream
+#define STREAM_SLOTS(X) X(capturing) X(current) X(last)
 
 #define DECLARE(name) Py_ssize_t name = -1;
 struct ClockSlots { CLOCK_SLOTS(DECLARE) };
@@ -69,6 +71,7 @@ struct WorkSlots { WORK_SLOTS(DECLARE) };
 struct BlockedSlots { BLOCKED_SLOTS(DECLARE) };
 struct TriggerSlots { TRIGGER_SLOTS(DECLARE) };
 struct CudaSlots { CUDA_SLOTS(DECLARE) };
+struct StreamSlots { STREAM_SLOTS(DECLARE) };
 #undef DECLARE
 
 // The offset of writable slot `name` of `type`; -1 with an exception set if it is not one.
@@ -108,6 +111,7 @@ bool resolve(PyTypeObject* type, WorkSlots& out) { WORK_SLOTS(RESOLVE) return tr
 bool resolve(PyTypeObject* type, BlockedSlots& out) { BLOCKED_SLOTS(RESOLVE) return true; }
 bool resolve(PyTypeObject* type, TriggerSlots& out) { TRIGGER_SLOTS(RESOLVE) return true; }
 bool resolve(PyTypeObject* type, CudaSlots& out) { CUDA_SLOTS(RESOLVE) return true; }
+bool resolve(PyTypeObject* type, StreamSlots& out) { STREAM_SLOTS(RESOLVE) return true; }
 #undef RESOLVE
 
 // The slots of `obj`'s type, resolving them if it is another type than last time; false (no
@@ -233,11 +237,13 @@ struct Hook {
   Py_ssize_t i_data, i_forward, i_backward, i_optimizer, i_comm, n_phases;
   int64_t fwd_pre, fwd_post, opt_pre, comm_end, step_end, unknown_work;
   PyObject* cuda_mark;    // CudaPhaseClock._mark (the function), done in C where `mark` is it
+  PyObject* stream_of_class;  // cuda_timing.StreamOf, whose call is done in C
   Resolved<ClockSlots> clock_slots;
   Resolved<WorkSlots> work_slots;
   Resolved<BlockedSlots> blocked_slots;
   Resolved<TriggerSlots> trigger_slots;
   Resolved<CudaSlots> cuda_slots;
+  Resolved<StreamSlots> stream_slots;
 };
 
 // The error set now, handed to the clock's on_error (as the Python hooks' `except` does); never
@@ -274,6 +280,51 @@ void abandon_step(PyObject* c) {
   PyErr_Clear();
 }
 
+// obj.<name>(), the callable in slot `offset`: a new reference, or nullptr with an error set.
+PyObject* call_slot(PyObject* obj, Py_ssize_t offset, const char* name) {
+  PyObject* fn = get(obj, offset);
+  if (fn == nullptr) {
+    PyErr_SetString(PyExc_AttributeError, name);
+    return nullptr;
+  }
+  Py_INCREF(fn);  // held: the call may replace the slot
+  PyObject* out = PyObject_CallNoArgs(fn);
+  Py_DECREF(fn);
+  return out;
+}
+
+// A CUDA clock's stream_of(fresh): a StreamOf's call done on its slots (whether the stream is
+// capturing, then its stream, looked up when `fresh`), any other callable called. A new
+// reference (None: capturing), or nullptr with an error set.
+PyObject* stream_now(Hook* h, PyObject* stream_of, bool fresh) {
+  if (Py_TYPE(stream_of) != reinterpret_cast<PyTypeObject*>(h->stream_of_class) ||
+      !slots_of(stream_of, h->stream_slots)) {
+    return PyObject_CallOneArg(stream_of, fresh ? Py_True : Py_False);
+  }
+  const StreamSlots& k = h->stream_slots.at;
+  PyObject* answer = call_slot(stream_of, k.capturing, "capturing");
+  const int truth = answer == nullptr ? -1 : PyObject_IsTrue(answer);
+  Py_XDECREF(answer);
+  if (truth != 0) {
+    return truth < 0 ? nullptr : Py_NewRef(Py_None);
+  }
+  PyObject* last = get(stream_of, k.last);
+  if (!fresh && last == nullptr) {
+    PyErr_SetString(PyExc_AttributeError, "last");
+    return nullptr;
+  }
+  if (!fresh && last != Py_None) {
+    Py_INCREF(last);
+    return last;
+  }
+  PyObject* stream = call_slot(stream_of, k.current, "current");
+  if (stream != nullptr) {
+    Py_INCREF(stream);
+    put(stream_of, k.last, stream);
+  }
+  return stream;
+}
+
 // CudaPhaseClock._mark in C: an event from the free list (or a new one, up to max_events)
 // recorded on stream_of's stream (None: the current one) and appended to the step's marks with
 // `kind`. False, nothing done, where a slot is of an unexpected type: the method's to do.
@@ -300,8 +351,8 @@ bool cuda_mark(Hook* h, PyObject* c, int64_t kind) {
   if (stream_of != Py_None) {
     // looked up at a timed step's first mark; a quiet step reuses it
     const bool fresh = PyList_GET_SIZE(marks) == 0 && quiet == Py_False;
-    Py_INCREF(stream_of);
-    stream = PyObject_CallOneArg(stream_of, fresh ? Py_True : Py_False);
+    Py_INCREF(stream_of);  // held: the calls may replace the clock's slot
+    stream = stream_now(h, stream_of, fresh);
     Py_DECREF(stream_of);
     ok = stream != nullptr;
     if (ok && stream == Py_None) {  // capturing: leave the graph alone, time this step on CPU
@@ -1412,6 +1463,7 @@ int hook_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(h->quiet_end);
   Py_VISIT(h->cuda_mark);
   Py_VISIT(h->callback);
+  Py_VISIT(h->stream_of_class);
   return 0;
 }
 
@@ -1431,6 +1483,7 @@ int hook_clear(PyObject* self) {
   Py_CLEAR(h->quiet_end);
   Py_CLEAR(h->cuda_mark);
   Py_CLEAR(h->callback);
+  Py_CLEAR(h->stream_of_class);
   return 0;
 }
 
@@ -1518,8 +1571,8 @@ extern "C" {
 // bound _backward_done) (4).
 // `constants`: phase_hooks.HOT_CONSTANTS, (the positions of DATA, FORWARD, BACKWARD, OPTIMIZER
 // and COMM_EXPOSED in the accumulator, its length, FWD_PRE, FWD_POST, OPT_PRE, COMM_END,
-// STEP_END, UNKNOWN_WORK, DDP_GRAD_SYNC, CudaPhaseClock._mark). A new reference, or nullptr with
-// an exception set (ctypes raises it).
+// STEP_END, UNKNOWN_WORK, DDP_GRAD_SYNC, CudaPhaseClock._mark, cuda_timing.StreamOf). A new
+// reference, or nullptr with an exception set (ctypes raises it).
 PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyObject* constants) {
   if (!intern_names()) {
     return nullptr;
@@ -1528,10 +1581,14 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
     return nullptr;
   }
   long long at[6], fwd_pre, fwd_post, opt_pre, comm_end, step_end, unknown_work;  // DATA .. COMM
-  PyObject *sync_kind, *cuda_mark;
-  if (!PyArg_ParseTuple(constants, "LLLLLLLLLLLLOO", &at[0], &at[1], &at[2], &at[3], &at[4],
+  PyObject *sync_kind, *cuda_mark, *stream_of_class;
+  if (!PyArg_ParseTuple(constants, "LLLLLLLLLLLLOOO", &at[0], &at[1], &at[2], &at[3], &at[4],
                         &at[5], &fwd_pre, &fwd_post, &opt_pre, &comm_end, &step_end,
-                        &unknown_work, &sync_kind, &cuda_mark)) {
+                        &unknown_work, &sync_kind, &cuda_mark, &stream_of_class)) {
+    return nullptr;
+  }
+  if (!PyType_Check(stream_of_class)) {
+    PyErr_SetString(PyExc_TypeError, "StreamOf must be a class");
     return nullptr;
   }
   for (int i = 0; i < 5; ++i) {
@@ -1631,12 +1688,15 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   h->step_end = step_end;
   h->cuda_mark = cuda_mark;
   Py_INCREF(cuda_mark);
+  h->stream_of_class = stream_of_class;
+  Py_INCREF(stream_of_class);
   h->unknown_work = unknown_work;
   new (&h->clock_slots) Resolved<ClockSlots>();
   new (&h->work_slots) Resolved<WorkSlots>();
   new (&h->blocked_slots) Resolved<BlockedSlots>();
   new (&h->trigger_slots) Resolved<TriggerSlots>();
   new (&h->cuda_slots) Resolved<CudaSlots>();
+  new (&h->stream_slots) Resolved<StreamSlots>();
   PyObject_GC_Track(reinterpret_cast<PyObject*>(h));
   // The clock's slots now, so that a clock without them is refused here, not every call.
   if (clock != nullptr) {

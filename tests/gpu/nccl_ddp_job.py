@@ -262,6 +262,7 @@ def via_attach(torch, args) -> dict:
             "cuda_clock": type(getattr(agent, "clock", None)).__name__,
             "nccl_reader": getattr(agent, "nccl_reader", None) is not None,
             "topology": getattr(agent, "topology", None) is not None,
+            "event": type(agent.clock.event_factory()).__name__,  # torch.Event's: recorded in C
         }
         train(torch, model, opt, x, args.steps)
         torch.cuda.synchronize()

@@ -127,6 +127,7 @@ def test_nccl_ddp_job_through_attach_and_a_real_exporter(tmp_path):
     if wired["cuda_clock"] != "CudaPhaseClock" or not wired["nccl_reader"]:
         pytest.fail(f"agent/core.py does not wire the GPU parts yet: {wired} (see docs/gpu.md)")
     assert r["stats"]["errors"] == 0
+    assert wired["event"] == "Event" and r["gpu_steps"] >= 40, (wired, r["gpu_steps"])  # torch's
     assert any(ln.startswith("syncscope_gpu_info{") for ln in r["gpu_metric_lines"]), (
         "no syncscope_gpu_info: collectors.py does not register collect_gpu yet"
     )

@@ -13,7 +13,12 @@ from syncscope.agent.capture_mode import (
     CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
     thread_local_capture_mode,
 )
-from syncscope.agent.cuda_timing import CudaPhaseClock, torch_stream_of
+from syncscope.agent.cuda_timing import (
+    CudaPhaseClock,
+    StreamOf,
+    torch_event_factory,
+    torch_stream_of,
+)
 from syncscope.agent.nccl_trace import StepTimeline
 from syncscope.agent.phase_hooks import Clocks, instrument, timed_backward, timed_forward
 from syncscope.agent.phases import ROW_WORK
@@ -321,6 +326,68 @@ def test_events_go_on_the_model_devices_stream_not_the_current_devices():
     assert streams == {"stream-of-3"}
     # looked up at each step's first mark, not at all 7 (a Stream object each: the costly part)
     assert lookups == [3, 3]
+
+
+class DeviceStream:
+    """A stream on a device, as torch.cuda.current_stream returns."""
+
+    device = "cuda:3"
+
+
+def fake_torch_events(fail: str = "") -> tuple[object, list]:
+    """A torch with `Event` (failing at `fail`: "record", "elapsed_time", or "" for none) and
+    `cuda.Event`; and the events of the first kind made."""
+    made: list = []
+
+    class Event:
+        def __init__(self, device=None, enable_timing=False) -> None:
+            assert enable_timing
+            self.device, self.recorded_on = device, None
+            made.append(self)
+
+        def record(self, stream=None) -> None:
+            if fail == "record":
+                raise RuntimeError("record: not on this device")
+            assert stream.device == self.device  # torch checks the stream's device
+            self.recorded_on = stream
+
+        def synchronize(self) -> None:
+            pass
+
+        def query(self) -> bool:
+            return self.recorded_on is not None
+
+        def elapsed_time(self, end) -> float:
+            if fail == "elapsed_time":
+                raise RuntimeError("elapsed_time is not supported on this device")
+            return 0.01
+
+    class CudaEvent:
+        def __init__(self, enable_timing=False) -> None:
+            assert enable_timing
+
+    cuda = type("Cuda", (), {"Event": CudaEvent})
+    return type("T", (), {"Event": Event, "cuda": cuda}), made
+
+
+def test_marks_take_torch_events_where_they_time_on_the_models_device():
+    """torch.Event's record is C (torch.cuda.Event's is a Python method, a frame at every mark):
+    the clock's events are torch.Events on the model's device where two of them time each other
+    there, else torch.cuda.Events; a stream capturing at attach tries none."""
+    streams = StreamOf(lambda: False, DeviceStream)
+    fake, made = fake_torch_events()
+    factory = torch_event_factory(fake, streams)
+    assert len(made) == 2 and all(e.recorded_on is not None for e in made)  # the trial's
+    event = factory()
+    assert type(event).__name__ == "Event" and event.device == "cuda:3"
+    for fail in ("record", "elapsed_time"):
+        fake, made = fake_torch_events(fail)
+        assert type(torch_event_factory(fake, streams)()).__name__ == "CudaEvent", fail
+    fake, made = fake_torch_events()
+    capturing = StreamOf(lambda: True, DeviceStream)
+    assert type(torch_event_factory(fake, capturing)()).__name__ == "CudaEvent"
+    assert made == []  # nothing recorded into a graph being captured
+    assert type(torch_event_factory(fake)()).__name__ == "CudaEvent"  # no stream: as before
 
 
 def test_the_resolver_thread_leaves_global_capture_mode_before_its_first_query():

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from syncscope.agent import attach, native, phase_hooks  # noqa: E402
-from syncscope.agent.cuda_timing import CudaPhaseClock  # noqa: E402
+from syncscope.agent.cuda_timing import CudaPhaseClock, StreamOf  # noqa: E402
 from syncscope.agent.grad_triggers import GradTriggers  # noqa: E402
 from syncscope.agent.phase_hooks import HOT_CONSTANTS, hot_hooks, instrument  # noqa: E402
 from syncscope.agent.phases import (  # noqa: E402
@@ -334,21 +334,45 @@ def cuda_clock(
     )  # fmt: skip
 
 
+class RecordedOn(TimeEvent):
+    """A TimeEvent that keeps the streams it was recorded on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.streams: list[Any] = []
+
+    def record(self, stream: Any = None) -> None:
+        super().record(stream)
+        self.streams.append(stream)
+
+
 def run_cuda_clock(
-    in_c: bool, every: int, built: Any, max_pending: int = 64, told: bool = True
+    in_c: bool,
+    every: int,
+    built: Any,
+    max_pending: int = 64,
+    told: bool = True,
+    stream_of: Any = None,
+    kept: list | None = None,
 ) -> tuple[list, list, list, dict]:
     """A CudaPhaseClock (events stood in for) on a DDP model through the hooks in C or Python's,
     its resolver not running (steps past `max_pending` unresolved go out with CPU phases): the
     boundaries it heard, step by step, its rows once resolved, its DDP sync records and the
     Python calls of three steps after the first ten. `told`: what its `mark` was told (a
     function in its place, the hooks in C call it), else the kinds of the events in its
-    resolver's queue (its own `mark`, which the hooks in C do in C)."""
+    resolver's queue (its own `mark`, which the hooks in C do in C). `stream_of`: the clock's
+    (None: events on the current stream); `kept`: a list the clock is appended to."""
     model, opt = model_and_optimizer()
     out_steps: deque = deque(maxlen=64)
     out_colls: deque = deque(maxlen=64)
     errors: list[BaseException] = []
     clock = cuda_clock(out_steps, out_colls, errors, model, max_pending)
     clock.phase_every = every
+    if stream_of is not None:
+        clock.stream_of = stream_of
+        clock.event_factory = RecordedOn
+    if kept is not None:
+        kept.append(clock)
     heard: list[tuple[int, int]] = []
     own_mark = clock.mark
 
@@ -411,6 +435,45 @@ def test_a_cuda_clock_hears_the_same_boundaries_from_the_hooks_in_c(
         timed = 3 if every == 1 else 1
         assert calls_py["_mark"] == 7 * timed + 3 - timed, calls_py
         assert calls_c["_mark"] == 4 * timed + (2 if max_pending < 10 and every > 1 else 0)
+
+
+def fake_stream_of(capturing_at: set[int], clock: list[Any]) -> tuple[StreamOf, list[int]]:
+    """A StreamOf whose stream is capturing at the steps in `capturing_at` (of `clock[0]`, the
+    clock once made) and whose lookups are counted: it, and the steps of its lookups."""
+    lookups: list[int] = []
+
+    def current() -> str:
+        lookups.append(clock[0].step)
+        return f"stream-{len(lookups)}"
+
+    return StreamOf(lambda: clock[0].step in capturing_at, current), lookups
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_a_cuda_clocks_stream_is_looked_up_in_c_as_in_python(gloo_world_of_one, built, every):
+    """A CudaPhaseClock's StreamOf through the hooks in C: the stream looked up at the same
+    marks (a timed step's first), the same events on the same streams, the marks of a step its
+    stream captures left out the same way (the step timed on CPU), and no call of its own."""
+    runs = {}
+    for in_c in (True, False):
+        holder: list[Any] = []
+        stream_of, lookups = fake_stream_of({6}, holder)
+        lib = built if in_c else None
+        heard, rows, _, calls = run_cuda_clock(
+            in_c, every, lib, told=False, stream_of=stream_of, kept=holder
+        )
+        clock = holder[0]
+        recorded = sorted({s for e in clock.free for s in e.streams})
+        runs[in_c] = (heard, [r[0] for r in rows], lookups, clock.capture_skips, recorded, calls)
+    (heard_c, rows_c, lookups_c, skips_c, streams_c, calls_c) = runs[True]
+    (heard_py, rows_py, lookups_py, skips_py, streams_py, calls_py) = runs[False]
+    assert heard_c == heard_py and rows_c == rows_py
+    assert lookups_c == lookups_py and skips_c == skips_py >= 1 and streams_c == streams_py
+    timed = [s for s in range(13) if s < 2 or s % every == 0]  # (quiet steps' ends reuse it)
+    assert lookups_c == [s for s in timed if s != 6], lookups_c  # step 6's stream captures
+    assert 6 not in {step for step, _ in heard_c}  # its marks were never recorded
+    # called only by the marks left to Python (_mark: the backward's), never by the C ones
+    assert calls_c["__call__"] == calls_c["_mark"] < calls_py["__call__"] == calls_py["_mark"]
 
 
 # Values no slot of a clock holds in a working agent, made afresh for each use.
