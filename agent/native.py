@@ -86,8 +86,9 @@ class Native:
     step number the kernels stamp on what they see (`step.value`, set by the phase clock)."""
 
     # csrc/hot_path.cpp's hooks: the optimizer's step pre- and post-hooks,
-    # torch.autograd.backward, a model's forward, a parameter's gradient (the trigger's)
-    HOT_PRE, HOT_POST, HOT_BACKWARD, HOT_FORWARD, HOT_GRAD = range(5)
+    # torch.autograd.backward, a model's forward, a parameter's gradient (the trigger's), the
+    # callback A it queues
+    HOT_PRE, HOT_POST, HOT_BACKWARD, HOT_FORWARD, HOT_GRAD, HOT_DONE = range(6)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
@@ -126,8 +127,8 @@ class Native:
         common case, and calling it otherwise. `kind`: HOT_PRE (`target`: the clock), HOT_POST
         ((the clock, its bound end_step and _quiet_end, phase_hooks' end mode)),
         HOT_BACKWARD (`target`: (phase_hooks.Clocks, torch.autograd.backward, the clock
-        class)), HOT_FORWARD (phase_hooks._hot_forward's) or HOT_GRAD ((the clock, its bound
-        _backward_done)); `constants`:
+        class)), HOT_FORWARD (phase_hooks._hot_forward's), HOT_GRAD ((the clock, callback A:
+        a HOT_DONE hook or its bound _backward_done)) or HOT_DONE (the clock); `constants`:
         phase_hooks.HOT_CONSTANTS. Raises what the library says (a clock whose attributes are
         not slots: TypeError)."""
         return self._hot(kind, target, fallback, constants)

@@ -38,12 +38,12 @@ _now = time.perf_counter_ns
 # What the hooks in C (native.Native.hot_hook) are told of the clock: the positions of data,
 # forward, backward, the optimizer and exposed communication in its accumulator, its length, the
 # boundaries a subclass's `mark` is told of by them (forward's start and end, the optimizer's
-# start, a CudaPhaseClock's step end) and DDP's sync is seen at, the work count that means
+# start, a CudaPhaseClock's step end, callback A) and DDP's sync is seen at, the work count that means
 # "unknown", DDP's sync record's kind, the method a CudaPhaseClock's `mark` is bound to, which
 # they do in C, and the class of its `stream_of` whose call they do in C.
 HOT_CONSTANTS = (
     *(DATA, FORWARD, BACKWARD, OPTIMIZER, COMM, ACC_LEN),
-    *(FWD_PRE, FWD_POST, OPT_PRE, COMM_END, STEP_END, UNKNOWN_WORK, DDP_GRAD_SYNC),
+    *(FWD_PRE, FWD_POST, OPT_PRE, COMM_END, STEP_END, BWD_END, UNKNOWN_WORK, DDP_GRAD_SYNC),
     CudaPhaseClock._mark,
     StreamOf,
 )
@@ -95,8 +95,12 @@ def instrument(
             hooks.follow()  # the module's hooks so far (FSDP2's): ours around them
     if parts and clock.queue_callback is not None:
         if hot is not None and type(clock).grad_ready is PhaseClock.grad_ready:
-            # The trigger's Python hooks (a CudaPhaseClock's, a DTensor's parameters') in C
-            target = (clock, clock._backward_done)
+            # The trigger's Python hooks (a CudaPhaseClock's, a DTensor's parameters') in C, and
+            # the callback A they queue
+            callback_a = clock._backward_done
+            if type(clock)._backward_done is PhaseClock._backward_done:
+                callback_a = _in_c(hot, hot.HOT_DONE, clock, callback_a, clock)
+            target = (clock, callback_a)
             clock.triggers.on_grad = _in_c(hot, hot.HOT_GRAD, target, clock.grad_ready, clock)
         # The last trainable parameters are watched until the first backward shows which
         # gradients come first (grad_triggers.py).

@@ -39,7 +39,7 @@ namespace {
 
 using syncscope::now_ns;
 
-enum Kind { kPre = 0, kPost = 1, kBackward = 2, kForward = 3, kGrad = 4 };
+enum Kind { kPre = 0, kPost = 1, kBackward = 2, kForward = 3, kGrad = 4, kDone = 5 };
 // How the optimizer's post-hook ends a step: the clock's own end_step and _quiet_end (a
 // subclass's), the common step end here (a PhaseClock itself), or a CudaPhaseClock's quiet step's
 // end here and the rest its own.
@@ -52,7 +52,7 @@ enum EndMode { kOwnEnd = 0, kInlineEnd = 1, kCudaQuietEnd = 2 };
   X(ddp_group) X(ddp_model) X(detect_start) X(dropped) X(first_at) X(first_ddp_ns)        \
   X(first_step) X(fwd_since_bwd) X(fwd_start) X(grad_entry) X(idle_since) X(manual_steps) X(mark) X(opt_closure)     \
   X(opt_start) X(pacer) X(phase_every) X(queue_callback) X(quiet) X(shares) X(step) X(step_counter)         \
-  X(step_start) X(steps) X(steps_max) X(sync_ns) X(sync_share) X(syncs) X(triggers) X(work)
+  X(step_start) X(steps) X(steps_max) X(sync_due) X(sync_ns) X(sync_share) X(syncs) X(triggers) X(work)
 #define WORK_SLOTS(X)                                                                   \
   X(counted_samples) X(counted_tokens) X(inputs) X(samples_per_step) X(seen_batches)      \
   X(seen_samples) X(seen_tokens) X(tokens_per_step) X(unclear_samples) X(unclear_tokens)
@@ -219,7 +219,7 @@ struct Hook {
   vectorcallfunc vectorcall;
   PyObject* dict;  // functools.wraps' attributes
   int kind;
-  PyObject* clock;        // kPre, kPost, kForward, kGrad: the clock; kBackward: nullptr
+  PyObject* clock;        // the clock, but kBackward's: nullptr
   PyObject* fallback;     // the Python hook it stands for, called for all but the common case
   PyObject* registered;   // kBackward: the phase_hooks.Clocks told
   PyObject* original;     // kBackward: torch.autograd.backward; kForward: the model's forward
@@ -232,10 +232,10 @@ struct Hook {
   PyObject* end_step;     // kPost: the clock's end_step, called where not done here
   PyObject* quiet_end;    // kPost: the clock's _quiet_end, called where not done here
   int end_mode;           // kPost: kOwnEnd, kInlineEnd or kCudaQuietEnd (below)
-  PyObject* callback;     // kGrad: the clock's _backward_done (callback A), queued on the engine
+  PyObject* callback;     // kGrad: callback A (a kDone hook, or the clock's _backward_done)
   // Positions and values phases.py declares: accumulator indices, boundaries, UNKNOWN_WORK.
   Py_ssize_t i_data, i_forward, i_backward, i_optimizer, i_comm, n_phases;
-  int64_t fwd_pre, fwd_post, opt_pre, comm_end, step_end, unknown_work;
+  int64_t fwd_pre, fwd_post, opt_pre, comm_end, step_end, bwd_end, unknown_work;
   PyObject* cuda_mark;    // CudaPhaseClock._mark (the function), done in C where `mark` is it
   PyObject* stream_of_class;  // cuda_timing.StreamOf, whose call is done in C
   Resolved<ClockSlots> clock_slots;
@@ -907,6 +907,38 @@ PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject
   return after_step(h, c, t, step);
 }
 
+// Whether DDP's sync is due: a DDP group to sync (ddp_group not None) and
+// getattr(ddp_model, "require_backward_grad_sync", True). The lookup may run Python: callers
+// read the slots they use after it. False (an error cleared) where it cannot be read.
+bool sync_due(Hook* h, PyObject* c, bool& sync) {
+  const ClockSlots& s = h->clock_slots.at;
+  PyObject* model = get(c, s.ddp_model);
+  PyObject* group = get(c, s.ddp_group);
+  if (model == nullptr || group == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  sync = group != Py_None;
+  if (sync && model != Py_None) {
+    Py_INCREF(model);
+    PyObject* flag = PyObject_GetAttr(model, s_sync);
+    Py_DECREF(model);
+    if (flag == nullptr) {
+      const bool missing = PyErr_ExceptionMatches(PyExc_AttributeError);
+      PyErr_Clear();
+      return missing;  // (getattr's default: True)
+    }
+    const int truth = PyObject_IsTrue(flag);
+    Py_DECREF(flag);
+    if (truth < 0) {
+      PyErr_Clear();
+      return false;
+    }
+    sync = truth != 0;
+  }
+  return true;
+}
+
 // -- torch.autograd.backward (phase_hooks.timed_backward, BackwardPhases.backward_returned and
 // _gradients_reduced): the one clock in the process, its trigger in C++ ------------------------
 
@@ -914,33 +946,9 @@ PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject
 // wait to move, DDP's sync due (or none to time); false, nothing changed, for the Python method.
 bool returned(Hook* h, PyObject* c) {
   const ClockSlots& s = h->clock_slots.at;
-  // Whether DDP's sync is due (getattr(ddp_model, "require_backward_grad_sync", True)) first:
-  // the lookup may run Python, so every slot below is read after it.
-  PyObject* model = get(c, s.ddp_model);
-  if (model == nullptr || get(c, s.ddp_group) == nullptr) {
-    PyErr_Clear();
+  bool sync;
+  if (!sync_due(h, c, sync)) {
     return false;
-  }
-  bool sync = true;
-  if (get(c, s.ddp_group) != Py_None && model != Py_None) {
-    Py_INCREF(model);
-    PyObject* flag = PyObject_GetAttr(model, s_sync);
-    Py_DECREF(model);
-    if (flag == nullptr) {
-      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
-        PyErr_Clear();
-        return false;
-      }
-      PyErr_Clear();
-    } else {
-      const int truth = PyObject_IsTrue(flag);
-      Py_DECREF(flag);
-      if (truth < 0) {
-        PyErr_Clear();
-        return false;
-      }
-      sync = truth != 0;
-    }
   }
   const int64_t done = syncscope_bwd_done.load(std::memory_order_relaxed);
   int64_t bwd_end, bwd_entry, first_ddp, first_ns, sync_ns, syncs, coll_max, step;
@@ -1429,6 +1437,48 @@ PyObject* grad_ready(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kw
   return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
 }
 
+// -- callback A (BackwardPhases._backward_done), queued by the gradient trigger's hook in C ------
+
+// All of the backward's autograd work is done: the backward phase ends here, and DDP's sync is
+// due at the wrapped backward's return, or there is none and the step is idle. A wait to move
+// into `comm`, learning, a nested backward's A, a closure, a slot of an unexpected type: the
+// Python method.
+PyObject* backward_done(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  const int64_t t = now_ns();
+  PyObject* c = h->clock;
+  const ClockSlots& s = h->clock_slots.at;
+  bool sync = false;
+  int64_t start = 0, depth = 0, first_ns;
+  bool common = sync_due(h, c, sync);  // (first: it may run Python)
+  PyObject* acc = get(c, s.acc);
+  PyObject* blocked = get(c, s.blocked);
+  PyObject* triggers = get(c, s.triggers);
+  common = common && int_of(get(c, s.bwd_start), start) && int_list(acc, h->n_phases) &&
+      blocked != nullptr && blocked_still(h, c, blocked, first_ns) && triggers != nullptr &&
+      slots_of(triggers, h->trigger_slots) &&
+      get(triggers, h->trigger_slots.at.learned) == Py_None &&
+      (sync ? int_of(get(c, s.bwd_depth), depth) && depth == 1
+            : get(c, s.opt_closure) == Py_False);
+  if (!common) {
+    PyErr_Clear();
+    return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+  }
+  const int64_t ns = t - start;
+  if ((ns > 0 && !add_to(acc, h->i_backward, ns)) || !put_int(c, s.bwd_end, t)) {
+    return report(c);
+  }
+  if (sync) {  // the wrapped backward's return is B's moment (_gradients_reduced)
+    put_bool(c, s.sync_due, true);
+  } else {
+    put_bool(c, s.bwd_pending, false);
+    if (!put_int(c, s.idle_since, t)) {
+      return report(c);
+    }
+  }
+  mark_at(h, c, h->bwd_end);
+  Py_RETURN_NONE;
+}
+
 // -- the type -----------------------------------------------------------------------------------
 PyObject* hook_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   Hook* h = reinterpret_cast<Hook*>(self);
@@ -1441,6 +1491,8 @@ PyObject* hook_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObje
       return forward(h, args, nargsf, kwnames);
     case kGrad:
       return grad_ready(h, args, nargsf, kwnames);
+    case kDone:
+      return backward_done(h, args, nargsf, kwnames);
     default:
       return backward(h, args, nargsf, kwnames);
   }
@@ -1563,16 +1615,16 @@ bool intern_names() {
 extern "C" {
 
 // A hook of `kind` (0: optimizer pre, 1: optimizer post, 2: torch.autograd.backward, 3: a
-// model's forward, 4: a parameter's gradient) standing for the Python callable `fallback`.
-// `target`: the clock (0); (the clock, its bound end_step and _quiet_end, EndMode: what of its
-// step end is done here) (1); (phase_hooks.Clocks, torch.autograd.backward's original, the clock
-// class it times) (2); (the clock, the original forward, phase_hooks._call_traced, the module or
-// None, torch's global forward hooks or None, whether to read the batch) (3); (the clock, its
-// bound _backward_done) (4).
+// model's forward, 4: a parameter's gradient, 5: callback A) standing for the Python callable
+// `fallback`. `target`: the clock (0, 5); (the clock, its bound end_step and _quiet_end, EndMode:
+// what of its step end is done here) (1); (phase_hooks.Clocks, torch.autograd.backward's
+// original, the clock class it times) (2); (the clock, the original forward,
+// phase_hooks._call_traced, the module or None, torch's global forward hooks or None, whether to
+// read the batch) (3); (the clock, callback A: a kDone hook or its bound _backward_done) (4).
 // `constants`: phase_hooks.HOT_CONSTANTS, (the positions of DATA, FORWARD, BACKWARD, OPTIMIZER
 // and COMM_EXPOSED in the accumulator, its length, FWD_PRE, FWD_POST, OPT_PRE, COMM_END,
-// STEP_END, UNKNOWN_WORK, DDP_GRAD_SYNC, CudaPhaseClock._mark, cuda_timing.StreamOf). A new
-// reference, or nullptr with an exception set (ctypes raises it).
+// STEP_END, BWD_END, UNKNOWN_WORK, DDP_GRAD_SYNC, CudaPhaseClock._mark, cuda_timing.StreamOf).
+// A new reference, or nullptr with an exception set (ctypes raises it).
 PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyObject* constants) {
   if (!intern_names()) {
     return nullptr;
@@ -1580,10 +1632,10 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   if (hook_type == nullptr && (hook_type = PyType_FromSpec(&hook_spec)) == nullptr) {
     return nullptr;
   }
-  long long at[6], fwd_pre, fwd_post, opt_pre, comm_end, step_end, unknown_work;  // DATA .. COMM
+  long long at[6], fwd_pre, fwd_post, opt_pre, comm_end, step_end, bwd_end, unknown_work;
   PyObject *sync_kind, *cuda_mark, *stream_of_class;
-  if (!PyArg_ParseTuple(constants, "LLLLLLLLLLLLOOO", &at[0], &at[1], &at[2], &at[3], &at[4],
-                        &at[5], &fwd_pre, &fwd_post, &opt_pre, &comm_end, &step_end,
+  if (!PyArg_ParseTuple(constants, "LLLLLLLLLLLLLOOO", &at[0], &at[1], &at[2], &at[3], &at[4],
+                        &at[5], &fwd_pre, &fwd_post, &opt_pre, &comm_end, &step_end, &bwd_end,
                         &unknown_work, &sync_kind, &cuda_mark, &stream_of_class)) {
     return nullptr;
   }
@@ -1597,7 +1649,7 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
       return nullptr;
     }
   }
-  if (kind < kPre || kind > kGrad || !PyCallable_Check(fallback)) {
+  if (kind < kPre || kind > kDone || !PyCallable_Check(fallback)) {
     PyErr_SetString(PyExc_ValueError, "an unknown hook, or a fallback that is not callable");
     return nullptr;
   }
@@ -1686,6 +1738,7 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   h->opt_pre = opt_pre;
   h->comm_end = comm_end;
   h->step_end = step_end;
+  h->bwd_end = bwd_end;
   h->cuda_mark = cuda_mark;
   Py_INCREF(cuda_mark);
   h->stream_of_class = stream_of_class;

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from syncscope.agent import attach, native, phase_hooks  # noqa: E402
+from syncscope.agent.collectives import Blocked  # noqa: E402
 from syncscope.agent.cuda_timing import CudaPhaseClock, StreamOf  # noqa: E402
 from syncscope.agent.grad_triggers import GradTriggers  # noqa: E402
 from syncscope.agent.phase_hooks import HOT_CONSTANTS, hot_hooks, instrument  # noqa: E402
@@ -150,7 +151,7 @@ def test_the_c_hooks_queue_what_the_python_hooks_queue(
     stands_for = STANDS_FOR
     if trigger == "Python":
         monkeypatch.setattr(GradTriggers, "_watch_natively", lambda *_: False)
-        stands_for = (STANDS_FOR - {"backward_returned"}) | {"grad_ready"}
+        stands_for = (STANDS_FOR - {"backward_returned"}) | {"grad_ready", "_backward_done"}
     rows_c, syncs_c, stats_c, calls_c = run_job(monkeypatch, in_c=True, every=every)
     rows_py, syncs_py, stats_py, calls_py = run_job(monkeypatch, in_c=False, every=every)
     assert stats_c["errors"] == stats_py["errors"] == 0
@@ -179,8 +180,9 @@ def test_the_c_hooks_queue_what_the_python_hooks_queue(
     # The common steps ran no Python of the hooks in C; the Python hooks did run it
     assert not stands_for & set(calls_c), calls_c
     assert set(calls_py) >= (stands_for if every == 1 else {"forward", "optimizer_post"}), calls_py
-    if trigger == "Python":  # every backward's, quiet or timed
+    if trigger == "Python":  # every backward's, quiet or timed; A every timed one's (steps 9-11)
         assert calls_py["grad_ready"] == 3, calls_py
+        assert calls_py.get("_backward_done", 0) == (3 if every == 1 else 0), calls_py
 
 
 def direct_clock(steps: deque, errors: list) -> PhaseClock:
@@ -307,6 +309,67 @@ def test_the_gradient_hook_in_c_leaves_the_clock_as_grad_ready_does(built):
     assert started == 12, started  # (not quiet, not pending, no grad_entry, depth <= 1: A queued)
 
 
+class SyncFlag:
+    """A DDP model's require_backward_grad_sync: set, or not there (getattr's default, True)."""
+
+    def __init__(self, sync: bool | None) -> None:
+        if sync is not None:
+            self.require_backward_grad_sync = sync
+
+
+def callback_a_outcome(hook_in_c: Any, state: tuple) -> tuple:
+    """What callback A (in C where `hook_in_c` is the loaded library, else _backward_done) leaves
+    of a clock in `state` (ddp_group, the DDP model's sync flag, bwd_depth, opt_closure,
+    triggers.learned, a wait not yet seen, whether it has a `mark`): its slots (times as whether
+    they moved), what it queued, marked and reported; and whether _backward_done ran."""
+    errors: list[BaseException] = []
+    queued: list[Any] = []
+    marked: list[int] = []
+    group, sync, depth, closure, learned, waited, marks = state
+    clock = PhaseClock(deque(), deque(), queued.append, group, 1.0, errors.append)
+    clock.ddp_model = SyncFlag(sync)
+    clock.bwd_depth, clock.opt_closure, clock.triggers.learned = depth, closure, learned
+    clock.bwd_start = clock.bwd_entry = time.perf_counter_ns() - 1_000_000
+    clock.bwd_pending = True
+    clock.blocked = Blocked()
+    clock.blocked.ns = 5 if waited else 0
+    if marks:
+        clock.mark = marked.append
+    hook = clock._backward_done
+    if hook_in_c is not None:
+        hook = hook_in_c.hot_hook(hook_in_c.HOT_DONE, clock, hook, HOT_CONSTANTS)
+    returned: list[Any] = []
+    in_python = "_backward_done" in python_calls(lambda: returned.append(hook()))
+    assert returned == [None]
+    acc = [a > 0 for a in clock.acc]
+    times = (clock.bwd_end > 0, clock.idle_since > 0, clock.opt_start > 0)
+    flags = (clock.bwd_pending, clock.sync_due, clock.opt_closure, clock.triggers.learned)
+    return (
+        (acc, times, flags, clock.blocked_seen, clock.first_at),
+        [fn == clock._gradients_reduced for fn in queued],
+        marked,
+        [type(e) for e in errors],
+    ), in_python
+
+
+def test_callback_a_in_c_leaves_the_clock_as_backward_done_does(built):
+    """Callback A in C (queued by the trigger's hook in C): in every state its slots can be in,
+    the clock ends as _backward_done leaves it: the backward's time, DDP's sync due or the step
+    idle, a wait moved into comm, learning ended, B queued for a backward not wrapped, `mark`
+    told of BWD_END."""
+    states = itertools.product(
+        [None, "g"], [None, True, False], [0, 1, 2], [False, True], [None, []], [False, True],
+        [False, True],
+    )  # fmt: skip
+    for state in states:
+        in_c, fell_back = callback_a_outcome(built, state)
+        assert in_c == callback_a_outcome(None, state)[0], state
+        group, sync, depth, closure, learned, waited, _ = state
+        due = group is not None and sync is not False  # DDP's sync (getattr's default: True)
+        common = learned is None and not waited and (depth == 1 if due else not closure)
+        assert fell_back != common, state  # the common case in C, all else in Python
+
+
 class TimeEvent:
     """A CUDA event stand-in: done once recorded, timed by the host's clock."""
 
@@ -431,10 +494,11 @@ def test_a_cuda_clock_hears_the_same_boundaries_from_the_hooks_in_c(
     if every > 1:  # steps 10 and 11 are quiet, 12 timed
         assert calls_py["_quiet_end"] == 2, calls_py
         assert calls_c.get("_quiet_end", 0) == (2 if max_pending < 10 else 0), calls_c
-    if not told:  # its events: the backward's three and a timed step's end in Python
-        timed = 3 if every == 1 else 1
+    timed = 3 if every == 1 else 1  # of steps 10 to 12
+    assert "_backward_done" not in calls_c and calls_py["_backward_done"] == timed  # A, in C
+    if not told:  # its events: the backward's entry and sync and a timed step's end in Python
         assert calls_py["_mark"] == 7 * timed + 3 - timed, calls_py
-        assert calls_c["_mark"] == 4 * timed + (2 if max_pending < 10 and every > 1 else 0)
+        assert calls_c["_mark"] == 3 * timed + (2 if max_pending < 10 and every > 1 else 0)
 
 
 def fake_stream_of(capturing_at: set[int], clock: list[Any]) -> tuple[StreamOf, list[int]]:
