@@ -38,12 +38,13 @@ _now = time.perf_counter_ns
 # What the hooks in C (native.Native.hot_hook) are told of the clock: the positions of data,
 # forward, backward, the optimizer and exposed communication in its accumulator, its length, the
 # boundaries a subclass's `mark` is told of by them (forward's start and end, the optimizer's
-# start, a CudaPhaseClock's step end, callback A) and DDP's sync is seen at, the work count that means
-# "unknown", DDP's sync record's kind, the method a CudaPhaseClock's `mark` is bound to, which
-# they do in C, and the class of its `stream_of` whose call they do in C.
+# start, DDP's sync seen, a CudaPhaseClock's step end, callback A, the backward's entry), the
+# work count that means "unknown", DDP's sync record's kind, the method a CudaPhaseClock's `mark`
+# is bound to, which they do in C, and the class of its `stream_of` whose call they do in C.
 HOT_CONSTANTS = (
     *(DATA, FORWARD, BACKWARD, OPTIMIZER, COMM, ACC_LEN),
-    *(FWD_PRE, FWD_POST, OPT_PRE, COMM_END, STEP_END, BWD_END, UNKNOWN_WORK, DDP_GRAD_SYNC),
+    *(FWD_PRE, FWD_POST, OPT_PRE, COMM_END, STEP_END, BWD_END, BWD_START),
+    *(UNKNOWN_WORK, DDP_GRAD_SYNC),
     CudaPhaseClock._mark,
     StreamOf,
 )

@@ -48,7 +48,7 @@ enum EndMode { kOwnEnd = 0, kInlineEnd = 1, kCudaQuietEnd = 2 };
 // The slots a hook reads, by name; their offsets in an object of the type resolved.
 #define CLOCK_SLOTS(X)                                                                   \
   X(acc) X(after_at) X(after_every) X(after_step) X(blocked) X(blocked_seen) X(bwd_depth) \
-  X(bwd_end) X(bwd_entry) X(bwd_pending) X(bwd_start) X(collectives) X(coll_max) X(ddp_bytes)          \
+  X(bwd_deferred) X(bwd_end) X(bwd_entry) X(bwd_pending) X(bwd_start) X(collectives) X(coll_max) X(ddp_bytes)          \
   X(ddp_group) X(ddp_model) X(detect_start) X(dropped) X(first_at) X(first_ddp_ns)        \
   X(first_step) X(fwd_since_bwd) X(fwd_start) X(grad_entry) X(idle_since) X(manual_steps) X(mark) X(opt_closure)     \
   X(opt_start) X(pacer) X(phase_every) X(queue_callback) X(quiet) X(shares) X(step) X(step_counter)         \
@@ -235,7 +235,7 @@ struct Hook {
   PyObject* callback;     // kGrad: callback A (a kDone hook, or the clock's _backward_done)
   // Positions and values phases.py declares: accumulator indices, boundaries, UNKNOWN_WORK.
   Py_ssize_t i_data, i_forward, i_backward, i_optimizer, i_comm, n_phases;
-  int64_t fwd_pre, fwd_post, opt_pre, comm_end, step_end, bwd_end, unknown_work;
+  int64_t fwd_pre, fwd_post, opt_pre, comm_end, step_end, bwd_end, bwd_start, unknown_work;
   PyObject* cuda_mark;    // CudaPhaseClock._mark (the function), done in C where `mark` is it
   PyObject* stream_of_class;  // cuda_timing.StreamOf, whose call is done in C
   Resolved<ClockSlots> clock_slots;
@@ -244,6 +244,8 @@ struct Hook {
   Resolved<TriggerSlots> trigger_slots;
   Resolved<CudaSlots> cuda_slots;
   Resolved<StreamSlots> stream_slots;
+  PyTypeObject* kept_type;  // kBackward: the last clock type keeps_backward looked at
+  bool kept;                // and whether it keeps PhaseClock's backward methods
 };
 
 // The error set now, handed to the clock's on_error (as the Python hooks' `except` does); never
@@ -942,6 +944,78 @@ bool sync_due(Hook* h, PyObject* c, bool& sync) {
 // -- torch.autograd.backward (phase_hooks.timed_backward, BackwardPhases.backward_returned and
 // _gradients_reduced): the one clock in the process, its trigger in C++ ------------------------
 
+// What _gradients_reduced (B: DDP's finalize has waited for every bucket) reads, checked before
+// anything changes: no wait to move into comm, no closure, its counts ints.
+struct SyncSeen {
+  int64_t first_ddp, first_ns, sync_ns, syncs, coll_max, step;
+  Py_ssize_t queued;
+  PyObject *coll, *bytes, *group;  // borrowed
+};
+
+bool sync_seen(Hook* h, PyObject* c, SyncSeen& v) {
+  const ClockSlots& s = h->clock_slots.at;
+  PyObject* blocked = get(c, s.blocked);
+  v.coll = get(c, s.collectives);
+  v.bytes = get(c, s.ddp_bytes);
+  v.group = get(c, s.ddp_group);
+  const bool ok = blocked != nullptr && blocked_still(h, c, blocked, v.first_ns) &&
+      get(c, s.opt_closure) == Py_False && int_of(get(c, s.first_ddp_ns), v.first_ddp) &&
+      int_of(get(c, s.sync_ns), v.sync_ns) && int_of(get(c, s.syncs), v.syncs) &&
+      int_of(get(c, s.coll_max), v.coll_max) && int_of(get(c, s.step), v.step) &&
+      v.coll != nullptr && v.bytes != nullptr && v.group != nullptr && v.group != Py_None &&
+      (v.queued = PyObject_Length(v.coll)) >= 0;
+  if (!ok) {
+    PyErr_Clear();
+  }
+  return ok;
+}
+
+// _gradients_reduced's common case on what sync_seen read, the backward's autograd work done at
+// `bwd_end`: DDP's exposed sync into comm and its record queued, the step idle from now. Its
+// errors go to on_error.
+void sync_reduced(Hook* h, PyObject* c, const SyncSeen& v, int64_t bwd_end) {
+  const ClockSlots& s = h->clock_slots.at;
+  const int64_t t = now_ns();
+  const int64_t exposed = t - bwd_end;
+  if (v.first_ddp < 0 && v.first_ns < 0 &&
+      (!put_int(c, s.first_ddp_ns, exposed) || !put_int(c, s.first_at, h->comm_end))) {
+    note_error(c);
+    return;
+  }
+  if (!add_to(get(c, s.acc), h->i_comm, exposed)) {
+    note_error(c);
+    return;
+  }
+  put_bool(c, s.bwd_pending, false);
+  if (!put_int(c, s.idle_since, t)) {
+    note_error(c);
+    return;
+  }
+  if (v.queued < v.coll_max) {
+    PyObject* record = Py_BuildValue("(OOOLL)", h->sync_kind, v.group, v.bytes,
+                                     static_cast<long long>(exposed),
+                                     static_cast<long long>(v.step));
+    PyObject* appended =
+        record == nullptr ? nullptr : PyObject_CallMethodOneArg(v.coll, s_append, record);
+    Py_XDECREF(record);
+    if (appended == nullptr) {
+      note_error(c);
+      return;
+    }
+    Py_DECREF(appended);
+  } else {
+    int64_t dropped = 0;
+    if (!int_of(get(c, s.dropped), dropped) || !put_int(c, s.dropped, dropped + 1)) {
+      PyErr_Clear();
+    }
+  }
+  if (!put_int(c, s.sync_ns, v.sync_ns + exposed) || !put_int(c, s.syncs, v.syncs + 1)) {
+    note_error(c);
+    return;
+  }
+  mark_at(h, c, h->comm_end);
+}
+
 // The backward's return, the common case of backward_returned: the trigger's callback ran, no
 // wait to move, DDP's sync due (or none to time); false, nothing changed, for the Python method.
 bool returned(Hook* h, PyObject* c) {
@@ -951,30 +1025,15 @@ bool returned(Hook* h, PyObject* c) {
     return false;
   }
   const int64_t done = syncscope_bwd_done.load(std::memory_order_relaxed);
-  int64_t bwd_end, bwd_entry, first_ddp, first_ns, sync_ns, syncs, coll_max, step;
+  int64_t bwd_end, bwd_entry, first_ns;
   PyObject* acc = get(c, s.acc);
   PyObject* blocked = get(c, s.blocked);
-  PyObject* group = get(c, s.ddp_group);
-  PyObject* coll = get(c, s.collectives);
-  PyObject* bytes = get(c, s.ddp_bytes);
-  PyObject* closure = get(c, s.opt_closure);
+  SyncSeen v{};
   if (!(int_of(get(c, s.bwd_end), bwd_end) && done != bwd_end &&
         int_of(get(c, s.bwd_entry), bwd_entry) && int_list(acc, h->n_phases) &&
-        blocked != nullptr && blocked_still(h, c, blocked, first_ns) && group != nullptr &&
-        get(c, s.mark) == Py_None && closure == Py_False)) {
-    PyErr_Clear();
-    return false;
-  }
-  sync = sync && group != Py_None;
-  if (sync &&
-      !(int_of(get(c, s.first_ddp_ns), first_ddp) && int_of(get(c, s.sync_ns), sync_ns) &&
-        int_of(get(c, s.syncs), syncs) && int_of(get(c, s.coll_max), coll_max) &&
-        int_of(get(c, s.step), step) && coll != nullptr && bytes != nullptr)) {
-    PyErr_Clear();
-    return false;
-  }
-  Py_ssize_t queued = 0;
-  if (sync && (queued = PyObject_Length(coll)) < 0) {
+        blocked != nullptr && blocked_still(h, c, blocked, first_ns) &&
+        get(c, s.ddp_group) != nullptr && get(c, s.mark) == Py_None &&
+        get(c, s.opt_closure) == Py_False && (!sync || sync_seen(h, c, v)))) {
     PyErr_Clear();
     return false;
   }
@@ -996,43 +1055,7 @@ bool returned(Hook* h, PyObject* c) {
     }
     return true;
   }
-  // _gradients_reduced: DDP's finalize, queued after the trigger's callback, has waited.
-  const int64_t t = now_ns();
-  const int64_t exposed = t - done;
-  if (first_ddp < 0 && first_ns < 0 &&
-      (!put_int(c, s.first_ddp_ns, exposed) || !put_int(c, s.first_at, h->comm_end))) {
-    note_error(c);
-    return true;
-  }
-  if (!add_to(acc, h->i_comm, exposed)) {
-    note_error(c);
-    return true;
-  }
-  put_bool(c, s.bwd_pending, false);
-  if (!put_int(c, s.idle_since, t)) {
-    note_error(c);
-    return true;
-  }
-  if (queued < coll_max) {
-    PyObject* record = Py_BuildValue("(OOOLL)", h->sync_kind, group, bytes,
-                                     static_cast<long long>(exposed), static_cast<long long>(step));
-    PyObject* appended =
-        record == nullptr ? nullptr : PyObject_CallMethodOneArg(coll, s_append, record);
-    Py_XDECREF(record);
-    if (appended == nullptr) {
-      note_error(c);
-      return true;
-    }
-    Py_DECREF(appended);
-  } else {
-    int64_t dropped = 0;
-    if (!int_of(get(c, s.dropped), dropped) || !put_int(c, s.dropped, dropped + 1)) {
-      PyErr_Clear();
-    }
-  }
-  if (!put_int(c, s.sync_ns, sync_ns + exposed) || !put_int(c, s.syncs, syncs + 1)) {
-    note_error(c);
-  }
+  sync_reduced(h, c, v, done);  // DDP's finalize, queued after the trigger's callback, has waited
   return true;
 }
 
@@ -1046,9 +1069,59 @@ bool in_native_mode(Hook* h, PyObject* triggers) {
   return native != nullptr && native != Py_None;
 }
 
-// How `c` (the process's one clock) enters this backward: 1 the common way (a PhaseClock itself,
-// outermost, timed, its trigger in C++, no wait to move, no marks), 2 outermost in a quiet step
-// (only its depth counts; a subclass's too), 0 otherwise (the Python wrapper then).
+// The outermost backward's return where its trigger is Python's (the Python wrapper's branch
+// for a backward a trigger started): its depth and entry back to 0 and, where callback A left
+// DDP's sync due, _gradients_reduced. False, nothing changed, for backward_exit: a forward
+// since the trigger (missed), a deferred A, a wait to move, a slot of an unexpected type.
+bool reduced(Hook* h, PyObject* c) {
+  const ClockSlots& s = h->clock_slots.at;
+  PyObject* due = get(c, s.sync_due);
+  int64_t bwd_end = 0;
+  SyncSeen v{};
+  if (!(get(c, s.fwd_since_bwd) == Py_False && get(c, s.bwd_deferred) == Py_False &&
+        is_bool(due) &&
+        (due == Py_False || (int_of(get(c, s.bwd_end), bwd_end) &&
+                             int_list(get(c, s.acc), h->n_phases) && sync_seen(h, c, v))))) {
+    PyErr_Clear();
+    return false;
+  }
+  if (!put_int(c, s.bwd_depth, 0) || !put_int(c, s.bwd_entry, 0)) {
+    note_error(c);
+    return true;
+  }
+  if (due == Py_True) {
+    put_bool(c, s.sync_due, false);
+    sync_reduced(h, c, v, bwd_end);
+  }
+  return true;
+}
+
+// Whether `type` (a PhaseClock's) keeps PhaseClock's backward methods, whose common case the
+// backward wrapper here does for a clock whose gradient trigger is Python's; looked up once per
+// type.
+bool keeps_backward(Hook* h, PyTypeObject* type) {
+  if (type == h->kept_type) {
+    return h->kept;
+  }
+  bool kept = true;
+  for (const char* name : {"_gradients_reduced", "backward_exit", "_backward_done", "grad_ready"}) {
+    PyObject* mine = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type), name);
+    PyObject* theirs = PyObject_GetAttrString(h->clock_class, name);
+    kept = kept && mine != nullptr && mine == theirs;
+    Py_XDECREF(mine);
+    Py_XDECREF(theirs);
+  }
+  PyErr_Clear();
+  h->kept_type = type;
+  h->kept = kept;
+  return kept;
+}
+
+// How `c` (the process's one clock) enters this backward: 1 the common way with its trigger in
+// C++ (a PhaseClock itself, outermost, timed, no wait to move, no marks), 3 the common way with
+// its trigger Python's (a PhaseClock keeping its backward methods, a CudaPhaseClock's too: its
+// marks in C), 2 outermost in a quiet step (only its depth counts; a subclass's too), 0 otherwise
+// (the Python wrapper then).
 int enters(Hook* h, PyObject* c) {
   PyTypeObject* type = Py_TYPE(c);
   const bool exact = reinterpret_cast<PyObject*>(type) == h->clock_class;
@@ -1066,15 +1139,18 @@ int enters(Hook* h, PyObject* c) {
   if (quiet == Py_True) {
     return 2;
   }
-  if (!exact) {  // a subclass's timed backward: its own methods, in Python
-    return 0;
-  }
   PyObject* triggers = get(c, s.triggers);
   PyObject* blocked = get(c, s.blocked);
-  const bool common = quiet == Py_False && get(c, s.mark) == Py_None && triggers != nullptr &&
-      in_native_mode(h, triggers) && blocked != nullptr && blocked_still(h, c, blocked, first_ns);
+  const bool common = quiet == Py_False && triggers != nullptr && blocked != nullptr &&
+      blocked_still(h, c, blocked, first_ns) && slots_of(triggers, h->trigger_slots);
   PyErr_Clear();
-  return common ? 1 : 0;
+  if (!common) {
+    return 0;
+  }
+  if (in_native_mode(h, triggers)) {
+    return exact && get(c, s.mark) == Py_None ? 1 : 0;
+  }
+  return keeps_backward(h, type) ? 3 : 0;
 }
 
 PyObject* call_method(PyObject* c, PyObject* name) {
@@ -1102,10 +1178,12 @@ PyObject* backward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwna
   Py_INCREF(c);
   Py_DECREF(clocks);
   const ClockSlots& s = h->clock_slots.at;
-  if (!put_int(c, s.bwd_depth, 1) || (how == 1 && !put_int(c, s.bwd_entry, now_ns()))) {
+  if (!put_int(c, s.bwd_depth, 1) || (how != 2 && !put_int(c, s.bwd_entry, now_ns()))) {
     note_error(c);
   } else if (how == 1) {
     syncscope_bwd_armed.store(1, std::memory_order_relaxed);
+  } else if (how == 3) {
+    mark_at(h, c, h->bwd_start);  // on the caller's stream, before any backward kernel
   }
   PyObject* result = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
   // As the Python wrapper's `finally`: the backward's own error passes through afterwards.
@@ -1125,6 +1203,8 @@ PyObject* backward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwna
     if (!returned(h, c)) {
       done = call_method(c, s_backward_returned);
     }
+  } else if (depth == 1 && keeps_backward(h, Py_TYPE(c)) && reduced(h, c)) {
+    // (its Python trigger's backward, done: A ran, and B's work with it)
   } else {
     PyErr_Clear();
     done = call_method(c, s_backward_exit);  // what the Python wrapper's other branches do
@@ -1623,7 +1703,8 @@ extern "C" {
 // read the batch) (3); (the clock, callback A: a kDone hook or its bound _backward_done) (4).
 // `constants`: phase_hooks.HOT_CONSTANTS, (the positions of DATA, FORWARD, BACKWARD, OPTIMIZER
 // and COMM_EXPOSED in the accumulator, its length, FWD_PRE, FWD_POST, OPT_PRE, COMM_END,
-// STEP_END, BWD_END, UNKNOWN_WORK, DDP_GRAD_SYNC, CudaPhaseClock._mark, cuda_timing.StreamOf).
+// STEP_END, BWD_END, BWD_START, UNKNOWN_WORK, DDP_GRAD_SYNC, CudaPhaseClock._mark,
+// cuda_timing.StreamOf).
 // A new reference, or nullptr with an exception set (ctypes raises it).
 PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyObject* constants) {
   if (!intern_names()) {
@@ -1632,11 +1713,12 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   if (hook_type == nullptr && (hook_type = PyType_FromSpec(&hook_spec)) == nullptr) {
     return nullptr;
   }
-  long long at[6], fwd_pre, fwd_post, opt_pre, comm_end, step_end, bwd_end, unknown_work;
+  long long at[6], fwd_pre, fwd_post, opt_pre, comm_end, step_end, bwd_end, bwd_start;
+  long long unknown_work;
   PyObject *sync_kind, *cuda_mark, *stream_of_class;
-  if (!PyArg_ParseTuple(constants, "LLLLLLLLLLLLLOOO", &at[0], &at[1], &at[2], &at[3], &at[4],
+  if (!PyArg_ParseTuple(constants, "LLLLLLLLLLLLLLOOO", &at[0], &at[1], &at[2], &at[3], &at[4],
                         &at[5], &fwd_pre, &fwd_post, &opt_pre, &comm_end, &step_end, &bwd_end,
-                        &unknown_work, &sync_kind, &cuda_mark, &stream_of_class)) {
+                        &bwd_start, &unknown_work, &sync_kind, &cuda_mark, &stream_of_class)) {
     return nullptr;
   }
   if (!PyType_Check(stream_of_class)) {
@@ -1739,6 +1821,9 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   h->comm_end = comm_end;
   h->step_end = step_end;
   h->bwd_end = bwd_end;
+  h->bwd_start = bwd_start;
+  h->kept_type = nullptr;
+  h->kept = false;
   h->cuda_mark = cuda_mark;
   Py_INCREF(cuda_mark);
   h->stream_of_class = stream_of_class;

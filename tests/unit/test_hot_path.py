@@ -45,7 +45,8 @@ from syncscope.wire import DDP_GRAD_SYNC  # noqa: E402
 AGENT = str(Path(__file__).resolve().parents[2] / "agent")
 # The Python methods the C hooks stand for in a common step
 STANDS_FOR = {
-    *("forward", "optimizer_pre", "optimizer_post", "end_step", "backward_returned", "take"),
+    *("forward", "optimizer_pre", "optimizer_post", "end_step", "take"),
+    *("backward", "backward_returned", "_gradients_reduced"),
 }
 
 
@@ -495,10 +496,12 @@ def test_a_cuda_clock_hears_the_same_boundaries_from_the_hooks_in_c(
         assert calls_py["_quiet_end"] == 2, calls_py
         assert calls_c.get("_quiet_end", 0) == (2 if max_pending < 10 else 0), calls_c
     timed = 3 if every == 1 else 1  # of steps 10 to 12
-    assert "_backward_done" not in calls_c and calls_py["_backward_done"] == timed  # A, in C
-    if not told:  # its events: the backward's entry and sync and a timed step's end in Python
+    for backward in ("_backward_done", "_gradients_reduced"):  # A and B, in C
+        assert backward not in calls_c and calls_py[backward] == timed, (calls_c, calls_py)
+    assert "backward" not in calls_c and calls_py["backward"] == 3  # the wrapper's, in C
+    if not told:  # its events: a timed step's end in Python
         assert calls_py["_mark"] == 7 * timed + 3 - timed, calls_py
-        assert calls_c["_mark"] == 3 * timed + (2 if max_pending < 10 and every > 1 else 0)
+        assert calls_c["_mark"] == timed + (2 if max_pending < 10 and every > 1 else 0)
 
 
 def fake_stream_of(capturing_at: set[int], clock: list[Any]) -> tuple[StreamOf, list[int]]:

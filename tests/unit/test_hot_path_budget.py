@@ -130,13 +130,14 @@ def test_the_agents_python_per_step_stays_within_its_budget(gloo_world_of_one, p
 # The same count for a CudaPhaseClock (what attach() builds on a GPU: an event at each boundary,
 # a resolver thread), its events stood in for (timed by the host's clock, outside agent/) and its
 # stream a StreamOf, as on a GPU. With the library, its quiet steps' end, the events the hooks in
-# C mark (their stream looked up in C), the gradient trigger's common calls and callback A are
-# done in C; what is left is the backward wrapper and B (Python: they record events) and a
-# timed step's end (2026-12-06: 710 and 14.0 | 60 and 1.9; callback A in Python, 847 and 17.0 |
-# 68 and 2.1; the stream looked up in Python too, 889 and 20.0 | 83 and 3.2; without the library
-# 1,332 and 27.0 | 494 and 13.1). The budget: those plus a tenth.
+# C mark (their stream looked up in C), the gradient trigger's common calls, callback A and the
+# timed backward's entry and return (B) are done in C; what is left is a timed step's end
+# (2026-12-06: 371 and 8.0 | 39 and 1.6; the backward wrapper and B in Python, 710 and 14.0 |
+# 60 and 1.9; callback A too, 847 and 17.0 | 68 and 2.1; the stream looked up in Python too, 889
+# and 20.0 | 83 and 3.2; without the library 1,332 and 27.0 | 494 and 13.1). The budget: those
+# plus a tenth.
 CUDA_BUDGET = {
-    True: {1: (780, 15.4), 16: (66, 2.1)},
+    True: {1: (410, 8.8), 16: (43, 1.8)},
     False: {1: (1465, 29.7), 16: (545, 14.4)},
 }
 
