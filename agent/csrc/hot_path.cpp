@@ -1,9 +1,10 @@
 // The phase clock's hooks in C (agent/phase_hooks.py installs them, native.py loads the library):
 // the model's forward wrapper (the forward phase, the batch's work), the optimizer's step pre-
 // and post-hooks, which end the step and queue its row, and the torch.autograd.backward wrapper
-// with the C++ backward trigger's return (backward, then DDP's exposed sync), the gradient
-// trigger's hook where it is Python's (a CudaPhaseClock's, a DTensor's parameters'); for a
-// CudaPhaseClock, its events at the boundaries they see (its _mark) and a quiet step's end. Each
+// (backward, then DDP's exposed sync) with the C++ backward trigger's return or, where the
+// trigger is a Python hook (a CudaPhaseClock's, a DTensor's parameters'), that hook and the
+// callback A it queues; for a CudaPhaseClock, its events at the boundaries they see (its _mark,
+// its StreamOf) and a quiet step's end. Each
 // is the Python hook's common case, done on the clock's own slots: a hook entered from torch
 // costs the training thread its Python frames on caches the step's kernels have flushed,
 // several µs a step (docs/evaluation.md), and these do the same reads, sums and appends without
