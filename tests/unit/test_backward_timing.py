@@ -2,9 +2,9 @@
 
 Each test puts a known sleep where one boundary mechanism could get it wrong: before the first
 parameter gradient, inside a reentrant checkpoint, in a branch that stops receiving gradients,
-and under DDP's no_sync(). Those that both trigger modes serve run with the Python gradient
-hooks and with the C++ ones (`trigger`). All on one CPU process (a gloo group of one where DDP
-is needed).
+and under DDP's no_sync(). Those that every trigger mode serves run with the Python gradient
+hooks, with the C++ ones, and with the Python ones behind the hooks in C (`trigger`). All on one
+CPU process (a gloo group of one where DDP is needed).
 """
 
 from __future__ import annotations
@@ -54,15 +54,35 @@ class Sleeper(torch.nn.Module):
         return SleepInBackward.apply(x, self.ms)
 
 
-@pytest.fixture(params=["python", "c++"])
+class TriggerInPython:
+    """The loaded library for the hooks in C, its C++ trigger refused: Python's gradient hooks
+    behind them, as for a CUDA clock or a DTensor's parameters (their common calls in C)."""
+
+    def __init__(self, built) -> None:
+        self.built = built
+
+    def __getattr__(self, name):
+        return getattr(self.built, name)
+
+    def trigger_ops(self, _torch):
+        raise RuntimeError("the C++ trigger is refused here")
+
+
+@pytest.fixture(params=["python", "c++", "python-in-c"])
 def trigger(request):
-    """What `instrument` is given for the backward's trigger: None (Python's gradient hooks),
-    or the loaded C++ library (which `scripts/setup` builds: its absence fails here)."""
+    """What `instrument` is given for the backward's trigger: None (Python's gradient hooks and
+    hooks), the loaded C++ library (which `scripts/setup` builds: its absence fails here), or
+    the library with its C++ trigger refused (Python's gradient hooks, the hooks in C)."""
     if request.param == "python":
         return None
     built = native_library.load(torch)
     assert built is not None, "no C++ library for this torch: python -m syncscope.agent.native"
-    return built
+    return built if request.param == "c++" else TriggerInPython(built)
+
+
+def cpp_trigger(trigger) -> bool:
+    """Whether `trigger` (the fixture's) has the C++ trigger serve the backward."""
+    return trigger is not None and not isinstance(trigger, TriggerInPython)
 
 
 def clock_for(model, errors, ddp_group=None, ddp_model=None):
@@ -75,6 +95,9 @@ def clock_for(model, errors, ddp_group=None, ddp_model=None):
 def train(model, clock, steps, x, opt=None, before_backward=None, native=None):
     opt = opt or torch.optim.SGD(model.parameters(), lr=0.01)
     hooks = instrument(clock, model, opt, native)
+    if isinstance(native, TriggerInPython):  # Python's gradient hooks, standing for them in C
+        assert clock.triggers.native is None
+        assert type(clock.triggers.on_grad).__name__ == "HotHook"
     try:
         for i in range(steps):
             opt.zero_grad()
@@ -102,7 +125,7 @@ def test_backward_starts_before_the_first_parameter_gradient(trigger):
 
     rows = train(model, clock, 5, torch.randn(4, 8), before_backward=seen, native=trigger)
     assert errors == []
-    assert native == [trigger is not None] * 5
+    assert native == [cpp_trigger(trigger)] * 5
     for row in rows[1:]:
         assert row[3 + BACKWARD] >= 8 * MS
         assert sum(row[3:9]) <= row[2]  # the phases, not the work counts after them
@@ -199,7 +222,7 @@ def test_reentrant_checkpoint_backward_is_timed_to_the_outer_end(trigger):
     rows = train(model, clock, 5, x, before_backward=seen, native=trigger)
     assert errors == []
     assert clock.bwd_depth == 0 and not clock.bwd_deferred
-    assert native == [trigger is not None] * 5
+    assert native == [cpp_trigger(trigger)] * 5
     for row in rows[1:]:
         assert row[3 + BACKWARD] >= 8 * MS
 
