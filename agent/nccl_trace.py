@@ -180,7 +180,10 @@ class StepTimeline:
     """Wall-clock step ends, so a Flight Recorder entry (stamped CLOCK_REALTIME at creation)
     can be placed in the step it belongs to, and the agreed steps at which the reader dumps.
     `mark` is one append and one modulo: cheap enough for the training thread's step end;
-    `step_at` and `step_seconds` run on the reader's thread, which also sets `dump_every`."""
+    `step_at` and `step_seconds` run on the reader's thread, which also sets `dump_every`. The
+    hooks in C (csrc/hot_path.cpp) mark a CUDA clock's quiet steps on these slots themselves."""
+
+    __slots__ = ("due", "dump_every", "ends")
 
     def __init__(self, maxlen: int = 4096, dump_every: int = 16) -> None:
         self.ends: deque[tuple[int, int]] = deque(maxlen=maxlen)  # (end_wall_ns, step)

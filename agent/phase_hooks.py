@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from syncscope.agent.cuda_timing import CudaPhaseClock, StreamOf
+from syncscope.agent.nccl_trace import StepTimeline
 from syncscope.agent.phases import (
     ACC_LEN,
     BACKWARD,
@@ -40,13 +41,15 @@ _now = time.perf_counter_ns
 # boundaries a subclass's `mark` is told of by them (forward's start and end, the optimizer's
 # start, DDP's sync seen, a CudaPhaseClock's step end, callback A, the backward's entry), the
 # work count that means "unknown", DDP's sync record's kind, the method a CudaPhaseClock's `mark`
-# is bound to, which they do in C, and the class of its `stream_of` whose call they do in C.
+# is bound to, which they do in C, and the classes of its `stream_of` and `timeline` whose call
+# and mark they do in C.
 HOT_CONSTANTS = (
     *(DATA, FORWARD, BACKWARD, OPTIMIZER, COMM, ACC_LEN),
     *(FWD_PRE, FWD_POST, OPT_PRE, COMM_END, STEP_END, BWD_END, BWD_START),
     *(UNKNOWN_WORK, DDP_GRAD_SYNC),
     CudaPhaseClock._mark,
     StreamOf,
+    StepTimeline,
 )
 # How much of a step's end the optimizer's post-hook in C does (csrc/hot_path.cpp's EndMode):
 # none (a subclass's end_step and _quiet_end are called), a PhaseClock's common steps, or a

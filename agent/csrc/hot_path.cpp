@@ -65,6 +65,8 @@ enum EndMode { kOwnEnd = 0, kInlineEnd = 1, kCudaQuietEnd = 2 };
   X(marks) X(max_events) X(max_pending) X(pending) X(resolve_every) X(stream_of) X(timeline)
 // cuda_timing.StreamOf's, the model's device's stream
 #define STREAM_SLOTS(X) X(capturing) X(current) X(last)
+// nccl_trace.StepTimeline's, the step ends Flight Recorder's entries are placed by
+#define TIMELINE_SLOTS(X) X(due) X(dump_every) X(ends)
 
 #define DECLARE(name) Py_ssize_t name = -1;
 struct ClockSlots { CLOCK_SLOTS(DECLARE) };
@@ -73,6 +75,7 @@ struct BlockedSlots { BLOCKED_SLOTS(DECLARE) };
 struct TriggerSlots { TRIGGER_SLOTS(DECLARE) };
 struct CudaSlots { CUDA_SLOTS(DECLARE) };
 struct StreamSlots { STREAM_SLOTS(DECLARE) };
+struct TimelineSlots { TIMELINE_SLOTS(DECLARE) };
 #undef DECLARE
 
 // The offset of writable slot `name` of `type`; -1 with an exception set if it is not one.
@@ -113,6 +116,7 @@ bool resolve(PyTypeObject* type, BlockedSlots& out) { BLOCKED_SLOTS(RESOLVE) ret
 bool resolve(PyTypeObject* type, TriggerSlots& out) { TRIGGER_SLOTS(RESOLVE) return true; }
 bool resolve(PyTypeObject* type, CudaSlots& out) { CUDA_SLOTS(RESOLVE) return true; }
 bool resolve(PyTypeObject* type, StreamSlots& out) { STREAM_SLOTS(RESOLVE) return true; }
+bool resolve(PyTypeObject* type, TimelineSlots& out) { TIMELINE_SLOTS(RESOLVE) return true; }
 #undef RESOLVE
 
 // The slots of `obj`'s type, resolving them if it is another type than last time; false (no
@@ -239,12 +243,14 @@ struct Hook {
   int64_t fwd_pre, fwd_post, opt_pre, comm_end, step_end, bwd_end, bwd_start, unknown_work;
   PyObject* cuda_mark;    // CudaPhaseClock._mark (the function), done in C where `mark` is it
   PyObject* stream_of_class;  // cuda_timing.StreamOf, whose call is done in C
+  PyObject* timeline_class;   // nccl_trace.StepTimeline, whose mark is done in C
   Resolved<ClockSlots> clock_slots;
   Resolved<WorkSlots> work_slots;
   Resolved<BlockedSlots> blocked_slots;
   Resolved<TriggerSlots> trigger_slots;
   Resolved<CudaSlots> cuda_slots;
   Resolved<StreamSlots> stream_slots;
+  Resolved<TimelineSlots> timeline_slots;
   PyTypeObject* kept_type;  // kBackward: the last clock type keeps_backward looked at
   bool kept;                // and whether it keeps PhaseClock's backward methods
 };
@@ -658,8 +664,8 @@ struct CudaQuiet {
   WorkSeen work_seen;
 };
 
-// False (no error set) where it is not the common case: a timeline to mark (agent/nccl_trace.py),
-// the resolver's queue full, a slot of an unexpected type.
+// False (no error set) where it is not the common case: the resolver's queue full, a timeline
+// that is not a StepTimeline, a slot of an unexpected type.
 bool cuda_quiet(Hook* h, PyObject* c, CudaQuiet& v) {
   if (!slots_of(c, h->cuda_slots)) {
     return false;
@@ -672,7 +678,16 @@ bool cuda_quiet(Hook* h, PyObject* c, CudaQuiet& v) {
   v.shares = get(c, s.shares);
   v.sync_share = get(c, s.sync_share);
   v.work = get(c, s.work);
-  bool ok = get(c, k.timeline) == Py_None && get(c, k._due) != nullptr &&
+  PyObject* timeline = get(c, k.timeline);
+  int64_t dump_every = 0;
+  bool ok = timeline != nullptr &&
+      (timeline == Py_None ||
+       (Py_TYPE(timeline) == reinterpret_cast<PyTypeObject*>(h->timeline_class) &&
+        slots_of(timeline, h->timeline_slots) &&
+        get(timeline, h->timeline_slots.at.ends) != nullptr &&
+        get(timeline, h->timeline_slots.at.due) != nullptr &&
+        int_of(get(timeline, h->timeline_slots.at.dump_every), dump_every) && dump_every >= 1)) &&
+      get(c, k._due) != nullptr &&
       is_bool(get(c, k.chain_broken)) && marks != nullptr &&
       (marks == Py_None || PyList_CheckExact(marks)) && pending != nullptr &&
       int_of(get(c, k.max_pending), max_pending) &&
@@ -704,6 +719,33 @@ bool ends_with_step_end(Hook* h, PyObject* marks) {
   return ok;
 }
 
+// StepTimeline.mark(step), on a timeline cuda_quiet checked: the step's end on the wall clock
+// appended, the reader woken at the steps it dumps after. False with an error set.
+bool timeline_mark(Hook* h, PyObject* timeline, int64_t step) {
+  const TimelineSlots& l = h->timeline_slots.at;
+  int64_t dump_every = 0;
+  PyObject* end = Py_BuildValue("(LL)", static_cast<long long>(syncscope::wall_ns()),
+                                static_cast<long long>(step));
+  if (end == nullptr || !append_to(get(timeline, l.ends), end)) {
+    Py_XDECREF(end);
+    return false;
+  }
+  Py_DECREF(end);
+  if (!int_of(get(timeline, l.dump_every), dump_every) || dump_every < 1) {
+    PyErr_SetString(PyExc_TypeError, "dump_every is not a positive int");
+    return false;
+  }
+  if ((step + 1) % dump_every != 0) {
+    return true;
+  }
+  PyObject* due = get(timeline, l.due);
+  Py_INCREF(due);
+  PyObject* set = PyObject_CallMethodNoArgs(due, s_set);
+  Py_DECREF(due);
+  Py_XDECREF(set);
+  return set != nullptr;
+}
+
 // CudaPhaseClock.end_step in a quiet step: its end's event (the clock's `mark`), then a row of
 // its total and work with the last timed step's shares (the resolver estimates its phases from
 // them), queued for the resolver, the next step (_next_step), the resolver woken at every
@@ -721,6 +763,16 @@ bool cuda_quiet_end(Hook* h, PyObject* c, int64_t t, int64_t step_start, PyObjec
     PyErr_SetString(PyExc_TypeError, "the CUDA clock's state changed in its step end's mark");
     *out = report(c);
     return true;
+  }
+  PyObject* timeline = get(c, k.timeline);
+  if (timeline != Py_None) {
+    Py_INCREF(timeline);  // held: the reader's wake-up may run Python
+    const bool marked = timeline_mark(h, timeline, v.step);
+    Py_DECREF(timeline);
+    if (!marked) {
+      *out = report(c);
+      return true;
+    }
   }
   PyObject* marks = get(c, k.marks);
   Py_INCREF(marks);  // held: a new list takes its slot below
@@ -1597,6 +1649,7 @@ int hook_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(h->cuda_mark);
   Py_VISIT(h->callback);
   Py_VISIT(h->stream_of_class);
+  Py_VISIT(h->timeline_class);
   return 0;
 }
 
@@ -1617,6 +1670,7 @@ int hook_clear(PyObject* self) {
   Py_CLEAR(h->cuda_mark);
   Py_CLEAR(h->callback);
   Py_CLEAR(h->stream_of_class);
+  Py_CLEAR(h->timeline_class);
   return 0;
 }
 
@@ -1705,7 +1759,7 @@ extern "C" {
 // `constants`: phase_hooks.HOT_CONSTANTS, (the positions of DATA, FORWARD, BACKWARD, OPTIMIZER
 // and COMM_EXPOSED in the accumulator, its length, FWD_PRE, FWD_POST, OPT_PRE, COMM_END,
 // STEP_END, BWD_END, BWD_START, UNKNOWN_WORK, DDP_GRAD_SYNC, CudaPhaseClock._mark,
-// cuda_timing.StreamOf).
+// cuda_timing.StreamOf, nccl_trace.StepTimeline).
 // A new reference, or nullptr with an exception set (ctypes raises it).
 PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyObject* constants) {
   if (!intern_names()) {
@@ -1716,14 +1770,15 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   }
   long long at[6], fwd_pre, fwd_post, opt_pre, comm_end, step_end, bwd_end, bwd_start;
   long long unknown_work;
-  PyObject *sync_kind, *cuda_mark, *stream_of_class;
-  if (!PyArg_ParseTuple(constants, "LLLLLLLLLLLLLLOOO", &at[0], &at[1], &at[2], &at[3], &at[4],
+  PyObject *sync_kind, *cuda_mark, *stream_of_class, *timeline_class;
+  if (!PyArg_ParseTuple(constants, "LLLLLLLLLLLLLLOOOO", &at[0], &at[1], &at[2], &at[3], &at[4],
                         &at[5], &fwd_pre, &fwd_post, &opt_pre, &comm_end, &step_end, &bwd_end,
-                        &bwd_start, &unknown_work, &sync_kind, &cuda_mark, &stream_of_class)) {
+                        &bwd_start, &unknown_work, &sync_kind, &cuda_mark, &stream_of_class,
+                        &timeline_class)) {
     return nullptr;
   }
-  if (!PyType_Check(stream_of_class)) {
-    PyErr_SetString(PyExc_TypeError, "StreamOf must be a class");
+  if (!PyType_Check(stream_of_class) || !PyType_Check(timeline_class)) {
+    PyErr_SetString(PyExc_TypeError, "StreamOf and StepTimeline must be classes");
     return nullptr;
   }
   for (int i = 0; i < 5; ++i) {
@@ -1829,6 +1884,8 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   Py_INCREF(cuda_mark);
   h->stream_of_class = stream_of_class;
   Py_INCREF(stream_of_class);
+  h->timeline_class = timeline_class;
+  Py_INCREF(timeline_class);
   h->unknown_work = unknown_work;
   new (&h->clock_slots) Resolved<ClockSlots>();
   new (&h->work_slots) Resolved<WorkSlots>();
@@ -1836,6 +1893,7 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   new (&h->trigger_slots) Resolved<TriggerSlots>();
   new (&h->cuda_slots) Resolved<CudaSlots>();
   new (&h->stream_slots) Resolved<StreamSlots>();
+  new (&h->timeline_slots) Resolved<TimelineSlots>();
   PyObject_GC_Track(reinterpret_cast<PyObject*>(h));
   // The clock's slots now, so that a clock without them is refused here, not every call.
   if (clock != nullptr) {

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -21,6 +22,7 @@ from syncscope.agent import attach, native, phase_hooks  # noqa: E402
 from syncscope.agent.collectives import Blocked  # noqa: E402
 from syncscope.agent.cuda_timing import CudaPhaseClock, StreamOf  # noqa: E402
 from syncscope.agent.grad_triggers import GradTriggers  # noqa: E402
+from syncscope.agent.nccl_trace import StepTimeline  # noqa: E402
 from syncscope.agent.phase_hooks import HOT_CONSTANTS, hot_hooks, instrument  # noqa: E402
 from syncscope.agent.phases import (  # noqa: E402
     BACKWARD,
@@ -418,6 +420,7 @@ def run_cuda_clock(
     told: bool = True,
     stream_of: Any = None,
     kept: list | None = None,
+    timeline: Any = None,
 ) -> tuple[list, list, list, dict]:
     """A CudaPhaseClock (events stood in for) on a DDP model through the hooks in C or Python's,
     its resolver not running (steps past `max_pending` unresolved go out with CPU phases): the
@@ -425,7 +428,8 @@ def run_cuda_clock(
     Python calls of three steps after the first ten. `told`: what its `mark` was told (a
     function in its place, the hooks in C call it), else the kinds of the events in its
     resolver's queue (its own `mark`, which the hooks in C do in C). `stream_of`: the clock's
-    (None: events on the current stream); `kept`: a list the clock is appended to."""
+    (None: events on the current stream); `kept`: a list the clock is appended to; `timeline`:
+    its StepTimeline (a GPU job's, for Flight Recorder), else None."""
     model, opt = model_and_optimizer()
     out_steps: deque = deque(maxlen=64)
     out_colls: deque = deque(maxlen=64)
@@ -435,6 +439,7 @@ def run_cuda_clock(
     if stream_of is not None:
         clock.stream_of = stream_of
         clock.event_factory = RecordedOn
+    clock.timeline = timeline
     if kept is not None:
         kept.append(clock)
     heard: list[tuple[int, int]] = []
@@ -541,6 +546,43 @@ def test_a_cuda_clocks_stream_is_looked_up_in_c_as_in_python(gloo_world_of_one, 
     assert 6 not in {step for step, _ in heard_c}  # its marks were never recorded
     # called only by the marks left to Python (_mark: the backward's), never by the C ones
     assert calls_c["__call__"] == calls_c["_mark"] < calls_py["__call__"] == calls_py["_mark"]
+
+
+class WokenAt(threading.Event):
+    """A StepTimeline's `due`, keeping the steps it was set at (the clock's, through `clock`)."""
+
+    def __init__(self, clock: list[Any]) -> None:
+        super().__init__()
+        self.clock, self.steps = clock, []
+
+    def set(self) -> None:
+        self.steps.append(self.clock[0].step)
+        super().set()
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_a_cuda_clocks_timeline_is_marked_in_c_as_in_python(gloo_world_of_one, built, every):
+    """A GPU job's CudaPhaseClock has a StepTimeline (Flight Recorder's entries are placed by
+    it): the hooks in C mark its quiet steps' ends as StepTimeline.mark does, the same steps in
+    order, on the wall clock, the reader woken at the same steps, and without its Python."""
+    runs = {}
+    for in_c in (True, False):
+        holder: list[Any] = []
+        timeline = StepTimeline(dump_every=2)
+        timeline.due = WokenAt(holder)
+        before = time.time_ns()
+        _, rows, _, calls = run_cuda_clock(
+            in_c, every, built if in_c else None, kept=holder, timeline=timeline
+        )
+        ends = list(timeline.ends)
+        walls = [before, *(wall for wall, _ in ends), time.time_ns()]
+        assert walls == sorted(walls), walls  # on the wall clock, in order
+        runs[in_c] = ([step for _, step in ends], timeline.due.steps, [r[0] for r in rows], calls)
+    (steps_c, woken_c, rows_c, calls_c), (steps_py, woken_py, rows_py, calls_py) = runs.values()
+    assert steps_c == steps_py == list(range(13)) and woken_c == woken_py and rows_c == rows_py
+    assert woken_c == list(range(1, 13, 2))  # at the end of step k, k + 1 a multiple of 2
+    # StepTimeline.mark in Python only at a timed step's end (steps 10 to 12: 1 or 3 of them)
+    assert calls_c.get("mark", 0) == (3 if every == 1 else 1) and calls_py["mark"] == 3
 
 
 # Values no slot of a clock holds in a working agent, made afresh for each use.

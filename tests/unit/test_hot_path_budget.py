@@ -24,6 +24,7 @@ dist = pytest.importorskip("torch.distributed")
 
 from syncscope.agent import attach, native  # noqa: E402
 from syncscope.agent.cuda_timing import StreamOf  # noqa: E402
+from syncscope.agent.nccl_trace import StepTimeline  # noqa: E402
 from syncscope.agent.phase_hooks import instrument  # noqa: E402
 
 from tests.unit.test_hot_path import cuda_clock  # noqa: E402
@@ -127,18 +128,20 @@ def test_the_agents_python_per_step_stays_within_its_budget(gloo_world_of_one, p
     assert calls <= max_calls, (calls, top)
 
 
-# The same count for a CudaPhaseClock (what attach() builds on a GPU: an event at each boundary,
-# a resolver thread), its events stood in for (timed by the host's clock, outside agent/) and its
-# stream a StreamOf, as on a GPU. With the library, its quiet steps' end, the events the hooks in
-# C mark (their stream looked up in C), the gradient trigger's common calls, callback A and the
-# timed backward's entry and return (B) are done in C; what is left is a timed step's end
-# (2026-12-06: 371 and 8.0 | 39 and 1.6; the backward wrapper and B in Python, 710 and 14.0 |
-# 60 and 1.9; callback A too, 847 and 17.0 | 68 and 2.1; the stream looked up in Python too, 889
-# and 20.0 | 83 and 3.2; without the library 1,332 and 27.0 | 494 and 13.1). The budget: those
-# plus a tenth.
+# The same count for a CudaPhaseClock as attach() builds it on a GPU (an event at each boundary,
+# a resolver thread, a StreamOf for the model's device's stream, a StepTimeline for Flight
+# Recorder), its events stood in for (timed by the host's clock, outside agent/). With the
+# library, its quiet steps' end (their timeline's mark too), the events the hooks in C mark
+# (their stream looked up in C), the gradient trigger's common calls, callback A and the timed
+# backward's entry and return (B) are done in C; what is left is a timed step's end
+# (2026-12-06: 405 and 9.0 | 41 and 1.6; the timeline marked in Python, which sent every quiet
+# step's end to Python, 405 and 9.0 | 331 and 8.2; without the library, 1,366 and 28.0 | 528
+# and 14.1). Without a timeline (the count before it had one): the backward wrapper and B in
+# Python, 710 and 14.0 | 60 and 1.9; callback A too, 847 and 17.0 | 68 and 2.1; the stream
+# looked up in Python too, 889 and 20.0 | 83 and 3.2. The budget: the counts plus a tenth.
 CUDA_BUDGET = {
-    True: {1: (410, 8.8), 16: (43, 1.8)},
-    False: {1: (1465, 29.7), 16: (545, 14.4)},
+    True: {1: (445, 9.9), 16: (45, 1.8)},
+    False: {1: (1505, 30.8), 16: (580, 15.5)},
 }
 
 
@@ -150,6 +153,7 @@ def test_the_cuda_clocks_python_per_step_stays_within_its_budget(gloo_world_of_o
     steps, collectives = collections.deque(maxlen=8192), collections.deque(maxlen=32768)
     clock = cuda_clock(steps, collectives, errors, model)  # its events test_hot_path's TimeEvent
     clock.stream_of = StreamOf(bool, object)  # a GPU's kind: never capturing, a stream object
+    clock.timeline = StepTimeline()  # as attach() gives it on a GPU, for Flight Recorder
     clock.phase_every = phase_every
     built = native.load(torch)
     hooks = instrument(clock, model, opt, built)
