@@ -11,6 +11,7 @@ callgrind), the rest follows the number of calls, which are counted too.
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import sys
 import time
@@ -23,6 +24,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from syncscope.agent import attach, native  # noqa: E402
+from syncscope.agent.collectives import Blocked  # noqa: E402
 from syncscope.agent.cuda_timing import StreamOf  # noqa: E402
 from syncscope.agent.nccl_trace import StepTimeline  # noqa: E402
 from syncscope.agent.phase_hooks import instrument  # noqa: E402
@@ -134,9 +136,10 @@ def test_the_agents_python_per_step_stays_within_its_budget(gloo_world_of_one, p
 # library, its quiet steps' end (their timeline's mark too), the events the hooks in C mark
 # (their stream looked up in C), the gradient trigger's common calls, callback A and the timed
 # backward's entry and return (B) are done in C; what is left is a timed step's end
-# (2026-12-06: 405 and 9.0 | 41 and 1.6; the timeline marked in Python, which sent every quiet
-# step's end to Python, 405 and 9.0 | 331 and 8.2; without the library, 1,366 and 28.0 | 528
-# and 14.1). Without a timeline (the count before it had one): the backward wrapper and B in
+# (2026-12-06: 418 and 9.0 | 42 and 1.6; before it was wired as attach() wires it, below, 405
+# and 9.0 | 41 and 1.6, and with the timeline marked in Python, which sent every quiet step's
+# end to Python, 405 and 9.0 | 331 and 8.2; without the library, 1,366 and 28.0 | 528 and
+# 14.1). Without a timeline (the count before it had one): the backward wrapper and B in
 # Python, 710 and 14.0 | 60 and 1.9; callback A too, 847 and 17.0 | 68 and 2.1; the stream
 # looked up in Python too, 889 and 20.0 | 83 and 3.2. The budget: the counts plus a tenth.
 CUDA_BUDGET = {
@@ -154,6 +157,10 @@ def test_the_cuda_clocks_python_per_step_stays_within_its_budget(gloo_world_of_o
     clock = cuda_clock(steps, collectives, errors, model)  # its events test_hot_path's TimeEvent
     clock.stream_of = StreamOf(bool, object)  # a GPU's kind: never capturing, a stream object
     clock.timeline = StepTimeline()  # as attach() gives it on a GPU, for Flight Recorder
+    # and as attach() wires it: the training thread's waits, the C++ kernel's step counter, the
+    # transport's step hook (its next flush an hour away: counted clear of its tick)
+    clock.blocked, clock.step_counter = Blocked(), ctypes.c_int64(0)
+    clock.after_step = lambda _step: time.perf_counter_ns() + 3600 * 10**9
     clock.phase_every = phase_every
     built = native.load(torch)
     hooks = instrument(clock, model, opt, built)
