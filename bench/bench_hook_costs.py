@@ -45,7 +45,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from syncscope.agent import native
-from syncscope.agent.cuda_timing import CudaPhaseClock
+from syncscope.agent.cuda_timing import CudaPhaseClock, StreamOf
+from syncscope.agent.nccl_trace import StepTimeline
 from syncscope.agent.phase_hooks import instrument, wrap_forward
 from syncscope.agent.phases import PhaseClock
 
@@ -168,6 +169,10 @@ def main() -> None:
             ddp_model=rig.model,
             event_factory=StubEvent,
             thread_guard=lambda: None,
+            # as attach() builds it on a GPU: the model's stream looked up by a StreamOf (here
+            # never capturing, a stand-in stream), a StepTimeline for Flight Recorder
+            stream_of=StreamOf(bool, object),
+            timeline=StepTimeline(),
         )
         clock.phase_every = every
         hooks = instrument(clock, rig.model, rig.opt, lib)
