@@ -218,6 +218,7 @@ PyObject* s_set;
 PyObject* s_pop;
 PyObject* s_record;
 PyObject* s_abandon_step;
+PyObject* s_clear;
 
 struct Hook {
   PyObject_HEAD
@@ -746,6 +747,39 @@ bool timeline_mark(Hook* h, PyObject* timeline, int64_t step) {
   return set != nullptr;
 }
 
+// The clock's timeline, if any, marked at the end of `step`; false with an error set.
+bool timeline_marked(Hook* h, PyObject* c, int64_t step) {
+  PyObject* timeline = get(c, h->cuda_slots.at.timeline);
+  if (timeline == Py_None) {
+    return true;
+  }
+  Py_INCREF(timeline);  // held: the reader's wake-up may run Python
+  const bool marked = timeline_mark(h, timeline, step);
+  Py_DECREF(timeline);
+  return marked;
+}
+
+// A CUDA clock's step end after its entry for the resolver (`ok`: appended, else an error is
+// set): the chain goes on, the resolver is woken at every `resolve_every`-th step, then the
+// transport's hook. What the optimizer's post-hook returns.
+PyObject* queued(Hook* h, PyObject* c, bool ok, int64_t t, int64_t next, int64_t resolve_every) {
+  if (!ok) {
+    return report(c);
+  }
+  put_bool(c, h->cuda_slots.at.chain_broken, false);
+  if (next % resolve_every == 0) {
+    PyObject* due = get(c, h->cuda_slots.at._due);
+    Py_INCREF(due);
+    PyObject* set = PyObject_CallMethodNoArgs(due, s_set);
+    Py_DECREF(due);
+    if (set == nullptr) {
+      return report(c);
+    }
+    Py_DECREF(set);
+  }
+  return after_step(h, c, t, next);
+}
+
 // CudaPhaseClock.end_step in a quiet step: its end's event (the clock's `mark`), then a row of
 // its total and work with the last timed step's shares (the resolver estimates its phases from
 // them), queued for the resolver, the next step (_next_step), the resolver woken at every
@@ -764,15 +798,9 @@ bool cuda_quiet_end(Hook* h, PyObject* c, int64_t t, int64_t step_start, PyObjec
     *out = report(c);
     return true;
   }
-  PyObject* timeline = get(c, k.timeline);
-  if (timeline != Py_None) {
-    Py_INCREF(timeline);  // held: the reader's wake-up may run Python
-    const bool marked = timeline_mark(h, timeline, v.step);
-    Py_DECREF(timeline);
-    if (!marked) {
-      *out = report(c);
-      return true;
-    }
+  if (!timeline_marked(h, c, v.step)) {
+    *out = report(c);
+    return true;
   }
   PyObject* marks = get(c, k.marks);
   Py_INCREF(marks);  // held: a new list takes its slot below
@@ -801,23 +829,123 @@ bool cuda_quiet_end(Hook* h, PyObject* c, int64_t t, int64_t step_start, PyObjec
   Py_XDECREF(ddp);
   Py_XDECREF(entry);
   Py_DECREF(marks);
-  if (!ok) {
+  *out = queued(h, c, ok, t, next, v.resolve_every);
+  return true;
+}
+
+// phase_shares(acc, total): a timed step's phases as shares of its total, pacing's (the
+// accumulator's last: phases.py's ACC_LEN = PACING + 1) 0. A new list, or nullptr with an error.
+PyObject* phase_shares(Hook* h, PyObject* acc, int64_t total) {
+  PyObject* shares = PyList_New(h->n_phases);
+  for (Py_ssize_t i = 0; shares != nullptr && i < h->n_phases; ++i) {
+    int64_t ns = 0;
+    int_of(PyList_GET_ITEM(acc, i), ns);  // (an int list, checked by the caller)
+    const double share =
+        total <= 0 || i == h->n_phases - 1 || ns <= 0 ? 0.0 : static_cast<double>(ns) / total;
+    PyObject* v = PyFloat_FromDouble(share);
+    if (v == nullptr) {
+      Py_CLEAR(shares);
+      break;
+    }
+    PyList_SET_ITEM(shares, i, v);
+  }
+  return shares;
+}
+
+// CudaPhaseClock.end_step in a timed step, its optimizer's phase ended by the caller: its end's
+// event, the row of its phases (PhaseClock.end_step, the shares phase sampling keeps), queued
+// with its events and DDP's sync records for the resolver, the next step. False, nothing changed,
+// where it is not the common case (those of cuda_quiet, the first step, a pacer, a wait to move,
+// a row already queued); else true, `out` what the hook returns.
+bool cuda_timed_end(Hook* h, PyObject* c, int64_t t, int64_t step_start, PyObject** out) {
+  const ClockSlots& s = h->clock_slots.at;
+  const CudaSlots& k = h->cuda_slots.at;
+  CudaQuiet v{};
+  int64_t syncs = 0, sync_ns = 0, first_ns = 0, steps_max = 0;
+  auto common = [&]() {
+    PyObject* blocked = get(c, s.blocked);
+    PyObject* steps = get(c, s.steps);
+    const bool ok = cuda_quiet(h, c, v) && get(c, s.first_step) == Py_False &&
+        get(c, s.pacer) == Py_None && blocked != nullptr &&
+        blocked_still(h, c, blocked, first_ns) && int_of(get(c, s.syncs), syncs) &&
+        int_of(get(c, s.sync_ns), sync_ns) && int_list(get(c, s.acc), h->n_phases) &&
+        steps != nullptr && PyObject_Length(steps) == 0 && int_of(get(c, s.steps_max), steps_max) &&
+        steps_max >= 1 && get(c, s.collectives) != nullptr;
+    PyErr_Clear();
+    return ok;
+  };
+  if (!common()) {
+    return false;
+  }
+  mark_at(h, c, h->step_end);  // its own errors are on_error's, as in Python
+  if (!common()) {  // the mark changed what it must not (or filled the queue)
+    PyErr_SetString(PyExc_TypeError, "the CUDA clock's state changed in its step end's mark");
     *out = report(c);
     return true;
   }
-  put_bool(c, k.chain_broken, false);
-  if (next % v.resolve_every == 0) {
-    PyObject* due = get(c, k._due);
-    Py_INCREF(due);
-    PyObject* set = PyObject_CallMethodNoArgs(due, s_set);
-    Py_DECREF(due);
-    if (set == nullptr) {
-      *out = report(c);
-      return true;
-    }
-    Py_DECREF(set);
+  if (!timeline_marked(h, c, v.step)) {
+    *out = report(c);
+    return true;
   }
-  *out = after_step(h, c, t, next);
+  const int64_t total = t - step_start;
+  const int64_t next = v.step + 1;
+  int64_t samples = 0, tokens = 0;
+  PyObject* acc = get(c, s.acc);
+  Py_INCREF(acc);  // held: a new accumulator takes its slot below
+  PyObject* marks = get(c, k.marks);
+  Py_INCREF(marks);  // held: a new list takes its slot below
+  const bool timed = ends_with_step_end(h, marks);
+  PyObject *cpu = nullptr, *ddp = nullptr, *cleared = nullptr, *entry = nullptr;
+  PyObject *fresh = nullptr, *fresh_marks = nullptr;
+  bool ok = true;
+  if (v.every > 1) {  // phase sampling keeps the shares its quiet steps are estimated from
+    PyObject* shares = phase_shares(h, acc, total);
+    PyObject* sync_share = syncs && total > 0
+        ? PyFloat_FromDouble(static_cast<double>(sync_ns) / static_cast<double>(total))
+        : Py_NewRef(Py_None);
+    ok = shares != nullptr && sync_share != nullptr;
+    if (ok) {
+      put(c, s.shares, shares);
+      put(c, s.sync_share, sync_share);
+    } else {
+      Py_XDECREF(shares);
+      Py_XDECREF(sync_share);
+    }
+  }
+  ok = ok && (!syncs || (put_int(c, s.sync_ns, 0) && put_int(c, s.syncs, 0))) &&
+      take_work(h, v.work, v.work_seen, samples, tokens) &&
+      (cpu = make_row(v.step, t, total, reinterpret_cast<PyListObject*>(acc)->ob_item,
+                      h->n_phases, samples, tokens)) &&
+      (ddp = PySequence_List(get(c, s.collectives))) &&
+      (cleared = PyObject_CallMethodNoArgs(get(c, s.collectives), s_clear)) &&
+      put_step(h, c, next);
+  if (ok) {  // _next_step, a new accumulator, no wait of the next step seen yet
+    put_bool(c, s.quiet,
+             v.every > 1 && next % v.every != 0 && get(c, s.pacer) == Py_None &&
+                 get(c, s.shares) != Py_None);
+    ok = put_int(c, s.step_start, t) && put_int(c, s.idle_since, t) &&
+        (fresh = PyList_New(h->n_phases));
+  }
+  if (ok) {
+    for (Py_ssize_t i = 0; i < h->n_phases; ++i) {
+      PyList_SET_ITEM(fresh, i, PyLong_FromLong(0));  // a cached small int
+    }
+    put(c, s.acc, fresh);
+    ok = forget_first_wait(h, c, get(c, s.blocked)) && (fresh_marks = PyList_New(0));
+  }
+  if (ok) {
+    put(c, k.marks, fresh_marks);
+    ok = (entry = PyTuple_Pack(5, cpu, timed ? marks : Py_None, ddp, get(c, k.chain_broken),
+                               Py_None)) &&
+        append_to(get(c, k.pending), entry);
+  }
+  Py_XDECREF(cpu);
+  Py_XDECREF(ddp);
+  Py_XDECREF(cleared);
+  Py_XDECREF(entry);
+  Py_DECREF(marks);
+  Py_DECREF(acc);
+  *out = queued(h, c, ok, t, next, v.resolve_every);
   return true;
 }
 
@@ -853,6 +981,9 @@ PyObject* own_end(Hook* h, int64_t t, PyObject* const* args, size_t nargsf, PyOb
   } else {
     if (!optimizer_ends(h, c, acc, opt_start, t)) {
       return report(c);
+    }
+    if (h->end_mode == kCudaQuietEnd && cuda_timed_end(h, c, t, step_start, &done)) {
+      return done;
     }
     done = PyObject_CallFunction(h->end_step, "L", static_cast<long long>(t));
   }
@@ -1736,6 +1867,7 @@ bool intern_names() {
       {&s_pop, "pop"},
       {&s_record, "record"},
       {&s_abandon_step, "_abandon_step"},
+      {&s_clear, "clear"},
   };
   for (const Name& name : names) {
     if (*name.at == nullptr && (*name.at = PyUnicode_InternFromString(name.text)) == nullptr) {

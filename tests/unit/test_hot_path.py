@@ -41,6 +41,7 @@ from syncscope.agent.phases import (  # noqa: E402
     STEP_END,
     PhaseClock,
 )
+from syncscope.agent.step_sink import phase_shares  # noqa: E402
 
 from syncscope.wire import DDP_GRAD_SYNC  # noqa: E402
 
@@ -495,7 +496,7 @@ def test_a_cuda_clock_hears_the_same_boundaries_from_the_hooks_in_c(
     # is the clock's own, as is a quiet one's once the resolver's queue is full)
     assert not {"forward", "optimizer_pre", "optimizer_post"} & set(calls_c), calls_c
     assert {"forward", "optimizer_post", "end_step"} <= set(calls_py), calls_py
-    assert "end_step" in calls_c
+    assert ("end_step" in calls_c) == (max_pending < 10), calls_c  # Python's: a full queue
     assert "grad_ready" not in calls_c and calls_py["grad_ready"] == 3  # the trigger's, in C
     if every > 1:  # steps 10 and 11 are quiet, 12 timed
         assert calls_py["_quiet_end"] == 2, calls_py
@@ -504,9 +505,9 @@ def test_a_cuda_clock_hears_the_same_boundaries_from_the_hooks_in_c(
     for backward in ("_backward_done", "_gradients_reduced"):  # A and B, in C
         assert backward not in calls_c and calls_py[backward] == timed, (calls_c, calls_py)
     assert "backward" not in calls_c and calls_py["backward"] == 3  # the wrapper's, in C
-    if not told:  # its events: a timed step's end in Python
+    if not told:  # its events: none in Python but a full queue's steps' ends
         assert calls_py["_mark"] == 7 * timed + 3 - timed, calls_py
-        assert calls_c["_mark"] == timed + (2 if max_pending < 10 and every > 1 else 0)
+        assert calls_c.get("_mark", 0) == (3 if max_pending < 10 else 0), calls_c
 
 
 def fake_stream_of(capturing_at: set[int], clock: list[Any]) -> tuple[StreamOf, list[int]]:
@@ -544,8 +545,9 @@ def test_a_cuda_clocks_stream_is_looked_up_in_c_as_in_python(gloo_world_of_one, 
     timed = [s for s in range(13) if s < 2 or s % every == 0]  # (quiet steps' ends reuse it)
     assert lookups_c == [s for s in timed if s != 6], lookups_c  # step 6's stream captures
     assert 6 not in {step for step, _ in heard_c}  # its marks were never recorded
-    # called only by the marks left to Python (_mark: the backward's), never by the C ones
-    assert calls_c["__call__"] == calls_c["_mark"] < calls_py["__call__"] == calls_py["_mark"]
+    # called only by marks left to Python (none here), never by the C ones
+    assert calls_c.get("__call__", 0) == calls_c.get("_mark", 0) == 0, calls_c
+    assert calls_py["__call__"] == calls_py["_mark"] > 0, calls_py
 
 
 class WokenAt(threading.Event):
@@ -563,8 +565,8 @@ class WokenAt(threading.Event):
 @pytest.mark.parametrize("every", [1, 4])
 def test_a_cuda_clocks_timeline_is_marked_in_c_as_in_python(gloo_world_of_one, built, every):
     """A GPU job's CudaPhaseClock has a StepTimeline (Flight Recorder's entries are placed by
-    it): the hooks in C mark its quiet steps' ends as StepTimeline.mark does, the same steps in
-    order, on the wall clock, the reader woken at the same steps, and without its Python."""
+    it): the hooks in C mark its steps' ends as StepTimeline.mark does, the same steps in order,
+    on the wall clock, the reader woken at the same steps, and without its Python."""
     runs = {}
     for in_c in (True, False):
         holder: list[Any] = []
@@ -581,8 +583,51 @@ def test_a_cuda_clocks_timeline_is_marked_in_c_as_in_python(gloo_world_of_one, b
     (steps_c, woken_c, rows_c, calls_c), (steps_py, woken_py, rows_py, calls_py) = runs.values()
     assert steps_c == steps_py == list(range(13)) and woken_c == woken_py and rows_c == rows_py
     assert woken_c == list(range(1, 13, 2))  # at the end of step k, k + 1 a multiple of 2
-    # StepTimeline.mark in Python only at a timed step's end (steps 10 to 12: 1 or 3 of them)
-    assert calls_c.get("mark", 0) == (3 if every == 1 else 1) and calls_py["mark"] == 3
+    # StepTimeline.mark never in Python with the hooks in C (steps 10 to 12)
+    assert "mark" not in calls_c and calls_py["mark"] == 3, (calls_c, calls_py)
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_a_cuda_clocks_timed_step_end_in_c_queues_what_python_queues(
+    gloo_world_of_one, built, every
+):
+    """A CudaPhaseClock's timed step end (as attach() builds the clock on a GPU) through the hooks
+    in C and through Python's: for the resolver, each step's row with its events (ending with its
+    end's) and its DDP sync record, a timed step's phases summing to at most its total; the
+    shares and sync share phase sampling keeps are that row's (phase_shares, the sync record's
+    share of its total); the next step starts with nothing accumulated."""
+    outcomes = []
+    for in_c in (True, False):
+        model, opt = model_and_optimizer()
+        errors: list[BaseException] = []
+        clock = cuda_clock(deque(maxlen=64), deque(maxlen=64), errors, model)
+        clock.phase_every = every
+        clock.stream_of, clock.timeline = StreamOf(bool, object), StepTimeline()
+        hooks = instrument(clock, model, opt, built if in_c else None)
+        steps = [stepper(model, opt)] * 9  # steps 0 to 8
+        try:
+            calls = python_calls(lambda steps=steps: [step() for step in steps])
+        finally:
+            hooks.remove()
+        assert errors == []
+        pending = list(clock.pending)
+        timed = [p for p in pending if p[4] is None]  # (a quiet one's: its estimate)
+        assert [p[0][0] for p in timed] == ([0, 1, 4, 8] if every == 4 else list(range(9)))
+        for cpu, marks, ddp, broken, _ in timed[1:]:
+            assert [kind for kind, _ in marks] == [
+                *(FWD_PRE, FWD_POST, BWD_START, BWD_END, COMM_END, OPT_PRE, STEP_END)
+            ]
+            assert [r[-1] for r in ddp] == [cpu[0]] and not broken
+            assert sum(cpu[ROW_PHASES:ROW_WORK]) <= cpu[2], cpu
+        cpu, _, ddp, _, _ = timed[-1]
+        if every > 1:
+            assert clock.shares == phase_shares(list(cpu[ROW_PHASES:ROW_WORK]), cpu[2])
+            assert clock.sync_share == ddp[0][3] / cpu[2]
+        assert clock.step == 9 and clock.acc == [0] * len(clock.acc) and clock.syncs == 0
+        outcomes.append(([p[0][0] for p in pending], clock.quiet, calls.get("end_step", 0)))
+    (order_c, quiet_c, ends_c), (order_py, quiet_py, ends_py) = outcomes
+    assert order_c == order_py and quiet_c == quiet_py
+    assert ends_c == 2 and ends_py > 9, (ends_c, ends_py)  # in C but the first step's
 
 
 # Values no slot of a clock holds in a working agent, made afresh for each use.
