@@ -479,7 +479,7 @@ PyObject* optimizer_pre(Hook* h, PyObject* const* args, size_t nargsf, PyObject*
 }
 
 // -- optimizer step post-hook (PhaseClock.optimizer_post, end_step, _queue_row, _next_step,
-// _quiet_end, StepWork.take): a step after the first, every step timed or a quiet one ----------
+// _quiet_end, StepWork.take): a step after the first, timed or quiet --------------------------
 
 // A step's work as StepWork holds it, read before anything changes.
 struct WorkSeen {
@@ -950,9 +950,9 @@ bool cuda_timed_end(Hook* h, PyObject* c, int64_t t, int64_t step_start, PyObjec
 }
 
 // A step end not done here: a subclass's (CudaPhaseClock's: its events, its resolver's queue),
-// or a PhaseClock's that is not the common one (a pacer, the first step, a timed step of phase
-// sampling, a full queue). The optimizer's phase here, then the clock's own end_step, or its
-// _quiet_end in a quiet step, then the transport's hook, as PhaseClock.optimizer_post does.
+// or a PhaseClock's that is not the common one (a pacer, the first step, a full queue). The
+// optimizer's phase here, then the clock's own end_step, or its _quiet_end in a quiet step, then
+// the transport's hook, as PhaseClock.optimizer_post does.
 PyObject* own_end(Hook* h, int64_t t, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   PyObject* c = h->clock;
   const ClockSlots& s = h->clock_slots.at;
@@ -1005,7 +1005,7 @@ PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject
   }
   PyObject* c = h->clock;
   const ClockSlots& s = h->clock_slots.at;
-  int64_t opt_start = 0, step_start, step, syncs = 0, every, steps_max, first_ns;
+  int64_t opt_start = 0, step_start, step, syncs = 0, sync_ns = 0, every, steps_max, first_ns;
   PyObject* quiet = get(c, s.quiet);
   PyObject* acc = get(c, s.acc);
   PyObject* steps = get(c, s.steps);
@@ -1018,9 +1018,9 @@ PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject
       int_of(get(c, s.step_start), step_start) && int_of(get(c, s.step), step) &&
       int_of(get(c, s.steps_max), steps_max) && steps != nullptr && blocked != nullptr &&
       read_work(h, work, seen);
-  if (common && quiet == Py_False) {  // timed, every step timed (else shares to keep: Python)
-    common = every == 1 && int_of(get(c, s.opt_start), opt_start) &&
-        int_of(get(c, s.syncs), syncs) && int_list(acc, h->n_phases) &&
+  if (common && quiet == Py_False) {  // timed
+    common = int_of(get(c, s.opt_start), opt_start) && int_of(get(c, s.syncs), syncs) &&
+        int_of(get(c, s.sync_ns), sync_ns) && int_list(acc, h->n_phases) &&
         blocked_still(h, c, blocked, first_ns);
   } else if (common && quiet == Py_True) {  // quiet: only the row and the step's count
     common = blocked == Py_None ||
@@ -1068,6 +1068,20 @@ PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject
   if (!optimizer_ends(h, c, acc, opt_start, t)) {
     return report(c);
   }
+  if (every > 1) {  // phase sampling keeps the shares its quiet steps are estimated from
+    PyObject* shares = phase_shares(h, acc, total);
+    if (shares == nullptr) {
+      return report(c);
+    }
+    put(c, s.shares, shares);
+    PyObject* sync_share = syncs && total > 0
+        ? PyFloat_FromDouble(static_cast<double>(sync_ns) / static_cast<double>(total))
+        : Py_NewRef(Py_None);
+    if (sync_share == nullptr) {
+      return report(c);
+    }
+    put(c, s.sync_share, sync_share);
+  }
   if (syncs && (!put_int(c, s.sync_ns, 0) || !put_int(c, s.syncs, 0))) {
     return report(c);
   }
@@ -1077,7 +1091,10 @@ PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject
       !put_step(h, c, ++step)) {
     return report(c);
   }
-  // The next step (_next_step, every step timed), a new accumulator, no wait of it seen yet.
+  if (every > 1) {  // _next_step: quiet until the next multiple (no pacer here)
+    put_bool(c, s.quiet, step % every != 0 && get(c, s.shares) != Py_None);
+  }
+  // The next step (_next_step), a new accumulator, no wait of it seen yet.
   PyObject* fresh = PyList_New(h->n_phases);
   if (fresh == nullptr) {
     return report(c);

@@ -172,11 +172,16 @@ def test_the_c_hooks_queue_what_the_python_hooks_queue(
     assert timed == [r[0] for r in rows_py if len(r) != QUIET_ROW]
     assert timed == ([0, 1, *range(every, 12, every)] if every > 1 else list(range(12)))
     assert [s[-1] for s in syncs_c] == [s[-1] for s in syncs_py] == timed
-    for rows in (rows_c, rows_py):
+    for rows, syncs in ((rows_c, syncs_c), (rows_py, syncs_py)):
+        exposed = {s[-1]: s[3] for s in syncs}  # DDP's sync in each timed step
+        last: tuple = ()
         for row in rows:
             if len(row) == QUIET_ROW:  # a quiet step: the last timed step's shares
-                assert isinstance(row[3], list) and row[4] is not None, row
+                phases = list(last[ROW_PHASES : ROW_PHASES + 6])
+                assert row[3] == phase_shares(phases, last[2]), (row, last)
+                assert row[4] == exposed[last[0]] / last[2], (row, last)
                 continue
+            last = row
             phases = row[ROW_PHASES : ROW_PHASES + 6]
             assert row[ROW_PHASES + FORWARD] > 0 and row[ROW_PHASES + BACKWARD] > 0, row
             assert row[ROW_PHASES + OPTIMIZER] > 0 and row[ROW_PHASES + COMM] > 0, row
