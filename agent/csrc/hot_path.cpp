@@ -852,6 +852,36 @@ PyObject* phase_shares(Hook* h, PyObject* acc, int64_t total) {
   return shares;
 }
 
+// What phase sampling keeps of a timed step for its quiet steps' estimates (PhaseClock.end_step):
+// its shares (phase_shares) and DDP's sync's share of its total (None: no sync). False with an
+// error set.
+bool keep_shares(Hook* h, PyObject* c, PyObject* acc, int64_t total, int64_t syncs,
+                 int64_t sync_ns) {
+  const ClockSlots& s = h->clock_slots.at;
+  PyObject* shares = phase_shares(h, acc, total);
+  if (shares == nullptr) {
+    return false;
+  }
+  put(c, s.shares, shares);
+  PyObject* sync_share = syncs && total > 0
+      ? PyFloat_FromDouble(static_cast<double>(sync_ns) / static_cast<double>(total))
+      : Py_NewRef(Py_None);
+  if (sync_share == nullptr) {
+    return false;
+  }
+  put(c, s.sync_share, sync_share);
+  return true;
+}
+
+// A new accumulator, [0] * n_phases; nullptr with an error set.
+PyObject* zeros(Hook* h) {
+  PyObject* fresh = PyList_New(h->n_phases);
+  for (Py_ssize_t i = 0; fresh != nullptr && i < h->n_phases; ++i) {
+    PyList_SET_ITEM(fresh, i, PyLong_FromLong(0));  // a cached small int
+  }
+  return fresh;
+}
+
 // CudaPhaseClock.end_step in a timed step, its optimizer's phase ended by the caller: its end's
 // event, the row of its phases (PhaseClock.end_step, the shares phase sampling keeps), queued
 // with its events and DDP's sync records for the resolver, the next step. False, nothing changed,
@@ -898,19 +928,8 @@ bool cuda_timed_end(Hook* h, PyObject* c, int64_t t, int64_t step_start, PyObjec
   PyObject *cpu = nullptr, *ddp = nullptr, *cleared = nullptr, *entry = nullptr;
   PyObject *fresh = nullptr, *fresh_marks = nullptr;
   bool ok = true;
-  if (v.every > 1) {  // phase sampling keeps the shares its quiet steps are estimated from
-    PyObject* shares = phase_shares(h, acc, total);
-    PyObject* sync_share = syncs && total > 0
-        ? PyFloat_FromDouble(static_cast<double>(sync_ns) / static_cast<double>(total))
-        : Py_NewRef(Py_None);
-    ok = shares != nullptr && sync_share != nullptr;
-    if (ok) {
-      put(c, s.shares, shares);
-      put(c, s.sync_share, sync_share);
-    } else {
-      Py_XDECREF(shares);
-      Py_XDECREF(sync_share);
-    }
+  if (v.every > 1) {
+    ok = keep_shares(h, c, acc, total, syncs, sync_ns);
   }
   ok = ok && (!syncs || (put_int(c, s.sync_ns, 0) && put_int(c, s.syncs, 0))) &&
       take_work(h, v.work, v.work_seen, samples, tokens) &&
@@ -924,12 +943,9 @@ bool cuda_timed_end(Hook* h, PyObject* c, int64_t t, int64_t step_start, PyObjec
              v.every > 1 && next % v.every != 0 && get(c, s.pacer) == Py_None &&
                  get(c, s.shares) != Py_None);
     ok = put_int(c, s.step_start, t) && put_int(c, s.idle_since, t) &&
-        (fresh = PyList_New(h->n_phases));
+        (fresh = zeros(h));
   }
   if (ok) {
-    for (Py_ssize_t i = 0; i < h->n_phases; ++i) {
-      PyList_SET_ITEM(fresh, i, PyLong_FromLong(0));  // a cached small int
-    }
     put(c, s.acc, fresh);
     ok = forget_first_wait(h, c, get(c, s.blocked)) && (fresh_marks = PyList_New(0));
   }
@@ -1068,19 +1084,8 @@ PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject
   if (!optimizer_ends(h, c, acc, opt_start, t)) {
     return report(c);
   }
-  if (every > 1) {  // phase sampling keeps the shares its quiet steps are estimated from
-    PyObject* shares = phase_shares(h, acc, total);
-    if (shares == nullptr) {
-      return report(c);
-    }
-    put(c, s.shares, shares);
-    PyObject* sync_share = syncs && total > 0
-        ? PyFloat_FromDouble(static_cast<double>(sync_ns) / static_cast<double>(total))
-        : Py_NewRef(Py_None);
-    if (sync_share == nullptr) {
-      return report(c);
-    }
-    put(c, s.sync_share, sync_share);
+  if (every > 1 && !keep_shares(h, c, acc, total, syncs, sync_ns)) {
+    return report(c);
   }
   if (syncs && (!put_int(c, s.sync_ns, 0) || !put_int(c, s.syncs, 0))) {
     return report(c);
@@ -1095,12 +1100,9 @@ PyObject* optimizer_post(Hook* h, PyObject* const* args, size_t nargsf, PyObject
     put_bool(c, s.quiet, step % every != 0 && get(c, s.shares) != Py_None);
   }
   // The next step (_next_step), a new accumulator, no wait of it seen yet.
-  PyObject* fresh = PyList_New(h->n_phases);
+  PyObject* fresh = zeros(h);
   if (fresh == nullptr) {
     return report(c);
-  }
-  for (Py_ssize_t i = 0; i < h->n_phases; ++i) {
-    PyList_SET_ITEM(fresh, i, PyLong_FromLong(0));  // a cached small int
   }
   put(c, s.acc, fresh);
   if (!put_int(c, s.step_start, t) || !put_int(c, s.idle_since, t) ||
