@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -29,15 +31,41 @@ from syncscope.prometheus_api import PrometheusAPI
 _handed_out: set[int] = set()
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
 def free_port() -> int:
-    """A port free on 127.0.0.1 now and never handed out before by this process."""
-    while True:
+    """A port free on 127.0.0.1 now, never handed out before by this process, and below the
+    kernel's ephemeral range.
+
+    A port the kernel picks for ``bind(("127.0.0.1", 0))`` comes from the same range as the
+    local port of every outgoing connection on the machine: between the check here and the
+    server's bind, any ``connect()`` (a scrape, a rendezvous, another test's client) may take it
+    and the server's bind fails. Below that range only an explicit bind can."""
+    low, _high = _ephemeral_range()
+    first = max(1024, low - 12000)
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        port = rng.randrange(first, low) if low - first >= 1000 else 0
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port: int = s.getsockname()[1]
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
         if port not in _handed_out:
             _handed_out.add(port)
             return port
+    raise RuntimeError("no free port on 127.0.0.1")
 
 
 def listens(pid: int, port: int) -> bool:
@@ -104,21 +132,51 @@ class _Server:
     listen_flag = "--web.listen-address"  # VictoriaMetrics' binaries: -httpListenAddr
 
     def __init__(self, binary: str, args: list[str], port: int | None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.address = f"127.0.0.1:{self.port}"
+        """Start ``binary``; where ``port`` is None, on a free_port, and on another if a
+        process took that one before the server bound it (its log says so)."""
         self.name = os.path.basename(binary)
-        self.proc = subprocess.Popen(
-            [binary, *args, f"{self.listen_flag}={self.address}"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        fd, self.log_path = tempfile.mkstemp(prefix=f"syncscope-{self.name}-", suffix=".log")
+        os.close(fd)
+        for _attempt in range(5):
+            self.port = port or free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.address = f"127.0.0.1:{self.port}"
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [binary, *args, f"{self.listen_flag}={self.address}"],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            if port is not None or not self._lost_its_port():
+                return
+        raise RuntimeError(f"{self.name}: every port tried was taken\n{self.log_tail()}")
+
+    def _lost_its_port(self, timeout: float = 15) -> bool:
+        """Whether the server exited because its port was taken; False once it listens (or
+        after ``timeout``: wait_ready says the rest)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            listening = listens(self.proc.pid, self.port)  # before poll: exited wins
+            if self.proc.poll() is not None:
+                return "address already in use" in self.log_tail().lower()
+            if listening:
+                return False
+            time.sleep(0.05)
+        return False
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of what the server printed."""
+        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
+            return f.read()[-chars:]
+        return ""
 
     def wait_ready(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             with (
                 contextlib.suppress(OSError),
                 urllib.request.urlopen(self.url + self.ready_path, timeout=1) as r,
@@ -126,7 +184,7 @@ class _Server:
                 if r.status == 200 and listens(self.proc.pid, self.port):
                     return
             time.sleep(0.2)
-        raise RuntimeError(f"{self.name} not ready")
+        raise RuntimeError(f"{self.name} not ready:\n{self.log_tail()}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -136,6 +194,8 @@ class _Server:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
+        with contextlib.suppress(OSError):
+            os.remove(self.log_path)
 
 
 def _write(workdir: str, name: str, text: str) -> str:
