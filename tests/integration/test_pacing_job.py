@@ -120,9 +120,10 @@ def test_steady_straggler_early_ranks_paced_straggler_never(straggler_then_kill_
         for r, v in by_rank(parse_samples(text, "syncscope_pacing_engagements_total")).items()
         if r != SLOW_RANK
     )
+    straggler = {s["step"]: s for s in run["records"][SLOW_RANK]}
+    assert all(s["phases"]["pacing"] == 0.0 for s in straggler.values())
     for rank, every in run["records"].items():
         if rank == SLOW_RANK:
-            assert all(s["phases"]["pacing"] == 0.0 for s in every)
             continue
         steps = [s for s in every if s["end_unix_s"] <= run["killed_at"]]
         first_paced = next(i for i, s in enumerate(steps) if s["phases"]["pacing"] > 0)
@@ -132,15 +133,38 @@ def test_steady_straggler_early_ranks_paced_straggler_never(straggler_then_kill_
         after = steps[max(len(steps) // 2, first_paced + ENGAGED_AFTER) :]
         assert len(after) >= 2 * ENGAGED_AFTER, (rank, first_paced, len(steps))
         paced = statistics.mean(s["phases"]["pacing"] for s in after)
-        # exposed communication is measured directly (no baseline involved): the time an early
-        # rank spends waiting in DDP's all-reduce falls by about the delay it now sleeps instead
-        comm_before = statistics.median(s["phases"]["comm_exposed"] for s in before)
-        comm_after = statistics.median(s["phases"]["comm_exposed"] for s in after)
         assert paced > 0.001, (rank, paced)
-        assert comm_after < comm_before - 0.5 * paced, (rank, comm_before, comm_after, paced)
-        step_before = statistics.median(s["step_s"] for s in before)
-        step_after = statistics.median(s["step_s"] for s in after)
-        assert step_after <= 1.15 * step_before, (rank, step_before, step_after)
+
+        # Each step against the straggler's same step (the ranks start it together, released by
+        # the last one's all-reduce), so that a machine slower in one window than in the other
+        # moves both sides (a fresh-clone run: this rank's wait 33.5 → 29.8 ms around an 8.9 ms
+        # delay, the windows compared with each other). Its wait beyond what the straggler's
+        # lateness and the collective's own time explain falls by the delay it now sleeps: the
+        # delay is taken from waiting, one for one (0.90–1.01 measured).
+        def unexplained_wait(s: dict[str, Any]) -> float:
+            late = straggler[s["step"]]
+            lateness = work_to_arrival(late) - work_to_arrival(s)
+            return s["phases"]["comm_exposed"] - late["phases"]["comm_exposed"] - lateness
+
+        fell = statistics.median(map(unexplained_wait, before)) - statistics.median(
+            map(unexplained_wait, after)
+        )
+        assert 0.7 * paced <= fell <= 1.3 * paced, (rank, fell, paced)
+        # and it is never held so long that the straggler waits for it: at every step its work
+        # and delay end before the straggler's work does (or the job's step would grow)
+        held_up = [
+            s["step"]
+            for s in after
+            if work_to_arrival(s) + s["phases"]["pacing"] >= work_to_arrival(straggler[s["step"]])
+        ]
+        assert not held_up, (rank, held_up)
+
+
+def work_to_arrival(step: dict[str, Any]) -> float:
+    """A rank's time from its step's start to its arrival at DDP's all-reduce: its data, forward
+    and backward (the slow rank's 30 ms is in its forward)."""
+    phases = step["phases"]
+    return float(phases["data"] + phases["forward"] + phases["backward"])
 
 
 def test_kill_file_stops_pacing_within_one_step(straggler_then_kill_file):
