@@ -88,7 +88,9 @@ class Native:
     # csrc/hot_path.cpp's hooks: the optimizer's step pre- and post-hooks,
     # torch.autograd.backward, a model's forward, a parameter's gradient (the trigger's), the
     # callback A it queues
-    HOT_PRE, HOT_POST, HOT_BACKWARD, HOT_FORWARD, HOT_GRAD, HOT_DONE = range(6)
+    HOT_PRE, HOT_POST, HOT_BACKWARD, HOT_FORWARD, HOT_GRAD, HOT_DONE, HOT_FWD_PRE, HOT_FWD_POST = (
+        range(8)
+    )
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
@@ -128,8 +130,9 @@ class Native:
         ((the clock, its bound end_step and _quiet_end, phase_hooks' end mode)),
         HOT_BACKWARD (`target`: (phase_hooks.Clocks, torch.autograd.backward, the clock
         class)), HOT_FORWARD (phase_hooks._hot_forward's), HOT_GRAD ((the clock, callback A:
-        a HOT_DONE hook or its bound _backward_done)) or HOT_DONE (the clock); `constants`:
-        phase_hooks.HOT_CONSTANTS. Raises what the library says (a clock whose attributes are
+        a HOT_DONE hook or its bound _backward_done)), HOT_DONE (the clock), HOT_FWD_PRE or
+        HOT_FWD_POST ((the clock, its module's ForwardHooks, torch's global forward hooks));
+        `constants`: phase_hooks.HOT_CONSTANTS. Raises what the library says (a clock whose attributes are
         not slots: TypeError)."""
         return self._hot(kind, target, fallback, constants)
 

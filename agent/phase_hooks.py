@@ -96,6 +96,8 @@ def instrument(
         handles.append(wrap_forward(part, timed, count=i == 0, hot=in_c))
         if hooks is not None:
             handles.append(hooks)
+            if hot is not None:
+                hooks.in_c(hot)
             hooks.follow()  # the module's hooks so far (FSDP2's): ours around them
     if parts and clock.queue_callback is not None:
         if hot is not None and type(clock).grad_ready is PhaseClock.grad_ready:
@@ -181,7 +183,7 @@ def _hot_forward(
     calls `wrapper` in a quiet step and while the module has forward hooks (ForwardHooks)."""
     module = hooks.module if hooks is not None else None
     global_post = hooks.global_post if hooks is not None else None
-    target = (clock, original, _call_traced, module, global_post, count)
+    target = (clock, original, _call_traced, module, global_post, count, hooks)
     return _in_c(hot, hot.HOT_FORWARD, target, wrapper, clock, like=original)
 
 
@@ -319,6 +321,14 @@ class ForwardHooks:
         ):
             return None
         return ForwardHooks(clock, module, global_post)
+
+    def in_c(self, hot: Any) -> None:
+        """Our pre- and post-hook in C (hot_native's `hot`), each calling the Python one in all
+        but the common case; before the pair is registered. Like the forward wrapper in C, they
+        are no Python frame torch.compile would trace."""
+        target = (self.clock, self, self.global_post)
+        self._pre_hook = _in_c(hot, hot.HOT_FWD_PRE, target, self._pre_hook, self.clock)
+        self._post_hook = _in_c(hot, hot.HOT_FWD_POST, target, self._post_hook, self.clock)
 
     def wanted(self) -> bool:
         module = self.module

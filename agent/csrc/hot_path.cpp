@@ -40,7 +40,16 @@ namespace {
 
 using syncscope::now_ns;
 
-enum Kind { kPre = 0, kPost = 1, kBackward = 2, kForward = 3, kGrad = 4, kDone = 5 };
+enum Kind {
+  kPre = 0,
+  kPost = 1,
+  kBackward = 2,
+  kForward = 3,
+  kGrad = 4,
+  kDone = 5,
+  kFwdPre = 6,
+  kFwdPost = 7
+};
 // How the optimizer's post-hook ends a step: the clock's own end_step and _quiet_end (a
 // subclass's), the common step end here (a PhaseClock itself), or a CudaPhaseClock's quiet step's
 // end here and the rest its own.
@@ -219,6 +228,10 @@ PyObject* s_pop;
 PyObject* s_record;
 PyObject* s_abandon_step;
 PyObject* s_clear;
+PyObject* s_started;
+PyObject* s_handles;
+PyObject* s_id;
+PyObject* s_reversed;
 
 struct Hook {
   PyObject_HEAD
@@ -232,7 +245,8 @@ struct Hook {
   PyObject* clock_class;  // kBackward: the class whose clocks it times (phases.PhaseClock)
   PyObject* call_traced;  // kForward: phase_hooks._call_traced, which calls `original`
   PyObject* module;       // kForward: the module whose hooks send a call to Python, or None
-  PyObject* global_post;  // kForward: torch's global forward hooks (a dict), or None
+  PyObject* global_post;  // kForward, kFwdPre: torch's global forward hooks (a dict), or None
+  PyObject* pair;         // kForward, kFwdPre, kFwdPost: the module's ForwardHooks, or None
   int count;              // kForward: read the batch from the inputs (StepWork.inputs)
   PyObject* sync_kind;    // wire.DDP_GRAD_SYNC
   PyObject* end_step;     // kPost: the clock's end_step, called where not done here
@@ -1575,79 +1589,78 @@ PyObject* call_original(Hook* h, PyObject* const* args, size_t nargsf, PyObject*
   return out;
 }
 
-PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
-  PyObject* c = h->clock;
+// Whether the clock is in the common state for the forward phase's start (the inline case of
+// timed_forward and PhaseClock.forward_began): a timed step, its slots of the expected types.
+// `idle`, `opt_start`: the clock's, read.
+bool forward_common(Hook* h, PyObject* c, int64_t& idle, int64_t& opt_start) {
   const ClockSlots& s = h->clock_slots.at;
-  int64_t idle, opt_start, first_ns;
-  PyObject* work = get(c, s.work);
-  PyObject* quiet = get(c, s.quiet);
-  if (quiet == Py_True && work != nullptr && slots_of(work, h->work_slots)) {
-    // A quiet step: its batch read, nothing timed.
-    if (h->count && !count_batch(h, work, args, PyVectorcall_NARGS(nargsf), kwnames)) {
-      note_error(c);
-    }
-    return call_original(h, args, nargsf, kwnames);
-  }
-  // The module's hooks first: reading them may run Python, so the slots are read after it.
-  bool common = quiet == Py_False && get(c, s.mark) != nullptr && has_hooks(h) == 0;
-  PyObject* acc = get(c, s.acc);
   PyObject* blocked = get(c, s.blocked);
-  work = get(c, s.work);
-  common = common && int_of(get(c, s.idle_since), idle) &&
-      int_of(get(c, s.opt_start), opt_start) && int_list(acc, h->n_phases) && work != nullptr &&
+  PyObject* work = get(c, s.work);
+  return get(c, s.quiet) == Py_False && get(c, s.mark) != nullptr &&
+      int_of(get(c, s.idle_since), idle) && int_of(get(c, s.opt_start), opt_start) &&
+      int_list(get(c, s.acc), h->n_phases) && work != nullptr &&
       slots_of(work, h->work_slots) && blocked != nullptr &&
-      blocked_still(h, c, blocked, first_ns);
-  if (!common) {
-    PyErr_Clear();
-    return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+      (blocked == Py_None || slots_of(blocked, h->blocked_slots));
+}
+
+// The waits since the clock last looked, taken at boundary `at` (PhaseClock.take_blocked, in
+// Python where there are any): false with an error set.
+bool waits_since(Hook* h, PyObject* c, int64_t at, int64_t& waited) {
+  waited = 0;
+  int64_t first_ns;
+  PyObject* blocked = get(c, h->clock_slots.at.blocked);
+  if (blocked != nullptr && blocked_still(h, c, blocked, first_ns)) {
+    return true;
   }
-  // The forward phase starts: data ends here.
+  PyErr_Clear();
+  PyObject* kind = PyLong_FromLongLong(at);
+  PyObject* ns = kind == nullptr ? nullptr : PyObject_CallMethodOneArg(c, s_take_blocked, kind);
+  Py_XDECREF(kind);
+  const bool ok = ns != nullptr && int_of(ns, waited);
+  Py_XDECREF(ns);
+  if (!ok && !PyErr_Occurred()) {
+    PyErr_SetString(PyExc_TypeError, "take_blocked did not return an int");
+  }
+  return ok;
+}
+
+// The forward phase starts now (forward_common's state): data ends, less the waits since the
+// clock last looked. False with an error set.
+bool forward_start(Hook* h, PyObject* c, int64_t idle, int64_t opt_start) {
+  const ClockSlots& s = h->clock_slots.at;
   const int64_t t = now_ns();
-  bool ok = true;
-  if (idle) {
-    ok = (t - idle <= 0 || add_to(acc, h->i_data, t - idle)) && put_int(c, s.idle_since, 0);
+  int64_t waited = 0;
+  bool ok = waits_since(h, c, h->fwd_pre, waited);
+  if (ok && idle) {
+    const int64_t ns = t - idle - waited;
+    ok = (ns <= 0 || add_to(get(c, s.acc), h->i_data, ns)) && put_int(c, s.idle_since, 0);
   }
   if (ok && opt_start) {  // inside optimizer.step(closure)
     ok = put_int(c, s.opt_start, 0);
     put_bool(c, s.opt_closure, true);
   }
-  ok = ok && put_int(c, s.fwd_start, t) &&
-      (!h->count || count_batch(h, work, args, PyVectorcall_NARGS(nargsf), kwnames));
-  if (!ok) {
-    note_error(c);
-  }
-  mark_at(h, c, h->fwd_pre);
-  PyObject* out = call_original(h, args, nargsf, kwnames);
-  if (out == nullptr) {
-    return nullptr;  // the model's own error, as it came
-  }
-  // The forward phase ends.
+  return ok && put_int(c, s.fwd_start, t);
+}
+
+// The forward phase ends with output `out` (PhaseClock.forward_ended): its time less the waits
+// in it, the output's hooks where the trigger asks for them, the boundary marked. Errors go to
+// the clock.
+void forward_end(Hook* h, PyObject* c, PyObject* out) {
+  const ClockSlots& s = h->clock_slots.at;
   const int64_t end = now_ns();
   int64_t start = 0;
   if (!int_of(get(c, s.fwd_start), start)) {
     PyErr_SetString(PyExc_TypeError, "fwd_start is not an int");
     note_error(c);
-    return out;
+    return;
   }
   if (start) {
     int64_t waited = 0;
-    blocked = get(c, s.blocked);
-    if (blocked == nullptr || !blocked_still(h, c, blocked, first_ns)) {
-      PyErr_Clear();
-      PyObject* at = PyLong_FromLongLong(h->fwd_post);
-      PyObject* ns = at == nullptr ? nullptr : PyObject_CallMethodOneArg(c, s_take_blocked, at);
-      Py_XDECREF(at);
-      if (ns == nullptr || !int_of(ns, waited)) {
-        Py_XDECREF(ns);
-        if (!PyErr_Occurred()) {
-          PyErr_SetString(PyExc_TypeError, "take_blocked did not return an int");
-        }
-        note_error(c);
-        return out;
-      }
-      Py_DECREF(ns);
+    if (!waits_since(h, c, h->fwd_post, waited)) {
+      note_error(c);
+      return;
     }
-    acc = get(c, s.acc);
+    PyObject* acc = get(c, s.acc);
     const int64_t ns = end - start - waited;
     if (!int_list(acc, h->n_phases) || (ns > 0 && !add_to(acc, h->i_forward, ns)) ||
         !put_int(c, s.fwd_start, 0)) {
@@ -1655,7 +1668,7 @@ PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnam
         PyErr_SetString(PyExc_TypeError, "acc is not a list of ints");
       }
       note_error(c);
-      return out;
+      return;
     }
   }
   put_bool(c, s.fwd_since_bwd, true);
@@ -1666,13 +1679,160 @@ PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnam
     PyObject* done = PyObject_CallMethodOneArg(triggers, s_hook_output, out);
     if (done == nullptr) {
       note_error(c);
-      return out;
+      return;
     }
     Py_DECREF(done);
   }
   PyErr_Clear();
   mark_at(h, c, h->fwd_post);
+}
+
+// pair.started (ForwardHooks'): 1, 0, or -1 with an error set.
+int pair_started(PyObject* pair) {
+  PyObject* started = PyObject_GetAttr(pair, s_started);
+  if (started == nullptr) {
+    return -1;
+  }
+  const int truth = started == Py_True ? 1 : started == Py_False ? 0 : -1;
+  Py_DECREF(started);
+  if (truth < 0) {
+    PyErr_SetString(PyExc_TypeError, "ForwardHooks.started is not a bool");
+  }
+  return truth;
+}
+
+PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  PyObject* c = h->clock;
+  const ClockSlots& s = h->clock_slots.at;
+  PyObject* work = get(c, s.work);
+  PyObject* quiet = get(c, s.quiet);
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  if (quiet == Py_True && work != nullptr && slots_of(work, h->work_slots)) {
+    // A quiet step: its batch read, nothing timed.
+    if (h->count && !count_batch(h, work, args, nargs, kwnames)) {
+      note_error(c);
+    }
+    return call_original(h, args, nargsf, kwnames);
+  }
+  // The module's hooks first: reading them may run Python, so the slots are read after it.
+  const int hooked = quiet == Py_False ? has_hooks(h) : -1;
+  if (hooked == 1 && h->pair != Py_None && pair_started(h->pair) == 1) {
+    // Our pre-hook on the module started the phase and our post-hook ends it
+    // (ForwardHooks.entered's common case): only the batch is read here.
+    work = get(c, s.work);
+    if (h->count && (work == nullptr || !slots_of(work, h->work_slots) ||
+                     !count_batch(h, work, args, nargs, kwnames))) {
+      if (!PyErr_Occurred()) {
+        PyErr_SetString(PyExc_TypeError, "the clock's work is not a StepWork of slots");
+      }
+      note_error(c);
+    }
+    return call_original(h, args, nargsf, kwnames);
+  }
+  int64_t idle, opt_start;
+  if (hooked != 0 || !forward_common(h, c, idle, opt_start)) {
+    PyErr_Clear();
+    return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+  }
+  // The forward phase starts: data ends here.
+  work = get(c, s.work);
+  if (!forward_start(h, c, idle, opt_start) ||
+      (h->count && !count_batch(h, work, args, nargs, kwnames))) {
+    note_error(c);
+  }
+  mark_at(h, c, h->fwd_pre);
+  PyObject* out = call_original(h, args, nargsf, kwnames);
+  if (out == nullptr) {
+    return nullptr;  // the model's own error, as it came
+  }
+  forward_end(h, c, out);
   return out;
+}
+
+// -- ForwardHooks' pre- and post-hook on a module that has forward hooks (FSDP2's) --------------
+
+// The first key of a mapping (`last`: its last), as iter() (reversed()) gives it: a new
+// reference, or nullptr (an error set where the mapping could not be iterated).
+PyObject* end_key(PyObject* mapping, bool last) {
+  PyObject* keys =
+      last ? PyObject_CallMethodNoArgs(mapping, s_reversed) : PyObject_GetIter(mapping);
+  if (keys == nullptr) {
+    return nullptr;
+  }
+  PyObject* key = PyIter_Next(keys);
+  Py_DECREF(keys);
+  return key;
+}
+
+// ForwardHooks._pre's common case: ours still first and last among the module's hooks, others
+// still there, a quiet step (nothing to do) or a timed one in forward_common's state (the phase
+// starts, `started` set). Everything else: the Python hook.
+PyObject* forward_pre_hook(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  PyObject* c = h->clock;
+  PyObject* quiet = get(c, h->clock_slots.at.quiet);
+  int64_t idle = 0, opt_start = 0;
+  bool common = PyVectorcall_NARGS(nargsf) >= 1 && kwnames == nullptr && is_bool(quiet) &&
+      (quiet == Py_True || forward_common(h, c, idle, opt_start));
+  PyObject* handles = common ? PyObject_GetAttr(h->pair, s_handles) : nullptr;
+  PyObject *pre_hooks = nullptr, *post_hooks = nullptr, *pre_id = nullptr, *post_id = nullptr;
+  if (handles != nullptr && PyTuple_Check(handles) && PyTuple_GET_SIZE(handles) == 2) {
+    pre_id = PyObject_GetAttr(PyTuple_GET_ITEM(handles, 0), s_id);
+    post_id = pre_id == nullptr ? nullptr : PyObject_GetAttr(PyTuple_GET_ITEM(handles, 1), s_id);
+    pre_hooks = post_id == nullptr ? nullptr : PyObject_GetAttr(args[0], s_forward_pre_hooks);
+    post_hooks = pre_hooks == nullptr ? nullptr : PyObject_GetAttr(args[0], s_forward_hooks);
+  }
+  common = post_hooks != nullptr && PyDict_Check(pre_hooks) && PyDict_Check(post_hooks);
+  if (common) {
+    // Not ours alone (the Python hook then removes the pair), and ours first and last
+    const bool alone = PyDict_GET_SIZE(pre_hooks) == 1 && PyDict_GET_SIZE(post_hooks) == 1 &&
+        (h->global_post == Py_None || PyDict_GET_SIZE(h->global_post) == 0);
+    // In the dicts' own order: torch's are OrderedDicts, which `prepend` reorders by
+    // move_to_end, leaving the order PyDict_Next walks as it was.
+    PyObject* first = alone ? nullptr : end_key(pre_hooks, false);
+    PyObject* last = first == nullptr ? nullptr : end_key(post_hooks, true);
+    common = last != nullptr && PyObject_RichCompareBool(first, pre_id, Py_EQ) == 1 &&
+        PyObject_RichCompareBool(last, post_id, Py_EQ) == 1;
+    Py_XDECREF(first);
+    Py_XDECREF(last);
+  }
+  Py_XDECREF(handles);
+  Py_XDECREF(pre_id);
+  Py_XDECREF(post_id);
+  Py_XDECREF(pre_hooks);
+  Py_XDECREF(post_hooks);
+  if (!common) {
+    PyErr_Clear();
+    return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+  }
+  if (quiet == Py_True) {
+    Py_RETURN_NONE;
+  }
+  if (!forward_start(h, c, idle, opt_start)) {
+    note_error(c);
+  }
+  if (PyObject_SetAttr(h->pair, s_started, Py_True) < 0) {
+    note_error(c);
+  }
+  mark_at(h, c, h->fwd_pre);
+  Py_RETURN_NONE;
+}
+
+// ForwardHooks._post: the phase our pre-hook started ends with the module's output.
+PyObject* forward_post_hook(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  PyObject* c = h->clock;
+  const int started = pair_started(h->pair);
+  if (started < 0 || PyVectorcall_NARGS(nargsf) < 3 || kwnames != nullptr) {
+    PyErr_Clear();
+    return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+  }
+  if (!started) {
+    Py_RETURN_NONE;
+  }
+  if (PyObject_SetAttr(h->pair, s_started, Py_False) < 0) {
+    return report(c);
+  }
+  forward_end(h, c, args[2]);
+  Py_RETURN_NONE;
 }
 
 // -- a parameter's gradient (PhaseClock.grad_ready, GradTriggers' hooks in Python mode) ----------
@@ -1776,6 +1936,10 @@ PyObject* hook_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObje
       return grad_ready(h, args, nargsf, kwnames);
     case kDone:
       return backward_done(h, args, nargsf, kwnames);
+    case kFwdPre:
+      return forward_pre_hook(h, args, nargsf, kwnames);
+    case kFwdPost:
+      return forward_post_hook(h, args, nargsf, kwnames);
     default:
       return backward(h, args, nargsf, kwnames);
   }
@@ -1793,6 +1957,7 @@ int hook_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(h->call_traced);
   Py_VISIT(h->module);
   Py_VISIT(h->global_post);
+  Py_VISIT(h->pair);
   Py_VISIT(h->sync_kind);
   Py_VISIT(h->end_step);
   Py_VISIT(h->quiet_end);
@@ -1814,6 +1979,7 @@ int hook_clear(PyObject* self) {
   Py_CLEAR(h->call_traced);
   Py_CLEAR(h->module);
   Py_CLEAR(h->global_post);
+  Py_CLEAR(h->pair);
   Py_CLEAR(h->sync_kind);
   Py_CLEAR(h->end_step);
   Py_CLEAR(h->quiet_end);
@@ -1887,6 +2053,10 @@ bool intern_names() {
       {&s_record, "record"},
       {&s_abandon_step, "_abandon_step"},
       {&s_clear, "clear"},
+      {&s_started, "started"},
+      {&s_handles, "handles"},
+      {&s_id, "id"},
+      {&s_reversed, "__reversed__"},
   };
   for (const Name& name : names) {
     if (*name.at == nullptr && (*name.at = PyUnicode_InternFromString(name.text)) == nullptr) {
@@ -1901,12 +2071,14 @@ bool intern_names() {
 extern "C" {
 
 // A hook of `kind` (0: optimizer pre, 1: optimizer post, 2: torch.autograd.backward, 3: a
-// model's forward, 4: a parameter's gradient, 5: callback A) standing for the Python callable
-// `fallback`. `target`: the clock (0, 5); (the clock, its bound end_step and _quiet_end, EndMode:
-// what of its step end is done here) (1); (phase_hooks.Clocks, torch.autograd.backward's
-// original, the clock class it times) (2); (the clock, the original forward,
-// phase_hooks._call_traced, the module or None, torch's global forward hooks or None, whether to
-// read the batch) (3); (the clock, callback A: a kDone hook or its bound _backward_done) (4).
+// model's forward, 4: a parameter's gradient, 5: callback A, 6 and 7: ForwardHooks' pre- and
+// post-hook) standing for the Python callable `fallback`. `target`: the clock (0, 5); (the clock,
+// its bound end_step and _quiet_end, EndMode: what of its step end is done here) (1);
+// (phase_hooks.Clocks, torch.autograd.backward's original, the clock class it times) (2); (the
+// clock, the original forward, phase_hooks._call_traced, the module or None, torch's global
+// forward hooks or None, whether to read the batch, the module's ForwardHooks or None) (3); (the
+// clock, callback A: a kDone hook or its bound _backward_done) (4); (the clock, the ForwardHooks,
+// torch's global forward hooks) (6, 7).
 // `constants`: phase_hooks.HOT_CONSTANTS, (the positions of DATA, FORWARD, BACKWARD, OPTIMIZER
 // and COMM_EXPOSED in the accumulator, its length, FWD_PRE, FWD_POST, OPT_PRE, COMM_END,
 // STEP_END, BWD_END, BWD_START, UNKNOWN_WORK, DDP_GRAD_SYNC, CudaPhaseClock._mark,
@@ -1938,12 +2110,12 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
       return nullptr;
     }
   }
-  if (kind < kPre || kind > kDone || !PyCallable_Check(fallback)) {
+  if (kind < kPre || kind > kFwdPost || !PyCallable_Check(fallback)) {
     PyErr_SetString(PyExc_ValueError, "an unknown hook, or a fallback that is not callable");
     return nullptr;
   }
   PyObject *clock = nullptr, *registered = nullptr, *original = nullptr, *clock_class = nullptr;
-  PyObject *call_traced = nullptr, *module = nullptr, *global_post = nullptr;
+  PyObject *call_traced = nullptr, *module = nullptr, *global_post = nullptr, *pair = nullptr;
   PyObject *end_step = nullptr, *quiet_end = nullptr, *callback = nullptr;
   int count = 0, end_mode = kOwnEnd;
   if (kind == kBackward) {
@@ -1951,8 +2123,16 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
       return nullptr;
     }
   } else if (kind == kForward) {
-    if (!PyArg_ParseTuple(target, "OOOOOp", &clock, &original, &call_traced, &module,
-                          &global_post, &count)) {
+    if (!PyArg_ParseTuple(target, "OOOOOpO", &clock, &original, &call_traced, &module,
+                          &global_post, &count, &pair)) {
+      return nullptr;
+    }
+    if (global_post != Py_None && !PyDict_Check(global_post)) {
+      PyErr_SetString(PyExc_TypeError, "torch's global forward hooks: a dict or None");
+      return nullptr;
+    }
+  } else if (kind == kFwdPre || kind == kFwdPost) {
+    if (!PyArg_ParseTuple(target, "OOO", &clock, &pair, &global_post)) {
       return nullptr;
     }
     if (global_post != Py_None && !PyDict_Check(global_post)) {
@@ -1998,6 +2178,7 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   h->call_traced = call_traced;
   h->module = module;
   h->global_post = global_post;
+  h->pair = pair;
   h->count = count;
   h->sync_kind = sync_kind;
   h->end_step = end_step;
@@ -2015,6 +2196,7 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   Py_XINCREF(call_traced);
   Py_XINCREF(module);
   Py_XINCREF(global_post);
+  Py_XINCREF(pair);
   Py_INCREF(sync_kind);
   h->i_data = at[0];
   h->i_forward = at[1];
