@@ -32,11 +32,14 @@ from tests.conftest import (
     wait_until,
 )
 
-# relative: the verdicts compare the job's ranks with each other and with its own recorded
-# truth, so `make test` runs them at idle priority beside the quiet tests (pyproject.toml).
+# Not `relative` (idle priority beside the quiet tests), though its verdicts compare the job's
+# ranks with each other: starved there, two of these jobs at once stretched a ~100 ms FSDP2
+# step to ~370 ms, the straggler line (5 % of the step) rose to 18.3 ms, and the exporter, right
+# to hedge, said 4 of 11 times that the 30 ms straggler arrives "at least 15.1 ms" late at 95 %
+# confidence, within the steps' noise (fresh-clone runs at 0f8ba4d, fsdp2-prefetch, and
+# e03066e, fsdp2). `make test` runs this file at normal priority after the quiet tests.
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.relative,
     pytest.mark.skipif(not torch_available(), reason="torch is not installed"),
 ]
 WORKLOADS = {
