@@ -132,8 +132,8 @@ class Native:
         class)), HOT_FORWARD (phase_hooks._hot_forward's), HOT_GRAD ((the clock, callback A:
         a HOT_DONE hook or its bound _backward_done)), HOT_DONE (the clock), HOT_FWD_PRE or
         HOT_FWD_POST ((the clock, its module's ForwardHooks, torch's global forward hooks));
-        `constants`: phase_hooks.HOT_CONSTANTS. Raises what the library says (a clock whose attributes are
-        not slots: TypeError)."""
+        `constants`: phase_hooks.HOT_CONSTANTS. Raises what the library says (a clock whose
+        attributes are not slots: TypeError)."""
         return self._hot(kind, target, fallback, constants)
 
     def install(self, name: str, op: int, group_at: int, size_at: int | None) -> None:

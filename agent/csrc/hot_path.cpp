@@ -1701,6 +1701,15 @@ int pair_started(PyObject* pair) {
   return truth;
 }
 
+// The forward called with nothing timed here, its batch read into `work` (a StepWork of slots).
+PyObject* batch_only(Hook* h, PyObject* work, PyObject* const* args, size_t nargsf,
+                     PyObject* kwnames) {
+  if (h->count && !count_batch(h, work, args, PyVectorcall_NARGS(nargsf), kwnames)) {
+    note_error(h->clock);
+  }
+  return call_original(h, args, nargsf, kwnames);
+}
+
 PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   PyObject* c = h->clock;
   const ClockSlots& s = h->clock_slots.at;
@@ -1708,26 +1717,16 @@ PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnam
   PyObject* quiet = get(c, s.quiet);
   const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
   if (quiet == Py_True && work != nullptr && slots_of(work, h->work_slots)) {
-    // A quiet step: its batch read, nothing timed.
-    if (h->count && !count_batch(h, work, args, nargs, kwnames)) {
-      note_error(c);
-    }
-    return call_original(h, args, nargsf, kwnames);
+    return batch_only(h, work, args, nargsf, kwnames);  // a quiet step
   }
   // The module's hooks first: reading them may run Python, so the slots are read after it.
   const int hooked = quiet == Py_False ? has_hooks(h) : -1;
-  if (hooked == 1 && h->pair != Py_None && pair_started(h->pair) == 1) {
+  work = get(c, s.work);
+  if (hooked == 1 && h->pair != Py_None && work != nullptr && slots_of(work, h->work_slots) &&
+      pair_started(h->pair) == 1) {
     // Our pre-hook on the module started the phase and our post-hook ends it
-    // (ForwardHooks.entered's common case): only the batch is read here.
-    work = get(c, s.work);
-    if (h->count && (work == nullptr || !slots_of(work, h->work_slots) ||
-                     !count_batch(h, work, args, nargs, kwnames))) {
-      if (!PyErr_Occurred()) {
-        PyErr_SetString(PyExc_TypeError, "the clock's work is not a StepWork of slots");
-      }
-      note_error(c);
-    }
-    return call_original(h, args, nargsf, kwnames);
+    // (ForwardHooks.entered's common case)
+    return batch_only(h, work, args, nargsf, kwnames);
   }
   int64_t idle, opt_start;
   if (hooked != 0 || !forward_common(h, c, idle, opt_start)) {
@@ -1735,7 +1734,6 @@ PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnam
     return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
   }
   // The forward phase starts: data ends here.
-  work = get(c, s.work);
   if (!forward_start(h, c, idle, opt_start) ||
       (h->count && !count_batch(h, work, args, nargs, kwnames))) {
     note_error(c);

@@ -31,14 +31,13 @@ from syncscope.prometheus_api import PrometheusAPI
 _handed_out: set[int] = set()
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for the local ports of outgoing connections."""
+def _ephemeral_low() -> int:
+    """The lowest of the kernel's local ports for outgoing connections."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-    return low, high
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port() -> int:
@@ -49,7 +48,7 @@ def free_port() -> int:
     local port of every outgoing connection on the machine: between the check here and the
     server's bind, any ``connect()`` (a scrape, a rendezvous, another test's client) may take it
     and the server's bind fails. Below that range only an explicit bind can."""
-    low, _high = _ephemeral_range()
+    low = _ephemeral_low()
     first = max(1024, low - 12000)
     rng = random.SystemRandom()
     for _ in range(1000):
@@ -149,7 +148,9 @@ class _Server:
                 )
             if port is not None or not self._lost_its_port():
                 return
-        raise RuntimeError(f"{self.name}: every port tried was taken\n{self.log_tail()}")
+        tail = self.log_tail()
+        os.remove(self.log_path)
+        raise RuntimeError(f"{self.name}: every port tried was taken\n{tail}")
 
     def _lost_its_port(self, timeout: float = 15) -> bool:
         """Whether the server exited because its port was taken; False once it listens (or
