@@ -14,7 +14,13 @@ Arms, instructions per step over the bare model's:
   wrapped, a post-accumulate-grad hook on two parameters, one of which queues an autograd
   callback (queue_callback) at the first of them in each backward; then
   the agent as attach() installs it (no exporter), with the phases of 1 step in 16 timed
-  (phase_every=16), and without reading the work from the batch (detect_work=False).
+  (phase_every=16), and without reading the work from the batch (detect_work=False); then
+  the phase clock alone, as attach() wires it with syncscope's C++ library, every step and 1 in
+  16 timed: the CPU's PhaseClock, and the CudaPhaseClock a GPU job gets (an event at each
+  boundary, its stream looked up, a StepTimeline for Flight Recorder, the resolver thread),
+  its CUDA events stood in for by objects whose `record` is a C builtin: what the CUDA path
+  itself costs the training thread, without a GPU (a real Event.record adds ~2.2 µs an event on
+  an H100; bench_hook_costs.py prints the events a step).
 
 Counts are exact for one run, but two models built alike differ by a few thousand
 instructions a step (allocation, cache placement), so small differences between arms on
@@ -57,11 +63,28 @@ ARMS = (
     "agent",
     "agent, 1 step in 16 timed",
     "agent, detect_work=False",
+    "clock in C",
+    "clock in C, 1 in 16",
+    "CUDA clock in C",
+    "CUDA clock in C, 1 in 16",
     "agent at REV",  # --against REV only: the agent as committed there, its defaults
 )
 AGAINST = ARMS[-1]
 LABELS: list[str] = []  # the child's arms measured so far
 WARM_STEPS = 40  # past the agent's first steps (trigger learning, the startup event)
+
+
+class FreeEvent:
+    """A CUDA event stand-in that costs the training thread a C call: its `record` is `id`."""
+
+    __slots__ = ()
+    record = staticmethod(id)
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, _end: Any) -> float:
+        return 0.0
 
 
 def child(layers: int, steps: int, against: str | None) -> None:
@@ -154,6 +177,58 @@ def child(layers: int, steps: int, against: str | None) -> None:
         )
         measure(label, model, opt)
         agent.close()
+    # The phase clocks alone as attach() wires them (the hooks in C, the training thread's
+    # waits, the C++ kernel's step counter, the transport's step hook): the CPU's PhaseClock, and
+    # the CudaPhaseClock a GPU job gets (its events in the resolver's queue, its stream looked
+    # up, a StepTimeline for Flight Recorder), its events free: their `record` a C builtin.
+    import ctypes
+    from collections import deque
+
+    from syncscope.agent import native
+    from syncscope.agent.collectives import Blocked
+    from syncscope.agent.cuda_timing import CudaPhaseClock, StreamOf
+    from syncscope.agent.nccl_trace import StepTimeline
+    from syncscope.agent.phase_hooks import instrument
+    from syncscope.agent.phases import PhaseClock
+
+    lib = native.load(torch)
+    if lib is None:
+        raise SystemExit("syncscope's C++ library is not built: python -m syncscope.agent.native")
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+    errors: list[BaseException] = []
+    for label, cuda, every in (
+        ("clock in C", False, 1),
+        ("clock in C, 1 in 16", False, 16),
+        ("CUDA clock in C", True, 1),
+        ("CUDA clock in C, 1 in 16", True, 16),
+    ):
+        model, opt = make(16, layers)
+        out: tuple[deque, deque] = (deque(maxlen=8192), deque(maxlen=32768))
+        queues = (*out, queue, "g", 1.0, errors.append)
+        clock = (
+            CudaPhaseClock(
+                *queues,
+                ddp_model=model,
+                event_factory=FreeEvent,
+                thread_guard=lambda: None,
+                stream_of=StreamOf(bool, object),
+                timeline=StepTimeline(),
+            )
+            if cuda
+            else PhaseClock(*queues, ddp_model=model)
+        )
+        clock.blocked, clock.step_counter = Blocked(), ctypes.c_int64(0)
+        clock.after_step = lambda _step: time.perf_counter_ns() + 3600 * 10**9
+        clock.phase_every = every
+        hooks = instrument(clock, model, opt, lib)
+        if cuda:
+            clock.start()
+        measure(label, model, opt)
+        hooks.remove()
+        if cuda:
+            clock.stop()
+        if errors:
+            raise SystemExit(f"{label}: the clock reported {errors!r}")
     if against:
         from bench_agent_overhead import load_agent_at
 
