@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 
 extern "C" {
 // csrc/backward_trigger.cpp's: armed before a timed backward; when its callback last ran.
@@ -296,6 +297,28 @@ PyObject* report(PyObject* clock) {
   Py_RETURN_NONE;
 }
 
+// A new tuple of `items` (new references, each taken over): Py_BuildValue's without parsing a
+// format at every call (~400 instructions a tuple, bench/bench_instructions.py). nullptr with
+// an error set, every item released, where an item is nullptr or the tuple cannot be had.
+PyObject* tuple_of(std::initializer_list<PyObject*> items) {
+  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(items.size()));
+  bool ok = tuple != nullptr;
+  Py_ssize_t i = 0;
+  for (PyObject* item : items) {
+    ok = ok && item != nullptr;
+    if (ok) {
+      PyTuple_SET_ITEM(tuple, i++, item);
+    } else {
+      Py_XDECREF(item);
+    }
+  }
+  if (!ok) {
+    Py_XDECREF(tuple);  // its items not set are NULL, which its deallocation skips
+    return nullptr;
+  }
+  return tuple;
+}
+
 // A CudaPhaseClock's state changed by a step its events cannot time: its _abandon_step (the
 // step's events back to the free list, no more marks this step); its own errors are dropped.
 void abandon_step(PyObject* c) {
@@ -414,8 +437,8 @@ bool cuda_mark(Hook* h, PyObject* c, int64_t kind) {
   if (ok) {
     recorded = stream == nullptr ? PyObject_CallMethodNoArgs(event, s_record)
                                  : PyObject_CallMethodOneArg(event, s_record, stream);
-    ok = recorded != nullptr && (entry = Py_BuildValue("(LO)", static_cast<long long>(kind),
-                                                      event)) != nullptr &&
+    ok = recorded != nullptr &&
+        (entry = tuple_of({PyLong_FromLongLong(kind), Py_NewRef(event)})) != nullptr &&
         PyList_Append(marks, entry) == 0;
   }
   Py_XDECREF(stream);
@@ -739,8 +762,7 @@ bool ends_with_step_end(Hook* h, PyObject* marks) {
 bool timeline_mark(Hook* h, PyObject* timeline, int64_t step) {
   const TimelineSlots& l = h->timeline_slots.at;
   int64_t dump_every = 0;
-  PyObject* end = Py_BuildValue("(LL)", static_cast<long long>(syncscope::wall_ns()),
-                                static_cast<long long>(step));
+  PyObject* end = tuple_of({PyLong_FromLongLong(syncscope::wall_ns()), PyLong_FromLongLong(step)});
   if (end == nullptr || !append_to(get(timeline, l.ends), end)) {
     Py_XDECREF(end);
     return false;
@@ -1209,9 +1231,9 @@ void sync_reduced(Hook* h, PyObject* c, const SyncSeen& v, int64_t bwd_end) {
     return;
   }
   if (v.queued < v.coll_max) {
-    PyObject* record = Py_BuildValue("(OOOLL)", h->sync_kind, v.group, v.bytes,
-                                     static_cast<long long>(exposed),
-                                     static_cast<long long>(v.step));
+    PyObject* record =
+        tuple_of({Py_NewRef(h->sync_kind), Py_NewRef(v.group), Py_NewRef(v.bytes),
+                  PyLong_FromLongLong(exposed), PyLong_FromLongLong(v.step)});
     PyObject* appended =
         record == nullptr ? nullptr : PyObject_CallMethodOneArg(v.coll, s_append, record);
     Py_XDECREF(record);
