@@ -16,8 +16,11 @@ Native mode, where syncscope's C++ library is loaded (native.py) and the window'
 are plain tensors: C++ hooks on the window's parameters, no learning and no Python in the
 backward at all (csrc/backward_trigger.cpp). The backward wrapper arms the trigger, the first
 watched gradient queues the callback, and the wrapper reads when it ran (PhaseClock
-.backward_returned). A backward in which none of them fires leaves native mode for the Python
-hooks above, learning as from the start. The trigger's state is the process's one: one
+.backward_returned). For a clock that marks its boundaries (CudaPhaseClock: a CUDA event at
+callback A, which must be its own) the armed gradient calls `on_grad` instead (`calls`), which
+queues callback A as a Python hook would: Python is entered once a timed backward, never in a
+quiet step's. A backward in which none of them fires leaves native mode for the Python hooks
+above, learning as from the start. The trigger's state is the process's one: one
 GradTriggers at a time holds it, the last to watch (an earlier one goes over to Python's).
 """
 
@@ -46,6 +49,7 @@ class GradTriggers:
         "learned",
         "misses",
         "native",
+        "native_calls",
         "native_hooks",
         "native_paused",
         "on_grad",
@@ -70,16 +74,18 @@ class GradTriggers:
         self.native: Any = None
         self.native_hooks: list[tuple[Any, int]] = []
         self.native_paused = False
+        self.native_calls = False  # native mode calling on_grad (see the module docstring)
 
-    def watch(self, params: Iterable[Any], native: Any = None) -> None:
+    def watch(self, params: Iterable[Any], native: Any = None, calls: bool = False) -> None:
         """Trigger on the gradients of `params` (a model's trainable parameters): in native
         mode where `native` (the loaded native.Native) can hook them, else by learning which
-        of them come first."""
+        of them come first. `calls`: in native mode the armed gradient calls on_grad (a clock
+        that marks), rather than stamping the time in C++."""
         self.params = list(params)
-        if native is None or not self._watch_natively(native):
+        if native is None or not self._watch_natively(native, calls):
             self.learn()
 
-    def _watch_natively(self, native: Any) -> bool:
+    def _watch_natively(self, native: Any, calls: bool) -> bool:
         import torch
 
         plain = (torch.Tensor, torch.nn.Parameter)  # a subclass (DTensor) dispatches elsewhere
@@ -94,6 +100,8 @@ class GradTriggers:
             ops = native.trigger_ops(torch)
             for p in window:
                 self.native_hooks.append((p, int(ops.watch_grad(p))))
+            native.trigger_calls(self.on_grad if calls else None)
+            self.native_calls = calls
         except Exception as exc:  # noqa: BLE001 - the Python hooks serve instead
             log.warning("syncscope: the C++ backward trigger is unavailable (%s); Python's", exc)
             self._drop_native()
@@ -105,10 +113,14 @@ class GradTriggers:
     def _drop_native(self) -> None:
         """Leave native mode (none: nothing to do), removing the C++ hooks (each leaves an empty
         C++ slot, nothing that calls Python)."""
-        native, hooks = self.native, self.native_hooks
+        native, hooks, calls = self.native, self.native_hooks, self.native_calls
         self.native, self.native_hooks, self.native_paused = None, [], False
+        self.native_calls = False
         if self in _native_owner:
             _native_owner.remove(self)
+        if calls:
+            with contextlib.suppress(Exception):
+                native.trigger_calls(None)  # its on_grad no longer held by the library
         if hooks:
             import torch
 
@@ -124,6 +136,13 @@ class GradTriggers:
         if native is not None and native.bwd_armed.value:
             native.bwd_armed.value = 0
             self.native_paused = True
+
+    def disarm(self) -> None:
+        """A timed backward is over: in native mode, armed no more should none of the watched
+        gradients have come (with `native_calls` nothing else disarms it)."""
+        native = self.native
+        if native is not None:
+            native.bwd_armed.value = 0
 
     def resume(self) -> None:
         """Back in the outer backward: armed again if the nested one disarmed it."""

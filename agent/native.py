@@ -34,7 +34,7 @@ SOURCES = (  # they include clock.h
     CSRC / "hot_path.cpp",
 )
 NAME = "syncscope_c10d"
-ABI = 6  # csrc's kAbi: a library answering another is not loaded
+ABI = 7  # csrc's kAbi: a library answering another is not loaded
 ENV_DIR = "SYNCSCOPE_NATIVE_DIR"
 DRAIN_BATCH = 4096
 
@@ -120,9 +120,13 @@ class Native:
         self._dropped = ctypes.c_int64.in_dll(lib, "syncscope_dropped")
         self._buffer = (_Record * DRAIN_BATCH)()
         # The same library, its calls holding the GIL: they build Python objects.
-        self._hot = ctypes.PyDLL(lib._name).syncscope_hot_hook
+        holding_gil = ctypes.PyDLL(lib._name)
+        self._hot = holding_gil.syncscope_hot_hook
         self._hot.argtypes = [ctypes.c_int] + [ctypes.py_object] * 3
         self._hot.restype = ctypes.py_object
+        self._trigger_calls = holding_gil.syncscope_trigger_calls
+        self._trigger_calls.argtypes = [ctypes.py_object]
+        self._trigger_calls.restype = None
 
     def hot_hook(self, kind: int, target: Any, fallback: Any, constants: tuple) -> Any:
         """A hook in C (csrc/hot_path.cpp) doing what the Python callable `fallback` does in its
@@ -135,6 +139,12 @@ class Native:
         `constants`: phase_hooks.HOT_CONSTANTS. Raises what the library says (a clock whose
         attributes are not slots: TypeError)."""
         return self._hot(kind, target, fallback, constants)
+
+    def trigger_calls(self, on_grad: Any) -> None:
+        """The armed trigger's first watched gradient calls `on_grad(None)` under the GIL (a
+        clock that marks its boundaries: its callback A is Python's), or with None stamps the
+        time in C++ again (csrc/backward_trigger.cpp)."""
+        self._trigger_calls(on_grad)
 
     def install(self, name: str, op: int, group_at: int, size_at: int | None) -> None:
         """Time c10d op `name`; raises RuntimeError with the dispatcher's reason."""

@@ -77,8 +77,8 @@ def instrument(
     clock: PhaseClock, model: Any = None, optimizer: Any = None, native: Any = None
 ) -> Instrumented:
     """Hook `model` (forward, parameter gradients, torch.autograd.backward) and `optimizer` for
-    `clock`; the gradients in C++ where `native` (the loaded native.Native) is given and the
-    clock marks no boundary (CudaPhaseClock records an event at callback A, in Python), and
+    `clock`; the gradients in C++ where `native` (the loaded native.Native) is given (for a
+    clock that marks its boundaries, CudaPhaseClock, the first calling its Python trigger), and
     with `native` the forward wrapper, the optimizer's hooks, the backward wrapper and the
     gradient trigger's Python hooks in C too (their common case: hot_native).
 
@@ -112,7 +112,8 @@ def instrument(
         # gradients come first (grad_triggers.py).
         clock.triggers.watch(
             (p for m in parts for p in m.parameters() if p.requires_grad),
-            native if clock.mark is None else None,
+            native,
+            calls=clock.mark is not None,  # (its callback A records an event: Python's)
         )
         install_backward(clock, hot)
     if optimizer is not None:
@@ -526,10 +527,11 @@ def timed_backward(original: Callable[..., Any], registered: Clocks) -> Callable
                     if c.quiet:  # nothing learnt or missed in a step whose phases are not timed
                         if c.bwd_depth > 0:
                             c.bwd_depth -= 1
-                    elif c.bwd_depth == 1 and c.triggers.native is not None:
-                        c.backward_returned()
+                    elif c.bwd_depth == 1 and c.triggers.native and not c.triggers.native_calls:
+                        c.backward_returned()  # (the C++ trigger's stamp)
                     elif c.bwd_depth == 1 and not c.fwd_since_bwd and not c.bwd_deferred:
                         c.bwd_depth = c.bwd_entry = 0  # the outermost backward; a trigger fired
+                        c.triggers.disarm()  # (native mode: should no watched gradient have come)
                         if c.sync_due:  # callback B's work, at the engine's return
                             c.sync_due = False
                             c._gradients_reduced()

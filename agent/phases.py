@@ -260,6 +260,7 @@ class BackwardPhases(StepState):
             elif depth <= 0:
                 self.bwd_depth = 0
                 self.bwd_entry = 0
+                self.triggers.disarm()  # (native mode: no watched gradient may have come)
                 if self.sync_due:
                     self.sync_due = False
                     self._gradients_reduced()

@@ -11,6 +11,14 @@
 // The hooks are registered through the op syncscope::watch_grad (torch.ops, so the dispatcher
 // hands over the parameter); a removed hook leaves an empty C++ slot, not a call into Python.
 // Nothing here may throw into the user's backward.
+//
+// A clock that marks its boundaries (CudaPhaseClock: a CUDA event at callback A) needs its
+// Python callback A, not a stamp: for it the armed gradient calls the trigger's `on_grad`
+// (syncscope_trigger_calls; the gradient hook in C of hot_path.cpp, which queues A) under the
+// GIL, as torch calls a Python gradient hook, but once a timed backward rather than at every
+// backward: a quiet step's gradients find the trigger disarmed and never enter Python.
+
+#include <Python.h>
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/engine.h>
@@ -40,9 +48,34 @@ std::atomic<int64_t> syncscope_bwd_done{0};
 
 namespace {
 
+// The trigger's on_grad where a clock that marks holds the trigger (a new reference held
+// here), else nullptr; set and read under the GIL.
+PyObject* python_on_grad = nullptr;
+std::atomic<bool> calls_python{false};
+
+void call_python() {
+  if (!Py_IsInitialized()) {
+    return;
+  }
+  const PyGILState_STATE gil = PyGILState_Ensure();
+  PyObject* on_grad = python_on_grad;
+  if (on_grad != nullptr) {
+    Py_INCREF(on_grad);  // held: the call may replace it
+    PyObject* done = PyObject_CallOneArg(on_grad, Py_None);
+    Py_XDECREF(done);
+    Py_DECREF(on_grad);
+    PyErr_Clear();  // on_grad tells the clock its own errors; nothing reaches the backward
+  }
+  PyGILState_Release(gil);
+}
+
 void on_gradient() {
   if (syncscope_bwd_armed.exchange(0, std::memory_order_relaxed) == 0) {
     return;  // not armed, or a watched gradient already queued this backward's callback
+  }
+  if (calls_python.load(std::memory_order_relaxed)) {
+    call_python();
+    return;
   }
   try {
     torch::autograd::Engine::get_default_engine().queue_callback(
@@ -85,5 +118,18 @@ int32_t syncscope_trigger_install() {
 }
 
 const char* syncscope_trigger_error() { return trigger_error.c_str(); }
+
+// The armed gradient calls `on_grad(None)` (a callable) instead of stamping, or stamps again
+// (None). Called holding the GIL (ctypes.PyDLL).
+void syncscope_trigger_calls(PyObject* on_grad) {
+  PyObject* old = python_on_grad;
+  python_on_grad = nullptr;
+  if (on_grad != Py_None) {
+    Py_INCREF(on_grad);
+    python_on_grad = on_grad;
+  }
+  calls_python.store(python_on_grad != nullptr, std::memory_order_relaxed);
+  Py_XDECREF(old);
+}
 
 }  // extern "C"

@@ -34,7 +34,7 @@
 
 namespace {
 
-constexpr int32_t kAbi = 6;
+constexpr int32_t kAbi = 7;
 constexpr size_t kMaxRecords = 65536;  // undrained records; past that, new ones are dropped
 constexpr int32_t kMaxGroups = 64;     // distinct process groups named; the rest are -1
 

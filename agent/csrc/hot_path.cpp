@@ -68,7 +68,7 @@ enum EndMode { kOwnEnd = 0, kInlineEnd = 1, kCudaQuietEnd = 2 };
   X(counted_samples) X(counted_tokens) X(inputs) X(samples_per_step) X(seen_batches)      \
   X(seen_samples) X(seen_tokens) X(tokens_per_step) X(unclear_samples) X(unclear_tokens)
 #define BLOCKED_SLOTS(X) X(first_ns) X(ns)
-#define TRIGGER_SLOTS(X) X(learned) X(native) X(output_hooks)
+#define TRIGGER_SLOTS(X) X(learned) X(native) X(native_calls) X(output_hooks)
 // CudaPhaseClock's own (agent/cuda_timing.py), for its quiet step's end
 #define CUDA_SLOTS(X)                                                                    \
   X(_due) X(capture_skips) X(chain_broken) X(event_factory) X(events_created) X(free)        \
@@ -1298,14 +1298,29 @@ bool returned(Hook* h, PyObject* c) {
   return true;
 }
 
-// Whether the clock's GradTriggers are in native mode (`triggers.native is not None`): the
-// backward's end comes from the C++ trigger.
-bool in_native_mode(Hook* h, PyObject* triggers) {
+// Whether the clock's GradTriggers are in native mode (`triggers.native is not None`) and its
+// first watched gradient `calls` on_grad (`native_calls`) or not: then the backward's end comes
+// from the C++ trigger's stamp.
+bool native_mode(Hook* h, PyObject* triggers, bool calls) {
   if (!slots_of(triggers, h->trigger_slots)) {
     return false;
   }
   PyObject* native = get(triggers, h->trigger_slots.at.native);
-  return native != nullptr && native != Py_None;
+  PyObject* native_calls = get(triggers, h->trigger_slots.at.native_calls);
+  return native != nullptr && native != Py_None &&
+      native_calls == (calls ? Py_True : Py_False);
+}
+
+bool in_native_mode(Hook* h, PyObject* triggers) { return native_mode(h, triggers, false); }
+
+// The outermost backward's return where the C++ trigger calls the clock's on_grad: armed no
+// more, should none of the watched gradients have come (as GradTriggers.disarm). True.
+bool disarmed(Hook* h, PyObject* triggers) {
+  if (triggers != nullptr && native_mode(h, triggers, true)) {
+    syncscope_bwd_armed.store(0, std::memory_order_relaxed);
+  }
+  PyErr_Clear();
+  return true;
 }
 
 // The outermost backward's return where its trigger is Python's (the Python wrapper's branch
@@ -1358,8 +1373,8 @@ bool keeps_backward(Hook* h, PyTypeObject* type) {
 
 // How `c` (the process's one clock) enters this backward: 1 the common way with its trigger in
 // C++ (a PhaseClock itself, outermost, timed, no wait to move, no marks), 3 the common way with
-// its trigger Python's (a PhaseClock keeping its backward methods, a CudaPhaseClock's too: its
-// marks in C), 2 outermost in a quiet step (only its depth counts; a subclass's too), 0 otherwise
+// its trigger Python's or the C++ trigger calling it (a PhaseClock keeping its backward methods,
+// a CudaPhaseClock's too: its marks in C), 2 outermost in a quiet step (only its depth counts; a subclass's too), 0 otherwise
 // (the Python wrapper then).
 int enters(Hook* h, PyObject* c) {
   PyTypeObject* type = Py_TYPE(c);
@@ -1423,6 +1438,10 @@ PyObject* backward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwna
     syncscope_bwd_armed.store(1, std::memory_order_relaxed);
   } else if (how == 3) {
     mark_at(h, c, h->bwd_start);  // on the caller's stream, before any backward kernel
+    PyObject* triggers = get(c, s.triggers);
+    if (triggers != nullptr && native_mode(h, triggers, true)) {
+      syncscope_bwd_armed.store(1, std::memory_order_relaxed);  // its gradient calls on_grad
+    }
   }
   PyObject* result = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
   // As the Python wrapper's `finally`: the backward's own error passes through afterwards.
@@ -1442,7 +1461,8 @@ PyObject* backward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwna
     if (!returned(h, c)) {
       done = call_method(c, s_backward_returned);
     }
-  } else if (depth == 1 && keeps_backward(h, Py_TYPE(c)) && reduced(h, c)) {
+  } else if (depth == 1 && keeps_backward(h, Py_TYPE(c)) && disarmed(h, triggers) &&
+             reduced(h, c)) {
     // (its Python trigger's backward, done: A ran, and B's work with it)
   } else {
     PyErr_Clear();

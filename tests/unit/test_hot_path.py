@@ -578,6 +578,57 @@ def test_a_cuda_clock_hears_the_same_boundaries_from_the_hooks_in_c(
         assert calls_c.get("_mark", 0) == (3 if max_pending < 10 else 0), calls_c
 
 
+def test_a_cuda_clocks_trigger_is_cpp_and_enters_python_once_a_timed_backward(
+    gloo_world_of_one, built
+):
+    """A CudaPhaseClock's backward trigger through the library: C++ hooks on its parameters and
+    no Python gradient hook, the first armed gradient calling the trigger's hook once in each
+    timed step's backward and never in a quiet step's (phases 1 step in 4); a timed backward in
+    which no watched gradient comes leaves native mode for Python's hooks, which then time it."""
+    model, opt = model_and_optimizer()
+    errors: list[BaseException] = []
+    out_steps: deque = deque(maxlen=64)
+    clock = cuda_clock(out_steps, deque(maxlen=64), errors, model)
+    clock.phase_every = 4
+    step = stepper(model, opt)
+    hooks = instrument(clock, model, opt, built)
+    triggers = clock.triggers
+    called: list[tuple[int, bool]] = []  # (step, quiet) at each call from the C++ trigger
+    on_grad = triggers.on_grad
+
+    def counted(param: Any) -> Any:
+        called.append((clock.step, clock.quiet))
+        return on_grad(param)
+
+    built.trigger_calls(counted)  # what the library calls (Python's hooks call on_grad)
+    try:
+        for _ in range(12):
+            step()
+        assert triggers.native is not None and triggers.native_calls
+        assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+        # Steps 0, 4 and 8, and 1: the first step's phases are start-up's, so the second is
+        # timed too, for the quiet steps' shares.
+        assert called == [(0, False), (1, False), (4, False), (8, False)], called
+        # Step 12 (timed): a forward, then a backward that reaches none of the parameters.
+        model(torch.randn(4, 8))
+        (torch.randn(3, requires_grad=True) * 2).sum().backward()
+        opt.step()
+        assert built.bwd_armed.value == 0
+        assert triggers.native is None and not triggers.native_calls
+        assert any(p._post_accumulate_grad_hooks for p in model.parameters())
+        for _ in range(8):  # steps 13 to 20: Python's gradient hooks time steps 16 and 20
+            step()
+    finally:
+        hooks.remove()
+    clock.resolve()
+    assert errors == []
+    assert len(called) == 4, called  # none since it left native mode
+    timed = {row[0]: row for row in out_steps if row[0] in (4, 8, 16, 20)}
+    assert sorted(timed) == [4, 8, 16, 20], [row[0] for row in out_steps]
+    for row in timed.values():  # the backward's events recorded: a GPU backward phase
+        assert row[ROW_PHASES + BACKWARD] > 0, row
+
+
 def fake_stream_of(capturing_at: set[int], clock: list[Any]) -> tuple[StreamOf, list[int]]:
     """A StreamOf whose stream is capturing at the steps in `capturing_at` (of `clock[0]`, the
     clock once made) and whose lookups are counted: it, and the steps of its lookups."""
