@@ -156,10 +156,18 @@ def p99(values: list[float]) -> float:
 
 
 def agent_parts(agent) -> dict:
+    import torch
+    from syncscope.agent import native
+
     clock = getattr(agent, "clock", None)
     reader = getattr(agent, "nccl_reader", None)
+    triggers = getattr(clock, "triggers", None)
     return {
         "clock": type(clock).__name__,
+        # the agent's C++ library (`python -m syncscope.agent.native`): its hooks in C, the
+        # backward's trigger C++'s; without it all of them are Python's
+        "library": native.load(torch) is not None,
+        "native_trigger": getattr(triggers, "native", None) is not None,
         "gpu_steps": getattr(clock, "gpu_steps", None),
         "cpu_steps": getattr(clock, "cpu_steps", None),
         "nccl_reader": None

@@ -14,7 +14,8 @@
 #
 # Sections, each under its own timeout so that one hang cannot cost the rest:
 #   versions    GPU, driver, torch, CUDA, NCCL
-#   install     the exporter's web stack from .whl/, syncscope itself (editable, no deps)
+#   install     the exporter's web stack from .whl/, syncscope itself (editable, no deps), and
+#               the agent's C++ library built for the device's torch (the hooks in C)
 #   tests/gpu   pytest: NVML topology, fixture capture, DDP/NCCL phases and Flight Recorder,
 #               DDP, FSDP2 and FSDP1 through attach() with a real exporter, reduce-overhead
 #               compile, CUDA-graph capture in global and thread-local mode
@@ -23,7 +24,7 @@
 #               of 10 steps an arm; FSDP2_ROUNDS, FSDP2_STEPS change them): the FSDP2 overhead
 #               bench of the parallelism issue on gloo, 4 ranks on this machine's quiet cores
 #               (paired: two copies of the job at once, a core per rank, one with the agent),
-#               after building the C++ collective kernel for its torch: a figure 2 shared
+#               with the C++ collective kernel built at install: a figure 2 shared
 #               vCPUs cannot resolve (docs/parallelism.md)
 #   overhead-launch, overhead-50ms
 #               bench/bench_gpu_overhead.py, agent vs none, interleaved rounds in 2 fresh
@@ -60,6 +61,11 @@ GPU=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null
 
 section install
 install_syncscope
+# The agent's C++ library, as scripts/setup builds it (the image has ninja and a compiler):
+# without it the hooks run in Python, and neither tests/gpu nor the overhead benches measure
+# what an install runs (the benches print which they had).
+TAIL=3 run native-library 180 "$PY" -m syncscope.agent.native \
+  || say "the agent's C++ library did not build: the hooks below are Python's"
 
 if [ "$GPU" != 1 ]; then
   section skipped
@@ -146,13 +152,12 @@ overhead_50ms() {
 }
 
 overhead_figures() {
-  grep -h '"dumps_per_attached_round"\|"median_ms"\|"thread_cpu_us"\|^process ' -A2 \
+  grep -h '"library"\|"dumps_per_attached_round"\|"median_ms"\|"thread_cpu_us"\|^process ' -A2 \
     "$OUT"/overhead-*.log | head -60 >>"$FIG"
 }
 
 fsdp2_cpu() {
   section fsdp2-cpu
-  TAIL=3 run native-kernel 120 "$PY" -m syncscope.agent.native
   local rounds=${FSDP2_ROUNDS:-40} steps=${FSDP2_STEPS:-10}
   # its timeout grows with the rounds and steps asked (interleaved, 40 x 10 ran in about 90 s
   # on an H200's host; a fixed 200 s would cut 40 x 30 short). Paired (16 cores), rounds start

@@ -263,8 +263,11 @@ def via_attach(torch, args) -> dict:
             "nccl_reader": getattr(agent, "nccl_reader", None) is not None,
             "topology": getattr(agent, "topology", None) is not None,
             "event": type(agent.clock.event_factory()).__name__,  # torch.Event's: recorded in C
+            # the backward's trigger C++'s, calling the hook in C (the library built)
+            "native_trigger": agent.clock.triggers.native_calls,
         }
         train(torch, model, opt, x, args.steps)
+        wired["native_trigger_after"] = agent.clock.triggers.native_calls  # no backward missed
         torch.cuda.synchronize()
         time.sleep(1.5)  # the NCCL watchdog retires the last entries
         reader = agent.nccl_reader

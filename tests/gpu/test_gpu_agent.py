@@ -128,6 +128,9 @@ def test_nccl_ddp_job_through_attach_and_a_real_exporter(tmp_path):
         pytest.fail(f"agent/core.py does not wire the GPU parts yet: {wired} (see docs/gpu.md)")
     assert r["stats"]["errors"] == 0
     assert wired["event"] == "Event" and r["gpu_steps"] >= 40, (wired, r["gpu_steps"])  # torch's
+    # The C++ trigger on CUDA parameters, its hook entered from the engine's device thread, for
+    # the whole run (`python -m syncscope.agent.native` builds the library; gpu_check.sh does)
+    assert wired["native_trigger"] and wired["native_trigger_after"], wired
     assert any(ln.startswith("syncscope_gpu_info{") for ln in r["gpu_metric_lines"]), (
         "no syncscope_gpu_info: collectors.py does not register collect_gpu yet"
     )
