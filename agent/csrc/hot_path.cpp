@@ -1374,8 +1374,8 @@ bool keeps_backward(Hook* h, PyTypeObject* type) {
 // How `c` (the process's one clock) enters this backward: 1 the common way with its trigger in
 // C++ (a PhaseClock itself, outermost, timed, no wait to move, no marks), 3 the common way with
 // its trigger Python's or the C++ trigger calling it (a PhaseClock keeping its backward methods,
-// a CudaPhaseClock's too: its marks in C), 2 outermost in a quiet step (only its depth counts; a subclass's too), 0 otherwise
-// (the Python wrapper then).
+// a CudaPhaseClock's too: its marks in C), 2 outermost in a quiet step (only its depth counts;
+// a subclass's too), 0 otherwise (the Python wrapper then).
 int enters(Hook* h, PyObject* c) {
   PyTypeObject* type = Py_TYPE(c);
   const bool exact = reinterpret_cast<PyObject*>(type) == h->clock_class;
