@@ -1313,14 +1313,10 @@ bool native_mode(Hook* h, PyObject* triggers, bool calls) {
 
 bool in_native_mode(Hook* h, PyObject* triggers) { return native_mode(h, triggers, false); }
 
-// The outermost backward's return where the C++ trigger calls the clock's on_grad: armed no
-// more, should none of the watched gradients have come (as GradTriggers.disarm). True.
-bool disarmed(Hook* h, PyObject* triggers) {
-  if (triggers != nullptr && native_mode(h, triggers, true)) {
-    syncscope_bwd_armed.store(0, std::memory_order_relaxed);
-  }
-  PyErr_Clear();
-  return true;
+// Whether clock `c`'s C++ trigger calls its on_grad (native mode for a clock that marks).
+bool calls_on_grad(Hook* h, PyObject* c) {
+  PyObject* triggers = get(c, h->clock_slots.at.triggers);
+  return triggers != nullptr && native_mode(h, triggers, true);
 }
 
 // The outermost backward's return where its trigger is Python's (the Python wrapper's branch
@@ -1438,8 +1434,7 @@ PyObject* backward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwna
     syncscope_bwd_armed.store(1, std::memory_order_relaxed);
   } else if (how == 3) {
     mark_at(h, c, h->bwd_start);  // on the caller's stream, before any backward kernel
-    PyObject* triggers = get(c, s.triggers);
-    if (triggers != nullptr && native_mode(h, triggers, true)) {
+    if (calls_on_grad(h, c)) {
       syncscope_bwd_armed.store(1, std::memory_order_relaxed);  // its gradient calls on_grad
     }
   }
@@ -1450,6 +1445,9 @@ PyObject* backward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwna
   int64_t depth = 0;
   PyObject* triggers = get(c, s.triggers);
   PyObject* done = nullptr;
+  if (calls_on_grad(h, c)) {  // armed no more, should no watched gradient have come (disarm)
+    syncscope_bwd_armed.store(0, std::memory_order_relaxed);
+  }
   if (!int_of(get(c, s.bwd_depth), depth)) {
     PyErr_Clear();
     done = call_method(c, s_backward_exit);
@@ -1461,8 +1459,7 @@ PyObject* backward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwna
     if (!returned(h, c)) {
       done = call_method(c, s_backward_returned);
     }
-  } else if (depth == 1 && keeps_backward(h, Py_TYPE(c)) && disarmed(h, triggers) &&
-             reduced(h, c)) {
+  } else if (depth == 1 && keeps_backward(h, Py_TYPE(c)) && reduced(h, c)) {
     // (its Python trigger's backward, done: A ran, and B's work with it)
   } else {
     PyErr_Clear();
