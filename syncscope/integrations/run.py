@@ -26,15 +26,19 @@ removing it is deleting one argument.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import runpy
 import sys
-from typing import Any
+import warnings
+from typing import Any, cast
 
 from syncscope.agent import RankAgent, attach
 
 log = logging.getLogger("syncscope.integrations.run")
+# torch's warning at a compiled module's call while a global module hook exists (its start)
+_COMPILE_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 USAGE = "usage: python -m syncscope.integrations.run (script.py | -m module) [args ...]"
 
 
@@ -55,6 +59,15 @@ class AutoAttach:
         self._ran: dict[int, Any] = {}  # id -> module, in the order they first ran forward
         self._forward = register_module_forward_pre_hook(self._on_forward)
         self._step = register_optimizer_step_post_hook(self._on_step)
+        # While any global module hook exists, every call of a torch.compile'd module warns
+        # that the hooks fire once more for it (dynamo's OptimizedModule): this one only notes
+        # the module, twice does no harm, and it goes at the first step. Not the user's
+        # warning to read, so ignored until then (their own filters stay as they were).
+        self._quiet: Any = None
+        before = list(warnings.filters)
+        warnings.filterwarnings("ignore", message=_COMPILE_HOOKS_WARNING, category=UserWarning)
+        if warnings.filters[0] not in before:  # not one of theirs, to be left in place
+            self._quiet = warnings.filters[0]
 
     def _on_forward(self, module: Any, _args: Any) -> None:
         if self._compiling():  # traced by torch.compile: the compiled module ran it eagerly
@@ -80,6 +93,10 @@ class AutoAttach:
     def remove(self) -> None:
         self._forward.remove()
         self._step.remove()
+        if self._quiet is not None:
+            with contextlib.suppress(ValueError):  # (gone with a catch_warnings block left)
+                cast("list[Any]", warnings.filters).remove(self._quiet)
+            self._quiet = None
 
 
 def find_model(ran: list[Any], optimizer: Any) -> Any:

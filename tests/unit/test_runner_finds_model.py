@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -149,10 +150,28 @@ def test_plain_module(auto: AutoAttach) -> None:
 
 def test_compiled_module(auto: AutoAttach) -> None:
     """torch.compile traces the runner's global hook too: it must stay out of the trace (a hook
-    that keeps modules made dynamo fail), and the compiled module is found."""
+    that keeps modules made dynamo fail), and the compiled module is found. torch's warning
+    about global hooks at a compiled module's call is not shown to the user while the runner's
+    is there, and is again once it is gone."""
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     run = torch.compile(net, backend="eager")
-    rows = train(run, [torch.optim.SGD(net.parameters(), lr=0.01)], auto)
+
+    def evaluate() -> None:
+        with torch.no_grad():
+            run(torch.randn(4, 8))  # the warning's call site, before the first step and after
+
+    with warnings.catch_warnings(record=True) as caught:
+        evaluate()
+        rows = train(run, [torch.optim.SGD(net.parameters(), lr=0.01)], auto)
+        assert [str(w.message) for w in caught if "global hooks" in str(w.message)] == []
+        # a global hook of the user's own, after the runner's went: torch's warning is theirs,
+        # at a call site where it was ignored before
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda *_: None)
+        try:
+            evaluate()
+        finally:
+            handle.remove()
+    assert [w for w in caught if "global hooks" in str(w.message)], [str(w.message) for w in caught]
     assert auto.model is run
     assert_forward_timed(rows)
 
