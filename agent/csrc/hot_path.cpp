@@ -30,6 +30,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <new>  // placement new (the slots at install): C++17's other headers need not bring it
 
 extern "C" {
 // csrc/backward_trigger.cpp's: armed before a timed backward; when its callback last ran.
