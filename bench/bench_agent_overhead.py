@@ -78,6 +78,7 @@ import torch
 import torch.distributed as dist
 from syncscope.agent.config import AgentConfig
 
+from syncscope.lab.frames import frames_entered, per_step
 from syncscope.lab.servers import free_port, start_exporter
 from syncscope.lab.stats import median_ci, ratio_of_means_ci
 
@@ -735,21 +736,9 @@ def entries_per_step(packages: dict[str, ModuleType], steps: int = 20) -> None:
         where = str(Path(package.__file__ or "").parent)
         agent = package.attach(model=model, optimizer=opt, exporter=None, job="bench")
         run(model, opt, x, y, 5, None, "")
-        counts: dict[str, int] = {}
-
-        def count(frame: Any, event: str, _arg: Any, where=where, counts=counts) -> None:
-            code = frame.f_code
-            if event == "call" and code.co_filename.startswith(where):
-                counts[code.co_name] = counts.get(code.co_name, 0) + 1
-
-        sys.setprofile(count)
-        try:
-            run(model, opt, x, y, steps, None, "")
-        finally:
-            sys.setprofile(None)
+        counts = frames_entered(where, lambda: run(model, opt, x, y, steps, None, ""))
         agent.close()
-        names = ", ".join(f"{k} {v / steps:g}" for k, v in sorted(counts.items()))
-        print(f"  {name}: {sum(counts.values()) / steps:g} ({names})")
+        print(f"  {name}: {per_step(counts, steps)}")
 
 
 def cold_entries(steps: int = 60) -> None:

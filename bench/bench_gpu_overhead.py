@@ -119,11 +119,16 @@ def run_steps(model, opt, x, steps: int, cpu: list[float] | None = None) -> list
 
 
 def profile_round(model, opt, x, steps: int, label: str, top: int = 25) -> None:
-    """`steps` steps under cProfile: the costliest functions by own time, with calls per step."""
+    """`steps` steps under cProfile: the costliest functions by own time, with calls per step.
+    Then `steps` more under sys.setprofile: the agent's Python frames the training thread
+    enters a step, exact, where cProfile may miss some (syncscope/lab/frames.py): on a GPU, a
+    hook that leaves its path in C for Python's shows there."""
     import cProfile
     import pstats
 
     import syncscope.agent
+
+    from syncscope.lab.frames import frames_entered, per_step
 
     agent_dir = os.path.dirname(syncscope.agent.__file__)
 
@@ -148,6 +153,8 @@ def profile_round(model, opt, x, steps: int, label: str, top: int = 25) -> None:
                 f"  {tottime / steps * 1e6:8.1f} µs own {cumtime / steps * 1e6:8.1f} µs cum "
                 f"{calls / steps:6.1f} calls/step  {where}"
             )
+    counts = frames_entered(agent_dir, lambda: run_steps(model, opt, x, steps))
+    print(f" the agent's Python frames a step (sys.setprofile): {per_step(counts, steps)}")
 
 
 def p99(values: list[float]) -> float:
