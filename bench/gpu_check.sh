@@ -154,6 +154,9 @@ overhead_50ms() {
 overhead_figures() {
   grep -h '"library"\|"dumps_per_attached_round"\|"median_ms"\|"thread_cpu_us"\|^process ' -A2 \
     "$OUT"/overhead-*.log | head -60 >>"$FIG"
+  # the agent's Python frames a step on the training thread, each profile round's (a hook
+  # that left its C path on the GPU names itself here)
+  grep -H "^ the agent's Python frames" "$OUT"/overhead-*.log | head -16 >>"$FIG"
 }
 
 fsdp2_cpu() {
