@@ -27,7 +27,14 @@ from syncscope.lab import render, scenarios
 from syncscope.lab.launch import wait_all
 from syncscope.lab.nodes import EmulatedNodes, NodesUnavailable
 from syncscope.lab.servers import Alertmanager, Prometheus, VMStack
-from syncscope.lab.truth import compare, format_comparison, rule_window_steps
+from syncscope.lab.truth import (
+    compare,
+    format_comparison,
+    pooled_truth,
+    read_records,
+    record_files,
+    rule_window_steps,
+)
 from syncscope.monitoring import dashboards as D
 from syncscope.monitoring import rules as R
 from syncscope.monitoring.prometheus_config import (
@@ -323,14 +330,60 @@ ACROSS_NODES = {
 CLEAN_ACROSS_NODES = ("fsdp2", "hsdp", "tp", "pp-uneven", "pp-interleaved")
 
 
+def straggler_line() -> float:
+    """SyncscopeStraggler's line: the lag over the mean step its condition names a rank at."""
+    levels = load_config().alerts["SyncscopeStraggler"].levels
+    return min(required(level.threshold, "threshold") for level in levels)
+
+
 def named_by_the_rule(sel: str) -> str:
     """The ranks SyncscopeStraggler's condition names (the recorded lag over both its lines)."""
-    cfg = load_config()
-    ratio = min(
-        required(level.threshold, "threshold") for level in cfg.alerts["SyncscopeStraggler"].levels
-    )
-    floor = cfg.diagnosis.skew_floor_s
-    return f"{R.STRAGGLER_RATIO}{sel} > {ratio} and on (job) {R.SKEW}{sel} > {floor}"
+    floor = load_config().diagnosis.skew_floor_s
+    return f"{R.STRAGGLER_RATIO}{sel} > {straggler_line()} and on (job) {R.SKEW}{sel} > {floor}"
+
+
+def truth_where_named(
+    records_dir: str,
+    prom: Prometheus,
+    job: str,
+    window: float,
+    ruled: dict[float, Any],
+    stages: dict[int, int] | None,
+) -> dict[float, tuple[int | None, dict[int, float]]]:
+    """At each evaluation (unix s) where the rule named a rank: the truth pooled from the ranks'
+    records over the steps that evaluation's window saw, its straggler and each rank's lag
+    behind the earliest of its pipeline stage (`stages`: rank -> stage; None: one) over the
+    mean step (what the rule's condition estimates)."""
+    named_at = [t for t, series in ruled.items() if ruled_rank(series) is not None]
+    if not named_at:
+        return {}
+    records = read_records(record_files(records_dir))
+    steps = rule_window_steps(prom, job, f"{window:g}s")
+    out: dict[float, tuple[int | None, dict[int, float]]] = {}
+    for t in named_at:
+        span = steps(t)
+        seen = {
+            rank: {
+                k: rec
+                for k, rec in recs.items()
+                if (span[0] <= k < span[1] if span else t - window < rec["end_unix_s"] <= t)
+            }
+            for rank, recs in records.items()
+        }
+        try:
+            truth = pooled_truth(seen, stages=stages)
+        except ValueError:  # no step every rank recorded: nothing to tell it by
+            out[t] = (None, {})
+            continue
+        step = sum(truth.mean_step_s.values()) / len(truth.mean_step_s)
+        stage = {r: (stages or {}).get(r, 0) for r in truth.mean_blocked_s}
+        most = {
+            s: max(b for r, b in truth.mean_blocked_s.items() if stage[r] == s)
+            for s in set(stage.values())
+        }
+        lag = {r: (most[stage[r]] - b) / step for r, b in truth.mean_blocked_s.items()}
+        out[t] = (truth.straggler, lag)
+    return out
 
 
 # Per phase, the exporter samples (two a second) and the seconds of the rules' evaluations
@@ -357,6 +410,8 @@ def run_across_nodes(tmp_path, job: str, args: list[str], clean: bool) -> dict[s
         (control / "slow").touch()
     sel = f'{{job="{job}"}}'
     window, hold_s = local_window_s(), exporter_hold_s() + 2
+    # a pipeline's stage: the rank's place in its pair (the workload's ("dp", "pp") mesh)
+    stages = {r: r % 2 for r in range(4)} if "pp" in args else None
     out: dict[str, Any] = {}
     with job_wide_nodes(tmp_path) as (cluster, prom), open(tmp_path / f"{job}.log", "wb") as log:
         started = time.time()
@@ -394,6 +449,7 @@ def run_across_nodes(tmp_path, job: str, args: list[str], clean: bool) -> dict[s
             wanted, ruled_s = ENOUGH[phase]
             if len(samples) < wanted or now - (since + 1) < ruled_s:
                 continue
+            ruled = prom.query_range(named_by_the_rule(sel), started, now)
             out[phase] = {
                 "samples": samples,
                 "running": states,  # every exporter's last sample, all ranks still running
@@ -404,7 +460,11 @@ def run_across_nodes(tmp_path, job: str, args: list[str], clean: bool) -> dict[s
                 # skew over its mean step (recorded once every rank has a full window; on a
                 # clean job, how far under the straggler's line it stayed) and the straggler
                 # alert.
-                "ruled_since_start": prom.query_range(named_by_the_rule(sel), started, now),
+                "ruled_since_start": ruled,
+                # clean, where it named someone: the truth over the steps that evaluation saw
+                "truth_where_named": {}
+                if slowing
+                else truth_where_named(cluster.records_dir, prom, job, window, ruled, stages),
                 "skew": prom.query_range(f"{R.SKEW_RATIO}{sel}", started, now),
                 # and each rank's blocked time per step (on a failure: whose moved)
                 "blocked": prom.query_range(f"{R.SYNC_PER_STEP}{sel}", started, now),
@@ -556,8 +616,8 @@ def test_each_parallelism_across_nodes_names_the_root_job_wide(name, across_node
 @pytest.mark.parametrize("name", CLEAN_ACROSS_NODES)
 def test_each_parallelism_across_nodes_clean_gets_no_straggler_anywhere(name, across_nodes):
     """No rank slowed yet, pacing on: no exporter sample names a straggler or a fabric fault,
-    no evaluation of the job-wide rule crosses the straggler alert's threshold, and the alert
-    never fires."""
+    the job-wide rule crosses the straggler alert's threshold only where the ranks' records say
+    that rank was nearly that late, and the alert never fires."""
     run = across_nodes(name)["clean"]
     samples = run["samples"]
     assert len(samples) >= 15, len(samples)
@@ -579,8 +639,24 @@ def test_each_parallelism_across_nodes_clean_gets_no_straggler_anywhere(name, ac
         for t, s in run["blocked"].items()
         if any(abs(t - start - at) <= 3 for at in named)
     }
-    # s from the launch: whom, the stage labels, the skew, who was blocked how long
-    assert not named, (named, stages, run["skew"], blocked)
+    # The rule names a rank of a clean job only where the ranks' own records say it was that
+    # late: the truth's straggler over the steps that evaluation saw, at least 80 % of the way
+    # to the line. (Two cores under four ranks and their servers slow a rank for seconds at a
+    # time: in one run of the clean tp job, rank 2 was 9.7-9.8 % of the step late by its
+    # records at the two evaluations that named it, the line 10 %.) The alert never fires.
+    # On failure, per naming (s from the launch): whom, the stage labels, the skew, who was
+    # blocked how long, and the truth (its straggler, each rank's lag over the step).
+    line, truth = straggler_line(), run["truth_where_named"]
+    told = {round(t - start): truth[t] for t in truth}
+    for at, rank in named.items():
+        straggler, lag = told[at]
+        assert rank == str(straggler) and lag[straggler] >= 0.8 * line, (
+            named,
+            told,
+            stages,
+            run["skew"],
+            blocked,
+        )
     assert not any(run["alerts"].values()), run["alerts"]
 
 
