@@ -1429,13 +1429,15 @@ PyObject* backward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwna
   Py_INCREF(c);
   Py_DECREF(clocks);
   const ClockSlots& s = h->clock_slots.at;
+  bool calls = false;  // armed here for a trigger that calls on_grad: disarmed at the exit
   if (!put_int(c, s.bwd_depth, 1) || (how != 2 && !put_int(c, s.bwd_entry, now_ns()))) {
     note_error(c);
   } else if (how == 1) {
     syncscope_bwd_armed.store(1, std::memory_order_relaxed);
   } else if (how == 3) {
     mark_at(h, c, h->bwd_start);  // on the caller's stream, before any backward kernel
-    if (calls_on_grad(h, c)) {
+    calls = calls_on_grad(h, c);
+    if (calls) {
       syncscope_bwd_armed.store(1, std::memory_order_relaxed);  // its gradient calls on_grad
     }
   }
@@ -1446,7 +1448,7 @@ PyObject* backward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwna
   int64_t depth = 0;
   PyObject* triggers = get(c, s.triggers);
   PyObject* done = nullptr;
-  if (calls_on_grad(h, c)) {  // armed no more, should no watched gradient have come (disarm)
+  if (calls) {  // armed no more, should no watched gradient have come (disarm)
     syncscope_bwd_armed.store(0, std::memory_order_relaxed);
   }
   if (!int_of(get(c, s.bwd_depth), depth)) {
