@@ -23,7 +23,7 @@ from syncscope.agent.compiles import CompileWatch
 from syncscope.agent.config import AgentConfig, process_identity, process_started_unix_s
 from syncscope.agent.link import LinkSampler, with_link
 from syncscope.agent.local_arrival import LocalArrival
-from syncscope.agent.phase_hooks import Instrumented, instrument, parts_of
+from syncscope.agent.phase_hooks import Instrumented, instrument, optimizers_of, parts_of
 from syncscope.agent.phases import PhaseClock
 from syncscope.agent.queues import RecordQueues
 from syncscope.agent.recording import RecordWriter
@@ -121,7 +121,8 @@ class Agent:
         self.last_error: BaseException | None = None
         self._closed = False
         self.hooks: Instrumented | None = None  # on the model and optimizer, for the clock
-        torch = sys.modules.get("torch") if model is None and optimizer is None else _import_torch()
+        optimizers = optimizers_of(optimizer)
+        torch = sys.modules.get("torch") if model is None and not optimizers else _import_torch()
         model = model_parts(torch, model)
         self.identity = _identity(config)
         self.queues = RecordQueues(config.queue_size)
@@ -129,7 +130,7 @@ class Agent:
         ddp_model, ddp_group, ddp_bytes = _ddp_sync(torch, model, labels)
         # On CUDA (docs/gpu.md): GPU-side phases from CUDA events, NCCL durations from Flight
         # Recorder, GPU topology from NVML/sysfs; all resolved or read off the training thread.
-        cuda_index = _cuda_device(torch, model, optimizer)
+        cuda_index = _cuda_device(torch, model, optimizers)
         timeline = _step_timeline() if cuda_index is not None else None
         self.clock = self._make_clock(
             torch, model, ddp_model, ddp_group, ddp_bytes, timeline, cuda_index
@@ -137,7 +138,7 @@ class Agent:
         self.queues.clock = self.clock
         self.clock.phase_every = config.phase_every
         self.clock.events = self.queues.events
-        self._number_steps(optimizer, config)
+        self._number_steps(optimizers, config)
         self.nccl_reader: FlightRecorderReader | None = None
         self.topology: TopologySampler | None = None
         if cuda_index is not None:
@@ -174,7 +175,7 @@ class Agent:
             counter = self.clock.step_counter = self.patch.step_counter
             if counter is not None:
                 counter.value = self.clock.step
-        self.hooks = instrument(self.clock, model, optimizer, self._native_backward(torch))
+        self.hooks = instrument(self.clock, model, optimizers, self._native_backward(torch))
         try:
             checkpointing.install(self.checkpoints)
         except Exception as exc:  # noqa: BLE001 - no checkpoint time, everything else stands
@@ -189,8 +190,8 @@ class Agent:
             self.clock.after_step = self.reporter.pump
         else:
             self.clock.after_step = self.reporter.at_step
-        if model is not None and config.detail == "buckets" and ddp_group is not None:
-            self._time_buckets(model, ddp_group)
+        if ddp_model is not None and config.detail == "buckets" and ddp_group is not None:
+            self._time_buckets(ddp_model, ddp_group)
         self.reporter.start()
         self.clock.start()
         if self.nccl_reader is not None:
@@ -333,13 +334,13 @@ class Agent:
         }
 
     # -- construction -------------------------------------------------------------------------
-    def _number_steps(self, optimizer: Any, config: AgentConfig) -> None:
+    def _number_steps(self, optimizers: list[Any], config: AgentConfig) -> None:
         """Step numbers that continue across restarts, and what the startup is measured from."""
         clock = self.clock
         if config.start_step is not None and config.start_step > 0:
             clock.step = int(config.start_step)
-        elif config.start_step is None and optimizer is not None:
-            clock.detect_start = optimizer
+        elif config.start_step is None and optimizers:
+            clock.detect_start = optimizers
         # The process's start on the clock's timeline (perf_counter ns).
         offset = time.time_ns() - time.perf_counter_ns()
         clock.process_started_ns = int(self.identity["process_started_unix_s"] * 1e9) - offset
@@ -470,12 +471,14 @@ class Agent:
             if patch is not None:
                 patch.record("all_reduce", ddp_group, size, duration_ns, step_of())
 
-        try:
-            model.register_comm_hook(
-                model.process_group, bucket_timing_hook(self.identity["world_size"], record)
-            )
-        except Exception as exc:  # noqa: BLE001 - e.g. the user registered their own hook
-            log.warning("syncscope: per-bucket timing unavailable (%s); default path only", exc)
+        synced = model.models if isinstance(model, DdpModels) else [model]
+        for each in synced:
+            try:
+                each.register_comm_hook(
+                    each.process_group, bucket_timing_hook(self.identity["world_size"], record)
+                )
+            except Exception as exc:  # noqa: BLE001 - e.g. the user registered their own hook
+                log.warning("syncscope: per-bucket timing unavailable (%s); default path only", exc)
 
     # -- internals ----------------------------------------------------------------------------
     def _on_error(self, exc: BaseException) -> None:
@@ -557,23 +560,49 @@ def model_parts(torch: Any, model: Any) -> Any:
 
 def _ddp_sync(torch: Any, model: Any, labels: GroupLabels) -> tuple[Any, str | None, float]:
     """(the DDP module, its group's label, bytes of gradients it synchronises per step), or
-    (None, None, 0.0) when the model synchronises no gradients through DDP."""
+    (None, None, 0.0) when the model synchronises no gradients through DDP. Several DDP modules
+    (a GAN's two: attach(model=[generator, critic])) on the first one's group are one DdpModels;
+    the buckets of one on another group are timed as that group's all-reduces."""
     if model is None or torch is None:
         return None, None, 0.0
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    ddp = torch.nn.parallel.DistributedDataParallel
+    models = [m for m in parts_of(model) if isinstance(m, ddp)]
+    if not models:
         return None, None, 0.0
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return model, labels(model.process_group), float(nbytes)
+    group = models[0].process_group
+    models = [m for m in models if m.process_group is group]
+    params = (p for m in models for p in m.parameters() if p.requires_grad)
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    synced = models[0] if len(models) == 1 else DdpModels(models)
+    return synced, labels(group), float(nbytes)
 
 
-def _cuda_device(torch: Any, model: Any, optimizer: Any) -> int | None:
-    """The CUDA device the model (or optimizer) parameters live on; None on CPU."""
+class DdpModels:
+    """Several DDP modules on one process group, as the clock takes its `ddp_model`: their
+    buckets are all-reduced in the same backwards (a GAN's generator loss reaches both), and
+    DDP's sync is due when any of them synchronises (not all under `no_sync()`). A sync record's
+    bytes are all of theirs, also where a backward reaches only one (the critic's own loss)."""
+
+    __slots__ = ("models", "process_group")
+
+    def __init__(self, models: list[Any]) -> None:
+        self.models = models
+        self.process_group = models[0].process_group
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return any(m.require_backward_grad_sync for m in self.models)
+
+
+def _cuda_device(torch: Any, model: Any, optimizers: list[Any]) -> int | None:
+    """The CUDA device the model (or optimizers') parameters live on; None on CPU."""
     if torch is None:
         return None
     try:
         first = next((p for m in parts_of(model) for p in m.parameters()), None)
-        if first is None and optimizer is not None:
-            first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        if first is None:
+            params = (p for o in optimizers for g in o.param_groups for p in g["params"])
+            first = next(params, None)
         if first is not None and first.is_cuda:
             index = first.device.index
             return index if index is not None else torch.cuda.current_device()
@@ -612,10 +641,11 @@ def attach(
 ) -> RankAgent:
     """Attach syncscope to this rank's training.
 
-    model      the (DDP-wrapped) module: phases from its forward and backward; or a pipeline
-               rank's stages (a list of modules, as torchtitan's model_parts), every one's
-               forward timed
-    optimizer  step boundaries from its post-step hook, and the optimizer phase
+    model      the (DDP-wrapped) module: phases from its forward and backward; or a list of
+               modules, every one's forward timed: a pipeline rank's stages (torchtitan's
+               model_parts), or every model a step trains (a GAN's generator and critic)
+    optimizer  step boundaries from its post-step hook, and the optimizer phase; or a list of
+               those a step steps, the step ending when each has stepped since the last end
     exporter   http://host:port or unix:///path (default: $SYNCSCOPE_EXPORTER)
     **config   any AgentConfig field (job, detail, pacing, flush_interval_s, ...)
     Never raises because of syncscope itself: on an internal failure it logs and returns an

@@ -59,7 +59,8 @@ from syncscope.agent.phases import (
     phase_shares,
 )
 
-_IDLE_BEFORE_FORWARD = (STEP_START, BWD_END, COMM_END)
+# a forward after them starts with data (OPT_POST: an optimizer's step within a training step's)
+_IDLE_BEFORE_FORWARD = (STEP_START, BWD_END, COMM_END, OPT_POST)
 NO_PHASES = (0,) * ACC_LEN  # a quiet step's row until the resolver estimates them (and in C)
 # A quiet step's estimate, taken at its end: the last timed step's phase shares (CPU) and its
 # DDP sync's share of its total (None: it had no sync).

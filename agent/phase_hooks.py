@@ -84,7 +84,8 @@ def instrument(
 
     `model`: a module, or a list of them (a pipeline rank's stages, each called apart): every
     one's forward is the forward phase; the batch is read from the first one's inputs only (the
-    rank's first stage: later stages see the same samples again)."""
+    rank's first stage: later stages see the same samples again). `optimizer`: one, or a list
+    of those stepped in one training step (StepOfSeveral)."""
     done = Instrumented(clock)
     handles = done.handles
     parts = parts_of(model)
@@ -116,12 +117,43 @@ def instrument(
             calls=clock.mark is not None,  # (its callback A records an event: Python's)
         )
         install_backward(clock, hot)
-    if optimizer is not None:
+    optimizers = optimizers_of(optimizer)
+    if len(optimizers) == 1:
         pre, post = hot_hooks(clock, hot)
-        handles.append(optimizer.register_step_pre_hook(pre))
-        handles.append(optimizer.register_step_post_hook(post))
+        handles.append(optimizers[0].register_step_pre_hook(pre))
+        handles.append(optimizers[0].register_step_post_hook(post))
+    elif optimizers:
+        several = StepOfSeveral(clock, optimizers)
+        for each in optimizers:
+            handles.append(each.register_step_pre_hook(clock.optimizer_pre))
+            handles.append(each.register_step_post_hook(several.post))
+    if optimizers:
         clock.steps_open = True
     return done
+
+
+class StepOfSeveral:
+    """The step post-hook of several optimizers stepped in one training step (a GAN's
+    generator's and critic's, an actor's and a critic's): each optimizer's step is optimizer
+    time, and the training step ends at the step that completes the set, every optimizer having
+    stepped since the last end, whatever their order and however often one steps (a critic's
+    five to the generator's one). Python's hooks: a few µs more a step than one optimizer's."""
+
+    __slots__ = ("clock", "everyone", "left")
+
+    def __init__(self, clock: PhaseClock, optimizers: list[Any]) -> None:
+        self.clock = clock
+        self.everyone = frozenset(map(id, optimizers))
+        self.left = set(self.everyone)
+
+    def post(self, optimizer: Any, *_: Any) -> None:
+        left = self.left
+        left.discard(id(optimizer))
+        if left:
+            self.clock.optimizer_within()
+        else:
+            left.update(self.everyone)
+            self.clock.optimizer_post()
 
 
 # PhaseClock's methods the hooks in C do themselves for a subclass too: one that has its own is
@@ -425,6 +457,13 @@ class _ForwardWrapper:
 def parts_of(model: Any) -> list[Any]:
     """The modules of `model` as the clock takes it: none, one, or a list of them."""
     return model if isinstance(model, list) else [] if model is None else [model]
+
+
+def optimizers_of(optimizer: Any) -> list[Any]:
+    """The optimizers of `optimizer` as attach() takes it: none, one, or a list or tuple."""
+    if isinstance(optimizer, (list, tuple)):
+        return list(optimizer)
+    return [] if optimizer is None else [optimizer]
 
 
 def wrap_forward(

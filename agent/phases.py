@@ -1,6 +1,6 @@
 """Training-thread phase clock: the boundaries its hooks report (phase_hooks.py), one tuple a step.
 
-  data          previous step end (or previous backward) -> forward pre-hook
+  data          previous step end (previous backward, optimizer step) -> forward pre-hook
   forward       entry -> return of the model's forward (wrapped on the instance); with forward
                 hooks of its own (FSDP2's root, a user's): our first pre-hook -> our last hook
   backward      entry of torch.autograd.backward (wrapped; else the first parameter gradient)
@@ -12,9 +12,9 @@
   optimizer     optimizer step pre-hook -> post-hook
   pacing        the delay the pacing controller inserted at the step boundary
   other         the rest (loss, clipping, logging, checkpoint calls), so phases add up exactly
-A step runs from one optimizer post-hook to the next (or one `with agent.step()` block);
-micro-steps under gradient accumulation are summed, and a DDP `no_sync()` micro-step emits no
-sync record. A step's work (samples, tokens) is what `agent.count` added, else the configured
+A step runs from one optimizer post-hook to the next (several optimizers: StepOfSeveral), or
+is one `with agent.step()` block; micro-steps under gradient accumulation are summed, and a
+DDP `no_sync()` micro-step emits no sync record. A step's work (samples, tokens) is what `agent.count` added, else the configured
 numbers, else what its forwards' inputs show (agent/step_work.py). Step numbers start at
 `attach(start_step=N)` or the optimizer's restored state (detect_start), so that they continue
 across restarts. A split backward (zero-bubble schedules' torch.autograd.grad) is timed by
@@ -542,9 +542,10 @@ class PhaseClock(BackwardPhases):
             self.on_first_step()
 
     def _detect_start_step(self) -> None:
-        optimizer, self.detect_start = self.detect_start, None
-        if self.step == 0:
-            self.step = restored_step(optimizer)
+        optimizers, self.detect_start = self.detect_start, None
+        if self.step == 0:  # several optimizers: the one that has stepped least (a GAN's
+            # generator, stepped once to its critic's five) steps once a training step
+            self.step = min(map(restored_step, optimizers), default=0)
             if self.step_counter is not None:
                 self.step_counter.value = self.step
 
@@ -570,25 +571,44 @@ class PhaseClock(BackwardPhases):
             if self.quiet and not self.manual_steps:  # the common call when sampling
                 self._quiet_end(t, t - self.step_start)
             else:
-                if self.opt_start:
-                    blocked = self.blocked
-                    waited = 0
-                    if blocked is not None and blocked.ns != self.blocked_seen:
-                        waited = self.take_blocked(OPT_POST)
-                    ns = t - self.opt_start - waited
-                    if ns > 0:
-                        self.acc[OPTIMIZER] += ns
-                    self.opt_start = 0
                 if self.manual_steps:  # the step ends later, at the `with agent.step()` exit
-                    if self.mark is not None:
-                        self.mark(OPT_POST)
+                    self._optimizer_stepped(t)
                     return
+                if self.opt_start:
+                    self._optimizer_time(t)
                 self.end_step(t)  # a subclass's too (CudaPhaseClock), before the transport
             after = self.after_step
             if after is not None and t >= self.after_at and self.step % self.after_every == 0:
                 self.after_at = after(self.step) or 0
         except BaseException as exc:  # noqa: BLE001
             self.on_error(exc)
+
+    def optimizer_within(self, *_: Any) -> None:
+        """The post-hook of an optimizer whose step does not end the training step (another
+        optimizer's does: StepOfSeveral)."""
+        try:
+            self._optimizer_stepped(_now())
+        except BaseException as exc:  # noqa: BLE001
+            self.on_error(exc)
+
+    def _optimizer_stepped(self, t: int) -> None:
+        """An optimizer's step ended at `t` within the training step: its time, and a forward
+        after it starts its data phase here (a GAN's generator's, after its critic's step)."""
+        if self.opt_start:
+            self._optimizer_time(t)
+            self.idle_since = t
+        if self.mark is not None:
+            self.mark(OPT_POST)
+
+    def _optimizer_time(self, t: int) -> None:
+        blocked = self.blocked
+        waited = 0
+        if blocked is not None and blocked.ns != self.blocked_seen:
+            waited = self.take_blocked(OPT_POST)
+        ns = t - self.opt_start - waited
+        if ns > 0:
+            self.acc[OPTIMIZER] += ns
+        self.opt_start = 0
 
     # -- step boundaries ----------------------------------------------------------------------
     def begin_manual_step(self) -> None:

@@ -12,6 +12,9 @@ model is data-parallel with DDP by default; `--parallel` runs it the ways large 
           GPipe over 2 micro-batches by default, `--schedule` for the others, SCHEDULES; the first
           half of the layers, then the rest and the head), fully_shard across pairs; the slow
           rank's first stage sleeps in each micro-batch's forward
+  gan     two DDP models and their two optimizers, a GAN's step: a generator (which the slow
+          rank's sleep is in) and a critic (Net) stepped on its output first, then the
+          generator through the critic; the agent is given both models and both optimizers
 `--accumulate N` runs N micro-batches per optimizer step (DDP's under no_sync()).
 `--checkpoint-every N --checkpoint-dir DIR` saves model, optimizer and step count with torch.save
 every N steps, one file per rank, and a run that finds one there resumes from it: the agent is
@@ -75,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--big-grad-mb", type=float, default=0.0, help="extra gradient bytes to all-reduce"
     )
     p.add_argument("--extra-allreduce", action="store_true", help="a direct all_reduce every step")
-    p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp2", "hsdp", "tp", "pp"])
+    p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp2", "hsdp", "tp", "pp", "gan"])
     p.add_argument("--no-reshard", action="store_true", help="fsdp2: reshard_after_forward off")
     p.add_argument(
         "--schedule",
@@ -322,8 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         return SleepInBackward.apply(out) if slow_bwd_s else out
 
     class Net(nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, stalls: bool = True) -> None:
             super().__init__()
+            self.stalls = stalls  # the slowed rank's sleep and the jitter are in its forward
             dims = [args.hidden] * (args.layers + 1)
             self.body = nn.Sequential(
                 *[
@@ -337,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             self.extra = nn.Parameter(torch.zeros(n_extra)) if n_extra else None
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.stalls:  # a GAN's critic
+                return self.head(self.body(x))
             stall()
             out = slowed(self.head(self.body(x)))
             if self.extra is not None:
@@ -368,15 +374,36 @@ def main(argv: list[str] | None = None) -> int:
             out = out if self.head is None else self.head(out)
             return slowed(out) if self.first else out
 
+    class Generator(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            h = args.hidden
+            self.body = nn.Sequential(nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            stall()
+            return slowed(self.body(x))
+
     schedule = None
-    if args.parallel == "pp":
+    model: Any
+    saved: Any
+    critic: Any = None  # --parallel gan's, and its optimizer
+    if args.parallel == "gan":
+        if args.accumulate != 1:
+            raise SystemExit("--parallel gan: no --accumulate")
+        ddp = nn.parallel.DistributedDataParallel
+        generator, critic = ddp(Generator()), ddp(Net(stalls=False))
+        critic_opt = torch.optim.SGD(critic.parameters(), lr=1e-3)
+        model, saved = [generator, critic], nn.ModuleList([generator, critic])
+        params = list(generator.parameters())
+    elif args.parallel == "pp":
         if args.accumulate != 1 or world % 2:
             raise SystemExit("--parallel pp: an even world size, no --accumulate")
         parts, schedule, feeds, scores = pipeline(Net(), Stage, args, world, rank)
         # A rank's stages, one module each: the agent times every one's forward.
-        model: Any = parts[0] if len(parts) == 1 else parts
+        model = parts[0] if len(parts) == 1 else parts
         params = [p for part in parts for p in part.parameters()]
-        saved: Any = torch.nn.ModuleList(parts)  # what a checkpoint holds: every stage's state
+        saved = torch.nn.ModuleList(parts)  # what a checkpoint holds: every stage's state
     else:
         model = saved = parallelize(Net(), args, world)
         params = list(model.parameters())
@@ -389,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
 
         agent = attach(
             model=model,
-            optimizer=opt,
+            optimizer=opt if critic is None else [critic_opt, opt],
             pacing=args.pacing or None,
             detail=args.detail,
             start_step=start if checkpoints is not None else None,
@@ -398,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoints.load(saved, opt, start)  # under the agent: checkpoint time, not startup
     x = torch.randn(args.batch, args.hidden)
     y = torch.randn(args.batch, 1)
+    y_real = torch.randn(args.batch, args.hidden)  # what a GAN's critic is shown as real
     probe = torch.ones(256)
     times: list[float] = []  # each step's duration (s)
     ends: list[float] = []  # and its end (unix s)
@@ -421,7 +449,13 @@ def main(argv: list[str] | None = None) -> int:
             schedule.step(
                 *((x,) if feeds else ()), **({"target": y, "losses": []} if scores else {})
             )
-        for micro in range(args.accumulate if schedule is None else 0):
+        if critic is not None:  # the critic steps on the generator's output first
+            fake = model[0](x)
+            critic_opt.zero_grad(set_to_none=True)
+            (critic(fake.detach()) - critic(y_real)).mean().backward()
+            critic_opt.step()
+            nn.functional.mse_loss(critic(fake), y).backward()  # the generator's, through it
+        for micro in range(args.accumulate if schedule is None and critic is None else 0):
             last_micro = micro == args.accumulate - 1
             with contextlib.nullcontext() if last_micro else no_sync(model):
                 loss = nn.functional.mse_loss(model(x), y)

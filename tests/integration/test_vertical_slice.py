@@ -23,10 +23,12 @@ def _leads(exporter, min_steps: int) -> dict[int, float] | None:
     return None
 
 
-def test_slowed_rank_has_smallest_lead_and_peers_wait(exporter, job_factory):
-    job = job_factory(
-        4, ["--duration", "40", "--slow-rank", str(SLOW_RANK), "--slow-ms", "30"], exporter.url
-    )
+# gan: two DDP models and two optimizers a step (the lab workload's --parallel gan), both given
+# to attach(); its ranks wait for the slowed one in the critic's gradient sync.
+@pytest.mark.parametrize("parallel", ["ddp", "gan"])
+def test_slowed_rank_has_smallest_lead_and_peers_wait(exporter, job_factory, parallel):
+    args = ["--duration", "40", "--slow-rank", str(SLOW_RANK), "--slow-ms", "30"]
+    job = job_factory(4, [*args, "--parallel", parallel], exporter.url)
     t0 = time.monotonic()
     # Within 30 s of start the metrics name the slowed rank (the lead averages 64 steps).
     leads = wait_until(lambda: _leads(exporter, 80), timeout=30)

@@ -154,3 +154,57 @@ def test_a_cpu_job_triggers_its_backward_from_cpp_unless_told_not_to(
             assert row[ROW_PHASES + BACKWARD] > 0 and row[ROW_PHASES + COMM] > 0, row
     finally:
         agent.close()
+
+
+@pytest.mark.parametrize("phase_every", [1, 4])
+def test_a_gans_two_ddp_models_are_one_sync_and_its_two_optimizers_one_step(
+    gloo_world_of_one, phase_every
+):
+    """attach(model=[generator, critic], optimizer=[...]), both DDP on one group: DDP's sync is
+    timed at each backward (the critic's own loss, the generator's through both), with both
+    models' bytes; their buckets are not counted again as all-reduces; the sync is due unless
+    both are under no_sync(); one step row per iteration, timed or sampled."""
+    from syncscope.agent.phases import COMM, ROW_PHASES
+
+    from syncscope.wire import DDP_GRAD_SYNC
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+    generator, critic = ddp(torch.nn.Linear(8, 8)), ddp(torch.nn.Linear(8, 1))
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.01)
+    opt_c = torch.optim.SGD(critic.parameters(), lr=0.01)
+    agent = attach(
+        model=[generator, critic],
+        optimizer=[opt_g, opt_c],
+        exporter=None,
+        flush_interval_s=3600,
+        phase_every=phase_every,
+    )
+    try:
+        for _ in range(8):
+            fake = generator(torch.randn(4, 8))
+            opt_c.zero_grad()
+            critic(fake.detach()).mean().backward()
+            opt_c.step()
+            opt_g.zero_grad()
+            (-critic(fake).mean()).backward()
+            opt_g.step()
+        clock = agent.clock  # type: ignore[attr-defined]
+        synced = clock.ddp_model
+        with generator.no_sync():
+            assert synced.require_backward_grad_sync
+            with critic.no_sync():
+                assert not synced.require_backward_grad_sync
+        assert synced.require_backward_grad_sync
+        rows = list(clock.steps)
+        assert [row[0] for row in rows] == list(range(8))
+        agent.patch.poll()  # type: ignore[attr-defined]
+        ops = [c[0] for c in agent.queues.collectives]  # type: ignore[attr-defined]
+        assert "all_reduce" not in ops, ops
+        syncs = [c for c in agent.queues.collectives if c[0] == DDP_GRAD_SYNC]  # type: ignore[attr-defined]
+        assert {c[2] for c in syncs} == {4.0 * (8 * 8 + 8 + 8 + 1)}
+        if phase_every == 1:
+            assert len(syncs) == 2 * len(rows)
+            assert all(row[ROW_PHASES + COMM] > 0 for row in rows), rows
+        assert agent.errors == 0
+    finally:
+        agent.close()

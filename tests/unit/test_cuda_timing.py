@@ -20,7 +20,13 @@ from syncscope.agent.cuda_timing import (
     torch_stream_of,
 )
 from syncscope.agent.nccl_trace import StepTimeline
-from syncscope.agent.phase_hooks import Clocks, instrument, timed_backward, timed_forward
+from syncscope.agent.phase_hooks import (
+    Clocks,
+    StepOfSeveral,
+    instrument,
+    timed_backward,
+    timed_forward,
+)
 from syncscope.agent.phases import ROW_WORK
 
 from syncscope.wire import DDP_GRAD_SYNC
@@ -504,6 +510,33 @@ def test_manual_steps_time_the_optimizer_to_its_post_hook():
     c.resolve()
     p = phases_ms(loop.steps[-1])
     assert p["optimizer"] == pytest.approx(2.0) and p["total"] == pytest.approx(7.0)
+
+
+def test_a_gan_step_of_two_optimizers_on_the_gpu():
+    """Both optimizers given (StepOfSeveral), the critic's first: its update is optimizer time,
+    the GPU's gap after it before the generator's forward is data, and the step ends at the
+    generator's update, with a DDP sync record for each backward."""
+    loop = Loop()
+    c, s = loop.clock, loop.stream
+    critic_opt, generator_opt = object(), object()
+    several = StepOfSeveral(c, [generator_opt, critic_opt])
+    for _ in range(4):
+        s.enqueue(3.0)
+        for opt, gap in ((critic_opt, 1.5), (generator_opt, 0.0)):
+            loop.forward(5.0)
+            loop.backward(Loop.PHASES)  # backward 9, then DDP's sync 4
+            c.optimizer_pre(opt, (), {})
+            s.enqueue(2.0)
+            several.post(opt, (), {})
+            s.enqueue(gap)
+    s.run_all()
+    c.resolve()
+    assert [r[0] for r in loop.steps] == [0, 1, 2, 3]
+    for r in list(loop.steps)[1:]:
+        expected = {"data": 4.5, "forward": 10.0, "backward": 18.0, "optimizer": 4.0}
+        expected |= {"comm_exposed": 8.0, "pacing": 0.0, "total": 44.5}
+        assert phases_ms(r) == pytest.approx(expected)
+    assert len(loop.colls) == 8 and loop.errors == []
 
 
 def test_with_real_torch_hooks_on_cpu():

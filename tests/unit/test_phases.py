@@ -109,6 +109,42 @@ def test_a_closure_inside_the_optimizer_step_is_not_optimizer_time(tmp_path):
     assert agent.stats["errors"] == 0
 
 
+@pytest.mark.parametrize("critic_first", [True, False])
+def test_several_optimizers_end_a_step_once_each_has_stepped(tmp_path, critic_first):
+    """A GAN's loop (a critic stepped twice, then the generator once), both optimizers given to
+    attach() in either order: one step row per iteration, ending at the generator's step; every
+    optimizer step is optimizer time, and the critic's steps are not the next forward's data
+    (they were, as well, before: data held its two 8 ms updates again)."""
+    record = tmp_path / "steps.jsonl"
+    generator, critic = Sleepy(), Sleepy()
+    opt_g, opt_c = SlowStep(generator.parameters()), SlowStep(critic.parameters())
+    optimizers = (opt_c, opt_g) if critic_first else [opt_g, opt_c]
+    agent = attach(
+        model=[generator, critic], optimizer=optimizers, record=str(record), exporter=None
+    )
+    x = torch.randn(4, 8)
+    for _ in range(10):
+        time.sleep(0.015)  # "data loading"
+        for _ in range(2):
+            opt_c.zero_grad()
+            critic(x).pow(2).mean().backward()
+            opt_c.step()
+        opt_g.zero_grad()
+        generator(x).pow(2).mean().backward()
+        opt_g.step()
+    agent.close()
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    rows = [line for line in lines if "event" not in line][1:]  # the first is the startup's
+    assert [row["step"] for row in rows] == list(range(1, 10))
+    for row in rows:
+        p = row["phases"]
+        assert sum(p.values()) == pytest.approx(row["step_s"], rel=0.01)
+        assert p["data"] >= 0.015 and p["forward"] >= 0.030 and p["optimizer"] >= 0.024, p
+    assert statistics.median(row["phases"]["data"] for row in rows) < 0.023
+    assert statistics.median(row["phases"]["optimizer"] for row in rows) < 0.032
+    assert agent.stats["errors"] == 0
+
+
 def test_manual_steps_and_a_hook_failure_never_reach_the_loop(tmp_path):
     record = tmp_path / "steps.jsonl"
     agent = attach(record=str(record), exporter=None)
