@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -121,7 +122,7 @@ class Agent:
         self.last_error: BaseException | None = None
         self._closed = False
         self.hooks: Instrumented | None = None  # on the model and optimizer, for the clock
-        optimizers = optimizers_of(optimizer)
+        optimizers = self.optimizers = optimizers_of(optimizer)
         torch = sys.modules.get("torch") if model is None and not optimizers else _import_torch()
         model = model_parts(torch, model)
         self.identity = _identity(config)
@@ -163,6 +164,7 @@ class Agent:
         # The exporter tells estimated phases from timed ones (pacing times every step).
         self.identity["phase_every"] = config.phase_every if self.pacer is None else 1
         self.link = LinkSampler()
+        self.stopped_steps: StoppedSteps | None = None  # the HTTP reporter's look, if any
         self.reporter: Reporter | ShmTransport
         if config.exporter is not None and config.exporter.startswith("shm:"):
             # A local exporter reads a shared-memory ring: no reporter thread (shm_ring.py).
@@ -215,9 +217,25 @@ class Agent:
             on_reply=self.arrival.merge_reply if self.arrival is not None else None,
             events=self.queues.events,
             on_events=self.record.write_events if self.record is not None else None,
-            before_drain=self.patch.poll if self.patch is not None else None,
+            before_drain=self._before_drain(),
             finish_rows=self.clock.finish,
         )
+
+    def _before_drain(self) -> Callable[[], None] | None:
+        """What the HTTP reporter calls before each drain: the C++ kernel's records into the
+        queues, and the StoppedSteps look where optimizers end the steps."""
+        poll = self.patch.poll if self.patch is not None else None
+        watch = self.stopped_steps = (
+            StoppedSteps(self.clock, self.optimizers) if self.optimizers else None
+        )
+        if watch is None or poll is None:
+            return watch or poll
+
+        def both() -> None:
+            poll()
+            watch()
+
+        return both
 
     def _shm_transport(self, url: str) -> ShmTransport:
         if self.pacer is not None or self.record is not None:
@@ -556,6 +574,65 @@ def model_parts(torch: Any, model: Any) -> Any:
         parts = list(model)
         return parts[0] if len(parts) == 1 else parts or None
     return model
+
+
+class StoppedSteps:
+    """Says once that the model trains on while the optimizers attach() was given have stopped
+    stepping: the loop built a new optimizer (staged unfreezing, a reset) whose steps the agent
+    does not see, so the rank would look stalled. Called on the reporter's thread at its flushes
+    (every few seconds once no step ends): it reads the step number and the count of forwards
+    with gradients since the step began (what work detection counts; where that is off, it
+    stays silent), nothing on the training thread. The line: no step for `floor_s`, and for
+    `steps` times the longest a step took between two looks, while the forwards went on."""
+
+    def __init__(
+        self,
+        clock: PhaseClock,
+        optimizers: list[Any],
+        floor_s: float = 30.0,
+        steps: float = 10.0,
+        now: Any = time.monotonic,
+    ) -> None:
+        self.clock = clock
+        self.names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
+        self.floor_s, self.steps, self.now = floor_s, steps, now
+        self.step = -1  # at the last look, and when it last changed
+        self.since = 0.0
+        self.baseline = False  # a change of step since the first look was seen
+        self.step_s = 0.0  # the longest a step took between two looks (0: none seen yet)
+        self.forwards = 0  # counted at the last look
+        self.told = False
+
+    def __call__(self) -> None:
+        try:
+            self._look()
+        except Exception:  # noqa: BLE001 - a look that fails says nothing; the drain goes on
+            self.told = True
+
+    def _look(self) -> None:
+        if self.told:
+            return
+        clock, t = self.clock, self.now()
+        step, forwards = clock.step, clock.work.seen_batches
+        if step != self.step:
+            if self.baseline:  # (the first change seen may hold the start-up's first step)
+                self.step_s = max(self.step_s, (t - self.since) / max(1, step - self.step))
+            self.baseline = self.step >= 0
+            self.step, self.since, self.forwards = step, t, forwards
+            return
+        going = forwards > self.forwards
+        self.forwards = forwards
+        idle = t - self.since
+        if self.step_s and going and idle > max(self.floor_s, self.steps * self.step_s):
+            self.told = True
+            log.warning(
+                "syncscope: %d forwards in %.0f s and no step: the optimizer given to attach() "
+                "(%s) has stopped stepping, and this rank's steps are not reported. If the "
+                "loop made a new optimizer, close the agent and attach() again with it.",
+                forwards,
+                idle,
+                self.names,
+            )
 
 
 def _ddp_sync(torch: Any, model: Any, labels: GroupLabels) -> tuple[Any, str | None, float]:

@@ -208,3 +208,64 @@ def test_a_gans_two_ddp_models_are_one_sync_and_its_two_optimizers_one_step(
         assert agent.errors == 0
     finally:
         agent.close()
+
+
+def test_a_new_optimizer_the_agent_was_not_given_is_told_once(caplog):
+    """The loop replaces its optimizer (staged unfreezing): the agent's steps stop while the
+    model trains on, and the reporter's look before a drain says so, once, naming the optimizer
+    it was given. Its steps before that, and the new optimizer's, are unaffected."""
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600)
+    x = torch.randn(4, 8)
+
+    def train(optimizer, steps):
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+
+    try:
+        look = agent.stopped_steps  # type: ignore[attr-defined]
+        look.floor_s, look.steps = 0.0, 2.0  # (30 s and 10 steps' time for real)
+        with caplog.at_level("WARNING", logger="syncscope.agent"):
+            look()
+            train(opt, 1)
+            look()  # the first change seen: it may hold the start-up
+            train(opt, 4)
+            look()  # steps went on: the time a step takes is learnt
+            train(torch.optim.AdamW(model.parameters()), 20)
+            look()
+            train(torch.optim.AdamW(model.parameters()), 5)
+            look()
+        told = [r.getMessage() for r in caplog.records if "no step" in r.getMessage()]
+        assert len(told) == 1 and "(SGD)" in told[0] and "20 forwards" in told[0], told
+        assert agent.clock.step == 5  # type: ignore[attr-defined]
+    finally:
+        agent.close()
+
+
+def test_the_stopped_steps_look_is_silent_while_steps_go_on_or_nothing_trains():
+    """No step for a long while is no news where no forward ran either (evaluation without
+    gradients, a checkpoint, a wait), before a step's time is known, or under the line."""
+    from types import SimpleNamespace
+
+    from syncscope.agent.core import StoppedSteps
+
+    clock = SimpleNamespace(step=0, work=SimpleNamespace(seen_batches=0))
+    t = [0.0]
+    look = StoppedSteps(clock, [torch.optim.SGD([torch.zeros(1)], lr=0.1)], now=lambda: t[0])
+
+    def at(seconds: float, step: int, forwards: int) -> bool:
+        t[0], clock.step, clock.work.seen_batches = seconds, step, forwards
+        look()
+        return look.told
+
+    assert not at(0, 0, 3) and not at(100, 0, 40)  # the first step is long: nothing learnt
+    assert not at(101, 1, 0) and not at(102, 11, 1)  # 0.1 s a step from here
+    assert look.step_s == pytest.approx(0.1)
+    assert not at(120, 11, 1)  # 18 s with no forward: not training
+    assert not at(131, 11, 1)  # 29 s: still no forward
+    assert not at(131.5, 11, 9)  # forwards again, but under the 30 s floor
+    assert at(133, 11, 20)  # 31 s, forwards going on: told
+    assert at(200, 11, 90)  # and once only (the other test counts the lines)
