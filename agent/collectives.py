@@ -258,8 +258,11 @@ class CollectiveInterceptor:
         skip_group: Any = None,
         skip_while: Callable[[], bool] = lambda: False,
         native: bool = True,
+        watch: Callable[[str, str, int, int, bool], None] | None = None,
     ) -> None:
         self.sink = queues.collectives
+        # told of every op the C++ kernel completed: (op, group, bytes, step, inside autograd)
+        self.watch = watch
         self.step_of = queues.current_step
         self.labels = labels
         self.blocked = blocked
@@ -310,7 +313,10 @@ class CollectiveInterceptor:
         """One collective the C++ kernel timed, on group `name` (torch's) described `desc`."""
         if in_autograd and name == self.skip_name and op == SKIPPED_OP:  # DDP's buckets
             return
-        self.record(op, self.labels.named(name, desc), size, duration_ns, step)
+        group = self.labels.named(name, desc)
+        self.record(op, group, size, duration_ns, step)
+        if self.watch is not None:
+            self.watch(op, group, size, step, in_autograd)
 
     def record(self, op: str, group: str, size: int, duration_ns: int, step: int) -> None:
         """Queue one collective's row; a full queue refuses it, counted in `dropped`."""

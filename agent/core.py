@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from syncscope.agent import checkpointing
+from syncscope.agent.attach_checks import DdpOutside, StoppedSteps
 from syncscope.agent.collectives import (
     Blocked,
     CollectiveInterceptor,
@@ -122,7 +123,7 @@ class Agent:
         self.last_error: BaseException | None = None
         self._closed = False
         self.hooks: Instrumented | None = None  # on the model and optimizer, for the clock
-        optimizers = self.optimizers = optimizers_of(optimizer)
+        optimizers = optimizers_of(optimizer)
         torch = sys.modules.get("torch") if model is None and not optimizers else _import_torch()
         model = model_parts(torch, model)
         self.identity = _identity(config)
@@ -147,7 +148,7 @@ class Agent:
             self.topology = _topology_sampler(torch, cuda_index)
         # On CUDA the clock ties the queue's records to GPU steps and NCCL is Flight Recorder's.
         self.patch = (
-            self._intercept_collectives(torch, labels, ddp_model, ddp_group)
+            self._intercept_collectives(torch, labels, model, ddp_model, ddp_group)
             if cuda_index is None
             else None
         )
@@ -170,7 +171,7 @@ class Agent:
             # A local exporter reads a shared-memory ring: no reporter thread (shm_ring.py).
             self.reporter = self._shm_transport(config.exporter)
         else:
-            self.reporter = self._http_reporter(config)
+            self.reporter = self._http_reporter(config, optimizers)
         # Hooks and patches go in last, so that a failure above leaves none of them in place.
         if self.patch is not None:
             self.patch.install()
@@ -200,7 +201,7 @@ class Agent:
             self.nccl_reader.start()
         atexit.register(self.close)
 
-    def _http_reporter(self, config: AgentConfig) -> Reporter:
+    def _http_reporter(self, config: AgentConfig, optimizers: list[Any]) -> Reporter:
         return Reporter(
             identity=self.identity,
             url=config.exporter,
@@ -217,17 +218,15 @@ class Agent:
             on_reply=self.arrival.merge_reply if self.arrival is not None else None,
             events=self.queues.events,
             on_events=self.record.write_events if self.record is not None else None,
-            before_drain=self._before_drain(),
+            before_drain=self._before_drain(optimizers),
             finish_rows=self.clock.finish,
         )
 
-    def _before_drain(self) -> Callable[[], None] | None:
+    def _before_drain(self, optimizers: list[Any]) -> Callable[[], None] | None:
         """What the HTTP reporter calls before each drain: the C++ kernel's records into the
         queues, and the StoppedSteps look where optimizers end the steps."""
         poll = self.patch.poll if self.patch is not None else None
-        watch = self.stopped_steps = (
-            StoppedSteps(self.clock, self.optimizers) if self.optimizers else None
-        )
+        watch = self.stopped_steps = StoppedSteps(self.clock, optimizers) if optimizers else None
         if watch is None or poll is None:
             return watch or poll
 
@@ -436,7 +435,7 @@ class Agent:
         )
 
     def _intercept_collectives(
-        self, torch: Any, labels: GroupLabels, ddp_model: Any, ddp_group: str | None
+        self, torch: Any, labels: GroupLabels, model: Any, ddp_model: Any, ddp_group: str | None
     ) -> CollectiveInterceptor | None:
         """The dispatcher-level timing of every c10d op (installed with the other hooks).
 
@@ -453,6 +452,7 @@ class Agent:
             skip_group=getattr(ddp_model, "process_group", None) if ddp_group else None,
             skip_while=lambda: clock.bwd_pending or clock.bwd_depth > 0,
             native=self.config.native_collectives,
+            watch=_ddp_outside(torch, model) if ddp_group is None else None,
         )
 
     def _native_backward(self, torch: Any) -> Native | None:
@@ -576,65 +576,6 @@ def model_parts(torch: Any, model: Any) -> Any:
     return model
 
 
-class StoppedSteps:
-    """Says once that the model trains on while the optimizers attach() was given have stopped
-    stepping: the loop built a new optimizer (staged unfreezing, a reset) whose steps the agent
-    does not see, so the rank would look stalled. Called on the reporter's thread at its flushes
-    (every few seconds once no step ends): it reads the step number and the count of forwards
-    with gradients since the step began (what work detection counts; where that is off, it
-    stays silent), nothing on the training thread. The line: no step for `floor_s`, and for
-    `steps` times the longest a step took between two looks, while the forwards went on."""
-
-    def __init__(
-        self,
-        clock: PhaseClock,
-        optimizers: list[Any],
-        floor_s: float = 30.0,
-        steps: float = 10.0,
-        now: Any = time.monotonic,
-    ) -> None:
-        self.clock = clock
-        self.names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
-        self.floor_s, self.steps, self.now = floor_s, steps, now
-        self.step = -1  # at the last look, and when it last changed
-        self.since = 0.0
-        self.baseline = False  # a change of step since the first look was seen
-        self.step_s = 0.0  # the longest a step took between two looks (0: none seen yet)
-        self.forwards = 0  # counted at the last look
-        self.told = False
-
-    def __call__(self) -> None:
-        try:
-            self._look()
-        except Exception:  # noqa: BLE001 - a look that fails says nothing; the drain goes on
-            self.told = True
-
-    def _look(self) -> None:
-        if self.told:
-            return
-        clock, t = self.clock, self.now()
-        step, forwards = clock.step, clock.work.seen_batches
-        if step != self.step:
-            if self.baseline:  # (the first change seen may hold the start-up's first step)
-                self.step_s = max(self.step_s, (t - self.since) / max(1, step - self.step))
-            self.baseline = self.step >= 0
-            self.step, self.since, self.forwards = step, t, forwards
-            return
-        going = forwards > self.forwards
-        self.forwards = forwards
-        idle = t - self.since
-        if self.step_s and going and idle > max(self.floor_s, self.steps * self.step_s):
-            self.told = True
-            log.warning(
-                "syncscope: %d forwards in %.0f s and no step: the optimizer given to attach() "
-                "(%s) has stopped stepping, and this rank's steps are not reported. If the "
-                "loop made a new optimizer, close the agent and attach() again with it.",
-                forwards,
-                idle,
-                self.names,
-            )
-
-
 def _ddp_sync(torch: Any, model: Any, labels: GroupLabels) -> tuple[Any, str | None, float]:
     """(the DDP module, its group's label, bytes of gradients it synchronises per step), or
     (None, None, 0.0) when the model synchronises no gradients through DDP. Several DDP modules
@@ -652,6 +593,37 @@ def _ddp_sync(torch: Any, model: Any, labels: GroupLabels) -> tuple[Any, str | N
     nbytes = sum(p.numel() * p.element_size() for p in params)
     synced = models[0] if len(models) == 1 else DdpModels(models)
     return synced, labels(group), float(nbytes)
+
+
+def _ddp_outside(torch: Any, model: Any) -> DdpOutside | None:
+    """The DdpOutside check for `model` (one module or a list), where it is a module DDP could
+    wrap unseen: none of it DDP, FSDP or DTensor-parallel (whose own all-reduces in backward,
+    HSDP's, tensor parallel's, are not DDP's), and with gradients to synchronise."""
+    parts = parts_of(model)
+    try:
+        from torch.distributed import fsdp
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    wrappers = tuple(
+        kind
+        for kind in (
+            torch.nn.parallel.DistributedDataParallel,
+            getattr(fsdp, "FSDPModule", None),
+            getattr(fsdp, "FullyShardedDataParallel", None),
+        )
+        if isinstance(kind, type)
+    )
+    total = 0
+    for part in parts:
+        if isinstance(part, wrappers):
+            return None
+        for p in part.parameters():
+            if isinstance(p, DTensor):
+                return None
+            if p.requires_grad:
+                total += p.numel() * p.element_size()
+    return DdpOutside(total) if total else None
 
 
 class DdpModels:

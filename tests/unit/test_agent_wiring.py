@@ -250,7 +250,7 @@ def test_the_stopped_steps_look_is_silent_while_steps_go_on_or_nothing_trains():
     gradients, a checkpoint, a wait), before a step's time is known, or under the line."""
     from types import SimpleNamespace
 
-    from syncscope.agent.core import StoppedSteps
+    from syncscope.agent.attach_checks import StoppedSteps
 
     clock = SimpleNamespace(step=0, work=SimpleNamespace(seen_batches=0))
     t = [0.0]
@@ -269,3 +269,54 @@ def test_the_stopped_steps_look_is_silent_while_steps_go_on_or_nothing_trains():
     assert not at(131.5, 11, 9)  # forwards again, but under the 30 s floor
     assert at(133, 11, 20)  # 31 s, forwards going on: told
     assert at(200, 11, 90)  # and once only (the other test counts the lines)
+
+
+def test_a_module_ddp_wraps_after_attach_is_told_once(gloo_world_of_one, caplog):
+    """attach() given the module, then DistributedDataParallel wrapped around it: the C++
+    kernel's all-reduces inside backward add up to the module's gradients in each step, and the
+    agent says once that DDP syncs it from outside. Given the DDP module, it says nothing."""
+    net = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    told = []
+    for wrap_after in (True, False):
+        model = net if wrap_after else torch.nn.parallel.DistributedDataParallel(net)
+        agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600)
+        if agent.patch.kernel != "c++":  # type: ignore[attr-defined]
+            agent.close()
+            pytest.skip("the agent's C++ library is not built (python -m syncscope.agent.native)")
+        ddp = torch.nn.parallel.DistributedDataParallel(net) if wrap_after else model
+        try:
+            with caplog.at_level("WARNING", logger="syncscope.agent"):
+                for _ in range(4):
+                    opt.zero_grad()
+                    ddp(torch.randn(2, 8)).sum().backward()
+                    opt.step()
+                    agent.patch.poll()  # type: ignore[attr-defined]
+        finally:
+            agent.close()
+        told.append([r.getMessage() for r in caplog.records if "from outside" in r.getMessage()])
+        caplog.clear()
+    assert len(told[0]) == 1 and "(144 bytes a step on group default_pg;" in told[0][0], told
+    assert told[1] == []
+
+
+def test_ddp_outside_needs_the_gradients_bytes_inside_backward_on_one_group():
+    """Only all-reduces inside backward count, per group, and only a whole multiple of the
+    module's gradients (DDP's buckets hold exactly those; accumulation without no_sync() is
+    twice them) is DDP's sync; it is judged once a later step's op comes."""
+    from syncscope.agent.attach_checks import DdpOutside
+
+    def told(records) -> bool:
+        check = DdpOutside(1000)
+        for op, group, size, step, in_autograd in records:
+            check(op, group, size, step, in_autograd)
+        return check.told
+
+    ar = "all_reduce"
+    assert told([(ar, "pg", 600, 0, True), (ar, "pg", 400, 0, True), (ar, "pg", 8, 1, True)])
+    assert told([(ar, "pg", 1000, 3, True), (ar, "pg", 1000, 3, True), (ar, "pg", 9, 4, True)])
+    assert not told([(ar, "pg", 600, 0, True), (ar, "pg", 400, 0, True)])  # step 0 not over
+    assert not told([(ar, "pg", 600, 0, True), (ar, "tp", 400, 0, True), (ar, "pg", 8, 1, True)])
+    assert not told([(ar, "pg", 600, 0, True), (ar, "pg", 400, 0, False), (ar, "pg", 8, 1, True)])
+    assert not told([(ar, "pg", 700, 0, True), (ar, "pg", 8, 1, True)])
+    assert not told([("reduce_scatter", "pg", 1000, 0, True), (ar, "pg", 8, 1, True)])

@@ -1,0 +1,119 @@
+"""What the agent tells a user whose attach() misses part of the job, once, in a log line: both
+read what the agent records anyway, on the reporter's thread, nothing on the training thread.
+
+  StoppedSteps  the optimizer attach() was given has stopped stepping while the model trains on
+                (the loop built a new one): the rank's steps are no longer reported
+  DdpOutside    DDP synchronises the gradients of the module attach() was given from outside it
+                (DistributedDataParallel wrapped it after attach(), or the agent was given another
+                wrapper around DDP): its sync is `other` time
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from syncscope.agent.phases import PhaseClock
+
+log = logging.getLogger("syncscope.agent")
+
+
+class StoppedSteps:
+    """Says once that the model trains on while the optimizers attach() was given have stopped
+    stepping: the loop built a new optimizer (staged unfreezing, a reset) whose steps the agent
+    does not see, so the rank would look stalled. Called on the reporter's thread at its flushes
+    (every few seconds once no step ends): it reads the step number and the count of forwards
+    with gradients since the step began (what work detection counts; where that is off, it
+    stays silent), nothing on the training thread. The line: no step for `floor_s`, and for
+    `steps` times the longest a step took between two looks, while the forwards went on."""
+
+    def __init__(
+        self,
+        clock: PhaseClock,
+        optimizers: list[Any],
+        floor_s: float = 30.0,
+        steps: float = 10.0,
+        now: Any = time.monotonic,
+    ) -> None:
+        self.clock = clock
+        self.names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
+        self.floor_s, self.steps, self.now = floor_s, steps, now
+        self.step = -1  # at the last look, and when it last changed
+        self.since = 0.0
+        self.baseline = False  # a change of step since the first look was seen
+        self.step_s = 0.0  # the longest a step took between two looks (0: none seen yet)
+        self.forwards = 0  # counted at the last look
+        self.told = False
+
+    def __call__(self) -> None:
+        try:
+            self._look()
+        except Exception:  # noqa: BLE001 - a look that fails says nothing; the drain goes on
+            self.told = True
+
+    def _look(self) -> None:
+        if self.told:
+            return
+        clock, t = self.clock, self.now()
+        step, forwards = clock.step, clock.work.seen_batches
+        if step != self.step:
+            if self.baseline:  # (the first change seen may hold the start-up's first step)
+                self.step_s = max(self.step_s, (t - self.since) / max(1, step - self.step))
+            self.baseline = self.step >= 0
+            self.step, self.since, self.forwards = step, t, forwards
+            return
+        going = forwards > self.forwards
+        self.forwards = forwards
+        idle = t - self.since
+        if self.step_s and going and idle > max(self.floor_s, self.steps * self.step_s):
+            self.told = True
+            log.warning(
+                "syncscope: %d forwards in %.0f s and no step: the optimizer given to attach() "
+                "(%s) has stopped stepping, and this rank's steps are not reported. If the "
+                "loop made a new optimizer, close the agent and attach() again with it.",
+                forwards,
+                idle,
+                self.names,
+            )
+
+
+class DdpOutside:
+    """Says once that DDP synchronises the gradients of the module attach() was given, from a
+    DistributedDataParallel wrapped around it after attach(): the agent does not know DDP syncs
+    it, so the ranks' wait in that sync is `other` time, not exposed communication. Told by the
+    C++ kernel's records: the all-reduces issued inside backward on one group add up, in a step,
+    to a whole multiple of the module's gradients' bytes, which DDP's buckets hold exactly.
+    Given only a module that is neither DDP, FSDP nor DTensor-parallel (agent.core)."""
+
+    def __init__(self, grad_bytes: int) -> None:
+        self.grad_bytes = grad_bytes
+        self.step = -1  # the step whose all-reduces are being added up, by group
+        self.bytes: dict[str, int] = {}
+        self.told = False
+
+    def __call__(self, op: str, group: str, size: int, step: int, in_autograd: bool) -> None:
+        """One completed c10d op (CollectiveInterceptor.completed)."""
+        if self.told or not in_autograd or op != "all_reduce":
+            return
+        if step != self.step:  # the records come as the ops complete: that step's are all in
+            self._judge()
+            self.step, self.bytes = step, {}
+        self.bytes[group] = self.bytes.get(group, 0) + size
+
+    def _judge(self) -> None:
+        for group, total in self.bytes.items():
+            times = total / self.grad_bytes
+            if times >= 0.99 and abs(times - round(times)) <= 0.01:
+                self.told = True
+                log.warning(
+                    "syncscope: DDP synchronises the gradients of the module given to attach() "
+                    "from outside it (%d bytes a step on group %s; wrapped after attach(), or "
+                    "given inside another wrapper): the ranks' wait in that sync reads as "
+                    "`other`, not exposed communication. Give attach() the "
+                    "DistributedDataParallel module.",
+                    total,
+                    group,
+                )
+                return
