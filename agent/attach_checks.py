@@ -117,3 +117,51 @@ class DdpOutside:
                     group,
                 )
                 return
+
+
+class DdpUnseen:
+    """Says once that the all-reduces inside backward on the attached DDP models' group add up,
+    in a step, to what their gradients cannot: another DDP model on that group synchronises
+    there (a GAN's critic, not given to attach()). The C++ kernel leaves every all-reduce inside
+    backward on that group untimed as the attached models' buckets, so that model's sync is
+    neither timed nor exposed communication, and a rank late to it goes unseen. DDP's buckets
+    hold the gradients exactly: a step's total is a whole multiple of each model's bytes or of
+    half of them (bf16 buckets, a compressing comm hook), added up over the models (a backward
+    may reach only some, accumulation without no_sync() syncs them again). A comm hook that
+    sends other sizes (PowerSGD's) reads as another model too: the line says so. Not given for
+    a model with SyncBatchNorm (its backward all-reduces on the group too). Fed by the reporter's
+    polls (the C++ kernel's count of the bytes it skipped in the last whole step)."""
+
+    MAX_TIMES = 16  # multiples of each model's half-bytes tried (a step of 8 syncs of one)
+
+    def __init__(self, model_bytes: list[int]) -> None:
+        self.halves = [b // 2 for b in model_bytes if b >= 2][:3]  # the first three models'
+        self.step = -1
+        self.told = False
+
+    def __call__(self, step: int, total: int) -> None:
+        if self.told or step < 0 or step == self.step or total <= 0 or not self.halves:
+            return
+        self.step = step
+        if self._explained(total):
+            return
+        self.told = True
+        log.warning(
+            "syncscope: in step %d the all-reduces inside backward on DDP's group came to %d "
+            "bytes, which the gradients of the DDP models given to attach() (%s bytes) do not "
+            "add up to: another DDP model on that group was not given to attach() (its sync is "
+            "not timed, and a rank late to it goes unseen: attach(model=[...], "
+            "optimizer=[...]) with every model), or a comm hook sends other sizes.",
+            step,
+            total,
+            ", ".join(str(2 * h) for h in self.halves),
+        )
+
+    def _explained(self, total: int) -> bool:
+        *rest, last = self.halves
+        if not rest:
+            return total % last == 0
+        sums = {0}
+        for half in rest:
+            sums = {s + k * half for s in sums for k in range(self.MAX_TIMES + 1)}
+        return any(total >= s and (total - s) % last == 0 for s in sums)

@@ -259,10 +259,13 @@ class CollectiveInterceptor:
         skip_while: Callable[[], bool] = lambda: False,
         native: bool = True,
         watch: Callable[[str, str, int, int, bool], None] | None = None,
+        on_skipped: Callable[[int, int], None] | None = None,
     ) -> None:
         self.sink = queues.collectives
         # told of every op the C++ kernel completed: (op, group, bytes, step, inside autograd)
         self.watch = watch
+        # told at each poll of the C++ kernel's (step, bytes) left untimed in its last whole step
+        self.on_skipped = on_skipped
         self.step_of = queues.current_step
         self.labels = labels
         self.blocked = blocked
@@ -462,6 +465,11 @@ class _Kernels:
                     interceptor.completed(
                         _OP_LABELS[op], name, desc, size, t1 - t0, step, in_autograd
                     )
+            skipped = None
+            for interceptor in active:
+                if interceptor.on_skipped is not None:
+                    skipped = skipped or native.skipped()
+                    interceptor.on_skipped(*skipped)
 
     def _group(self, native: Native, index: int) -> tuple[str, str]:
         known = self._groups.get(index)

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from syncscope.agent import checkpointing
-from syncscope.agent.attach_checks import DdpOutside, StoppedSteps
+from syncscope.agent.attach_checks import DdpOutside, DdpUnseen, StoppedSteps
 from syncscope.agent.collectives import (
     Blocked,
     CollectiveInterceptor,
@@ -453,6 +453,7 @@ class Agent:
             skip_while=lambda: clock.bwd_pending or clock.bwd_depth > 0,
             native=self.config.native_collectives,
             watch=_ddp_outside(torch, model) if ddp_group is None else None,
+            on_skipped=_ddp_unseen(torch, model, ddp_model) if ddp_group is not None else None,
         )
 
     def _native_backward(self, torch: Any) -> Native | None:
@@ -589,10 +590,8 @@ def _ddp_sync(torch: Any, model: Any, labels: GroupLabels) -> tuple[Any, str | N
         return None, None, 0.0
     group = models[0].process_group
     models = [m for m in models if m.process_group is group]
-    params = (p for m in models for p in m.parameters() if p.requires_grad)
-    nbytes = sum(p.numel() * p.element_size() for p in params)
     synced = models[0] if len(models) == 1 else DdpModels(models)
-    return synced, labels(group), float(nbytes)
+    return synced, labels(group), float(sum(map(_grad_bytes, models)))
 
 
 def _ddp_outside(torch: Any, model: Any) -> DdpOutside | None:
@@ -624,6 +623,21 @@ def _ddp_outside(torch: Any, model: Any) -> DdpOutside | None:
             if p.requires_grad:
                 total += p.numel() * p.element_size()
     return DdpOutside(total) if total else None
+
+
+def _ddp_unseen(torch: Any, model: Any, ddp_model: Any) -> DdpUnseen | None:
+    """The DdpUnseen check for the DDP model(s) the agent times the sync of, unless `model` has
+    SyncBatchNorm (whose backward all-reduces on the same group)."""
+    parts = parts_of(model)
+    if any(isinstance(m, torch.nn.SyncBatchNorm) for part in parts for m in part.modules()):
+        return None
+    models = ddp_model.models if isinstance(ddp_model, DdpModels) else [ddp_model]
+    return DdpUnseen([_grad_bytes(m) for m in models])
+
+
+def _grad_bytes(module: Any) -> int:
+    """The bytes of `module`'s trainable parameters: what DDP's buckets hold for it."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
 class DdpModels:

@@ -34,7 +34,7 @@ SOURCES = (  # they include clock.h
     CSRC / "hot_path.cpp",
 )
 NAME = "syncscope_c10d"
-ABI = 7  # csrc's kAbi: a library answering another is not loaded
+ABI = 8  # csrc's kAbi: a library answering another is not loaded
 ENV_DIR = "SYNCSCOPE_NATIVE_DIR"
 DRAIN_BATCH = 4096
 
@@ -109,6 +109,8 @@ class Native:
         lib.syncscope_group.restype = ctypes.c_int32
         lib.syncscope_skip.argtypes = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int32]
         lib.syncscope_skip.restype = None
+        lib.syncscope_skipped.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+        lib.syncscope_skipped.restype = ctypes.c_int64
         lib.syncscope_trigger_install.restype = ctypes.c_int32
         lib.syncscope_trigger_error.restype = ctypes.c_char_p
         self.step = ctypes.c_int64.in_dll(lib, "syncscope_step")
@@ -174,6 +176,13 @@ class Native:
             if 0 <= op < 64:
                 mask |= 1 << op
         self._lib.syncscope_skip(mask, b"".join(n + b"\0" for n in names), len(names))
+
+    def skipped(self) -> tuple[int, int]:
+        """(step, bytes): what `skip` left untimed in the last step that had any before the
+        current one ((-1, 0) until there is one): DDP's buckets, and anything else on its group."""
+        step = ctypes.c_int64(-1)
+        nbytes = self._lib.syncscope_skipped(ctypes.byref(step))
+        return step.value, int(nbytes)
 
     def drain(self) -> list[tuple[int, int, int, int, int, int, bool]]:
         """The records completed so far: (op, group, bytes, t0, t1, step, in_autograd)."""

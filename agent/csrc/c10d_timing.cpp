@@ -34,7 +34,7 @@
 
 namespace {
 
-constexpr int32_t kAbi = 7;
+constexpr int32_t kAbi = 8;
 constexpr size_t kMaxRecords = 65536;  // undrained records; past that, new ones are dropped
 constexpr int32_t kMaxGroups = 64;     // distinct process groups named; the rest are -1
 
@@ -63,6 +63,9 @@ std::string last_error;
 std::atomic<uint64_t> skip_ops{0};
 std::shared_ptr<const std::vector<std::string>> skip_groups =
     std::make_shared<const std::vector<std::string>>();
+// What was left untimed, in bytes: of step skip_step so far, and of the step before it that
+// had any (skip_done_step, -1: none yet). Under mu.
+int64_t skip_step = -1, skip_bytes = 0, skip_done_step = -1, skip_done_bytes = 0;
 
 }  // namespace
 
@@ -118,6 +121,19 @@ bool skipped_group(const c10::IValue& value) {
     }
   }
   return false;
+}
+
+void count_skipped(int64_t step, int64_t bytes) {
+  std::lock_guard<std::mutex> guard(mu);
+  if (step != skip_step) {
+    if (skip_step >= 0) {
+      skip_done_step = skip_step;
+      skip_done_bytes = skip_bytes;
+    }
+    skip_step = step;
+    skip_bytes = 0;
+  }
+  skip_bytes += bytes;
 }
 
 bool first_tensor_is_cpu(const c10::IValue& value) {
@@ -207,6 +223,9 @@ class Timed final : public c10::OperatorKernel {
           (skip_ops.load(std::memory_order_relaxed) >> op_ & 1) != 0 &&
           skipped_group((*stack)[base + group_at_]);
       timed = !skipped && first_tensor_is_cpu((*stack)[base]);
+      if (skipped && size_at_ >= 0) {
+        count_skipped(record.step, nbytes((*stack)[base + size_at_]));
+      }
       if (timed) {
         record.group = group_of((*stack)[base + group_at_]);
         record.bytes = size_at_ >= 0 ? nbytes((*stack)[base + size_at_]) : 0;
@@ -265,6 +284,14 @@ extern "C" {
 
 int32_t syncscope_abi() { return kAbi; }
 
+// The bytes left untimed (syncscope_skip) in the last step that had any before the current
+// one, that step in *step (-1, and 0 bytes: none yet).
+int64_t syncscope_skipped(int64_t* step) {
+  std::lock_guard<std::mutex> guard(mu);
+  *step = skip_done_step;
+  return skip_done_bytes;
+}
+
 const char* syncscope_error() { return last_error.c_str(); }
 
 // Time c10d op `name` (as collectives.C10D_OPS: its ProcessGroup and size argument positions,
@@ -293,7 +320,8 @@ int32_t syncscope_install(const char* name, int32_t op, int32_t group_at, int32_
 }
 
 // Leave untimed, inside autograd, ops whose index has its bit set in `ops` on the groups named
-// in `names` (NUL-separated, `count` of them): DDP's bucket all-reduces. Replaces the last call's.
+// in `names` (NUL-separated, `count` of them): DDP's bucket all-reduces. Replaces the last call's,
+// and starts the count of what is left untimed (syncscope_skipped) afresh.
 void syncscope_skip(uint64_t ops, const char* names, int32_t count) {
   auto list = std::make_shared<std::vector<std::string>>();
   for (int32_t i = 0; i < count; ++i) {
@@ -302,6 +330,9 @@ void syncscope_skip(uint64_t ops, const char* names, int32_t count) {
   }
   std::atomic_store(&skip_groups, std::shared_ptr<const std::vector<std::string>>(list));
   skip_ops.store(ops, std::memory_order_relaxed);
+  std::lock_guard<std::mutex> guard(mu);  // what an earlier list left untimed is not this one's
+  skip_step = skip_done_step = -1;
+  skip_bytes = skip_done_bytes = 0;
 }
 
 // Remove every kernel installed (the dispatcher restores the backends' own), forget records.

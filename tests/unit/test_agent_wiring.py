@@ -156,6 +156,28 @@ def test_a_cpu_job_triggers_its_backward_from_cpp_unless_told_not_to(
         agent.close()
 
 
+def gan() -> tuple:
+    """A GAN's generator and critic, each DDP on the default group, and their optimizers."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    generator, critic = ddp(torch.nn.Linear(8, 8)), ddp(torch.nn.Linear(8, 1))
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.01)
+    opt_c = torch.optim.SGD(critic.parameters(), lr=0.01)
+    return generator, critic, opt_g, opt_c
+
+
+def gan_steps(n, generator, critic, opt_g, opt_c, after_step=lambda: None) -> None:
+    """`n` GAN steps: the critic's on the generator's output, then the generator's through it."""
+    for _ in range(n):
+        fake = generator(torch.randn(4, 8))
+        opt_c.zero_grad()
+        critic(fake.detach()).mean().backward()
+        opt_c.step()
+        opt_g.zero_grad()
+        (-critic(fake).mean()).backward()
+        opt_g.step()
+        after_step()
+
+
 @pytest.mark.parametrize("phase_every", [1, 4])
 def test_a_gans_two_ddp_models_are_one_sync_and_its_two_optimizers_one_step(
     gloo_world_of_one, phase_every
@@ -168,10 +190,7 @@ def test_a_gans_two_ddp_models_are_one_sync_and_its_two_optimizers_one_step(
 
     from syncscope.wire import DDP_GRAD_SYNC
 
-    ddp = torch.nn.parallel.DistributedDataParallel
-    generator, critic = ddp(torch.nn.Linear(8, 8)), ddp(torch.nn.Linear(8, 1))
-    opt_g = torch.optim.SGD(generator.parameters(), lr=0.01)
-    opt_c = torch.optim.SGD(critic.parameters(), lr=0.01)
+    generator, critic, opt_g, opt_c = gan()
     agent = attach(
         model=[generator, critic],
         optimizer=[opt_g, opt_c],
@@ -180,14 +199,7 @@ def test_a_gans_two_ddp_models_are_one_sync_and_its_two_optimizers_one_step(
         phase_every=phase_every,
     )
     try:
-        for _ in range(8):
-            fake = generator(torch.randn(4, 8))
-            opt_c.zero_grad()
-            critic(fake.detach()).mean().backward()
-            opt_c.step()
-            opt_g.zero_grad()
-            (-critic(fake).mean()).backward()
-            opt_g.step()
+        gan_steps(8, generator, critic, opt_g, opt_c)
         clock = agent.clock  # type: ignore[attr-defined]
         synced = clock.ddp_model
         with generator.no_sync():
@@ -320,3 +332,43 @@ def test_ddp_outside_needs_the_gradients_bytes_inside_backward_on_one_group():
     assert not told([(ar, "pg", 600, 0, True), (ar, "pg", 400, 0, False), (ar, "pg", 8, 1, True)])
     assert not told([(ar, "pg", 700, 0, True), (ar, "pg", 8, 1, True)])
     assert not told([("reduce_scatter", "pg", 1000, 0, True), (ar, "pg", 8, 1, True)])
+
+
+@pytest.mark.parametrize("both", [False, True])
+def test_a_ddp_model_not_given_to_attach_is_told_once(gloo_world_of_one, caplog, both):
+    """A GAN's two DDP models on one group, the agent given the generator only: the C++
+    kernel's count of the all-reduces it left untimed inside backward (the critic's buckets
+    with the generator's) is no sum of the generator's gradients, and the agent says so,
+    once. Given both models, it says nothing."""
+    generator, critic, opt_g, opt_c = gan()
+    model, optimizer = ([generator, critic], [opt_g, opt_c]) if both else (generator, opt_g)
+    agent = attach(model=model, optimizer=optimizer, exporter=None, flush_interval_s=3600)
+    try:
+        if agent.patch.kernel != "c++":  # type: ignore[attr-defined]
+            pytest.skip("the agent's C++ library is not built (python -m syncscope.agent.native)")
+        with caplog.at_level("WARNING", logger="syncscope.agent"):
+            poll = agent.patch.poll  # type: ignore[attr-defined]
+            gan_steps(4, generator, critic, opt_g, opt_c, after_step=poll)
+    finally:
+        agent.close()
+    told = [r.getMessage() for r in caplog.records if "do not add up" in r.getMessage()]
+    if both:
+        assert told == []
+    else:  # the critic's 36 bytes twice and the generator's 288 with them: 360 a step
+        assert len(told) == 1 and "came to 360 bytes" in told[0] and "(288 bytes)" in told[0]
+
+
+def test_ddp_unseen_allows_every_sum_of_the_models_gradients_and_their_halves():
+    from syncscope.agent.attach_checks import DdpUnseen
+
+    def told(model_bytes, *totals) -> bool:
+        check = DdpUnseen(model_bytes)
+        for step, total in enumerate(totals):
+            check(step, total)
+        return check.told
+
+    assert not told([1000], 1000, 2000, 500, 1500)  # syncs of one model, bf16 buckets
+    assert told([1000], 1000, 1200)
+    assert not told([1000, 36], 1072, 1036, 36)  # a GAN's steps with both models given
+    assert told([1000], 1072)
+    assert not told([1000], 1000, 1000) and not told([1000], 0)
