@@ -490,8 +490,7 @@ class Agent:
             if patch is not None:
                 patch.record("all_reduce", ddp_group, size, duration_ns, step_of())
 
-        synced = model.models if isinstance(model, DdpModels) else [model]
-        for each in synced:
+        for each in _ddp_models(model):
             try:
                 each.register_comm_hook(
                     each.process_group, bucket_timing_hook(self.identity["world_size"], record)
@@ -613,15 +612,11 @@ def _ddp_outside(torch: Any, model: Any) -> DdpOutside | None:
         )
         if isinstance(kind, type)
     )
-    total = 0
-    for part in parts:
-        if isinstance(part, wrappers):
-            return None
-        for p in part.parameters():
-            if isinstance(p, DTensor):
-                return None
-            if p.requires_grad:
-                total += p.numel() * p.element_size()
+    if any(isinstance(part, wrappers) for part in parts):
+        return None
+    if any(isinstance(p, DTensor) for part in parts for p in part.parameters()):
+        return None
+    total = sum(map(_grad_bytes, parts))
     return DdpOutside(total) if total else None
 
 
@@ -631,8 +626,12 @@ def _ddp_unseen(torch: Any, model: Any, ddp_model: Any) -> DdpUnseen | None:
     parts = parts_of(model)
     if any(isinstance(m, torch.nn.SyncBatchNorm) for part in parts for m in part.modules()):
         return None
-    models = ddp_model.models if isinstance(ddp_model, DdpModels) else [ddp_model]
-    return DdpUnseen([_grad_bytes(m) for m in models])
+    return DdpUnseen([_grad_bytes(m) for m in _ddp_models(ddp_model)])
+
+
+def _ddp_models(ddp_model: Any) -> list[Any]:
+    """The DDP modules behind the clock's `ddp_model`: one, or a DdpModels' several."""
+    return ddp_model.models if isinstance(ddp_model, DdpModels) else [ddp_model]
 
 
 def _grad_bytes(module: Any) -> int:
