@@ -34,10 +34,10 @@ RULES_PATH = ROOT / generate.RULES_PATH
 PROMETHEUS_RULE_PATH = ROOT / generate.PROMETHEUS_RULE_PATH
 
 
-# A guard against a hang, not a speed check. Every promtool test file at once is 82 s of CPU
-# (71 s alone on an idle machine, 2026-12-07; the two-day trends in goodput.test.yml 60 s of
-# it); `make test` runs it at idle priority beside the quiet tests, where it took 256 s in one
-# fresh-clone run and over the 300 s this limit was in the next, the same day.
+# A guard against a hang, not a speed check. Every promtool test file at once was 82 s of CPU
+# (2026-12-07; the two-day trends 60 s of it, at a 1m rule interval), 25 s with the trends in
+# trends.test.yml at 5m; `make test` runs it at idle priority beside the quiet tests, where
+# the 82 s took 256 s in one fresh-clone run and over 300 s in the next, the same day.
 PROMTOOL_TIMEOUT_S = 900
 
 

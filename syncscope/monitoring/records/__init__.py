@@ -10,13 +10,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from syncscope.monitoring.records import fabric, goodput, health, locality, pacing, step, sync, work
+from syncscope.monitoring.records import (
+    fabric,
+    goodput,
+    health,
+    locality,
+    pacing,
+    step,
+    sync,
+    trends,
+    work,
+)
 from syncscope.thresholds import Thresholds
 
 __all__ = ["AREAS", "recording_rules"]
 
 # In this order: within a group a later rule reads an earlier one's result of the same evaluation.
-AREAS = (health, step, sync, fabric, pacing, locality, work, goodput)
+AREAS = (health, step, sync, fabric, pacing, locality, work, goodput, trends)
 
 
 def recording_rules(cfg: Thresholds) -> list[dict[str, Any]]:

@@ -1,5 +1,6 @@
 """Recording rules of this area (promtool tests: deploy/prometheus/tests/goodput.test.yml):
-goodput and badput over the job's whole life, what the job costs, and its trends over days."""
+goodput and badput over the job's whole life, and what the job costs (its trends over days:
+trends.py)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,7 @@ from syncscope.recorded import (
     GOODPUT,
     LOST_COST_PER_HOUR,
     RANK_SECONDS,
-    RESTARTS,
-    RESTARTS_PER_DAY,
-    SAMPLES_PER_GPU,
-    SAMPLES_PER_GPU_PER_DAY,
     SAMPLES_RATE,
-    STEP_CV,
-    STEP_CV_PER_DAY,
-    STEPS_RATE,
-    STEPS_RATE_PER_DAY,
     TOKENS_RATE,
     WORLD_SIZE,
 )
@@ -33,7 +26,7 @@ from syncscope.thresholds import Thresholds
 
 
 def records(cfg: Thresholds) -> list[dict[str, Any]]:
-    return [*_goodput_records(cfg), *_cost_records(cfg), *_trend_records(cfg)]
+    return [*_goodput_records(cfg), *_cost_records(cfg)]
 
 
 def _goodput_records(cfg: Thresholds) -> list[dict[str, Any]]:
@@ -134,20 +127,4 @@ sum by (job) (
             f"\n  {per_second}\n/ on (job)\n  ({SAMPLES_RATE} > 0)\n* 1e6\n",
         ),
         record(LOST_COST_PER_HOUR, f"\n  {COST_PER_HOUR}\n* on (job)\n  (1 - {GOODPUT})\n"),
-    ]
-
-
-def _trend_records(cfg: Thresholds) -> list[dict[str, Any]]:
-    """Per day (windows.trend), for panels over the job's life: its restarts (the per-node
-    counters summed first, so the day's increase reads one series a job), and the day's mean
-    step-time CV and throughput per GPU from series already recorded per job. A day not yet
-    full averages what it has."""
-    restarts = M.NODE_RESTARTS_TOTAL.name
-    day = cfg.windows.trend
-    return [
-        record(RESTARTS, f"sum by (job) ({sel(cfg, restarts)})"),
-        record(RESTARTS_PER_DAY, f"increase({RESTARTS}[{day}])"),
-        record(STEP_CV_PER_DAY, f"avg_over_time({STEP_CV}[{day}])"),
-        record(SAMPLES_PER_GPU_PER_DAY, f"avg_over_time({SAMPLES_PER_GPU}[{day}])"),
-        record(STEPS_RATE_PER_DAY, f"avg_over_time({STEPS_RATE}[{day}])"),
     ]
