@@ -7,17 +7,21 @@
 Settings come from the SYNCSCOPE_* variables `attach()` reads (SYNCSCOPE_EXPORTER, SYNCSCOPE_JOB,
 SYNCSCOPE_PACING, …); SYNCSCOPE_DISABLE=1 runs the script untouched.
 
-How it finds the model and the optimizer: two global hooks from torch's public API, removed at
-the first optimizer step. A module forward pre-hook notes every module that runs forward with
-grad enabled until then (not inside a torch.compile trace); an optimizer step post-hook takes the
-outermost of them that own trainable parameters and, if they own the optimizer's, calls
-`attach(model=those, optimizer=that optimizer)`: one module, or a list in the order they ran (a
-pipeline rank's stages). So whatever wraps the model is found (DDP, FSDP2, tensor parallel...).
+How it finds the model and the optimizers: two global hooks from torch's public API, removed
+once it attaches. A module forward pre-hook notes every module that runs forward with grad
+enabled until then (not inside a torch.compile trace); an optimizer step post-hook takes the
+outermost of them that own trainable parameters, and attaches once the optimizers that have
+stepped hold all of those parameters (at the first step where one optimizer trains the model; a
+GAN's generator and critic, or a pipeline rank's stages with an optimizer each, once each has
+stepped): `attach(model=those, optimizer=the optimizers that hold their parameters)`, one
+module or a list in the order they ran, one optimizer or a list. So whatever wraps the model is
+found (DDP, FSDP2, tensor parallel...) and a step is every optimizer's.
 
-Limits: the first step is not timed; with several optimizers, the first to step marks the steps;
-every outermost module with trainable parameters run with grad before it is timed as forward (a
-GAN's second model too). Where none owns the stepping optimizer's parameters, it logs one
-warning and attaches with the optimizer only: step and optimizer timing, no forward or backward.
+Limits: the steps until it attaches are not timed; where no set of optimizers stepped within
+MAX_STEPS_UNATTACHED optimizer steps holds every trainable parameter of those modules (one run
+forward with grad that no optimizer trains), it attaches then with those that hold some. Where
+none owns a stepping optimizer's parameters, it logs one warning and attaches with the first
+optimizer only: step and optimizer timing, no forward or backward.
 
 A runner (as `python -m cProfile`), not an import hook (sitecustomize, a .pth file): it shows on
 the job's command line, runs only in the processes it is put in front of, shadows nothing, and
@@ -40,6 +44,10 @@ log = logging.getLogger("syncscope.integrations.run")
 # torch's warning at a compiled module's call while a global module hook exists (its start)
 _COMPILE_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 USAGE = "usage: python -m syncscope.integrations.run (script.py | -m module) [args ...]"
+# Optimizer steps the runner waits, at most, for the optimizers that have stepped to hold every
+# trainable parameter of the modules run forward (a WGAN's critic steps five times to the
+# generator's once; a module no optimizer trains would otherwise keep it waiting for ever).
+MAX_STEPS_UNATTACHED = 16
 
 
 class AutoAttach:
@@ -57,6 +65,8 @@ class AutoAttach:
         self._grad = torch.is_grad_enabled
         self._compiling = torch.compiler.is_compiling
         self._ran: dict[int, Any] = {}  # id -> module, in the order they first ran forward
+        self._stepped: dict[int, Any] = {}  # id -> optimizer, in the order they first stepped
+        self._steps = 0  # optimizer steps seen
         self._forward = register_module_forward_pre_hook(self._on_forward)
         self._step = register_optimizer_step_post_hook(self._on_step)
         # While any global module hook exists, every call of a torch.compile'd module warns
@@ -80,14 +90,21 @@ class AutoAttach:
 
     def _on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         try:
+            self._stepped.setdefault(id(optimizer), optimizer)
+            self._steps += 1
+            stepped = list(self._stepped.values())
+            if self._steps < MAX_STEPS_UNATTACHED and untrained(list(self._ran.values()), stepped):
+                return  # another optimizer holds the rest of the model: wait for its step
             self.remove()
-            ran, self._ran = list(self._ran.values()), {}
+            ran, self._ran, self._stepped = list(self._ran.values()), {}, {}
+            optimizers: Any = stepped[0]
             try:
-                self.model = find_model(ran, optimizer)
+                self.model, optimizers = find_model(ran, stepped)
             except Exception as exc:  # noqa: BLE001 - the optimizer's timing still stands
                 log.warning("syncscope: no model found (%r), attached to the optimizer only", exc)
-            self.agent = attach(model=self.model, optimizer=optimizer, **self.config)
+            self.agent = attach(model=self.model, optimizer=optimizers, **self.config)
         except Exception as exc:  # noqa: BLE001
+            self.remove()
             log.warning("syncscope: auto-attach failed, training goes on without it: %r", exc)
 
     def remove(self) -> None:
@@ -99,41 +116,70 @@ class AutoAttach:
             self._quiet = None
 
 
-def find_model(ran: list[Any], optimizer: Any) -> Any:
-    """What `attach(model=...)` takes, from the modules `ran` forward (in that order) before the
-    optimizer's first step: the outermost ones that own trainable parameters, one module or a
-    list; None (and one warning) where none owns the optimizer's parameters."""
+def outermost(ran: list[Any]) -> list[Any]:
+    """Of the modules `ran` forward (in that order), those no other of them holds."""
     inside: set[int] = set()
     for module in ran:
         if id(module) not in inside:  # an outer one ran first: its subtree holds this one's
             inside.update(id(m) for m in module.modules() if m is not module)
-    outermost = [m for m in ran if id(m) not in inside]
-    parts = [m for m in outermost if any(p.requires_grad for p in m.parameters())]
-    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [m for m in ran if id(m) not in inside]
+
+
+def _trainable(modules: list[Any]) -> list[Any]:
+    return [m for m in modules if any(p.requires_grad for p in m.parameters())]
+
+
+def _params(optimizer: Any) -> set[int]:
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
+def untrained(ran: list[Any], optimizers: list[Any]) -> bool:
+    """Whether the outermost trainable modules `ran` forward have a trainable parameter that
+    none of `optimizers` holds, where one of them does hold some (a model none trains at all is
+    not waited for)."""
+    parts = _trainable(outermost(ran))
+    wanted = {id(p) for m in parts for p in m.parameters() if p.requires_grad}
+    held = set().union(*map(_params, optimizers))
+    return bool(wanted & held) and not wanted <= held
+
+
+def find_model(ran: list[Any], optimizers: list[Any]) -> tuple[Any, Any]:
+    """What `attach(model=..., optimizer=...)` takes, from the modules `ran` forward (in that
+    order) and the `optimizers` stepped (in that order) before it attaches: the outermost
+    modules that own trainable parameters, one module or a list, and the optimizers holding
+    some of their parameters, one or a list. Where none owns any optimizer's parameters: None
+    (and one warning) and the first optimizer."""
+    seen = outermost(ran)
+    parts = _trainable(seen)
     owned = {id(p) for m in parts for p in m.parameters()}
-    if not wanted & owned:
-        seen = ", ".join(type(m).__name__ for m in outermost[:8]) or "no module"
-        more = f" and {len(outermost) - 8} more" if len(outermost) > 8 else ""
+    training = [o for o in optimizers if _params(o) & owned]
+    if not training:
+        more = f" and {len(seen) - 8} more" if len(seen) > 8 else ""
         log.warning(
             "syncscope: no model found, attached to the optimizer only (step and optimizer "
             "times; no forward or backward, a straggler's cause unknown): none of the "
             "modules run forward with grad before the first %s step owns its %d parameters "
             "(outermost seen: %s%s)",
-            type(optimizer).__name__,
-            len(wanted),
-            seen,
+            type(optimizers[0]).__name__,
+            len(_params(optimizers[0])),
+            ", ".join(type(m).__name__ for m in seen[:8]) or "no module",
             more,
         )
-        return None
+        return None, optimizers[0]
+    wanted = set().union(*map(_params, training))
     if not wanted <= owned:
         log.info(
-            "syncscope: %d of the %s's %d parameters are in no module run forward",
+            "syncscope: %d of the optimizers' parameters are in no module run forward",
             len(wanted - owned),
-            type(optimizer).__name__,
-            len(wanted),
         )
-    log.info("syncscope: the model: %s", ", ".join(type(m).__name__ for m in parts))
-    return parts[0] if len(parts) == 1 else parts
+    names = ", ".join(type(o).__name__ for o in training)
+    log.info(
+        "syncscope: the model: %s; its optimizers: %s",
+        ", ".join(type(m).__name__ for m in parts),
+        names,
+    )
+    model = parts[0] if len(parts) == 1 else parts
+    return model, training[0] if len(training) == 1 else training
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """The no-code runner (`python -m syncscope.integrations.run`) finds what `attach()` takes,
 whatever wraps it: a DDP module, an FSDP2 root, a pipeline rank's stages (one optimizer over
-them, or torchtitan's one per stage), a plain module, a compiled one; and where no module owns the optimizer's
-parameters it says so once and attaches to the optimizer only. Each test runs a few steps of a
+them, or torchtitan's one per stage), a plain module, a compiled one, a GAN's two models and
+their optimizers; and where no module owns the optimizer's parameters it says so once and
+attaches to the optimizer only. Each test runs a few steps of a
 tiny loop in this process under `AutoAttach` and checks the module(s) it attached with, and
 that their forward was timed (the forward phase of every measured step is over 0)."""
 
@@ -25,7 +26,7 @@ from tests.conftest import step_rows  # noqa: E402
 pytestmark = pytest.mark.clock
 
 STEPS = 4
-FORWARD = 4  # a step row: (step, end, total, data, forward, ...)
+FORWARD, OPTIMIZER = 4, 6  # a step row: (step, end, total, data, forward, backward, optimizer, ...)
 
 
 class Block(torch.nn.Module):
@@ -116,6 +117,25 @@ def test_fsdp2_root(gloo_world_of_one: None, auto: AutoAttach) -> None:
     assert_forward_timed(rows)
 
 
+UPDATE_S = 0.01  # SlowSGD's step: in the optimizer phase only if that optimizer is attached
+
+
+class SlowSGD(torch.optim.Optimizer):
+    """Plain SGD whose step takes UPDATE_S more (not a subclass of torch's SGD: the step hooks
+    would run again around its step)."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        time.sleep(UPDATE_S)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
 class Stages:
     """A pipeline rank's two stages, called one after the other (as a schedule calls each
     PipelineStage's submod): no module holds both."""
@@ -131,7 +151,9 @@ class Stages:
 def test_pipeline_stages(auto: AutoAttach, per_stage: bool) -> None:
     stages = Stages()
     if per_stage:  # torchtitan's OptimizersContainer: the first stage's optimizer steps first
-        optimizers = [torch.optim.SGD(p.parameters(), lr=0.01) for p in stages.parts]
+        # (the second's update slow: optimizer time where both are attached)
+        optimizers = [torch.optim.SGD(stages.parts[0].parameters(), lr=0.01)]
+        optimizers.append(SlowSGD(stages.parts[1].parameters(), lr=0.01))
     else:
         params = [p for part in stages.parts for p in part.parameters()]
         optimizers = [torch.optim.SGD(params, lr=0.01)]
@@ -139,6 +161,61 @@ def test_pipeline_stages(auto: AutoAttach, per_stage: bool) -> None:
     assert isinstance(auto.model, list) and len(auto.model) == 2
     assert all(a is b for a, b in zip(auto.model, stages.parts, strict=True))
     assert_forward_timed(rows)
+    if per_stage:
+        assert all(row[OPTIMIZER] >= UPDATE_S * 1e9 for row in rows), [r[OPTIMIZER] for r in rows]
+
+
+@pytest.mark.parametrize("critic_steps", [1, 5])
+def test_gan_both_models_and_both_optimizers(auto: AutoAttach, critic_steps: int) -> None:
+    """A GAN's loop: the critic's optimizer steps first (`critic_steps` times, as a WGAN's) and
+    the generator's after. The runner waits for the generator's step and attaches with both
+    models and both optimizers: each row is one generator step, with the generator's slow
+    update in its optimizer phase (attached to the critic's optimizer alone, a row would end at
+    each critic step and the update would be `other`)."""
+    gen, critic = Net(), Net()
+    opt_g = SlowSGD(gen.parameters(), lr=0.01)
+    opt_d = torch.optim.SGD(critic.parameters(), lr=0.01)
+    hooks = len(_global_forward_pre_hooks)
+    for _ in range(STEPS):
+        for _ in range(critic_steps):
+            fake = gen(torch.randn(4, 8))
+            loss_d = critic(fake.expand(-1, 8).detach()).mean() - critic(torch.randn(4, 8)).mean()
+            loss_d.backward()
+            opt_d.step()
+            opt_d.zero_grad()
+        assert runner_waits(auto, hooks)
+        loss_g = -critic(gen(torch.randn(4, 8)).expand(-1, 8)).mean()
+        loss_g.backward()
+        opt_g.step()
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+        assert auto.agent is not None and len(_global_forward_pre_hooks) == hooks - 1
+    assert auto.model == [gen, critic]
+    rows = step_rows(auto.agent)
+    assert_forward_timed(rows)
+    assert all(row[OPTIMIZER] >= UPDATE_S * 1e9 for row in rows), [r[OPTIMIZER] for r in rows]
+
+
+def runner_waits(auto: AutoAttach, hooks: int) -> bool:
+    """Before the first generator step, not attached yet; after it, attached."""
+    return auto.agent is not None or len(_global_forward_pre_hooks) == hooks
+
+
+def test_a_model_no_optimizer_trains_is_not_waited_for_ever(auto: AutoAttach) -> None:
+    """A second module run forward with grad whose parameters no optimizer holds: the runner
+    attaches after MAX_STEPS_UNATTACHED optimizer steps with the optimizer it has seen."""
+    from syncscope.integrations.run import MAX_STEPS_UNATTACHED
+
+    net, aside = Net(), Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    for step in range(MAX_STEPS_UNATTACHED + STEPS):
+        loss = net(torch.randn(4, 8)).mean() + aside(torch.randn(4, 8)).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert (auto.agent is not None) == (step + 1 >= MAX_STEPS_UNATTACHED), step
+    assert auto.model == [net, aside] and auto.agent is not None
+    assert len(step_rows(auto.agent)) == STEPS
 
 
 def test_plain_module(auto: AutoAttach) -> None:
