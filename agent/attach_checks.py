@@ -6,6 +6,8 @@ read what the agent records anyway, on the reporter's thread, nothing on the tra
   DdpOutside    DDP synchronises the gradients of the module attach() was given from outside it
                 (DistributedDataParallel wrapped it after attach(), or the agent was given another
                 wrapper around DDP): its sync is `other` time
+  DdpUnseen     the all-reduces inside backward on the given DDP models' group add up to what
+                their gradients cannot: another DDP model there was not given (its sync untimed)
 """
 
 from __future__ import annotations
@@ -84,8 +86,9 @@ class DdpOutside:
     DistributedDataParallel wrapped around it after attach(): the agent does not know DDP syncs
     it, so the ranks' wait in that sync is `other` time, not exposed communication. Told by the
     C++ kernel's records: the all-reduces issued inside backward on one group add up, in a step,
-    to a whole multiple of the module's gradients' bytes, which DDP's buckets hold exactly.
-    Given only a module that is neither DDP, FSDP nor DTensor-parallel (agent.core)."""
+    to what DDP's buckets would (ddp_buckets_add_up: a whole multiple of the module's
+    gradients' bytes, or of half of them). Given only a module that is neither DDP, FSDP nor
+    DTensor-parallel (agent.core)."""
 
     def __init__(self, grad_bytes: int) -> None:
         self.grad_bytes = grad_bytes
@@ -104,8 +107,7 @@ class DdpOutside:
 
     def _judge(self) -> None:
         for group, total in self.bytes.items():
-            times = total / self.grad_bytes
-            if times >= 0.99 and abs(times - round(times)) <= 0.01:
+            if total * 2 >= self.grad_bytes and ddp_buckets_add_up(total, [self.grad_bytes]):
                 self.told = True
                 log.warning(
                     "syncscope: DDP synchronises the gradients of the module given to attach() "
@@ -124,26 +126,22 @@ class DdpUnseen:
     in a step, to what their gradients cannot: another DDP model on that group synchronises
     there (a GAN's critic, not given to attach()). The C++ kernel leaves every all-reduce inside
     backward on that group untimed as the attached models' buckets, so that model's sync is
-    neither timed nor exposed communication, and a rank late to it goes unseen. DDP's buckets
-    hold the gradients exactly: a step's total is a whole multiple of each model's bytes or of
-    half of them (bf16 buckets, a compressing comm hook), added up over the models (a backward
-    may reach only some, accumulation without no_sync() syncs them again). A comm hook that
-    sends other sizes (PowerSGD's) reads as another model too: the line says so. Not given for
-    a model with SyncBatchNorm (its backward all-reduces on the group too). Fed by the reporter's
-    polls (the C++ kernel's count of the bytes it skipped in the last whole step)."""
-
-    MAX_TIMES = 16  # multiples of each model's half-bytes tried (a step of 8 syncs of one)
+    neither timed nor exposed communication, and a rank late to it goes unseen: the line is a
+    step's total that ddp_buckets_add_up refuses. A comm hook that sends other sizes
+    (PowerSGD's) reads as another model too: the line says so. Not given for a model with
+    SyncBatchNorm (its backward all-reduces on the group too). Fed by the reporter's polls (the
+    C++ kernel's count of the bytes it skipped in the last whole step)."""
 
     def __init__(self, model_bytes: list[int]) -> None:
-        self.halves = [b // 2 for b in model_bytes if b >= 2][:3]  # the first three models'
+        self.model_bytes = [b for b in model_bytes if b >= 2][:3]  # the first three models'
         self.step = -1
         self.told = False
 
     def __call__(self, step: int, total: int) -> None:
-        if self.told or step < 0 or step == self.step or total <= 0 or not self.halves:
+        if self.told or step < 0 or step == self.step or total <= 0 or not self.model_bytes:
             return
         self.step = step
-        if self._explained(total):
+        if ddp_buckets_add_up(total, self.model_bytes):
             return
         self.told = True
         log.warning(
@@ -154,14 +152,23 @@ class DdpUnseen:
             "optimizer=[...]) with every model), or a comm hook sends other sizes.",
             step,
             total,
-            ", ".join(str(2 * h) for h in self.halves),
+            ", ".join(map(str, self.model_bytes)),
         )
 
-    def _explained(self, total: int) -> bool:
-        *rest, last = self.halves
-        if not rest:
-            return total % last == 0
-        sums = {0}
-        for half in rest:
-            sums = {s + k * half for s in sums for k in range(self.MAX_TIMES + 1)}
-        return any(total >= s and (total - s) % last == 0 for s in sums)
+
+# Multiples of each model's half-bytes ddp_buckets_add_up tries, but the last model's (any): a
+# step of 8 syncs of one model.
+MAX_TIMES = 16
+
+
+def ddp_buckets_add_up(total: int, model_bytes: list[int]) -> bool:
+    """Whether `total` bytes of all-reduces inside backward in one step is what DDP's buckets
+    for models of `model_bytes` gradient bytes could add up to. They hold the gradients exactly:
+    a step's total is a whole multiple of each model's bytes or of half of them (bf16 buckets, a
+    compressing comm hook), added up over the models (a backward may reach only some,
+    accumulation without no_sync() syncs them again)."""
+    *rest, last = [max(1, b // 2) for b in model_bytes]
+    sums = {0}
+    for half in rest:
+        sums = {s + k * half for s in sums for k in range(MAX_TIMES + 1)}
+    return any(total >= s and (total - s) % last == 0 for s in sums)

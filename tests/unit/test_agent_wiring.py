@@ -314,8 +314,9 @@ def test_a_module_ddp_wraps_after_attach_is_told_once(gloo_world_of_one, caplog)
 
 def test_ddp_outside_needs_the_gradients_bytes_inside_backward_on_one_group():
     """Only all-reduces inside backward count, per group, and only a whole multiple of the
-    module's gradients (DDP's buckets hold exactly those; accumulation without no_sync() is
-    twice them) is DDP's sync; it is judged once a later step's op comes."""
+    module's gradients or of their half (DDP's buckets hold exactly those; accumulation without
+    no_sync() is twice them, bf16 buckets half) is DDP's sync; it is judged once a later step's
+    op comes."""
     from syncscope.agent.attach_checks import DdpOutside
 
     def told(records) -> bool:
@@ -330,7 +331,10 @@ def test_ddp_outside_needs_the_gradients_bytes_inside_backward_on_one_group():
     assert not told([(ar, "pg", 600, 0, True), (ar, "pg", 400, 0, True)])  # step 0 not over
     assert not told([(ar, "pg", 600, 0, True), (ar, "tp", 400, 0, True), (ar, "pg", 8, 1, True)])
     assert not told([(ar, "pg", 600, 0, True), (ar, "pg", 400, 0, False), (ar, "pg", 8, 1, True)])
+    assert told([(ar, "pg", 300, 0, True), (ar, "pg", 200, 0, True), (ar, "pg", 8, 1, True)])
     assert not told([(ar, "pg", 700, 0, True), (ar, "pg", 8, 1, True)])
+    assert not told([(ar, "pg", 1004, 0, True), (ar, "pg", 8, 1, True)])
+    assert not told([(ar, "pg", 250, 0, True), (ar, "pg", 8, 1, True)])  # under the half
     assert not told([("reduce_scatter", "pg", 1000, 0, True), (ar, "pg", 8, 1, True)])
 
 
