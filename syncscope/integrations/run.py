@@ -8,7 +8,7 @@ Settings come from the SYNCSCOPE_* variables `attach()` reads (SYNCSCOPE_EXPORTE
 SYNCSCOPE_PACING, …); SYNCSCOPE_DISABLE=1 runs the script untouched.
 
 How it finds the model and the optimizers: two global hooks from torch's public API, removed
-once it attaches. A module forward pre-hook notes every module that runs forward with grad
+at the first forward after it attaches. A module forward pre-hook notes every module that runs forward with grad
 enabled until then (not inside a torch.compile trace); an optimizer step post-hook takes the
 outermost of them that own trainable parameters, and attaches once the optimizers that have
 stepped hold all of those parameters (at the first step where one optimizer trains the model; a
@@ -67,6 +67,7 @@ class AutoAttach:
         self._ran: dict[int, Any] = {}  # id -> module, in the order they first ran forward
         self._stepped: dict[int, Any] = {}  # id -> optimizer, in the order they first stepped
         self._steps = 0  # optimizer steps seen
+        self._done = False  # attached (or failed to): the hooks go at the next forward
         self._forward = register_module_forward_pre_hook(self._on_forward)
         self._step = register_optimizer_step_post_hook(self._on_step)
         # While any global module hook exists, every call of a torch.compile'd module warns
@@ -82,6 +83,9 @@ class AutoAttach:
     def _on_forward(self, module: Any, _args: Any) -> None:
         if self._compiling():  # traced by torch.compile: the compiled module ran it eagerly
             return
+        if self._done:
+            self.remove()
+            return
         try:
             if self._grad():
                 self._ran.setdefault(id(module), module)
@@ -89,13 +93,18 @@ class AutoAttach:
             pass
 
     def _on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """Not removed here: torch calls the global step post-hooks while iterating their
+        dict, and a hook registered after this one would see it change (RuntimeError in the
+        user's optimizer.step); the next forward pre-hook removes both (torch copies those)."""
+        if self._done:
+            return
         try:
             self._stepped.setdefault(id(optimizer), optimizer)
             self._steps += 1
             stepped = list(self._stepped.values())
             if self._steps < MAX_STEPS_UNATTACHED and untrained(list(self._ran.values()), stepped):
                 return  # another optimizer holds the rest of the model: wait for its step
-            self.remove()
+            self._done = True
             ran, self._ran, self._stepped = list(self._ran.values()), {}, {}
             optimizers: Any = stepped[0]
             try:
@@ -104,7 +113,7 @@ class AutoAttach:
                 log.warning("syncscope: no model found (%r), attached to the optimizer only", exc)
             self.agent = attach(model=self.model, optimizer=optimizers, **self.config)
         except Exception as exc:  # noqa: BLE001
-            self.remove()
+            self._done = True
             log.warning("syncscope: auto-attach failed, training goes on without it: %r", exc)
 
     def remove(self) -> None:

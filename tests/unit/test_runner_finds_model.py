@@ -79,10 +79,9 @@ def train(run: Any, optimizers: list[Any], runner: AutoAttach, no_grad: Any = No
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
-        if step == 0:  # attached at the first step; the runner's global hook is gone
+        if step == 0:  # attached at the first step; the runner's hooks go at the next forward
             assert runner.agent is not None
-            assert len(_global_forward_pre_hooks) == hooks - 1
-    assert runner.agent is not None
+    assert runner.agent is not None and len(_global_forward_pre_hooks) == hooks - 1
     return step_rows(runner.agent)
 
 
@@ -189,8 +188,8 @@ def test_gan_both_models_and_both_optimizers(auto: AutoAttach, critic_steps: int
         opt_g.step()
         opt_g.zero_grad()
         opt_d.zero_grad()
-        assert auto.agent is not None and len(_global_forward_pre_hooks) == hooks - 1
-    assert auto.model == [gen, critic]
+        assert auto.agent is not None
+    assert auto.model == [gen, critic] and len(_global_forward_pre_hooks) == hooks - 1
     rows = step_rows(auto.agent)
     assert_forward_timed(rows)
     assert all(row[OPTIMIZER] >= UPDATE_S * 1e9 for row in rows), [r[OPTIMIZER] for r in rows]
@@ -250,6 +249,23 @@ def test_compiled_module(auto: AutoAttach) -> None:
             handle.remove()
     assert [w for w in caught if "global hooks" in str(w.message)], [str(w.message) for w in caught]
     assert auto.model is run
+    assert_forward_timed(rows)
+
+
+def test_a_global_step_hook_of_the_users_own_sees_every_step(auto: AutoAttach) -> None:
+    """torch calls the global optimizer step post-hooks while iterating their dict: the runner's
+    must not leave it from there, or a hook registered after it (the user's, a profiler's)
+    fails the user's optimizer.step (RuntimeError: OrderedDict mutated during iteration)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    stepped: list[int] = []
+    handle = register_optimizer_step_post_hook(lambda *_: stepped.append(1))
+    try:
+        net = Net()
+        rows = train(net, [torch.optim.SGD(net.parameters(), lr=0.01)], auto)
+    finally:
+        handle.remove()
+    assert len(stepped) == STEPS and auto.model is net
     assert_forward_timed(rows)
 
 
