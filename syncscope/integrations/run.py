@@ -7,21 +7,16 @@
 Settings come from the SYNCSCOPE_* variables `attach()` reads (SYNCSCOPE_EXPORTER, SYNCSCOPE_JOB,
 SYNCSCOPE_PACING, …); SYNCSCOPE_DISABLE=1 runs the script untouched.
 
-How it finds the model and the optimizers: two global hooks from torch's public API, removed
-at the first forward after it attaches. A module forward pre-hook notes every module that runs forward with grad
-enabled until then (not inside a torch.compile trace); an optimizer step post-hook takes the
-outermost of them that own trainable parameters, and attaches once the optimizers that have
-stepped hold all of those parameters (at the first step where one optimizer trains the model; a
-GAN's generator and critic, or a pipeline rank's stages with an optimizer each, once each has
-stepped): `attach(model=those, optimizer=the optimizers that hold their parameters)`, one
-module or a list in the order they ran, one optimizer or a list. So whatever wraps the model is
-found (DDP, FSDP2, tensor parallel...) and a step is every optimizer's.
-
-Limits: the steps until it attaches are not timed; where no set of optimizers stepped within
-MAX_STEPS_UNATTACHED optimizer steps holds every trainable parameter of those modules (one run
-forward with grad that no optimizer trains), it attaches then with those that hold some. Where
-none owns a stepping optimizer's parameters, it logs one warning and attaches with the first
-optimizer only: step and optimizer timing, no forward or backward.
+How it finds the model and the optimizers: two global hooks from torch's public API (gone at the
+first forward after it attaches). One notes every module run forward with grad (not inside a
+torch.compile trace); at each optimizer step the other takes the outermost of them with
+trainable parameters and attaches once the optimizers stepped hold all of those (the first step
+for one optimizer; a GAN's, or a pipeline's with one per stage, once each has stepped):
+`attach(model=those, optimizer=those that hold their parameters)`, one or a list each. So
+whatever wraps the model is found (DDP, FSDP2, tensor parallel...), and a step is every
+optimizer's. Limits: the steps until then are not timed, MAX_STEPS_UNATTACHED at most (a
+module run with grad that no optimizer trains); where no module owns a stepping optimizer's
+parameters, it logs one warning and attaches with that optimizer only (no forward or backward).
 
 A runner (as `python -m cProfile`), not an import hook (sitecustomize, a .pth file): it shows on
 the job's command line, runs only in the processes it is put in front of, shadows nothing, and
