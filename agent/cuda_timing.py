@@ -61,6 +61,10 @@ from syncscope.agent.phases import (
 
 # a forward after them starts with data (OPT_POST: an optimizer's step within a training step's)
 _IDLE_BEFORE_FORWARD = (STEP_START, BWD_END, COMM_END, OPT_POST)
+# Inside optimizer.step(closure) (PhaseClock.forward_began), the gap from one of the first to
+# one of the second is the optimizer's: from the step's start or a closure's backward to the
+# next closure's forward or the step's end.
+_CLOSURE_AFTER, _CLOSURE_BEFORE = (OPT_PRE, BWD_END, COMM_END), (FWD_PRE, OPT_POST, STEP_END)
 NO_PHASES = (0,) * ACC_LEN  # a quiet step's row until the resolver estimates them (and in C)
 # A quiet step's estimate, taken at its end: the last timed step's phase shares (CPU) and its
 # DDP sync's share of its total (None: it had no sync).
@@ -134,10 +138,16 @@ def gpu_phases(start: Any, marks: list[tuple[int, Any]]) -> tuple[int, list[int]
     comm: list[int] = []
     total = 0
     prev_kind, prev = STEP_START, start
+    stepping = False  # inside optimizer.step: between its pre-hook's mark and its post-hook's
+    idle = 0  # the gap before that pre-hook, after an idle mark: data if a closure follows
     for kind, event in marks:
         ns = max(0, round(prev.elapsed_time(event) * 1e6))
         total += ns
-        if kind == FWD_PRE and prev_kind in _IDLE_BEFORE_FORWARD:
+        if stepping and kind in _CLOSURE_BEFORE and prev_kind in _CLOSURE_AFTER:
+            phases[OPTIMIZER] += ns  # the optimizer's own work (around its closures, if any)
+            phases[DATA] += idle if kind == FWD_PRE else 0
+            idle = 0
+        elif kind == FWD_PRE and prev_kind in _IDLE_BEFORE_FORWARD:
             phases[DATA] += ns
         elif kind == FWD_POST and prev_kind == FWD_PRE:
             phases[FORWARD] += ns
@@ -146,8 +156,9 @@ def gpu_phases(start: Any, marks: list[tuple[int, Any]]) -> tuple[int, list[int]
         elif kind == COMM_END and prev_kind == BWD_END:
             phases[COMM] += ns
             comm.append(ns)
-        elif kind in (OPT_POST, STEP_END) and prev_kind == OPT_PRE:
-            phases[OPTIMIZER] += ns
+        if kind in (OPT_PRE, OPT_POST, STEP_END):
+            stepping = kind == OPT_PRE
+            idle = ns if stepping and prev_kind in _IDLE_BEFORE_FORWARD else 0
         prev_kind, prev = kind, event
     return total, phases, comm
 

@@ -252,15 +252,7 @@ def timed_forward(
                 waited = 0
                 if blocked is not None and blocked.ns != clock.blocked_seen:
                     waited = clock.take_blocked(FWD_PRE)
-                idle = clock.idle_since
-                if idle:
-                    ns = t - idle - waited
-                    if ns > 0:
-                        clock.acc[DATA] += ns
-                    clock.idle_since = 0
-                if clock.opt_start:  # inside optimizer.step(closure)
-                    clock.opt_start = 0
-                    clock.opt_closure = True
+                clock._data_ends(t, waited)
                 clock.fwd_start = t
                 if clock.mark is not None:
                     clock.mark(FWD_PRE)

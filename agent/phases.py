@@ -478,16 +478,27 @@ class PhaseClock(BackwardPhases):
         inline on entry when the module has no hooks."""
         t = _now()
         waited = self.take_blocked(FWD_PRE)
-        idle = self.idle_since
-        if idle:
-            self.acc[DATA] += max(0, t - idle - waited)
-            self.idle_since = 0
-        if self.opt_start:  # inside optimizer.step(closure)
-            self.opt_start = 0
-            self.opt_closure = True
+        self._data_ends(t, waited)
         self.fwd_start = t
         if self.mark is not None:
             self.mark(FWD_PRE)
+
+    def _data_ends(self, t: int, waited: int) -> None:
+        """A forward starts at `t` (`waited` blocked since the clock last looked): data ends.
+        Inside optimizer.step(closure) (an L-BFGS's, a SAM's; Lightning's) data ended at the
+        step's start, and the time since (the update before the closure runs again) is the
+        optimizer's."""
+        idle, opt_start = self.idle_since, self.opt_start
+        acc = self.acc
+        if opt_start:
+            if idle and idle < opt_start:
+                acc[DATA] += opt_start - idle
+            acc[OPTIMIZER] += max(0, t - opt_start - waited)
+            self.opt_start = 0
+            self.opt_closure = True
+        elif idle:
+            acc[DATA] += max(0, t - idle - waited)
+        self.idle_since = 0
 
     def forward_ended(self, out: Any) -> None:
         """The forward phase ends with output `out` (ForwardHooks' post-hook): what the forward

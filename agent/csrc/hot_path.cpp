@@ -1667,19 +1667,24 @@ bool waits_since(Hook* h, PyObject* c, int64_t at, int64_t& waited) {
 }
 
 // The forward phase starts now (forward_common's state): data ends, less the waits since the
-// clock last looked. False with an error set.
+// clock last looked; inside optimizer.step(closure) (PhaseClock.forward_began) data ends at the
+// step's start and the time since is the optimizer's. False with an error set.
 bool forward_start(Hook* h, PyObject* c, int64_t idle, int64_t opt_start) {
   const ClockSlots& s = h->clock_slots.at;
   const int64_t t = now_ns();
   int64_t waited = 0;
   bool ok = waits_since(h, c, h->fwd_pre, waited);
-  if (ok && idle) {
-    const int64_t ns = t - idle - waited;
-    ok = (ns <= 0 || add_to(get(c, s.acc), h->i_data, ns)) && put_int(c, s.idle_since, 0);
-  }
-  if (ok && opt_start) {  // inside optimizer.step(closure)
-    ok = put_int(c, s.opt_start, 0);
+  PyObject* acc = ok ? get(c, s.acc) : nullptr;
+  if (ok && opt_start) {
+    const int64_t data = idle && idle < opt_start ? opt_start - idle : 0;
+    const int64_t ns = t - opt_start - waited;
+    ok = (data <= 0 || add_to(acc, h->i_data, data)) &&
+         (ns <= 0 || add_to(acc, h->i_optimizer, ns)) && put_int(c, s.opt_start, 0) &&
+         put_int(c, s.idle_since, 0);
     put_bool(c, s.opt_closure, true);
+  } else if (ok && idle) {
+    const int64_t ns = t - idle - waited;
+    ok = (ns <= 0 || add_to(acc, h->i_data, ns)) && put_int(c, s.idle_since, 0);
   }
   return ok && put_int(c, s.fwd_start, t);
 }

@@ -539,6 +539,31 @@ def test_a_gan_step_of_two_optimizers_on_the_gpu():
     assert len(loop.colls) == 8 and loop.errors == []
 
 
+def test_the_optimizers_work_around_its_closures_is_optimizer_time_on_the_gpu():
+    """optimizer.step(closure) running a DDP model's closure twice (a SAM's step): the GPU's
+    work between the step's start, the closures and its end is the optimizer's (the second
+    closure's forward took the first gap as data before), the gap before the step data (it
+    was `other`), as the CPU clock counts them."""
+    loop = Loop()
+    c, s = loop.clock, loop.stream
+    for _ in range(4):
+        s.enqueue(3.0)  # data
+        c.optimizer_pre(None, None, None)
+        for gap in (0.5, 1.5):  # before each closure: the optimizer's own work
+            s.enqueue(gap)
+            loop.forward(5.0)
+            loop.backward(Loop.PHASES)  # backward 9, then DDP's sync 4
+        s.enqueue(2.0)  # the update
+        c.optimizer_post(None, None, None)
+    s.run_all()
+    c.resolve()
+    for r in list(loop.steps)[1:]:
+        expected = {"data": 3.0, "forward": 10.0, "backward": 18.0, "optimizer": 4.0}
+        expected |= {"comm_exposed": 8.0, "pacing": 0.0, "total": 43.0}
+        assert phases_ms(r) == pytest.approx(expected)
+    assert loop.errors == []
+
+
 def test_with_real_torch_hooks_on_cpu():
     torch = pytest.importorskip("torch")
     stream = FakeStream()
