@@ -452,10 +452,21 @@ def parts_of(model: Any) -> list[Any]:
 
 
 def optimizers_of(optimizer: Any) -> list[Any]:
-    """The optimizers of `optimizer` as attach() takes it: none, one, or a list or tuple."""
-    if isinstance(optimizer, (list, tuple)):
-        return list(optimizer)
-    return [] if optimizer is None else [optimizer]
+    """The optimizers of `optimizer` as attach() takes it: none, one, or a list or tuple; a
+    wrapper holding a torch optimizer as `.optimizer` (accelerate's AcceleratedOptimizer, which
+    never runs Optimizer.__init__, so cannot take step hooks) stands for the one inside, whose
+    step is where the hooks fire: once a real step (accelerate skips it while accumulating)."""
+    given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    return [_innermost(o) for o in given if o is not None]
+
+
+def _innermost(optimizer: Any) -> Any:
+    inner = getattr(optimizer, "optimizer", None)
+    while (
+        inner is not None and inner is not optimizer and hasattr(inner, "register_step_post_hook")
+    ):
+        optimizer, inner = inner, getattr(inner, "optimizer", None)
+    return optimizer
 
 
 def wrap_forward(

@@ -30,11 +30,6 @@ except ImportError:  # pragma: no cover - depends on what is installed
 __all__ = ["SyncscopeCallback"]
 
 
-def _torch_optimizer(optimizer: Any) -> Any:
-    inner = getattr(optimizer, "optimizer", None)  # accelerate's AcceleratedOptimizer
-    return inner if hasattr(inner, "register_step_post_hook") else optimizer
-
-
 class SyncscopeCallback(_TrainerCallback or object):  # type: ignore[misc]
     """Attach syncscope when training begins; close it when training ends.
 
@@ -72,7 +67,7 @@ class SyncscopeCallback(_TrainerCallback or object):  # type: ignore[misc]
             config.setdefault("batch_argument", main_input)
         self.agent = attach(
             model=wrapped if wrapped is not None else model,
-            optimizer=_torch_optimizer(optimizer) if optimizer is not None else None,
+            optimizer=optimizer,  # (attach() looks through accelerate's wrapper)
             exporter=self.exporter,
             **config,
         )

@@ -376,3 +376,45 @@ def test_ddp_unseen_allows_every_sum_of_the_models_gradients_and_their_halves():
     assert not told([1000, 36], 1072, 1036, 36)  # a GAN's steps with both models given
     assert told([1000], 1072)
     assert not told([1000], 1000, 1000) and not told([1000], 0)
+
+
+ACCELERATE_LOOP = """
+import json, torch
+from accelerate import Accelerator
+from syncscope.agent import attach
+acc = Accelerator(cpu=True, gradient_accumulation_steps=4)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600)
+for _ in range(24):
+    with acc.accumulate(model):
+        loss = torch.nn.functional.mse_loss(model(torch.randn(16, 16)), torch.randn(16, 1))
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+rows = list(getattr(agent, "queues").steps) if hasattr(agent, "queues") else []
+print(json.dumps({"wrapper": type(opt).__name__, "steps": [r[0] for r in rows],
+                  "samples": [r[-2] for r in rows]}))
+agent.close()
+"""
+
+
+@pytest.mark.slow
+def test_accelerates_optimizer_wrapper_is_looked_through_to_the_torch_optimizer():
+    """`attach(optimizer=...)` given accelerate's AcceleratedOptimizer (it never runs
+    Optimizer.__init__, so takes no step hooks: attach failed and the agent went inert) times
+    the torch optimizer inside it, whose step runs once per real step: 24 micro-batches with
+    gradient accumulation over 4 are 6 steps of 64 samples. In a process of its own
+    (accelerate's state is process-wide)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("accelerate")
+    out = subprocess.run(
+        [sys.executable, "-c", ACCELERATE_LOOP], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["wrapper"] == "AcceleratedOptimizer", got
+    assert got["steps"] == list(range(6)) and got["samples"] == [64] * 6, (got, out.stderr[-2000:])
