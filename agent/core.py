@@ -200,6 +200,7 @@ class Agent:
         if self.nccl_reader is not None:
             self.nccl_reader.start()
         atexit.register(self.close)
+        _OPEN.add(self)
 
     def _http_reporter(self, config: AgentConfig, optimizers: list[Any]) -> Reporter:
         return Reporter(
@@ -316,6 +317,7 @@ class Agent:
         # their process group: a closed agent left registered would keep all of them (GPU
         # memory, gloo's threads) until the interpreter exits.
         atexit.unregister(self.close)
+        _OPEN.discard(self)
         with contextlib.suppress(Exception):
             if self.hooks is not None:
                 self.hooks.remove()
@@ -698,6 +700,16 @@ def _dist_available(torch: Any) -> bool:
         return False
 
 
+# The agents attached in this process and not yet closed (attach() warns of a second: both
+# would report as the same rank).
+_OPEN: set[Agent] = set()
+
+
+def open_agents() -> list[Agent]:
+    """The agents attached in this process and not closed."""
+    return list(_OPEN)
+
+
 def attach(
     model: Any = None, optimizer: Any = None, exporter: str | None = None, **config: Any
 ) -> RankAgent:
@@ -716,6 +728,13 @@ def attach(
     settings = AgentConfig.resolve({"exporter": exporter, **config})
     if settings.disable:
         return InertAgent()
+    if _OPEN:
+        log.warning(
+            "syncscope: attach() while an agent attached earlier in this process is still open "
+            "(%d open): each reports as this rank, so the exporter counts its steps once per "
+            "agent; close() the earlier one first",
+            len(_OPEN),
+        )
     try:
         return Agent(model, optimizer, settings)
     except Exception as exc:  # noqa: BLE001 - observability must not stop training

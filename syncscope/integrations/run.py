@@ -34,6 +34,7 @@ import warnings
 from typing import Any, cast
 
 from syncscope.agent import RankAgent, attach
+from syncscope.agent.core import open_agents
 
 log = logging.getLogger("syncscope.integrations.run")
 # torch's warning at a compiled module's call while a global module hook exists (its start)
@@ -92,6 +93,10 @@ class AutoAttach:
         dict, and a hook registered after this one would see it change (RuntimeError in the
         user's optimizer.step); the next forward pre-hook removes both (torch copies those)."""
         if self._done:
+            return
+        if open_agents():  # the script attached syncscope itself: its agent stands
+            self._done = True
+            log.info("syncscope: the script attached an agent itself; the runner leaves it")
             return
         try:
             self._stepped.setdefault(id(optimizer), optimizer)

@@ -418,3 +418,19 @@ def test_accelerates_optimizer_wrapper_is_looked_through_to_the_torch_optimizer(
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["wrapper"] == "AcceleratedOptimizer", got
     assert got["steps"] == list(range(6)) and got["samples"] == [64] * 6, (got, out.stderr[-2000:])
+
+
+def test_a_second_agent_in_one_process_is_warned_of(caplog):
+    """Two agents attached at once in one process both report as its rank (the exporter counts
+    each step twice): attach() says so while an earlier one is open, not once it is closed."""
+    net = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with caplog.at_level("WARNING", logger="syncscope.agent"):
+        first = attach(model=net, optimizer=opt, exporter=None)
+        second = attach(model=net, optimizer=opt, exporter=None)
+        second.close()
+        first.close()
+        third = attach(model=net, optimizer=opt, exporter=None)
+        third.close()
+    told = [r.getMessage() for r in caplog.records if "still open" in r.getMessage()]
+    assert len(told) == 1 and "(1 open)" in told[0], told

@@ -269,6 +269,25 @@ def test_a_global_step_hook_of_the_users_own_sees_every_step(auto: AutoAttach) -
     assert_forward_timed(rows)
 
 
+def test_a_script_that_attaches_itself_keeps_its_agent(auto: AutoAttach) -> None:
+    """A script with its own attach() under the runner: the runner attaches no second agent
+    (both would report as the rank, its steps counted twice)."""
+    from syncscope.agent import attach
+
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    own = attach(model=net, optimizer=opt, exporter=None)
+    try:
+        for _ in range(STEPS):
+            net(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert auto.agent is None
+        assert len(step_rows(own)) == STEPS
+    finally:
+        own.close()
+
+
 def test_no_module_owns_the_parameters(auto: AutoAttach, caplog: pytest.LogCaptureFixture) -> None:
     """A bare tensor trained through modules without parameters: the runner attaches to the
     optimizer only (steps still measured) and says so once, naming what it saw."""
