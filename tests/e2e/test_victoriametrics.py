@@ -75,7 +75,11 @@ def _groups() -> list[PromtoolTest]:
     out = []
     for path in sorted(TESTS_DIR.glob("*.test.yml")):
         doc, groups = load_file(path)
-        assert duration_seconds(doc.get("evaluation_interval", "1m")) == 60, path
+        # Replayed at 1m: a file promtool evaluates more coarsely (trends.test.yml, 5m: its
+        # cases span days) must have no alert cases, and its values hold at 1m too (its
+        # comments work them out for both).
+        coarse = duration_seconds(doc.get("evaluation_interval", "1m")) != 60
+        assert not coarse or not any(t.get("alert_rule_test") for t in doc["tests"]), path
         out.extend(g for g in groups if g.cases)
     return out
 
