@@ -491,9 +491,11 @@ class PhaseClock(BackwardPhases):
         idle, opt_start = self.idle_since, self.opt_start
         acc = self.acc
         if opt_start:
-            if idle and idle < opt_start:
-                acc[DATA] += opt_start - idle
-            acc[OPTIMIZER] += max(0, t - opt_start - waited)
+            # The waits since the clock last looked are not known to fall in either part: as
+            # data's first (a collective before the step), the rest the optimizer's.
+            data = opt_start - idle if idle and idle < opt_start else 0
+            acc[DATA] += max(0, data - waited)
+            acc[OPTIMIZER] += max(0, t - opt_start - max(0, waited - data))
             self.opt_start = 0
             self.opt_closure = True
         elif idle:

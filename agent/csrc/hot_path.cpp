@@ -1675,10 +1675,10 @@ bool forward_start(Hook* h, PyObject* c, int64_t idle, int64_t opt_start) {
   int64_t waited = 0;
   bool ok = waits_since(h, c, h->fwd_pre, waited);
   PyObject* acc = ok ? get(c, s.acc) : nullptr;
-  if (ok && opt_start) {
+  if (ok && opt_start) {  // the waits as data's first, the rest the optimizer's (_data_ends)
     const int64_t data = idle && idle < opt_start ? opt_start - idle : 0;
-    const int64_t ns = t - opt_start - waited;
-    ok = (data <= 0 || add_to(acc, h->i_data, data)) &&
+    const int64_t ns = t - opt_start - (waited > data ? waited - data : 0);
+    ok = (data - waited <= 0 || add_to(acc, h->i_data, data - waited)) &&
          (ns <= 0 || add_to(acc, h->i_optimizer, ns)) && put_int(c, s.opt_start, 0) &&
          put_int(c, s.idle_since, 0);
     put_bool(c, s.opt_closure, true);
