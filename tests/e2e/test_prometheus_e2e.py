@@ -140,16 +140,23 @@ def test_rules_alerts_and_every_dashboard_query_against_real_prometheus(
         )
         assert not any(cv_alerts.values()), f"CV alert fired on a steady job: {cv_alerts}"
 
+        # Killed once the alert fires; as the steady job, judged from its first scraped steps:
+        # on a loaded machine (make test's second phase) its four ranks' start took long enough
+        # that 45 s from the launch ran out before the alert's window and for: had passed.
         jitter = job_factory(
             4,
-            ["--duration", "40", "--jitter-prob", "0.3", "--jitter-ms", "150"],
+            ["--duration", "90", "--jitter-prob", "0.3", "--jitter-ms", "150"],
             exporter.url,
             job="jitter",
         )
+        assert wait_until(
+            lambda: prom.query('syncscope_steps_total{job="jitter"}'), timeout=60, interval=1
+        ), "Prometheus never scraped the jittery job's steps"
         fired = wait_until(
             lambda: firing(prom, "SyncscopeStepTimeCVHigh", "jitter"), timeout=45, interval=1
         )
-        assert fired, "CV alert did not fire on a jittery job"
+        cv = prom.query('syncscope_step_time_cv{job="jitter"}')
+        assert fired, f"CV alert did not fire on a jittery job (its ranks' CV: {cv})"
         assert fired[0]["annotations"]["summary"] and fired[0]["annotations"][
             "runbook_url"
         ].endswith("#alert-name-syncscopesteptimecvhigh")
