@@ -252,7 +252,15 @@ def timed_forward(
                 waited = 0
                 if blocked is not None and blocked.ns != clock.blocked_seen:
                     waited = clock.take_blocked(FWD_PRE)
-                clock._data_ends(t, waited)
+                if clock.opt_start:  # inside optimizer.step(closure): the clock's own split
+                    clock._data_ends(t, waited)
+                else:  # _data_ends' common case, inline (no extra call on the hot path)
+                    idle = clock.idle_since
+                    if idle:
+                        ns = t - idle - waited
+                        if ns > 0:
+                            clock.acc[DATA] += ns
+                        clock.idle_since = 0
                 clock.fwd_start = t
                 if clock.mark is not None:
                     clock.mark(FWD_PRE)
