@@ -700,8 +700,8 @@ def _dist_available(torch: Any) -> bool:
         return False
 
 
-# The agents attached in this process and not yet closed (attach() warns of a second: both
-# would report as the same rank).
+# The agents attached in this process and not yet closed: at most one, since attach() closes
+# an earlier one (both would report as the same rank).
 _OPEN: set[Agent] = set()
 
 
@@ -722,19 +722,21 @@ def attach(
                those a step steps, the step ending when each has stepped since the last end
     exporter   http://host:port or unix:///path (default: $SYNCSCOPE_EXPORTER)
     **config   any AgentConfig field (job, detail, pacing, flush_interval_s, ...)
-    Never raises because of syncscope itself: on an internal failure it logs and returns an
-    agent that does nothing.
+    One agent a process: an agent attached earlier and still open is closed first (an
+    in-process restart that attaches again). Never raises because of syncscope itself: on an
+    internal failure it logs and returns an agent that does nothing.
     """
     settings = AgentConfig.resolve({"exporter": exporter, **config})
     if settings.disable:
         return InertAgent()
-    if _OPEN:
+    for earlier in list(_OPEN):  # one agent a process: each would report as this rank
         log.warning(
-            "syncscope: attach() while an agent attached earlier in this process is still open "
-            "(%d open): each reports as this rank, so the exporter counts its steps once per "
-            "agent; close() the earlier one first",
-            len(_OPEN),
+            "syncscope: attach() while an agent attached earlier in this process is open: "
+            "closing that one (its last records sent), so that the exporter counts each step "
+            "once; this agent takes over"
         )
+        with contextlib.suppress(Exception):
+            earlier.close()
     try:
         return Agent(model, optimizer, settings)
     except Exception as exc:  # noqa: BLE001 - observability must not stop training

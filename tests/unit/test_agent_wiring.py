@@ -420,17 +420,30 @@ def test_accelerates_optimizer_wrapper_is_looked_through_to_the_torch_optimizer(
     assert got["steps"] == list(range(6)) and got["samples"] == [64] * 6, (got, out.stderr[-2000:])
 
 
-def test_a_second_agent_in_one_process_is_warned_of(caplog):
-    """Two agents attached at once in one process both report as its rank (the exporter counts
-    each step twice): attach() says so while an earlier one is open, not once it is closed."""
+def test_a_second_attach_closes_the_first_and_each_step_counts_once(caplog):
+    """Two agents open in one process would both report as its rank (the exporter counting each
+    step twice): attach() closes an earlier open one (a loop restarting in-process attaches
+    again) and says so, and the steps after it count on the new agent alone; once the earlier
+    one is closed, attach() says nothing."""
     net = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            net(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
     with caplog.at_level("WARNING", logger="syncscope.agent"):
         first = attach(model=net, optimizer=opt, exporter=None)
+        train(3)
+        before = first.stats["steps"]
         second = attach(model=net, optimizer=opt, exporter=None)
+        train(4)
+        after = (first.stats["steps"], second.stats["steps"])
         second.close()
-        first.close()
         third = attach(model=net, optimizer=opt, exporter=None)
         third.close()
-    told = [r.getMessage() for r in caplog.records if "still open" in r.getMessage()]
-    assert len(told) == 1 and "(1 open)" in told[0], told
+    assert before == 3 and after == (3, 4), (before, after)
+    told = [r.getMessage() for r in caplog.records if "closing that one" in r.getMessage()]
+    assert len(told) == 1, told
