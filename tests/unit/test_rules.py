@@ -368,7 +368,15 @@ def _layout(tmp_path: Path, overrides: dict) -> Path:
 )
 def test_a_broken_threshold_fails_the_promtool_tests(tmp_path, key, value, test_file, culprit):
     tests = _layout(tmp_path, {key: value})
-    result = promtool("test", "rules", tests / f"{test_file}.test.yml")
+    path = tests / f"{test_file}.test.yml"
+    # Only the file's test groups that name the culprit: the others' alerts and series do not
+    # involve it, and promtool's time goes with the groups it evaluates (these 25 runs were the
+    # largest part of this file's time).
+    doc = yaml.safe_load(path.read_text())
+    doc["tests"] = [group for group in doc["tests"] if culprit in yaml.safe_dump(group)]
+    assert doc["tests"], f"no test group of {path.name} names {culprit}"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    result = promtool("test", "rules", path)
     assert result.returncode != 0, f"promtool tests still pass with {key}={value}"
     assert culprit in result.stdout + result.stderr
 
