@@ -11,9 +11,10 @@ demo:
 
 # The tests start hundreds of Python processes (ranks, exporters, pytest workers) that import
 # syncscope and the tests: with PYTHONDONTWRITEBYTECODE set (as some images do) each compiles
-# them afresh (collecting the suite: 12.6 s of CPU against 7.0 s with the caches written). An
-# empty value lets Python write its __pycache__ (git-ignored).
-test test-fast fuzz: export PYTHONDONTWRITEBYTECODE :=
+# them afresh (collecting the suite: 12.6 s of CPU against 7.0 s with the caches written), and
+# torch too, which scripts/setup installs without byte-compiling it. An empty value lets Python
+# write its __pycache__ (git-ignored, and in .venv).
+demo test test-fast fuzz: export PYTHONDONTWRITEBYTECODE :=
 
 # Idle priority where the scheduler has it (SCHED_IDLE: a core goes to such a process only when
 # nothing else wants it), else the lowest nice.
