@@ -46,9 +46,12 @@ from tests.integration.test_real_trainers import (
     settled,
 )
 
-# relative: the verdicts compare the job's ranks with each other and with its own recorded
-# truth, so `make test` runs them at idle priority beside the quiet tests (pyproject.toml).
-pytestmark = [pytest.mark.slow, pytest.mark.relative]
+# Not `relative`: at idle priority beside the quiet tests and torchtitan's 4-rank jobs, a
+# starved 2-rank job's steps stretch until the 40 ms pause is within their noise: a fresh-clone
+# run (2026-12-07) named Lightning's slowed rank in 5 of 22 samples, and under a hog taking one
+# core its cause read `unknown`. `make test` runs them in its second phase, at normal priority,
+# as tests/integration/test_parallelisms.py.
+pytestmark = [pytest.mark.slow]
 
 WORLD = 2
 SLOW_RANK = 1
