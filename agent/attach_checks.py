@@ -1,8 +1,9 @@
 """What the agent tells a user whose attach() misses part of the job, once, in a log line: both
 read what the agent records anyway, on the reporter's thread, nothing on the training thread.
 
-  StoppedSteps  the optimizer attach() was given has stopped stepping while the model trains on
-                (the loop built a new one): the rank's steps are no longer reported
+  StoppedSteps  the optimizer the steps end at has stopped stepping while the model trains on
+                (the loop built a new one): the agent looks for the new one (new_optimizer.py),
+                and says so where none is found
   DdpOutside    DDP synchronises the gradients of the module attach() was given from outside it
                 (DistributedDataParallel wrapped it after attach(), or the agent was given another
                 wrapper around DDP): its sync is `other` time
@@ -17,19 +18,21 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from syncscope.agent.new_optimizer import NewOptimizer
     from syncscope.agent.phases import PhaseClock
 
 log = logging.getLogger("syncscope.agent")
 
 
 class StoppedSteps:
-    """Says once that the model trains on while the optimizers attach() was given have stopped
-    stepping: the loop built a new optimizer (staged unfreezing, a reset) whose steps the agent
-    does not see, so the rank would look stalled. Called on the reporter's thread at its flushes
-    (every few seconds once no step ends): it reads the step number and the count of forwards
-    with gradients since the step began (what work detection counts; where that is off, it
-    stays silent), nothing on the training thread. The line: no step for `floor_s`, and for
-    `steps` times the longest a step took between two looks, while the forwards went on."""
+    """Tells `follower` (a NewOptimizer), and then the user once, that the model trains on while
+    the optimizer the steps end at has stopped stepping: the loop built a new optimizer (staged
+    unfreezing, a reset). Called on the reporter's thread at its flushes (every few seconds once
+    no step ends): it reads the step number and the count of forwards with gradients since the
+    step began (what work detection counts; where that is off, it stays silent), nothing on the
+    training thread. No step for `ask_s` and for `ask_steps` times the longest a step took
+    between two looks, while the forwards went on: `follower.ask()`. For `floor_s` and `steps`
+    times that: the line, where no new optimizer was found by then."""
 
     def __init__(
         self,
@@ -42,6 +45,8 @@ class StoppedSteps:
         self.clock = clock
         self.names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
         self.floor_s, self.steps, self.now = floor_s, steps, now
+        self.follower: NewOptimizer | None = None  # the agent's, with one optimizer
+        self.ask_s, self.ask_steps = 3.0, 3.0
         self.step = -1  # at the last look, and when it last changed
         self.since = 0.0
         self.baseline = False  # a change of step since the first look was seen
@@ -54,10 +59,9 @@ class StoppedSteps:
             self._look()
         except Exception:  # noqa: BLE001 - a look that fails says nothing; the drain goes on
             self.told = True
+            self.follower = None
 
     def _look(self) -> None:
-        if self.told:
-            return
         clock, t = self.clock, self.now()
         step, forwards = clock.step, clock.work.seen_batches
         if step != self.step:
@@ -69,12 +73,21 @@ class StoppedSteps:
         going = forwards > self.forwards
         self.forwards = forwards
         idle = t - self.since
-        if self.step_s and going and idle > max(self.floor_s, self.steps * self.step_s):
+        if not (self.step_s and going):
+            return
+        follower = self.follower
+        if follower is not None and idle > max(self.ask_s, self.ask_steps * self.step_s):
+            follower.ask()
+        if not self.told and idle > max(self.floor_s, self.steps * self.step_s):
             self.told = True
+            followed = follower.following() if follower is not None else None
+            if followed is not None:
+                self.names = type(followed).__name__
             log.warning(
-                "syncscope: %d forwards in %.0f s and no step: the optimizer given to attach() "
-                "(%s) has stopped stepping, and this rank's steps are not reported. If the "
-                "loop made a new optimizer, close the agent and attach() again with it.",
+                "syncscope: %d forwards in %.0f s and no step: the optimizer the steps end at "
+                "(%s) has stopped stepping, no other optimizer that trains the model given to "
+                "attach() has stepped since, and this rank's steps are not reported. Give "
+                "attach() the model and the optimizer the loop steps.",
                 forwards,
                 idle,
                 self.names,

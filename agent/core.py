@@ -25,6 +25,7 @@ from syncscope.agent.compiles import CompileWatch
 from syncscope.agent.config import AgentConfig, process_identity, process_started_unix_s
 from syncscope.agent.link import LinkSampler, with_link
 from syncscope.agent.local_arrival import LocalArrival
+from syncscope.agent.new_optimizer import NewOptimizer
 from syncscope.agent.phase_hooks import Instrumented, instrument, optimizers_of, parts_of
 from syncscope.agent.phases import PhaseClock
 from syncscope.agent.queues import RecordQueues
@@ -123,6 +124,8 @@ class Agent:
         self.last_error: BaseException | None = None
         self._closed = False
         self.hooks: Instrumented | None = None  # on the model and optimizer, for the clock
+        # The optimizer a loop builds in place of the one given, followed (StoppedSteps asks)
+        self.new_optimizer: NewOptimizer | None = None
         optimizers = optimizers_of(optimizer)
         torch = sys.modules.get("torch") if model is None and not optimizers else _import_torch()
         model = model_parts(torch, model)
@@ -179,6 +182,10 @@ class Agent:
             if counter is not None:
                 counter.value = self.clock.step
         self.hooks = instrument(self.clock, model, optimizers, self._native_backward(torch))
+        watch = self.stopped_steps
+        if watch is not None and self.hooks.step_hooks is not None and parts_of(model):
+            follower = NewOptimizer(self.clock, self.hooks, parts_of(model), optimizers[0])
+            self.new_optimizer = watch.follower = follower
         try:
             checkpointing.install(self.checkpoints)
         except Exception as exc:  # noqa: BLE001 - no checkpoint time, everything else stands
@@ -318,6 +325,9 @@ class Agent:
         # memory, gloo's threads) until the interpreter exits.
         atexit.unregister(self.close)
         _OPEN.discard(self)
+        with contextlib.suppress(Exception):
+            if self.new_optimizer is not None:
+                self.new_optimizer.close()
         with contextlib.suppress(Exception):
             if self.hooks is not None:
                 self.hooks.remove()

@@ -302,6 +302,14 @@ class CudaPhaseClock(PhaseClock):
     def _quiet_end(self, t: int, total: int) -> None:
         self.end_step(t)  # a quiet step's end, here as a timed one's: below
 
+    def restart_step(self, t: int) -> None:
+        super().restart_step(t)
+        if self.marks:  # the dropped step's events, and its DDP records
+            self.free.extend(event for _, event in self.marks)
+        self.marks = []
+        self.collectives.clear()
+        self.chain_broken = True  # the GPU's time since the last step's end is no step's
+
     def end_step(self, t: int) -> None:
         step = self.step
         self.mark(STEP_END)  # before PhaseClock's pacing sleep: that belongs to the next step

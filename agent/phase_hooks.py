@@ -63,14 +63,33 @@ class Instrumented:
     def __init__(self, clock: PhaseClock) -> None:
         self.clock = clock
         self.handles: list[Any] = []
+        # The step pre- and post-hooks of the one optimizer that ends each step (hot_hooks'),
+        # and their handles on it: step_with moves them to another.
+        self.step_hooks: tuple[Any, Any] | None = None
+        self.stepping: list[Any] = []
+
+    def step_with(self, optimizer: Any) -> None:
+        """The steps end at `optimizer`'s from now on, no longer at the one's before it (one
+        optimizer ending each step; not with StepOfSeveral)."""
+        if self.step_hooks is None:
+            raise ValueError("the steps end at several optimizers' steps, not at one's")
+        pre, post = self.step_hooks
+        handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        self._off(self.stepping)
+        self.stepping = handles
 
     def remove(self) -> None:
         uninstall_backward(self.clock)
-        for handle in self.handles:
+        self._off(self.handles)
+        self._off(self.stepping)
+        self.clock.triggers.drop()
+
+    @staticmethod
+    def _off(handles: list[Any]) -> None:
+        for handle in handles:
             with contextlib.suppress(Exception):
                 handle.remove()
-        self.handles.clear()
-        self.clock.triggers.drop()
+        handles.clear()
 
 
 def instrument(
@@ -119,9 +138,8 @@ def instrument(
         install_backward(clock, hot)
     optimizers = optimizers_of(optimizer)
     if len(optimizers) == 1:
-        pre, post = hot_hooks(clock, hot)
-        handles.append(optimizers[0].register_step_pre_hook(pre))
-        handles.append(optimizers[0].register_step_post_hook(post))
+        done.step_hooks = hot_hooks(clock, hot)
+        done.step_with(optimizers[0])
     elif optimizers:
         several = StepOfSeveral(clock, optimizers)
         for each in optimizers:
@@ -237,6 +255,8 @@ def timed_forward(
     global_post = hooks.global_post if hooks is not None else None
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if clock.at_forward is not None:  # asked from another thread (rare)
+            clock.run_at_forward()
         quiet = clock.quiet  # a step whose phases are not timed: only its batch is read
         own = not quiet  # this call times the phase (not quiet, no hook of ours does)
         try:

@@ -419,6 +419,7 @@ class PhaseClock(BackwardPhases):
         "after_at",
         "after_every",
         "after_step",
+        "at_forward",
         "detect_start",
         "first_step",
         "manual_steps",
@@ -471,6 +472,10 @@ class PhaseClock(BackwardPhases):
         self.phase_every = 1
         self.shares: list[float] | None = None
         self.sync_share: float | None = None
+        # Set from another thread to what the training thread is to run at its next forward,
+        # before the forward's own work (run_at_forward): a change to torch's global hooks,
+        # which the training thread may be iterating anywhere else (NewOptimizer).
+        self.at_forward: Callable[[], None] | None = None
 
     # -- forward ------------------------------------------------------------------------------
     def forward_began(self) -> None:
@@ -501,6 +506,15 @@ class PhaseClock(BackwardPhases):
         elif idle:
             acc[DATA] += max(0, t - idle - waited)
         self.idle_since = 0
+
+    def run_at_forward(self) -> None:
+        """At a forward, on the training thread: what `at_forward` asked for, once."""
+        asked, self.at_forward = self.at_forward, None
+        if asked is not None:
+            try:
+                asked()
+            except BaseException as exc:  # noqa: BLE001 - nothing may reach the training loop
+                self.on_error(exc)
 
     def forward_ended(self, out: Any) -> None:
         """The forward phase ends with output `out` (ForwardHooks' post-hook): what the forward
@@ -628,17 +642,25 @@ class PhaseClock(BackwardPhases):
         t = _now()
         if not self.manual_steps:
             self.manual_steps = True
-            self.acc = [0, 0, 0, 0, 0, 0]
-            self.step_start = t
-            self.idle_since = t
             self.steps_open = True
-            # Forwards before the first marked step are no step's work (a user's count is).
-            self.work.forget_seen()
-            self._forget_first_wait()
-            if self.blocked is not None:  # waits before the first step are no step's
-                self.blocked_seen = self.blocked.ns
+            # Forwards before the first marked step are no step's work (a user's count is),
+            # nor are its waits.
+            self.restart_step(t)
         elif self.idle_since == 0:
             self.idle_since = t
+
+    def restart_step(self, t: int) -> None:
+        """The open step is dropped, its phases, work and waits unreported, and the next one
+        starts at `t` with the same number (its data phase from `t`)."""
+        self.acc = [0, 0, 0, 0, 0, 0]
+        self.fwd_start = self.opt_start = 0
+        self.opt_closure = False
+        self.sync_ns = self.syncs = 0
+        self.step_start = self.idle_since = t
+        self.work.forget_seen()
+        self._forget_first_wait()
+        if self.blocked is not None:
+            self.blocked_seen = self.blocked.ns
 
     def end_step(self, t: int) -> None:
         total = t - self.step_start

@@ -59,7 +59,7 @@ enum EndMode { kOwnEnd = 0, kInlineEnd = 1, kCudaQuietEnd = 2 };
 
 // The slots a hook reads, by name; their offsets in an object of the type resolved.
 #define CLOCK_SLOTS(X)                                                                   \
-  X(acc) X(after_at) X(after_every) X(after_step) X(blocked) X(blocked_seen) X(bwd_depth) \
+  X(acc) X(after_at) X(after_every) X(after_step) X(at_forward) X(blocked) X(blocked_seen) X(bwd_depth) \
   X(bwd_deferred) X(bwd_end) X(bwd_entry) X(bwd_pending) X(bwd_start) X(collectives) X(coll_max) X(ddp_bytes)          \
   X(ddp_group) X(ddp_model) X(detect_start) X(dropped) X(first_at) X(first_ddp_ns)        \
   X(first_step) X(fwd_since_bwd) X(fwd_start) X(grad_entry) X(idle_since) X(manual_steps) X(mark) X(opt_closure)     \
@@ -1760,6 +1760,9 @@ PyObject* batch_only(Hook* h, PyObject* work, PyObject* const* args, size_t narg
 PyObject* forward(Hook* h, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   PyObject* c = h->clock;
   const ClockSlots& s = h->clock_slots.at;
+  if (get(c, s.at_forward) != Py_None) {  // asked from another thread: Python's to run
+    return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+  }
   PyObject* work = get(c, s.work);
   PyObject* quiet = get(c, s.quiet);
   const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);

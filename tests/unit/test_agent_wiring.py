@@ -222,36 +222,134 @@ def test_a_gans_two_ddp_models_are_one_sync_and_its_two_optimizers_one_step(
         agent.close()
 
 
-def test_a_new_optimizer_the_agent_was_not_given_is_told_once(caplog):
-    """The loop replaces its optimizer (staged unfreezing): the agent's steps stop while the
-    model trains on, and the reporter's look before a drain says so, once, naming the optimizer
-    it was given. Its steps before that, and the new optimizer's, are unaffected."""
+def _looks_at(agent, t):
+    """The agent's StoppedSteps look on the clock `t` ([seconds]), with its floors (3 s to ask,
+    30 s to tell) off: it asks after 3 steps' time, tells after 10."""
+    look = agent.stopped_steps  # type: ignore[attr-defined]
+    look.now, look.floor_s, look.ask_s = lambda: t[0], 0.0, 0.0
+
+    def at(seconds):
+        t[0] = seconds
+        look()
+
+    return at
+
+
+def _train(model, x, optimizer, steps, between=None):
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        if between is not None:
+            between()
+
+
+@pytest.mark.parametrize("in_c", [True, False], ids=["hooks-in-c", "hooks-in-python"])
+def test_a_new_optimizer_that_trains_the_model_is_followed(caplog, in_c):
+    """The loop replaces its optimizer (staged unfreezing): once the reporter's look sees the
+    forwards go on with no step, the steps end at the new optimizer's. The step between (the
+    new one's first step and the forwards before it, 0.3 s slept in it) is in no row, the steps
+    count on from its number, another model's optimizer is not followed, and the global hook
+    that found it is gone at the next forward."""
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = attach(
+        model=model, optimizer=opt, exporter=None, flush_interval_s=3600, native_backward=in_c
+    )
+    x = torch.randn(4, 8)
+    follower = agent.new_optimizer  # type: ignore[attr-defined]
+    other = torch.nn.Linear(2, 2)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    at = _looks_at(agent, [0.0])
+    try:
+        with caplog.at_level("WARNING", logger="syncscope.agent"):
+            at(0)
+            _train(model, x, opt, 1)
+            at(1)  # the first change seen: it may hold the start-up
+            _train(model, x, opt, 4)
+            at(2)  # 0.25 s a step
+            new = torch.optim.AdamW(model.parameters())
+            _train(model, x, new, 2)
+            at(2.5)  # 0.5 s, under the line (0.75 s)
+            assert follower.handle is None and agent.clock.at_forward is None  # type: ignore[attr-defined]
+            _train(model, x, new, 2)
+            at(3)  # 1 s: asked (and 2.5 s to the warning)
+            _train(other, torch.randn(1, 2), other_opt, 1)
+            time.sleep(0.3)
+            _train(model, x, new, 4, between=lambda: _train(other, torch.randn(1, 2), other_opt, 1))
+        rows = list(agent.clock.steps)  # type: ignore[attr-defined]
+        assert [row[0] for row in rows] == list(range(8)), rows
+        assert max(row[2] for row in rows[5:]) < 0.2e9, rows[5:]
+        assert follower.found == 1 and follower.following() is new
+        assert follower.handle is None  # removed at the forward after the step that found it
+        told = [r.getMessage() for r in caplog.records]
+        assert len(told) == 1 and "(SGD)" in told[0] and "AdamW's" in told[0], told
+        assert agent.errors == 0, agent.last_error  # type: ignore[attr-defined]
+    finally:
+        agent.close()
+
+
+def test_an_optimizer_that_steps_again_is_still_followed_and_the_hook_goes():
+    """The look asks, but the optimizer the steps end at steps again (a long pause with
+    forwards, evaluation with gradients): nothing changes, and the global hook is gone."""
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600)
+    x = torch.randn(4, 8)
+    follower = agent.new_optimizer  # type: ignore[attr-defined]
+    at = _looks_at(agent, [0.0])
+    try:
+        at(0)
+        _train(model, x, opt, 1)
+        at(1)
+        _train(model, x, opt, 4)
+        at(2)
+        model(x).pow(2).mean().backward()
+        at(3)  # asked
+        model(x).pow(2).mean().backward()  # the forward registers the hook
+        assert follower.handle is not None
+        _train(model, x, opt, 3)
+        assert follower.found == 0 and follower.following() is opt and follower.handle is None
+        assert agent.clock.step == 8  # type: ignore[attr-defined]
+    finally:
+        agent.close()
+
+
+def test_steps_that_stop_with_no_new_optimizer_are_told_once(caplog):
+    """The model trains on with no optimizer stepping it (a loop that updates the parameters
+    itself): the look asks for a new optimizer, none comes, and it says so once, naming the
+    one the steps end at."""
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600)
     x = torch.randn(4, 8)
 
-    def train(optimizer, steps):
+    def by_hand(steps):
         for _ in range(steps):
-            optimizer.zero_grad()
+            model.zero_grad()
             model(x).pow(2).mean().backward()
-            optimizer.step()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
 
+    at = _looks_at(agent, [0.0])
     try:
-        look = agent.stopped_steps  # type: ignore[attr-defined]
-        look.floor_s, look.steps = 0.0, 2.0  # (30 s and 10 steps' time for real)
         with caplog.at_level("WARNING", logger="syncscope.agent"):
-            look()
-            train(opt, 1)
-            look()  # the first change seen: it may hold the start-up
-            train(opt, 4)
-            look()  # steps went on: the time a step takes is learnt
-            train(torch.optim.AdamW(model.parameters()), 20)
-            look()
-            train(torch.optim.AdamW(model.parameters()), 5)
-            look()
+            at(0)
+            _train(model, x, opt, 1)
+            at(1)
+            _train(model, x, opt, 4)
+            at(2)
+            by_hand(20)
+            at(3)  # 1 s: asked
+            by_hand(5)  # (the global hook registered at the first forward: nothing steps)
+            at(5)  # 3 s: told
+            by_hand(5)
+            at(9)  # and once only
         told = [r.getMessage() for r in caplog.records if "no step" in r.getMessage()]
-        assert len(told) == 1 and "(SGD)" in told[0] and "20 forwards" in told[0], told
+        assert len(told) == 1 and "(SGD)" in told[0] and "25 forwards" in told[0], told
+        assert agent.new_optimizer.handle is not None  # type: ignore[attr-defined]
+        assert agent.new_optimizer.found == 0  # type: ignore[attr-defined]
         assert agent.clock.step == 5  # type: ignore[attr-defined]
     finally:
         agent.close()

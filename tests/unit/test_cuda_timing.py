@@ -235,6 +235,29 @@ def test_a_full_queue_reports_cpu_phases_and_restarts_the_chain():
     assert phases_ms(loop.steps[-1])["total"] == pytest.approx(24.5)
 
 
+def test_a_restarted_step_leaves_its_gpu_time_in_no_step():
+    """The open step is dropped (the agent followed a new optimizer): its events go back to be
+    reused, and the GPU's time since the last step's end (the dropped step's forward and a
+    500 ms gap) is in no step: the next one restarts the chain, the one after is GPU-timed."""
+    loop = Loop()
+    for _ in range(3):
+        loop.step()
+    loop.stream.enqueue(3.0)
+    loop.forward(5.0)  # the dropped step's forward, its marks recorded
+    loop.stream.enqueue(500.0)
+    marks, free = len(loop.clock.marks), len(loop.clock.free)
+    loop.clock.restart_step(time.perf_counter_ns())
+    assert marks >= 2 and loop.clock.marks == [] and len(loop.clock.free) == free + marks
+    loop.step()
+    loop.step()
+    loop.stream.run_all()
+    loop.clock.resolve()
+    assert [r[0] for r in loop.steps] == [0, 1, 2, 3, 4]
+    assert all(r[2] < 100 * MS for r in loop.steps), [phases_ms(r) for r in loop.steps]
+    assert phases_ms(loop.steps[-1])["total"] == pytest.approx(24.5)
+    assert loop.clock.gpu_steps == 3 and loop.errors == []
+
+
 def test_running_out_of_events_or_a_cuda_error_never_reaches_the_loop():
     loop = Loop(max_events=5)  # fewer than one step needs
     for _ in range(3):

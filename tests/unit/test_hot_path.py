@@ -524,7 +524,7 @@ def run_cuda_clock(
     hooks = instrument(clock, model, opt, built if in_c else None)
     try:
         if in_c:  # the forward and the optimizer's hooks are the C ones
-            assert type(opt._optimizer_step_post_hooks[hooks.handles[-1].id]).__name__ == "HotHook"
+            assert type(opt._optimizer_step_post_hooks[hooks.stepping[-1].id]).__name__ == "HotHook"
         for _ in range(10):
             step()
         calls = python_calls(lambda: [step() for _ in range(3)])
