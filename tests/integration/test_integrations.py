@@ -47,6 +47,27 @@ dist.barrier()
 dist.destroy_process_group()
 """
 
+# The same, building a new optimizer partway (a reset): `first` steps, then `then` more, each
+# 30 ms at least (the ranks' counts must agree: each backward is an all-reduce).
+REBUILT_OPTIMIZER = PLAIN_DDP.replace(
+    """for _ in range(steps):
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+print("trained", steps, "steps")""",
+    """def train(steps):
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        time.sleep(0.03)
+    return steps
+
+steps = train(int(sys.argv[1]))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+print("trained", steps, "steps and", train(int(sys.argv[2])), "more")""",
+).replace("import os, sys", "import os, sys, time")
+
 LIGHTNING = """
 import os
 import torch, torch.distributed as dist
@@ -224,6 +245,27 @@ def test_runner_attaches_an_unmodified_script(exporter: Any, tmp_path: Path) -> 
     assert "trained 5 steps" in outputs[0], outputs
     time.sleep(1.0)
     assert "runner-off" not in exporter.state()["jobs"]
+
+
+@pytest.mark.slow
+def test_the_runner_follows_an_optimizer_the_script_builds_partway(
+    exporter: Any, tmp_path: Path
+) -> None:
+    """The script replaces its optimizer after 150 steps (5 s) and trains on for 500 (15 s):
+    each rank's agent moves its step hooks to the new one and says so, and the new optimizer's
+    steps after that are counted, phases adding up."""
+    env = {"SYNCSCOPE_EXPORTER": exporter.url, "SYNCSCOPE_JOB": "rebuilt"}
+    outputs = _run_ranks(2, tmp_path, REBUILT_OPTIMIZER, ["150", "500"], env, runner=True)
+    assert all("trained 150 steps and 500 more" in o for o in outputs), outputs
+    for o in outputs:
+        assert "they now end at AdamW's" in o and "and no step" not in o, o[-3000:]
+    job = _job(exporter, "rebuilt", 2, 150)
+    # The runner's first step is spent finding the model. The reporter looks at least every
+    # 4 s (its timer, with no step ending) and asks after 3 s with no step: the new optimizer
+    # is followed within 10 s of the swap, 333 of its steps of 30 ms, never at its first step.
+    counted = [r["steps_total"] - 149 for r in job["ranks"]]
+    assert all(500 - 333 <= n <= 499 for n in counted), counted
+    _assert_measured(job, 150, optimizer=True)
 
 
 def _assert_work(job: dict[str, Any], samples: int, tokens: int | None) -> None:
