@@ -151,13 +151,19 @@ def test_steady_straggler_early_ranks_paced_straggler_never(straggler_then_kill_
         )
         assert 0.7 * paced <= fell <= 1.3 * paced, (rank, fell, paced)
         # and it is never held so long that the straggler waits for it: at every step its work
-        # and delay end before the straggler's work does (or the job's step would grow)
+        # and delay end before the straggler's work does (or the job's step would grow). Unless
+        # its own work ran over twice its median that step, which no delay chosen before the
+        # step foresees: a core starved for the rank (a fresh-clone run: rank 0's work 30.7 ms
+        # at one step against 4-9 ms at the others, its delay 9.7 ms as before, the
+        # straggler's 35.7 ms), at no more than 2 % of the steps.
+        usual = statistics.median(map(work_to_arrival, after))
         held_up = [
-            s["step"]
+            (s["step"], round(work_to_arrival(s) * 1e3, 1), round(s["phases"]["pacing"] * 1e3, 1))
             for s in after
             if work_to_arrival(s) + s["phases"]["pacing"] >= work_to_arrival(straggler[s["step"]])
         ]
-        assert not held_up, (rank, held_up)
+        starved = [h for h in held_up if h[1] > 2e3 * usual]
+        assert held_up == starved and len(starved) <= 0.02 * len(after), (rank, held_up, usual)
 
 
 def work_to_arrival(step: dict[str, Any]) -> float:
