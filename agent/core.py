@@ -182,9 +182,9 @@ class Agent:
             if counter is not None:
                 counter.value = self.clock.step
         self.hooks = instrument(self.clock, model, optimizers, self._native_backward(torch))
-        watch = self.stopped_steps
-        if watch is not None and self.hooks.step_hooks is not None and parts_of(model):
-            follower = NewOptimizer(self.clock, self.hooks, parts_of(model), optimizers[0])
+        watch, parts = self.stopped_steps, parts_of(model)
+        if watch is not None and self.hooks.step_hooks is not None and parts:
+            follower = NewOptimizer(self.clock, self.hooks, parts, optimizers[0])
             self.new_optimizer = watch.follower = follower
         try:
             checkpointing.install(self.checkpoints)

@@ -100,8 +100,6 @@ class NewOptimizer:
     def close(self) -> None:
         """Off for good (the agent's close(), on the training thread): the hook gone, nothing
         more asked."""
+        self._remove()
         self.asked = True
         self.clock.at_forward = None
-        handle, self.handle = self.handle, None
-        if handle is not None:
-            handle.remove()
