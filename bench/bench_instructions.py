@@ -305,7 +305,13 @@ def main() -> None:
             str(a.steps),
             *(["--against", a.against] if a.against else []),
         ]
-        env = dict(os.environ, PYTHONMALLOC="malloc", OMP_NUM_THREADS="1")
+        # torch >= 2.6 records every gloo collective in Flight Recorder, 2000 entries kept by
+        # default in a vector that grows by doubling: the arm whose steps pass the 512th and the
+        # 1024th entry counted the ~500 and ~1,000 entries moved (+4 k and +8 k a step). A buffer
+        # that is full before the first arm's warm-up ends costs each arm the same per entry.
+        env = dict(
+            os.environ, PYTHONMALLOC="malloc", OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="16"
+        )
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         found = totals(out_dir)
     bare = found.get("bare")
