@@ -7,6 +7,8 @@ each arm's measured steps (`callgrind_control -z` before, `-d LABEL` after), the
 counted apart from the reporter's (`--separate-threads=yes`). Each arm runs on a DDP model
 (gloo, one rank) of its own, built alike: torch keeps a parameter's C++ gradient hook after its
 Python hooks are removed, so on a shared model one arm's leftovers would be counted in the next.
+Python allocates with its own allocator (pymalloc), as in a user's process: under
+PYTHONMALLOC=malloc the agent's ints and tuples cost glibc's malloc, ~8 k more a step.
 
 Arms, instructions per step over the bare model's:
   the bare mechanisms the agent's hooks use, each added on top of the ones above it: the
@@ -41,6 +43,7 @@ Run: .venv/bin/python bench/bench_instructions.py [--layers 1] [--steps 64] [--k
 from __future__ import annotations
 
 import argparse
+import gc
 import glob
 import os
 import re
@@ -114,6 +117,9 @@ def child(layers: int, steps: int, against: str | None) -> None:
 
         for _ in range(WARM_STEPS):
             step()
+        # Every arm from an empty youngest generation: a collection the arms before left due
+        # would land in this one's steps (~200 k instructions, 3 k a step of 64).
+        gc.collect()
         control("-i", "on")
         control("-z")
         for _ in range(steps):
@@ -309,9 +315,7 @@ def main() -> None:
         # default in a vector that grows by doubling: the arm whose steps pass the 512th and the
         # 1024th entry counted the ~500 and ~1,000 entries moved (+4 k and +8 k a step). A buffer
         # that is full before the first arm's warm-up ends costs each arm the same per entry.
-        env = dict(
-            os.environ, PYTHONMALLOC="malloc", OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="16"
-        )
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="16")
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         found = totals(out_dir)
     bare = found.get("bare")
