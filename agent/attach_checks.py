@@ -1,5 +1,6 @@
-"""What the agent tells a user whose attach() misses part of the job, once, in a log line: both
-read what the agent records anyway, on the reporter's thread, nothing on the training thread.
+"""What the agent tells a user whose attach() misses part of the job, once, in a log line: each
+reads what the agent records anyway, on the reporter's thread (StoppedSteps, with the shm ring,
+on the training thread, where it costs a few µs at its looks).
 
   StoppedSteps  the optimizer the steps end at has stopped stepping while the model trains on
                 (the loop built a new one): the agent looks for the new one (new_optimizer.py),
@@ -27,10 +28,11 @@ log = logging.getLogger("syncscope.agent")
 class StoppedSteps:
     """Tells `follower` (a NewOptimizer), and then the user once, that the model trains on while
     the optimizer the steps end at has stopped stepping: the loop built a new optimizer (staged
-    unfreezing, a reset). Called on the reporter's thread at its flushes (every few seconds once
-    no step ends): it reads the step number and the count of forwards with gradients since the
-    step began (what work detection counts; where that is off, it stays silent), nothing on the
-    training thread. No step for `ask_s` and for `ask_steps` times the longest a step took
+    unfreezing, a reset). Called on the HTTP reporter's thread at its flushes (every few
+    seconds once no step ends); with the shm ring, which has no thread, on the training thread
+    at the ring's pumps and at every LOOK_EVERY-th batch of a step (step_work.py): it reads the
+    step number and the count of forwards with gradients since the step began (what work
+    detection counts; where that is off, it stays silent). No step for `ask_s` and for `ask_steps` times the longest a step took
     between two looks, while the forwards went on: `follower.ask()`. For `floor_s` and `steps`
     times that: the line, where no new optimizer was found by then."""
 

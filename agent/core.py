@@ -168,13 +168,17 @@ class Agent:
         # The exporter tells estimated phases from timed ones (pacing times every step).
         self.identity["phase_every"] = config.phase_every if self.pacer is None else 1
         self.link = LinkSampler()
-        self.stopped_steps: StoppedSteps | None = None  # the HTTP reporter's look, if any
+        # Where optimizers end the steps: the look for one that stopped stepping, at the
+        # transport's drains, and with the shm ring (no thread) also every LOOK_EVERY batches
+        # of a step (step_work.py), as the forwards that go on with no step are what it seeks.
+        self.stopped_steps = StoppedSteps(self.clock, optimizers) if optimizers else None
         self.reporter: Reporter | ShmTransport
         if config.exporter is not None and config.exporter.startswith("shm:"):
             # A local exporter reads a shared-memory ring: no reporter thread (shm_ring.py).
             self.reporter = self._shm_transport(config.exporter)
+            self.clock.work.on_batches = self.stopped_steps
         else:
-            self.reporter = self._http_reporter(config, optimizers)
+            self.reporter = self._http_reporter(config)
         # Hooks and patches go in last, so that a failure above leaves none of them in place.
         if self.patch is not None:
             self.patch.install()
@@ -209,7 +213,7 @@ class Agent:
         atexit.register(self.close)
         _OPEN.add(self)
 
-    def _http_reporter(self, config: AgentConfig, optimizers: list[Any]) -> Reporter:
+    def _http_reporter(self, config: AgentConfig) -> Reporter:
         return Reporter(
             identity=self.identity,
             url=config.exporter,
@@ -226,15 +230,15 @@ class Agent:
             on_reply=self.arrival.merge_reply if self.arrival is not None else None,
             events=self.queues.events,
             on_events=self.record.write_events if self.record is not None else None,
-            before_drain=self._before_drain(optimizers),
+            before_drain=self._before_drain(),
             finish_rows=self.clock.finish,
         )
 
-    def _before_drain(self, optimizers: list[Any]) -> Callable[[], None] | None:
-        """What the HTTP reporter calls before each drain: the C++ kernel's records into the
+    def _before_drain(self) -> Callable[[], None] | None:
+        """What the transport calls before each drain: the C++ kernel's records into the
         queues, and the StoppedSteps look where optimizers end the steps."""
         poll = self.patch.poll if self.patch is not None else None
-        watch = self.stopped_steps = StoppedSteps(self.clock, optimizers) if optimizers else None
+        watch = self.stopped_steps
         if watch is None or poll is None:
             return watch or poll
 
@@ -272,7 +276,7 @@ class Agent:
             dropped_elsewhere=self._dropped_on_training_thread,
             topology=topology,
             capacity=self.config.ring_slots,
-            before_drain=self.patch.poll if self.patch is not None else None,
+            before_drain=self._before_drain(),
             finish_rows=self.clock.finish,
         )
 

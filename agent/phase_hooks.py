@@ -32,6 +32,7 @@ from syncscope.agent.phases import (
     STEP_END,
     PhaseClock,
 )
+from syncscope.agent.step_work import LOOK_EVERY
 
 from syncscope.wire import DDP_GRAD_SYNC, UNKNOWN_WORK
 
@@ -40,13 +41,13 @@ _now = time.perf_counter_ns
 # forward, backward, the optimizer and exposed communication in its accumulator, its length, the
 # boundaries a subclass's `mark` is told of by them (forward's start and end, the optimizer's
 # start, DDP's sync seen, a CudaPhaseClock's step end, callback A, the backward's entry), the
-# work count that means "unknown", DDP's sync record's kind, the method a CudaPhaseClock's `mark`
-# is bound to, which they do in C, and the classes of its `stream_of` and `timeline` whose call
-# and mark they do in C.
+# work count that means "unknown", the batches a step between calls of StepWork.on_batches,
+# DDP's sync record's kind, the method a CudaPhaseClock's `mark` is bound to, which they do in
+# C, and the classes of its `stream_of` and `timeline` whose call and mark they do in C.
 HOT_CONSTANTS = (
     *(DATA, FORWARD, BACKWARD, OPTIMIZER, COMM, ACC_LEN),
     *(FWD_PRE, FWD_POST, OPT_PRE, COMM_END, STEP_END, BWD_END, BWD_START),
-    *(UNKNOWN_WORK, DDP_GRAD_SYNC),
+    *(UNKNOWN_WORK, LOOK_EVERY, DDP_GRAD_SYNC),
     CudaPhaseClock._mark,
     StreamOf,
     StepTimeline,
@@ -289,7 +290,9 @@ def timed_forward(
                 x: Any = args[0] if args else kwargs.get(inputs[2])
                 shape = x.shape if isinstance(x, inputs[0]) else None
                 if shape:
-                    work.seen_batches += 1
+                    seen = work.seen_batches = work.seen_batches + 1
+                    if not seen % LOOK_EVERY and work.on_batches is not None:
+                        work.on_batches()
                     work.seen_samples += shape[0]
                     if len(shape) == 2 and x.dtype in inputs[1]:
                         work.seen_tokens += shape[0] * shape[1]

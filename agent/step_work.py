@@ -7,6 +7,11 @@ from typing import Any
 
 from syncscope.wire import MAX_WORK, UNKNOWN_WORK
 
+# `on_batches` is called at every LOOK_EVERY-th batch seen in one step (the forward wrapper's,
+# in Python and in C): where no thread of the agent looks, forwards that go on with no step
+# are what asks for the look (attach_checks.StoppedSteps, the shm transport's).
+LOOK_EVERY = 16
+
 
 class StepWork:
     """The current step's work as it is counted; `take()` at the step's end.
@@ -18,6 +23,7 @@ class StepWork:
         "counted_samples",
         "counted_tokens",
         "inputs",
+        "on_batches",
         "samples_per_step",
         "seen_batches",
         "seen_samples",
@@ -39,6 +45,7 @@ class StepWork:
         self.seen_tokens = 0
         self.unclear_samples = False  # a forward this step had no such batch
         self.unclear_tokens = False  # ... or one that was not a token tensor
+        self.on_batches: Any = None  # a callable of no arguments, or None (LOOK_EVERY)
 
     def count_inputs(self, torch: Any, batch_argument: str) -> None:
         """Read each forward's batch size (and tokens) from the model's inputs from now on.

@@ -66,7 +66,7 @@ enum EndMode { kOwnEnd = 0, kInlineEnd = 1, kCudaQuietEnd = 2 };
   X(opt_start) X(pacer) X(phase_every) X(queue_callback) X(quiet) X(shares) X(step) X(step_counter)         \
   X(step_start) X(steps) X(steps_max) X(sync_due) X(sync_ns) X(sync_share) X(syncs) X(triggers) X(work)
 #define WORK_SLOTS(X)                                                                   \
-  X(counted_samples) X(counted_tokens) X(inputs) X(samples_per_step) X(seen_batches)      \
+  X(counted_samples) X(counted_tokens) X(inputs) X(on_batches) X(samples_per_step) X(seen_batches) \
   X(seen_samples) X(seen_tokens) X(tokens_per_step) X(unclear_samples) X(unclear_tokens)
 #define BLOCKED_SLOTS(X) X(first_ns) X(ns)
 #define TRIGGER_SLOTS(X) X(learned) X(native) X(native_calls) X(output_hooks)
@@ -258,6 +258,7 @@ struct Hook {
   // Positions and values phases.py declares: accumulator indices, boundaries, UNKNOWN_WORK.
   Py_ssize_t i_data, i_forward, i_backward, i_optimizer, i_comm, n_phases;
   int64_t fwd_pre, fwd_post, opt_pre, comm_end, step_end, bwd_end, bwd_start, unknown_work;
+  int64_t look_every;  // step_work.LOOK_EVERY
   PyObject* cuda_mark;    // CudaPhaseClock._mark (the function), done in C where `mark` is it
   PyObject* stream_of_class;  // cuda_timing.StreamOf, whose call is done in C
   PyObject* timeline_class;   // nccl_trace.StepTimeline, whose mark is done in C
@@ -1502,9 +1503,10 @@ int has_hooks(Hook* h) {
 }
 
 // StepWork.take's inputs: the forward's batch (its first positional argument, else the keyword
-// `inputs[2]`) counted into `work` (timed_forward's inline reading). False with an error set.
-bool count_batch(Hook* h, PyObject* work, PyObject* const* args, Py_ssize_t nargs,
-                 PyObject* kwnames) {
+// `inputs[2]`) counted into `work` (timed_forward's inline reading), `seen` the batches seen
+// this step after it (0: not counted). False with an error set.
+bool read_batch(Hook* h, PyObject* work, PyObject* const* args, Py_ssize_t nargs,
+                PyObject* kwnames, int64_t& seen) {
   const WorkSlots& w = h->work_slots.at;
   PyObject* inputs = get(work, w.inputs);
   if (inputs == Py_None) {
@@ -1563,7 +1565,7 @@ bool count_batch(Hook* h, PyObject* work, PyObject* const* args, Py_ssize_t narg
     put_bool(work, w.unclear_tokens, true);
     return true;
   }
-  int64_t batch = 0, length = 0, seen = 0, samples = 0, tokens = 0;
+  int64_t batch = 0, length = 0, samples = 0, tokens = 0;
   PyObject* first = PySequence_GetItem(shape, 0);
   PyObject* second = dims == 2 ? PySequence_GetItem(shape, 1) : nullptr;
   Py_DECREF(shape);
@@ -1577,7 +1579,7 @@ bool count_batch(Hook* h, PyObject* work, PyObject* const* args, Py_ssize_t narg
     }
     return false;
   }
-  if (!put_int(work, w.seen_batches, seen + 1) || !put_int(work, w.seen_samples, samples + batch)) {
+  if (!put_int(work, w.seen_batches, ++seen) || !put_int(work, w.seen_samples, samples + batch)) {
     return false;
   }
   int token_tensor = 0;
@@ -1601,6 +1603,25 @@ bool count_batch(Hook* h, PyObject* work, PyObject* const* args, Py_ssize_t narg
     return false;
   }
   return put_int(work, w.seen_tokens, tokens + batch * length);
+}
+
+// read_batch, then StepWork.on_batches at every look_every-th batch of a step where it is set.
+bool count_batch(Hook* h, PyObject* work, PyObject* const* args, Py_ssize_t nargs,
+                 PyObject* kwnames) {
+  int64_t seen = 0;
+  if (!read_batch(h, work, args, nargs, kwnames, seen)) {
+    return false;
+  }
+  if (seen == 0 || seen % h->look_every != 0) {
+    return true;
+  }
+  PyObject* look = get(work, h->work_slots.at.on_batches);
+  if (look == nullptr || look == Py_None) {
+    return true;
+  }
+  PyObject* done = PyObject_CallNoArgs(look);
+  Py_XDECREF(done);
+  return done != nullptr;
 }
 
 // _call_traced(original, *args, **kwargs): the frame torch.compile starts tracing from.
@@ -2142,16 +2163,20 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
     return nullptr;
   }
   long long at[6], fwd_pre, fwd_post, opt_pre, comm_end, step_end, bwd_end, bwd_start;
-  long long unknown_work;
+  long long unknown_work, look_every;
   PyObject *sync_kind, *cuda_mark, *stream_of_class, *timeline_class;
-  if (!PyArg_ParseTuple(constants, "LLLLLLLLLLLLLLOOOO", &at[0], &at[1], &at[2], &at[3], &at[4],
+  if (!PyArg_ParseTuple(constants, "LLLLLLLLLLLLLLLOOOO", &at[0], &at[1], &at[2], &at[3], &at[4],
                         &at[5], &fwd_pre, &fwd_post, &opt_pre, &comm_end, &step_end, &bwd_end,
-                        &bwd_start, &unknown_work, &sync_kind, &cuda_mark, &stream_of_class,
-                        &timeline_class)) {
+                        &bwd_start, &unknown_work, &look_every, &sync_kind, &cuda_mark,
+                        &stream_of_class, &timeline_class)) {
     return nullptr;
   }
   if (!PyType_Check(stream_of_class) || !PyType_Check(timeline_class)) {
     PyErr_SetString(PyExc_TypeError, "StreamOf and StepTimeline must be classes");
+    return nullptr;
+  }
+  if (look_every < 1) {
+    PyErr_SetString(PyExc_ValueError, "LOOK_EVERY must be 1 or more");
     return nullptr;
   }
   for (int i = 0; i < 5; ++i) {
@@ -2270,6 +2295,7 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   h->timeline_class = timeline_class;
   Py_INCREF(timeline_class);
   h->unknown_work = unknown_work;
+  h->look_every = look_every;
   new (&h->clock_slots) Resolved<ClockSlots>();
   new (&h->work_slots) Resolved<WorkSlots>();
   new (&h->blocked_slots) Resolved<BlockedSlots>();

@@ -258,6 +258,7 @@ def test_a_new_optimizer_that_trains_the_model_is_followed(caplog, in_c):
     )
     x = torch.randn(4, 8)
     follower = agent.new_optimizer  # type: ignore[attr-defined]
+    assert agent.clock.work.on_batches is None  # type: ignore[attr-defined] # the reporter looks
     other = torch.nn.Linear(2, 2)
     other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
     at = _looks_at(agent, [0.0])
@@ -284,6 +285,61 @@ def test_a_new_optimizer_that_trains_the_model_is_followed(caplog, in_c):
         assert follower.handle is None  # removed at the forward after the step that found it
         told = [r.getMessage() for r in caplog.records]
         assert len(told) == 1 and "(SGD)" in told[0] and "AdamW's" in told[0], told
+        assert agent.errors == 0, agent.last_error  # type: ignore[attr-defined]
+    finally:
+        agent.close()
+
+
+@pytest.mark.parametrize("in_c", [True, False], ids=["hooks-in-c", "hooks-in-python"])
+def test_with_the_shm_ring_the_forwards_look_for_a_new_optimizer(tmp_path, in_c):
+    """The shm ring has no thread to look from: the look runs at its pumps (every other step
+    here) and at every LOOK_EVERY-th batch of a step. The loop replaces its optimizer: the
+    forwards that go on with no step ask for it, the steps end at the new one's from the next
+    forward on, and the ring's rows are numbered on with none missing."""
+    from syncscope.agent.step_work import LOOK_EVERY
+
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = attach(
+        model=model,
+        optimizer=opt,
+        exporter=f"shm://{tmp_path}",
+        job="t",
+        align_every_steps=2,
+        native_backward=in_c,
+    )
+    x = torch.randn(4, 8)
+    follower = agent.new_optimizer  # type: ignore[attr-defined]
+    look = agent.stopped_steps  # type: ignore[attr-defined]
+    assert agent.clock.work.on_batches is look  # type: ignore[attr-defined]
+    t = [0.0]  # the look's clock: a quarter of a second a step, whatever this machine's speed
+    look.now, look.ask_s = lambda: t[0], 0.0  # three steps' time is the line
+
+    def tick():
+        t[0] += 0.25
+
+    ring = agent.reporter.ring  # type: ignore[attr-defined]
+    numbers: list[int] = []
+    take = ring.take_steps
+
+    def taken(rows):
+        numbers.extend(row[0] for row in rows)
+        take(rows)
+
+    ring.take_steps = taken
+    try:
+        _train(model, x, opt, 12, between=tick)  # looked at the pumps of steps 2, 4, ... 12
+        new = torch.optim.AdamW(model.parameters())
+        forwards = 0
+        while follower.found == 0 and forwards < 4 * LOOK_EVERY:
+            _train(model, x, new, 1, between=tick)
+            forwards += 1
+        # asked at the LOOK_EVERY-th batch with no step (3.75 s > 0.75 s), found at the next
+        assert follower.found == 1 and follower.following() is new, forwards
+        assert forwards == LOOK_EVERY + 1, forwards
+        _train(model, x, new, 10, between=tick)
+        agent.close()  # pumps the rest
+        assert numbers == list(range(22)), numbers
         assert agent.errors == 0, agent.last_error  # type: ignore[attr-defined]
     finally:
         agent.close()
