@@ -32,9 +32,10 @@ class StoppedSteps:
     seconds once no step ends); with the shm ring, which has no thread, on the training thread
     at the ring's pumps and at every LOOK_EVERY-th batch of a step (step_work.py): it reads the
     step number and the count of forwards with gradients since the step began (what work
-    detection counts; where that is off, it stays silent). No step for `ask_s` and for `ask_steps` times the longest a step took
-    between two looks, while the forwards went on: `follower.ask()`. For `floor_s` and `steps`
-    times that: the line, where no new optimizer was found by then."""
+    detection counts; where that is off, it stays silent). No step for `ask_s` and for
+    `ask_steps` times the longest a step took between two looks (where one is known), while
+    the forwards went on: `follower.ask()`. For `floor_s` and `steps` times that, a step's time
+    known: the line, where no new optimizer was found by then."""
 
     def __init__(
         self,
@@ -75,12 +76,15 @@ class StoppedSteps:
         going = forwards > self.forwards
         self.forwards = forwards
         idle = t - self.since
-        if not (self.step_s and going):
+        if not going:
             return
         follower = self.follower
+        # Before a step's time is known (the loop built its optimizer at or just after
+        # attach()), after ask_s alone: where the old optimizer steps after all, asking cost
+        # its step torch's global hook, once.
         if follower is not None and idle > max(self.ask_s, self.ask_steps * self.step_s):
             follower.ask()
-        if not self.told and idle > max(self.floor_s, self.steps * self.step_s):
+        if self.step_s and not self.told and idle > max(self.floor_s, self.steps * self.step_s):
             self.told = True
             followed = follower.following() if follower is not None else None
             if followed is not None:

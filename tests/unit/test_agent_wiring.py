@@ -290,6 +290,44 @@ def test_a_new_optimizer_that_trains_the_model_is_followed(caplog, in_c):
         agent.close()
 
 
+def test_an_optimizer_built_before_any_step_is_followed_after_the_ask_floor(caplog):
+    """The loop builds its optimizer anew right after attach() (a checkpoint's load): the one
+    given never steps, so no step's time is ever known. The look asks once the forwards have
+    gone on for 3 s with no step (not before), and the steps end at the new one's from 0."""
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = attach(model=model, optimizer=opt, exporter=None, flush_interval_s=3600)
+    x = torch.randn(4, 8)
+    follower = agent.new_optimizer  # type: ignore[attr-defined]
+    look = agent.stopped_steps  # type: ignore[attr-defined]
+    t = [0.0]
+    look.now = lambda: t[0]
+
+    def at(seconds):
+        t[0] = seconds
+        look()
+
+    try:
+        with caplog.at_level("WARNING", logger="syncscope.agent"):
+            at(0)
+            new = torch.optim.AdamW(model.parameters())
+            _train(model, x, new, 3)
+            at(2.5)  # under the 3 s floor
+            assert agent.clock.at_forward is None  # type: ignore[attr-defined]
+            _train(model, x, new, 3)
+            at(3.5)  # asked
+            _train(model, x, new, 5)
+        rows = list(agent.clock.steps)  # type: ignore[attr-defined]
+        assert [row[0] for row in rows] == list(range(4)), rows
+        assert follower.found == 1 and follower.following() is new
+        assert look.step_s == 0.0 and not look.told  # nothing to tell by: no step's time
+        told = [r.getMessage() for r in caplog.records]
+        assert len(told) == 1 and "(SGD)" in told[0] and "AdamW's" in told[0], told
+        assert agent.errors == 0, agent.last_error  # type: ignore[attr-defined]
+    finally:
+        agent.close()
+
+
 @pytest.mark.parametrize("in_c", [True, False], ids=["hooks-in-c", "hooks-in-python"])
 def test_with_the_shm_ring_the_forwards_look_for_a_new_optimizer(tmp_path, in_c):
     """The shm ring has no thread to look from: the look runs at its pumps (every other step
