@@ -262,6 +262,8 @@ struct Hook {
   PyObject* cuda_mark;    // CudaPhaseClock._mark (the function), done in C where `mark` is it
   PyObject* stream_of_class;  // cuda_timing.StreamOf, whose call is done in C
   PyObject* timeline_class;   // nccl_trace.StepTimeline, whose mark is done in C
+  PyObject* free_of;          // a CudaPhaseClock's free events (a deque) last seen, and
+  PyObject* free_pop;         // its bound `pop`: looked up once, not at every mark
   Resolved<ClockSlots> clock_slots;
   Resolved<WorkSlots> work_slots;
   Resolved<BlockedSlots> blocked_slots;
@@ -383,12 +385,8 @@ bool cuda_mark(Hook* h, PyObject* c, int64_t kind) {
   PyObject* marks = get(c, k.marks);
   PyObject* quiet = get(c, s.quiet);
   PyObject* stream_of = get(c, k.stream_of);
-  int64_t created = 0, max_events = 0, skips = 0;
   if (!(marks != nullptr && (marks == Py_None || PyList_CheckExact(marks)) && is_bool(quiet) &&
-        stream_of != nullptr && get(c, k.free) != nullptr && get(c, k.event_factory) != nullptr &&
-        int_of(get(c, k.events_created), created) && int_of(get(c, k.max_events), max_events) &&
-        int_of(get(c, k.capture_skips), skips))) {
-    PyErr_Clear();
+        stream_of != nullptr && get(c, k.free) != nullptr && get(c, k.event_factory) != nullptr)) {
     return false;
   }
   if (marks == Py_None || (quiet == Py_True && kind != h->step_end)) {
@@ -405,7 +403,8 @@ bool cuda_mark(Hook* h, PyObject* c, int64_t kind) {
     Py_DECREF(stream_of);
     ok = stream != nullptr;
     if (ok && stream == Py_None) {  // capturing: leave the graph alone, time this step on CPU
-      if (!put_int(c, k.capture_skips, skips + 1)) {
+      int64_t skips = 0;
+      if (!int_of(get(c, k.capture_skips), skips) || !put_int(c, k.capture_skips, skips + 1)) {
         PyErr_Clear();
       }
       abandon_step(c);
@@ -416,22 +415,42 @@ bool cuda_mark(Hook* h, PyObject* c, int64_t kind) {
   }
   if (ok) {
     PyObject* free = get(c, k.free);
-    Py_INCREF(free);
-    event = PyObject_CallMethodNoArgs(free, s_pop);
-    Py_DECREF(free);
+    if (free != h->free_of) {  // (the clock's deque for as long as it lives)
+      PyObject* pop = PyObject_GetAttr(free, s_pop);
+      if (pop == nullptr) {
+        Py_XDECREF(stream);
+        Py_DECREF(marks);
+        PyErr_Clear();
+        return false;
+      }
+      Py_INCREF(free);
+      Py_XSETREF(h->free_of, free);
+      Py_XSETREF(h->free_pop, pop);
+    }
+    PyObject* pop = Py_NewRef(h->free_pop);  // held: the call may run Python
+    event = PyObject_CallNoArgs(pop);
+    Py_DECREF(pop);
     if (event == nullptr && PyErr_ExceptionMatches(PyExc_IndexError)) {
       PyErr_Clear();
-      if (created >= max_events) {
+      int64_t created = 0, max_events = 0;
+      if (!int_of(get(c, k.events_created), created) ||
+          !int_of(get(c, k.max_events), max_events)) {
+        if (!PyErr_Occurred()) {
+          PyErr_SetString(PyExc_TypeError, "events_created and max_events must be ints");
+        }
+        ok = false;
+      } else if (created >= max_events) {
         abandon_step(c);
         Py_XDECREF(stream);
         Py_DECREF(marks);
         return true;
+      } else {
+        PyObject* factory = get(c, k.event_factory);
+        Py_INCREF(factory);
+        event = PyObject_CallNoArgs(factory);
+        Py_DECREF(factory);
+        ok = event != nullptr && put_int(c, k.events_created, created + 1);
       }
-      PyObject* factory = get(c, k.event_factory);
-      Py_INCREF(factory);
-      event = PyObject_CallNoArgs(factory);
-      Py_DECREF(factory);
-      ok = event != nullptr && put_int(c, k.events_created, created + 1);
     } else {
       ok = event != nullptr;
     }
@@ -2036,6 +2055,8 @@ int hook_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(h->callback);
   Py_VISIT(h->stream_of_class);
   Py_VISIT(h->timeline_class);
+  Py_VISIT(h->free_of);
+  Py_VISIT(h->free_pop);
   return 0;
 }
 
@@ -2058,6 +2079,8 @@ int hook_clear(PyObject* self) {
   Py_CLEAR(h->callback);
   Py_CLEAR(h->stream_of_class);
   Py_CLEAR(h->timeline_class);
+  Py_CLEAR(h->free_of);
+  Py_CLEAR(h->free_pop);
   return 0;
 }
 
@@ -2260,6 +2283,7 @@ PyObject* syncscope_hot_hook(int kind, PyObject* target, PyObject* fallback, PyO
   h->quiet_end = quiet_end;
   h->end_mode = end_mode;
   h->callback = callback;
+  h->free_of = h->free_pop = nullptr;
   Py_XINCREF(callback);
   Py_XINCREF(end_step);
   Py_XINCREF(quiet_end);

@@ -490,6 +490,7 @@ def run_cuda_clock(
     stream_of: Any = None,
     kept: list | None = None,
     timeline: Any = None,
+    max_events: int | None = None,
 ) -> tuple[list, list, list, dict]:
     """A CudaPhaseClock (events stood in for) on a DDP model through the hooks in C or Python's,
     its resolver not running (steps past `max_pending` unresolved go out with CPU phases): the
@@ -498,7 +499,8 @@ def run_cuda_clock(
     function in its place, the hooks in C call it), else the kinds of the events in its
     resolver's queue (its own `mark`, which the hooks in C do in C). `stream_of`: the clock's
     (None: events on the current stream); `kept`: a list the clock is appended to; `timeline`:
-    its StepTimeline (a GPU job's, for Flight Recorder), else None."""
+    its StepTimeline (a GPU job's, for Flight Recorder), else None; `max_events`: the most
+    events the clock may create (None: its default)."""
     model, opt = model_and_optimizer()
     out_steps: deque = deque(maxlen=64)
     out_colls: deque = deque(maxlen=64)
@@ -509,6 +511,8 @@ def run_cuda_clock(
         clock.stream_of = stream_of
         clock.event_factory = RecordedOn
     clock.timeline = timeline
+    if max_events is not None:
+        clock.max_events = max_events
     if kept is not None:
         kept.append(clock)
     heard: list[tuple[int, int]] = []
@@ -535,6 +539,22 @@ def run_cuda_clock(
     clock.resolve()
     assert errors == []
     return heard, list(out_steps), [r for r in out_colls if r[0] == DDP_GRAD_SYNC], calls
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_a_cuda_clock_out_of_events_in_c_times_its_steps_on_the_cpu_as_python(
+    gloo_world_of_one, built, every
+):
+    """Fewer events than a timed step's marks (5 of 7): the marks in C take them from the free
+    list, make new ones up to the most, then give the step up to the CPU's timing, as
+    Python's `_mark` does: the same rows, no error, and no event made past the most."""
+    kept: list = []
+    _, rows_c, _, _ = run_cuda_clock(True, every, built, told=False, kept=kept, max_events=5)
+    _, rows_py, _, _ = run_cuda_clock(False, every, None, told=False, kept=kept, max_events=5)
+    assert [clock.events_created for clock in kept] == [5, 5]
+    assert sorted(r[0] for r in rows_c) == list(range(13))
+    assert [r[0] for r in rows_c] == [r[0] for r in rows_py]
+    assert [r[ROW_WORK:] for r in rows_c] == [r[ROW_WORK:] for r in rows_py]
 
 
 @pytest.mark.parametrize("told", [True, False])
